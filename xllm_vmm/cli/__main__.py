@@ -1,0 +1,3 @@
+from xllm_vmm.cli import main
+
+main()

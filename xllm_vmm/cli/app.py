@@ -1,0 +1,38 @@
+"""The Typer application. Each command lives in its own module and registers itself on ``app``
+when imported below; command modules import heavy libraries (torch, the native code) inside the
+command function only, so that ``check-config``, ``flags`` and ``schema`` never import torch."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from xllm_vmm import __version__
+
+app = typer.Typer(
+    name="xllm-vmm",
+    help="Launch, check, size and run an LLM server whose KV cache and weights live in a VMM pool.",
+    rich_markup_mode="rich",
+    no_args_is_help=True,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"xllm-vmm {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Optional[bool] = typer.Option(
+        None, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    """xllm-vmm: KV cache and weights in a virtual-memory pool."""
+
+
+# Command modules register themselves on `app` (keep this list sorted).
+from xllm_vmm.cli import bench  # noqa: E402,F401
