@@ -37,6 +37,16 @@ class MlaDims:
     kv_lora_rank: int
     qk_rope_head_dim: int
     index_head_dim: int | None = None  # DeepSeek-V3.2 style index cache ("MLA+INDEX")
+    # Projection shapes, used for the parameter estimate only (0 / None when absent).
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    index_n_heads: int = 0
+
+    @property
+    def latent_elems(self) -> int:
+        """Elements cached per token per MLA layer: ``kv_lora_rank + qk_rope_head_dim``."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,34 @@ class LinearStateDims:
 
     recurrent_elems: int
     conv_elems: int
+    # Head structure (gated delta-net style), used to split the state across workers; 0 = unknown
+    # (the state is then replicated on every worker).
+    num_key_heads: int = 0
+    num_value_heads: int = 0
+    key_head_dim: int = 0
+    value_head_dim: int = 0
+    conv_kernel: int = 0
+
+    def per_worker(self, workers: int) -> "LinearStateDims":
+        """The state one of ``workers`` tensor-parallel workers holds: key and value heads are
+        split across workers (``recurrent = (nv/w) * dk * dv``,
+        ``conv = (2 * (nk/w) * dk + (nv/w) * dv) * (kernel - 1)``). Without a head structure, or
+        when ``workers`` does not divide both head counts, the whole state is returned (replicated);
+        the caller decides whether that is an error."""
+        nk, nv = self.num_key_heads, self.num_value_heads
+        if workers <= 1 or nk <= 0 or nv <= 0 or nk % workers or nv % workers:
+            return self
+        nk_w, nv_w = nk // workers, nv // workers
+        return LinearStateDims(
+            recurrent_elems=nv_w * self.key_head_dim * self.value_head_dim,
+            conv_elems=(2 * nk_w * self.key_head_dim + nv_w * self.value_head_dim)
+            * max(self.conv_kernel - 1, 0),
+            num_key_heads=nk_w,
+            num_value_heads=nv_w,
+            key_head_dim=self.key_head_dim,
+            value_head_dim=self.value_head_dim,
+            conv_kernel=self.conv_kernel,
+        )
 
 
 @dataclass(frozen=True)
@@ -75,6 +113,26 @@ class ModelSpec:
     weight_bytes: int | None = None  # exact, from safetensors headers, when known
     quantization: str | None = None  # quant_method from quantization_config, if any
     extra: dict = field(default_factory=dict, compare=False, hash=False)
+    # Added by the model reader (xllm_vmm.models.weights): the architecture's estimate.
+    param_count: int = 0  # parameters of the served model (MTP layers excluded, vision included)
+    estimated_weight_bytes: int = 0  # bytes of those parameters at their stored dtypes
+    mtp_param_count: int = 0  # parameters of the MTP layers (loaded with an MTP draft)
+    mtp_weight_bytes: int = 0
+    source: str = ""  # "catalogue" or the path of the config.json read
+
+    @property
+    def served_weight_bytes(self) -> int:
+        """Weight bytes the engine loads: exact (safetensors headers) when known, else the
+        estimate from the architecture."""
+        return self.weight_bytes if self.weight_bytes is not None else self.estimated_weight_bytes
+
+    @property
+    def weight_bytes_exact(self) -> bool:
+        return self.weight_bytes is not None
+
+    def count(self, kind: "LayerKind") -> int:
+        """Number of layers of ``kind`` (MTP layers not included)."""
+        return sum(1 for k in self.layer_kinds if k == kind)
 
     @property
     def is_hybrid(self) -> bool:
