@@ -1,0 +1,529 @@
+"""Readers for every configuration source. Each turns its input into :class:`Assignment` s (flag,
+typed value, :class:`Source`) plus :class:`Finding` s for what it could not use; none raises for
+bad input. Precedence and merging are :mod:`xllm_vmm.config.loader`'s job.
+
+- gflags command line: ``--name=value``, ``--name value``, ``--name`` (true bool), ``--noname``
+  (false bool), ``-name`` as well; dashes and underscores are the same.
+- shell commands (``--cmd`` text, ``--cmd-file`` scripts): line continuations, comments,
+  ``NAME=value`` assignments before the binary and ``export NAME=value`` lines (only
+  ``XLLM_VMM_*`` matter), wrappers such as ``exec``/``nohup``; the binary name is ignored.
+- TOML: flat flag keys, optionally inside tables named after flag groups (``[kv_cache]``).
+- the engine's JSON file: flat flag keys (group objects accepted too); values are typed, strings
+  are read like command-line text.
+- environment variables ``XLLM_VMM_<FLAG>``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from xllm_vmm.config.catalogue import FLAGS, GROUPS, FlagDef, suggest
+from xllm_vmm.config.findings import Finding, Source
+from xllm_vmm.config.values import coerce_native, parse_text
+
+ENV_PREFIX = "XLLM_VMM_"
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One flag set to one typed value by one source."""
+
+    name: str
+    value: object
+    source: Source
+
+
+@dataclass(frozen=True)
+class Token:
+    """A command-line token and where it was written (``line``/``col`` only for files)."""
+
+    text: str
+    file: str | None = None
+    line: int | None = None
+    col: int | None = None
+
+
+def _did_you_mean(name: str, extra: Iterable[str] = ()) -> str:
+    import difflib
+
+    close = suggest(name)
+    extra = list(extra)
+    if extra:
+        close += [g for g in difflib.get_close_matches(name, extra, n=2, cutoff=0.7)]
+    return f"did you mean {', '.join(close)}?" if close else "run `xllm-vmm flags` for the list"
+
+
+def unknown_flag(name: str, where: Source, *, what: str = "flag") -> Finding:
+    return Finding(
+        "CFG-UNKNOWN", "error", f"unknown {what} {name!r} ({where})",
+        hint=_did_you_mean(name), where=where,
+    )
+
+
+def type_error(flag: FlagDef, err: ValueError, where: Source) -> Finding:
+    return Finding(
+        "CFG-TYPE", "error", f"{err} ({where})", flags={flag.name: where.text},
+        sources={flag.name: where}, hint=f"set {flag.name} to {_example(flag)}", where=where,
+    )
+
+
+def _example(flag: FlagDef) -> str:
+    from xllm_vmm.config.values import expected
+
+    return expected(flag)
+
+
+# ----------------------------------------------------------------------------- gflags argv
+
+
+def _norm(name: str) -> str:
+    return name.replace("-", "_")
+
+
+def parse_args(tokens: Iterable[Token | str]) -> tuple[list[Assignment], list[Finding]]:
+    """gflags-style tokens → assignments (kind ``cli``) and findings."""
+    toks = [t if isinstance(t, Token) else Token(t) for t in tokens]
+    out: list[Assignment] = []
+    findings: list[Finding] = []
+    i = 0
+    while i < len(toks):
+        tok = toks[i]
+        i += 1
+        text = tok.text
+        src = Source("cli", tok.file, tok.line, tok.col, text=text)
+        if text == "--":
+            continue
+        if not text.startswith("-") or text == "-":
+            findings.append(Finding(
+                "CFG-ARG", "error", f"unexpected argument {text!r} ({src}): not a flag",
+                hint="flags are written --name=value", where=src))
+            continue
+        body = text.lstrip("-")
+        name, has_eq, value = body.partition("=")
+        name = _norm(name)
+        flag = FLAGS.get(name)
+        negated = False
+        if flag is None and name.startswith("no") and FLAGS.get(name[2:]) is not None \
+                and FLAGS[name[2:]].is_bool:
+            flag, negated = FLAGS[name[2:]], True
+        if flag is None:
+            findings.append(unknown_flag(name, src))
+            # a following non-flag token most likely was this flag's value
+            if not has_eq and i < len(toks) and not toks[i].text.startswith("-"):
+                i += 1
+            continue
+        if negated:
+            if has_eq:
+                findings.append(Finding(
+                    "CFG-TYPE", "error",
+                    f"--no{flag.name} takes no value ({src})",
+                    hint=f"write --no{flag.name} or --{flag.name}=false", where=src))
+                continue
+            out.append(Assignment(flag.name, False, src))
+            continue
+        if not has_eq:
+            if flag.is_bool:
+                out.append(Assignment(flag.name, True, src))
+                continue
+            if i >= len(toks):
+                findings.append(Finding(
+                    "CFG-TYPE", "error", f"--{flag.name} needs a value ({src})",
+                    hint=f"write --{flag.name}=VALUE: {_example(flag)}", where=src))
+                continue
+            nxt = toks[i]
+            i += 1
+            value = nxt.text
+            src = Source("cli", tok.file, tok.line, tok.col, text=f"{text} {value}")
+        try:
+            out.append(Assignment(flag.name, parse_text(flag, value), src))
+        except ValueError as err:
+            findings.append(type_error(flag, err, src))
+    return out, findings
+
+
+# ----------------------------------------------------------------------------- shell commands
+
+_WRAPPERS = {"exec", "nohup", "env", "time", "sudo", "command", "stdbuf", "taskset", "numactl"}
+_ASSIGN_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+_STOP = {"|", "||", "&&", ";", "&", "|&"}
+
+
+@dataclass
+class ShellCommand:
+    """The launch command found in shell text: its flag tokens and its environment."""
+
+    tokens: list[Token]
+    env: list[Token]  # NAME=value tokens (assignments before the binary, export lines)
+    binary: str | None
+
+
+def _logical_lines(text: str) -> list[tuple[str, list[tuple[int, int]]]]:
+    """Join backslash-continued lines. Returns (logical text, [(offset, physical line no)])."""
+    out = []
+    buf: list[str] = []
+    marks: list[tuple[int, int]] = []
+    length = 0
+    for lineno, raw in enumerate(text.split("\n"), start=1):
+        line = raw.rstrip("\r")
+        cont = line.endswith("\\") and not line.endswith("\\\\")
+        piece = line[:-1] + " " if cont else line
+        marks.append((length, lineno))
+        buf.append(piece)
+        length += len(piece)
+        if not cont:
+            out.append(("".join(buf), marks))
+            buf, marks, length = [], [], 0
+    if buf:
+        out.append(("".join(buf), marks))
+    return out
+
+
+def _tokens_of(logical: str, marks, file: str | None, raw_lines: list[str]) -> list[Token]:
+    lex = shlex.shlex(logical, posix=True, punctuation_chars=";&|")
+    lex.whitespace_split = True
+    lex.commenters = "#"
+    tokens = []
+    while True:
+        start = lex.instream.tell()
+        tok = lex.get_token()
+        if tok is None or tok == lex.eof:
+            break
+        end = lex.instream.tell()
+        line = None
+        col = None
+        if file is not None:
+            # the physical line holding the end of the token
+            pos = max(start, end - 1)
+            for off, no in marks:
+                if off <= pos:
+                    line = no
+            if line is not None:
+                key = tok.split("=", 1)[0]
+                idx = raw_lines[line - 1].find(key) if key else -1
+                col = idx + 1 if idx >= 0 else None
+        tokens.append(Token(tok, file, line, col))
+    return tokens
+
+
+def parse_shell(text: str, file: str | None = None) -> tuple[ShellCommand | None, list[Finding]]:
+    """Find the launch command in shell text (a ``--cmd`` string or a script).
+
+    The launch command is the last command with ``--`` flags. Returns ``(None, findings)`` when
+    the text cannot be tokenized or holds no command with flags.
+    """
+    raw_lines = text.split("\n")
+    env: list[Token] = []
+    commands: list[tuple[list[Token], list[Token], str | None]] = []
+    for logical, marks in _logical_lines(text):
+        try:
+            toks = _tokens_of(logical, marks, file, raw_lines)
+        except ValueError as err:  # unbalanced quotes
+            where = Source("cli", file, marks[0][1] if file else None, text=logical.strip()[:80])
+            return None, [Finding("CFG-SYNTAX", "error",
+                                  f"cannot split the command into words: {err} ({where})",
+                                  hint="check the quotes", where=where)]
+        # split on ; && || | &
+        segments: list[list[Token]] = [[]]
+        for t in toks:
+            if t.text in _STOP:
+                segments.append([])
+            else:
+                segments[-1].append(t)
+        for seg in segments:
+            if not seg:
+                continue
+            if seg[0].text == "export":
+                env.extend(t for t in seg[1:] if _ASSIGN_RE.match(t.text))
+                continue
+            pre_env = []
+            i = 0
+            while i < len(seg) and _ASSIGN_RE.match(seg[i].text):
+                pre_env.append(seg[i])
+                i += 1
+            if i == len(seg):  # plain assignments: shell variables
+                env.extend(pre_env)
+                continue
+            while i < len(seg) and seg[i].text in _WRAPPERS:
+                i += 1
+                while i < len(seg) and (seg[i].text.startswith("-") or _ASSIGN_RE.match(seg[i].text)):
+                    if _ASSIGN_RE.match(seg[i].text):
+                        pre_env.append(seg[i])
+                    i += 1
+            binary = seg[i].text if i < len(seg) else None
+            rest = seg[i + 1:]
+            # drop redirections (>, 2>, >>, <, 2>&1)
+            args = []
+            skip = False
+            for t in rest:
+                if skip:
+                    skip = False
+                    continue
+                if re.fullmatch(r"[0-9]*(>>?|<)(&[0-9]+)?", t.text):
+                    skip = not t.text.endswith(("&1", "&2"))
+                    continue
+                if re.match(r"^[0-9]*(>>?|<)", t.text):
+                    continue
+                args.append(t)
+            if any(t.text.startswith("--") for t in args):
+                commands.append((args, pre_env, binary))
+    if not commands:
+        where = Source("cli", file, text=(text.strip().splitlines() or [""])[0][:80])
+        return None, [Finding("CFG-SYNTAX", "error",
+                              f"no launch command with --flags found ({where.file or 'command'})",
+                              hint="give the serving command, e.g. xllm --model=/m --enable_vmm_kvcache=true",
+                              where=where)]
+    args, pre_env, binary = commands[-1]
+    return ShellCommand(args, env + pre_env, binary), []
+
+
+# ----------------------------------------------------------------------------- environment
+
+
+def parse_env(env: Mapping[str, str] | Iterable[Token]) -> tuple[list[Assignment], list[Finding]]:
+    """``XLLM_VMM_<FLAG>`` variables → assignments (kind ``env``). Other variables are ignored;
+    an ``XLLM_VMM_`` variable that is not a flag but is close to one gets a warning."""
+    import difflib
+
+    items: list[tuple[str, str, Token | None]] = []
+    if isinstance(env, Mapping):
+        items = [(k, v, None) for k, v in env.items()]
+    else:
+        for t in env:
+            k, _, v = t.text.partition("=")
+            items.append((k, v, t))
+    out: list[Assignment] = []
+    findings: list[Finding] = []
+    for key, value, tok in items:
+        if not key.startswith(ENV_PREFIX):
+            continue
+        name = key[len(ENV_PREFIX):].lower()
+        src = Source("env", tok.file if tok else None, tok.line if tok else None,
+                     tok.col if tok else None, text=f"{key}={value}", env=key)
+        flag = FLAGS.get(name)
+        if flag is None:
+            close = difflib.get_close_matches(name, FLAGS, n=1, cutoff=0.85)
+            if close:
+                findings.append(Finding(
+                    "CFG-UNKNOWN", "warning", f"environment variable {key} is not a flag ({src})",
+                    hint=f"did you mean {ENV_PREFIX}{close[0].upper()}?", where=src))
+            continue
+        try:
+            out.append(Assignment(flag.name, parse_text(flag, value), src))
+        except ValueError as err:
+            findings.append(type_error(flag, err, src))
+    return out, findings
+
+
+# ----------------------------------------------------------------------------- TOML
+
+_TABLE_RE = re.compile(r"^\s*\[\s*([A-Za-z0-9_.\-\"' ]+?)\s*\]\s*(#.*)?$")
+_KEY_RE = re.compile(r"^\s*((?:[A-Za-z0-9_\-]+|\"[^\"]*\"|'[^']*')(?:\s*\.\s*(?:[A-Za-z0-9_\-]+|\"[^\"]*\"|'[^']*'))*)\s*=")
+
+
+def _key_parts(text: str) -> tuple[str, ...]:
+    parts = re.findall(r"\"([^\"]*)\"|'([^']*)'|([A-Za-z0-9_\-]+)", text)
+    return tuple(a or b or c for a, b, c in parts)
+
+
+def toml_positions(text: str) -> dict[tuple[str, ...], tuple[int, int, str]]:
+    """Best-effort (line, col, line text) of every ``key = value`` of a TOML document, by dotted
+    path. Multi-line strings are skipped. (``tomllib`` reports no positions for keys.)"""
+    positions: dict[tuple[str, ...], tuple[int, int, str]] = {}
+    table: tuple[str, ...] = ()
+    in_ml: str | None = None
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if in_ml:
+            if line.count(in_ml) % 2 == 1:
+                in_ml = None
+            continue
+        m = _TABLE_RE.match(line)
+        if m and not line.lstrip().startswith("[["):
+            table = _key_parts(m.group(1))
+            positions.setdefault(table, (lineno, line.index("[") + 1, line.strip()))
+            continue
+        m = _KEY_RE.match(line)
+        if m:
+            key = table + _key_parts(m.group(1))
+            col = len(line) - len(line.lstrip()) + 1
+            positions.setdefault(key, (lineno, col, line.strip()))
+            rest = line[m.end():]
+            for quote in ('"""', "'''"):
+                if rest.count(quote) % 2 == 1:
+                    in_ml = quote
+    return positions
+
+
+def _toml_error(err: Exception, file: str, text: str) -> Finding:
+    msg = str(err)
+    m = re.search(r"\(at line (\d+), column (\d+)\)", msg)
+    line = int(m.group(1)) if m else None
+    col = int(m.group(2)) if m else None
+    lines = text.splitlines()
+    offending = lines[line - 1].strip() if line and 0 < line <= len(lines) else None
+    where = Source("toml", file, line, col, text=offending)
+    reason = re.sub(r"\s*\(at line \d+, column \d+\)", "", msg)
+    shown = f": {offending}" if offending else ""
+    return Finding("CFG-SYNTAX", "error", f"{where.location()}: invalid TOML: {reason}{shown}",
+                   hint="fix the TOML syntax at that position", where=where)
+
+
+def read_toml(path: str, text: str | None = None) -> tuple[list[Assignment], list[Finding]]:
+    """A TOML file → assignments (kind ``toml``, with file:line:col) and findings."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    if text is None:
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read()
+            text = data.decode("utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            where = Source("toml", path)
+            return [], [Finding("CFG-READ", "error", f"cannot read {path}: {_oserr(err)}",
+                                hint="check the path", where=where)]
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        return [], [_toml_error(err, path, text)]
+    except Exception as err:  # pragma: no cover - tomllib raises only TOMLDecodeError
+        return [], [Finding("CFG-SYNTAX", "error", f"{path}: invalid TOML: {err}",
+                            where=Source("toml", path))]
+    pos = toml_positions(text)
+
+    def src(keypath: tuple[str, ...]) -> Source:
+        line, col, line_text = pos.get(keypath, (None, None, None))
+        return Source("toml", path, line, col, text=line_text)
+
+    out: list[Assignment] = []
+    findings: list[Finding] = []
+
+    def take(name: str, value, keypath):
+        flag = FLAGS.get(name)
+        where = src(keypath)
+        if flag is None:
+            f = unknown_flag(".".join(keypath), where, what="key")
+            f.message = f"{where.location()}: unknown key {'.'.join(keypath)!r}" + (
+                f": {where.text}" if where.text else "")
+            f.hint = _did_you_mean(name, GROUPS)
+            findings.append(f)
+            return
+        if isinstance(value, (dict, list)):
+            findings.append(type_error(flag, ValueError(
+                f"a {'table' if isinstance(value, dict) else 'list'} is not valid for {name}: "
+                f"expected {_example(flag)}"), where))
+            return
+        try:
+            out.append(Assignment(name, coerce_native(flag, value), where))
+        except ValueError as err:
+            f = type_error(flag, err, where)
+            f.message = f"{where.location()}: {err}" + (f": {where.text}" if where.text else "")
+            findings.append(f)
+
+    for key, value in doc.items():
+        if isinstance(value, dict) and key in GROUPS:
+            for inner, v in value.items():
+                take(inner, v, (key, inner))
+        else:
+            take(key, value, (key,))
+    return out, findings
+
+
+def _oserr(err: Exception) -> str:
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    return str(err)
+
+
+# ----------------------------------------------------------------------------- JSON
+
+
+def json_position(text: str, key: str) -> tuple[int | None, int | None, str | None]:
+    m = re.search(r'"' + re.escape(key) + r'"\s*:', text)
+    if not m:
+        return None, None, None
+    line = text.count("\n", 0, m.start()) + 1
+    col = m.start() - (text.rfind("\n", 0, m.start()) + 1) + 1
+    return line, col, text.splitlines()[line - 1].strip()
+
+
+def read_json(path: str, text: str | None = None) -> tuple[list[Assignment], list[Finding]]:
+    """The engine's JSON config file → assignments (kind ``json``). Keys are flag names (flat, or
+    inside objects named after groups); a key given twice is reported as CFG-DUP."""
+    if text is None:
+        try:
+            with open(path, "rb") as fh:
+                text = fh.read().decode("utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            return [], [Finding("CFG-READ", "error", f"cannot read {path}: {_oserr(err)}",
+                                hint="check the path given to --config_json_file",
+                                where=Source("json", path))]
+    dups: list[str] = []
+
+    def pairs(items):
+        seen: dict = {}
+        for k, v in items:
+            if k in seen and seen[k] != v:
+                dups.append(k)
+            seen[k] = v
+        return seen
+
+    try:
+        doc = json.loads(text, object_pairs_hook=pairs)
+    except json.JSONDecodeError as err:
+        lines = text.splitlines()
+        offending = lines[err.lineno - 1].strip() if 0 < err.lineno <= len(lines) else None
+        where = Source("json", path, err.lineno, err.colno, text=offending)
+        return [], [Finding("CFG-SYNTAX", "error",
+                            f"{where.location()}: invalid JSON: {err.msg}"
+                            + (f": {offending}" if offending else ""),
+                            hint="fix the JSON syntax at that position", where=where)]
+    except (RecursionError, ValueError) as err:
+        return [], [Finding("CFG-SYNTAX", "error", f"{path}: invalid JSON: {err}",
+                            where=Source("json", path))]
+    if not isinstance(doc, dict):
+        return [], [Finding("CFG-SYNTAX", "error",
+                            f"{path}: the JSON config must be an object of flag names to values",
+                            where=Source("json", path, 1, 1))]
+
+    def src(key: str) -> Source:
+        line, col, line_text = json_position(text, key)
+        return Source("json", path, line, col, text=line_text)
+
+    out: list[Assignment] = []
+    findings: list[Finding] = []
+    for name in dups:
+        where = src(name)
+        findings.append(Finding("CFG-DUP", "error",
+                                f"{where.location()}: {name!r} is given twice with different values",
+                                flags={name: None}, sources={name: where},
+                                hint="keep one of them", where=where))
+
+    def take(name: str, value):
+        where = src(name)
+        flag = FLAGS.get(name)
+        if flag is None:
+            f = unknown_flag(name, where, what="key")
+            f.message = f"{where.location()}: unknown key {name!r}"
+            findings.append(f)
+            return
+        if value is None or isinstance(value, (dict, list)):
+            findings.append(type_error(flag, ValueError(
+                f"{json.dumps(value)[:40]} is not valid for {name}: expected {_example(flag)}"), where))
+            return
+        try:
+            out.append(Assignment(name, coerce_native(flag, value, lenient_text=True), where))
+        except ValueError as err:
+            findings.append(type_error(flag, err, where))
+
+    for key, value in doc.items():
+        if isinstance(value, dict) and key in GROUPS:
+            for inner, v in value.items():
+                take(inner, v)
+        else:
+            take(key, value)
+    return out, findings
