@@ -1,1 +1,53 @@
-"""kvcache."""
+"""The virtual KV cache: cache groups over a pool region, slots, page-aware blocks, admission.
+
+Public API (stable; other packages import these names from here):
+
+- :class:`VirtualKVCache` — groups of a ``CacheLayout`` over a ``VmmPool`` tenant region.
+- :class:`BlockAllocator` — reference-counted, page-aware allocation; the retention extension
+  point for the prefix cache (:class:`RetentionPolicy`, documented in
+  :mod:`xllm_vmm.kvcache.allocator`).
+- :class:`Admission`, :class:`AdmissionDecision` — AD-01…AD-04 across workers.
+- :class:`SequenceSlots` — resident per-sequence slots (HY-01, AD-03).
+"""
+
+from xllm_vmm.kvcache.admission import Admission, AdmissionDecision, CapacitySource
+from xllm_vmm.kvcache.allocator import (
+    BlockAllocator,
+    BlockInfo,
+    GroupShape,
+    RetentionPolicy,
+    SlotBacking,
+    SlotInfo,
+)
+from xllm_vmm.kvcache.cache import (
+    CacheCapacity,
+    CacheLayoutError,
+    GroupCapacity,
+    GroupGeometry,
+    VirtualKVCache,
+    blocks_for_tokens,
+    fit_tokens,
+    slots_for_tokens,
+)
+from xllm_vmm.kvcache.resident import SequenceSlots
+
+__all__ = [
+    "Admission",
+    "AdmissionDecision",
+    "BlockAllocator",
+    "BlockInfo",
+    "CacheCapacity",
+    "CacheLayoutError",
+    "CapacitySource",
+    "GroupCapacity",
+    "GroupGeometry",
+    "GroupShape",
+    "RetentionPolicy",
+    "SequenceSlots",
+    "SlotBacking",
+    "SlotInfo",
+    "VirtualKVCache",
+    "blocks_for_tokens",
+    "fit_tokens",
+    "slots_for_tokens",
+]

@@ -1,0 +1,426 @@
+"""``VmmPool``: one per worker. A stable virtual arena, tenants, the live budget, map/unmap.
+
+Memory model (units: bytes; a *page* is ``driver.granularity`` bytes, 2 MiB on devices)::
+
+    arena (reserved once at start, never moves)
+    page 0                                                          page N-1
+    |  KV tenant (from the low end) -->   ...free...   <-- weights tenant (from the high end) |
+
+- :meth:`VmmPool.add_tenant` carves a :class:`Region` of whole pages for a tenant, KV from the
+  low end and weights from the high end (VMM-02: both share one budget).
+- Elastic mode: a page is backed only while mapped. :meth:`map_pages` creates handles (or takes
+  them from a ready set of at most ``ready_pages`` created-but-unmapped handles, counted in the
+  budget) and maps them in one batched driver call; :meth:`unmap_pages` unmaps in one batched
+  call and frees the handles at once (EL-01) beyond the ready set.
+- Fixed mode: a tenant's region is created and mapped whole when it is added and never
+  returned; ``map_pages``/``unmap_pages`` only mark pages in use.
+- Physical mode: a tenant's region is one plain resident allocation (one handle, one map).
+
+Invariant 3 of DESIGN.md: the pool never holds more than the budget allows (elastic: free −
+execution peak − reserve ≥ 0 after growth, and total ≤ ``max_cache_size`` when set). A
+failing create or map undoes everything that call did and :meth:`map_pages` returns ``False``
+("not now"); only misuse (:class:`~xllm_vmm.vmm.driver.VmmInvalidArgument`, which is a bug
+above the driver) raises.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from xllm_vmm.pool.budget import (
+    DEFAULT_EXECUTION_HEADROOM_FRACTION,
+    BudgetConfig,
+    BudgetMode,
+    ExecutionPeak,
+    static_capacity_bytes,
+)
+from xllm_vmm.vmm.driver import Driver, VmmError, VmmInvalidArgument
+
+__all__ = ["VmmPool", "Region", "PoolStats", "PoolCapacityError"]
+
+
+class PoolCapacityError(RuntimeError):
+    """The pool cannot be set up as asked (start-up only; never raised on the serving path).
+    The message carries the numbers and what to change."""
+
+
+@dataclass(frozen=True)
+class Region:
+    """A tenant's contiguous part of the arena: pages ``[first_page, first_page + pages)``."""
+
+    tenant: str
+    first_page: int
+    pages: int
+    base_va: int
+    page_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.pages * self.page_bytes
+
+    def page_va(self, page: int) -> int:
+        """Virtual address of the region's ``page``-th page (0-based inside the region)."""
+        return self.base_va + page * self.page_bytes
+
+
+@dataclass
+class PoolStats:
+    """A snapshot of the pool. Bytes unless named otherwise; ``*_seconds`` is time spent in the
+    driver's map/unmap calls."""
+
+    mode: str
+    page_bytes: int
+    reserved_bytes: int
+    mapped_bytes: int
+    held_bytes: int  # physical memory the pool holds: mapped + ready handles
+    ready_bytes: int
+    pages_in_use: int
+    budget_left_bytes: int
+    execution_peak_bytes: int
+    map_calls: int
+    unmap_calls: int
+    pages_mapped_total: int
+    pages_unmapped_total: int
+    failed_maps: int
+    map_seconds: float
+    unmap_seconds: float
+    per_tenant_mapped_bytes: dict[str, int] = field(default_factory=dict)
+    per_tag_mapped_bytes: dict[str, int] = field(default_factory=dict)
+
+
+class VmmPool:
+    """The VMM pool of one worker (see the module docstring for the memory model).
+
+    ``arena_bytes`` is rounded up to whole pages and reserved at once. ``ready_pages`` (elastic
+    only, default 0) keeps up to that many created, unmapped handles for reuse; they count as
+    held memory in the budget and in :class:`PoolStats`.
+    """
+
+    def __init__(self, driver: Driver, budget: BudgetConfig, arena_bytes: int, *,
+                 ready_pages: int = 0) -> None:
+        if arena_bytes <= 0:
+            raise PoolCapacityError(f"arena size must be positive, got {arena_bytes} bytes")
+        if ready_pages < 0:
+            raise PoolCapacityError(f"ready_pages must be >= 0, got {ready_pages}")
+        self.driver = driver
+        self.budget = budget
+        self.page_bytes = driver.granularity
+        self.arena_pages = -(-arena_bytes // self.page_bytes)
+        self.ready_pages = ready_pages if budget.mode is BudgetMode.ELASTIC else 0
+        total = driver.mem_info().total
+        self.execution_peak = ExecutionPeak(
+            default=int(total * DEFAULT_EXECUTION_HEADROOM_FRACTION),
+            initial=budget.execution_peak_bytes)
+        self.arena_va = driver.reserve(self.arena_pages * self.page_bytes)
+        self._regions: dict[str, Region] = {}
+        self._low = 0  # next free page from the low end
+        self._high = self.arena_pages  # one past the last free page from the high end
+        self._mapped: dict[int, int] = {}  # arena page -> handle (elastic, fixed)
+        self._resident: dict[str, int] = {}  # tenant -> handle of its one allocation (physical)
+        self._in_use: dict[str, set[int]] = {}  # tenant -> region pages marked in use
+        self._tag_pages: dict[str, int] = {}
+        self._ready: list[int] = []
+        self._held = 0
+        self.map_calls = 0
+        self.unmap_calls = 0
+        self.pages_mapped_total = 0
+        self.pages_unmapped_total = 0
+        self.failed_maps = 0
+        self.map_seconds = 0.0
+        self.unmap_seconds = 0.0
+        self._closed = False
+
+    # -- tenants -------------------------------------------------------------------------
+    @property
+    def mode(self) -> BudgetMode:
+        return self.budget.mode
+
+    def static_capacity_bytes(self) -> int:
+        """Bytes a physical or fixed pool may hold in total (module docstring of
+        :mod:`xllm_vmm.pool.budget`), minus what is already held."""
+        info = self.driver.mem_info()
+        cap = static_capacity_bytes(self.budget, info.free + self._held, info.total,
+                                    self.execution_peak.bytes, self.page_bytes)
+        return max(0, cap - self._held)
+
+    def add_tenant(self, name: str, nbytes: int, *, end: str = "low") -> Region:
+        """Carve ``nbytes`` (rounded up to pages) for tenant ``name`` from the ``"low"`` or
+        ``"high"`` end of the arena. Fixed and physical pools back the region at once and raise
+        :class:`PoolCapacityError` when the budget does not allow it."""
+        if name in self._regions:
+            raise PoolCapacityError(f"tenant {name!r} already has a region")
+        if end not in ("low", "high"):
+            raise PoolCapacityError(f"tenant end must be 'low' or 'high', got {end!r}")
+        pages = -(-nbytes // self.page_bytes)
+        if pages <= 0:
+            raise PoolCapacityError(f"tenant {name!r}: size must be positive, got {nbytes}")
+        if pages > self._high - self._low:
+            raise PoolCapacityError(
+                f"tenant {name!r} needs {pages} pages but the arena has "
+                f"{self._high - self._low} of {self.arena_pages} pages left; size the arena for "
+                "every tenant")
+        if self.mode is not BudgetMode.ELASTIC:
+            cap = self.static_capacity_bytes()
+            if pages * self.page_bytes > cap:
+                raise PoolCapacityError(
+                    f"tenant {name!r} needs {pages * self.page_bytes} bytes but the "
+                    f"{self.mode.value} budget allows {cap} bytes (max_memory_utilization="
+                    f"{self.budget.max_memory_utilization}, max_cache_size="
+                    f"{self.budget.max_cache_size}); raise the ratio or size the cache smaller")
+        if end == "low":
+            first = self._low
+            self._low += pages
+        else:
+            self._high -= pages
+            first = self._high
+        region = Region(name, first, pages, self.arena_va + first * self.page_bytes,
+                        self.page_bytes)
+        self._regions[name] = region
+        self._in_use[name] = set()
+        if self.mode is not BudgetMode.ELASTIC:
+            self._back_whole(region)
+        return region
+
+    def _back_whole(self, region: Region) -> None:
+        d = self.driver
+        try:
+            if self.mode is BudgetMode.PHYSICAL:
+                h = d.create_handle(region.nbytes)
+                try:
+                    d.map(region.base_va, h)
+                except BaseException:
+                    d.free_handle(h)
+                    raise
+                self._resident[region.tenant] = h
+            else:
+                handles: list[int] = []
+                try:
+                    for _ in range(region.pages):
+                        handles.append(d.create_handle(self.page_bytes))
+                    vas = [region.page_va(p) for p in range(region.pages)]
+                    d.map_batch(vas, handles)
+                except BaseException:
+                    for h in handles:
+                        d.free_handle(h)
+                    raise
+                for p, h in enumerate(handles):
+                    self._mapped[region.first_page + p] = h
+                self.map_calls += 1
+                self.pages_mapped_total += region.pages
+        except VmmInvalidArgument:
+            raise
+        except VmmError as e:
+            del self._regions[region.tenant]
+            raise PoolCapacityError(
+                f"tenant {region.tenant!r}: backing {region.nbytes} bytes at start failed: {e}; "
+                "lower max_memory_utilization or max_cache_size") from e
+        self._held += region.nbytes
+
+    def region(self, name: str) -> Region:
+        return self._regions[name]
+
+    # -- budget --------------------------------------------------------------------------
+    def observe_execution_peak(self, nbytes: int) -> None:
+        """The engine reports an observed execution memory peak (bytes); the budget keeps the
+        largest one seen free."""
+        self.execution_peak.observe(nbytes)
+
+    def reset_execution_peak(self, nbytes: int) -> None:
+        """Replace the execution watermark (backends with reliable allocator statistics)."""
+        self.execution_peak.reset(nbytes)
+
+    def growth_left_bytes(self) -> int:
+        """Bytes of new physical memory the pool may take now (elastic; 0 otherwise)."""
+        if self.mode is not BudgetMode.ELASTIC:
+            return 0
+        free = self.driver.mem_info().free
+        left = free - self.execution_peak.bytes - self.budget.reserve_bytes
+        if self.budget.max_cache_size > 0:
+            left = min(left, self.budget.max_cache_size - self._held)
+        return max(0, left)
+
+    def budget_left_bytes(self) -> int:
+        """Bytes of pages the pool could map now: ready handles plus allowed growth."""
+        return len(self._ready) * self.page_bytes + self.growth_left_bytes()
+
+    def mappable_pages(self, region: Region) -> int:
+        """Pages of ``region`` that :meth:`map_pages` could bring into use now."""
+        unused = region.pages - len(self._in_use[region.tenant])
+        if self.mode is not BudgetMode.ELASTIC:
+            return unused
+        return min(unused, self.budget_left_bytes() // self.page_bytes)
+
+    # -- map / unmap ---------------------------------------------------------------------
+    def map_pages(self, region: Region, pages: Sequence[int], tag: str = "") -> bool:
+        """Bring ``pages`` (indices inside ``region``) into use, all or nothing.
+
+        Elastic: back and map them in one batched driver call. Returns ``False`` ("not now")
+        when the budget refuses or the driver runs out of memory or fails; everything this
+        call did is undone then. Mapping a page that is already in use is a bug and raises
+        ``ValueError``.
+        """
+        in_use = self._in_use[region.tenant]
+        for p in pages:
+            if not 0 <= p < region.pages:
+                raise ValueError(f"page {p} outside tenant {region.tenant!r} "
+                                 f"({region.pages} pages)")
+            if p in in_use:
+                raise ValueError(f"page {p} of tenant {region.tenant!r} is already in use")
+        n = len(pages)
+        if len(set(pages)) != n:
+            raise ValueError(f"map_pages: duplicate pages in {list(pages)}")
+        if n == 0:
+            return True
+        if self.mode is BudgetMode.ELASTIC:
+            if not self._map_elastic(region, pages):
+                self.failed_maps += 1
+                return False
+        in_use.update(pages)
+        if tag:
+            self._tag_pages[tag] = self._tag_pages.get(tag, 0) + n
+        return True
+
+    def _map_elastic(self, region: Region, pages: Sequence[int]) -> bool:
+        n = len(pages)
+        from_ready = min(n, len(self._ready))
+        new = n - from_ready
+        if new * self.page_bytes > self.growth_left_bytes():
+            return False
+        d = self.driver
+        handles = self._ready[len(self._ready) - from_ready:]
+        del self._ready[len(self._ready) - from_ready:]
+        created: list[int] = []
+        try:
+            for _ in range(new):
+                created.append(d.create_handle(self.page_bytes))
+            vas = [region.page_va(p) for p in pages]
+            t0 = time.perf_counter()
+            try:
+                d.map_batch(vas, handles + created)
+            finally:
+                self.map_seconds += time.perf_counter() - t0
+        except VmmInvalidArgument:
+            self._undo_handles(handles, created)
+            raise
+        except VmmError:
+            self._undo_handles(handles, created)
+            return False
+        self.map_calls += 1
+        self.pages_mapped_total += n
+        self._held += new * self.page_bytes
+        for p, h in zip(pages, handles + created):
+            self._mapped[region.first_page + p] = h
+        return True
+
+    def _undo_handles(self, ready: list[int], created: list[int]) -> None:
+        self._ready.extend(ready)
+        for h in created:
+            self.driver.free_handle(h)
+
+    def unmap_pages(self, region: Region, pages: Sequence[int], tag: str = "") -> None:
+        """Take ``pages`` out of use. Elastic: unmap them in one batched call and free their
+        handles at once (beyond the ready set). Unmapping a page not in use raises
+        ``ValueError``."""
+        in_use = self._in_use[region.tenant]
+        for p in pages:
+            if p not in in_use:
+                raise ValueError(f"page {p} of tenant {region.tenant!r} is not in use")
+        if not pages:
+            return
+        if self.mode is BudgetMode.ELASTIC:
+            vas = [region.page_va(p) for p in pages]
+            t0 = time.perf_counter()
+            try:
+                self.driver.unmap_batch(vas)
+            finally:
+                self.unmap_seconds += time.perf_counter() - t0
+            self.unmap_calls += 1
+            self.pages_unmapped_total += len(pages)
+            for p in pages:
+                h = self._mapped.pop(region.first_page + p)
+                if len(self._ready) < self.ready_pages:
+                    self._ready.append(h)
+                else:
+                    self.driver.free_handle(h)
+                    self._held -= self.page_bytes
+        in_use.difference_update(pages)
+        if tag:
+            self._tag_pages[tag] -= len(pages)
+
+    def is_mapped(self, region: Region, page: int) -> bool:
+        """True when ``page`` of ``region`` has physical memory under it now."""
+        if self.mode is BudgetMode.PHYSICAL:
+            return region.tenant in self._resident and 0 <= page < region.pages
+        return (region.first_page + page) in self._mapped
+
+    def pages_in_use(self, region: Region) -> frozenset[int]:
+        return frozenset(self._in_use[region.tenant])
+
+    # -- statistics / shutdown -----------------------------------------------------------
+    @property
+    def mapped_bytes(self) -> int:
+        if self.mode is BudgetMode.PHYSICAL:
+            return sum(self._regions[t].nbytes for t in self._resident)
+        return len(self._mapped) * self.page_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        return self._held
+
+    def stats(self) -> PoolStats:
+        per_tenant = {}
+        for name, r in self._regions.items():
+            if self.mode is BudgetMode.PHYSICAL:
+                per_tenant[name] = r.nbytes if name in self._resident else 0
+            else:
+                lo, hi = r.first_page, r.first_page + r.pages
+                per_tenant[name] = sum(1 for p in self._mapped if lo <= p < hi) * self.page_bytes
+        return PoolStats(
+            mode=self.mode.value,
+            page_bytes=self.page_bytes,
+            reserved_bytes=self.arena_pages * self.page_bytes,
+            mapped_bytes=self.mapped_bytes,
+            held_bytes=self._held,
+            ready_bytes=len(self._ready) * self.page_bytes,
+            pages_in_use=sum(len(s) for s in self._in_use.values()),
+            budget_left_bytes=self.budget_left_bytes(),
+            execution_peak_bytes=self.execution_peak.bytes,
+            map_calls=self.map_calls,
+            unmap_calls=self.unmap_calls,
+            pages_mapped_total=self.pages_mapped_total,
+            pages_unmapped_total=self.pages_unmapped_total,
+            failed_maps=self.failed_maps,
+            map_seconds=self.map_seconds,
+            unmap_seconds=self.unmap_seconds,
+            per_tenant_mapped_bytes=per_tenant,
+            per_tag_mapped_bytes={k: v * self.page_bytes for k, v in self._tag_pages.items()},
+        )
+
+    def close(self) -> None:
+        """Unmap and free everything and release the arena. Idempotent."""
+        if self._closed:
+            return
+        d = self.driver
+        if self._mapped:
+            d.unmap_batch([self.arena_va + p * self.page_bytes for p in self._mapped])
+            for h in self._mapped.values():
+                d.free_handle(h)
+            self._mapped.clear()
+        for tenant, h in self._resident.items():
+            d.unmap(self._regions[tenant].base_va)
+            d.free_handle(h)
+        self._resident.clear()
+        for h in self._ready:
+            d.free_handle(h)
+        self._ready.clear()
+        self._held = 0
+        d.release(self.arena_va, self.arena_pages * self.page_bytes)
+        self._closed = True
+
+    def __enter__(self) -> "VmmPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
