@@ -1,0 +1,645 @@
+/* hostvmm: see hostvmm.h for the model and the error convention. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include "hostvmm.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#ifndef FALLOC_FL_KEEP_SIZE
+#define FALLOC_FL_KEEP_SIZE 0x01
+#endif
+#ifndef FALLOC_FL_PUNCH_HOLE
+#define FALLOC_FL_PUNCH_HOLE 0x02
+#endif
+
+#define HV_START_BIT 1ull /* page-table entry: this page is the first page of its mapping */
+#define HV_PENDING_FREE 1u
+
+typedef struct {
+    uint64_t va, size, npages, mapped_pages;
+    uint64_t *ent; /* per page: 0 = unmapped, else handle offset | HV_START_BIT on the first page */
+} hv_resv;
+
+typedef struct {
+    uint64_t slot, pages;
+} hv_extent;
+
+struct hv_pool {
+    pthread_mutex_t mu;
+    int fd;
+    uint64_t granule, limit, committed, nhandles, mapped, nmappings, reserved;
+    uint64_t max_mappings; /* 0 = no cap; keeps the process under vm.max_map_count */
+    /* handle table, indexed by slot = offset / granule */
+    uint64_t cap_slots, end_slot;
+    uint32_t *hpages; /* pages of the handle starting at this slot, 0 = none */
+    uint32_t *hmaps;  /* live mappings of that handle */
+    uint8_t *hflags;
+    hv_extent *freelist;
+    uint64_t nfree, cap_free;
+    hv_resv *resv;
+    uint64_t nresv, cap_resv, last_resv;
+};
+
+static __thread char hv_err[512];
+
+const char *hv_last_error(void) { return hv_err; }
+
+static int fail(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int fail(int code, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(hv_err, sizeof hv_err, fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+int hv_pool_open(hv_pool **out, uint64_t granule, uint64_t limit) {
+    *out = NULL;
+    long pg = sysconf(_SC_PAGESIZE);
+    if (granule == 0 || granule % (uint64_t)pg != 0 || (granule & (granule - 1)) != 0)
+        return fail(EINVAL, "granule %llu is not a power-of-two multiple of the page size %ld",
+                    (unsigned long long)granule, pg);
+    hv_pool *p = calloc(1, sizeof *p);
+    if (!p) return fail(ENOMEM, "out of host memory for the pool state");
+    p->fd = memfd_create("xllm-vmm-host", MFD_CLOEXEC);
+    if (p->fd < 0) {
+        int e = errno;
+        free(p);
+        return fail(e, "memfd_create: %s (check `ulimit -n`)", strerror(e));
+    }
+    pthread_mutex_init(&p->mu, NULL);
+    p->granule = granule;
+    p->limit = limit;
+    p->end_slot = 1; /* slot 0 is never handed out, so no handle is 0 */
+    *out = p;
+    return 0;
+}
+
+void hv_pool_close(hv_pool *p) {
+    if (!p) return;
+    for (uint64_t i = 0; i < p->nresv; i++) {
+        munmap((void *)p->resv[i].va, p->resv[i].size);
+        free(p->resv[i].ent);
+    }
+    free(p->resv);
+    free(p->hpages);
+    free(p->hmaps);
+    free(p->hflags);
+    free(p->freelist);
+    close(p->fd);
+    pthread_mutex_destroy(&p->mu);
+    free(p);
+}
+
+int hv_pool_fd(hv_pool *p) { return p->fd; }
+uint64_t hv_granule(hv_pool *p) { return p->granule; }
+
+void hv_stats(hv_pool *p, uint64_t *out) {
+    pthread_mutex_lock(&p->mu);
+    out[HV_STAT_COMMITTED] = p->committed;
+    out[HV_STAT_HANDLES] = p->nhandles;
+    out[HV_STAT_RESERVATIONS] = p->nresv;
+    out[HV_STAT_RESERVED] = p->reserved;
+    out[HV_STAT_MAPPED] = p->mapped;
+    out[HV_STAT_MAPPINGS] = p->nmappings;
+    out[HV_STAT_LIMIT] = p->limit;
+    out[HV_STAT_FILE_END] = p->end_slot * p->granule;
+    out[HV_STAT_MAX_MAPPINGS] = p->max_mappings;
+    pthread_mutex_unlock(&p->mu);
+}
+
+void hv_set_max_mappings(hv_pool *p, uint64_t max_mappings) {
+    pthread_mutex_lock(&p->mu);
+    p->max_mappings = max_mappings;
+    pthread_mutex_unlock(&p->mu);
+}
+
+void hv_set_limit(hv_pool *p, uint64_t limit) {
+    pthread_mutex_lock(&p->mu);
+    p->limit = limit;
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* ---- handles ------------------------------------------------------------------------------ */
+
+static int grow_slots(hv_pool *p, uint64_t need) {
+    if (need <= p->cap_slots) return 0;
+    uint64_t cap = p->cap_slots ? p->cap_slots : 1024;
+    while (cap < need) cap *= 2;
+    uint32_t *a = realloc(p->hpages, cap * sizeof *a);
+    if (!a) return ENOMEM;
+    p->hpages = a;
+    uint32_t *b = realloc(p->hmaps, cap * sizeof *b);
+    if (!b) return ENOMEM;
+    p->hmaps = b;
+    uint8_t *c = realloc(p->hflags, cap);
+    if (!c) return ENOMEM;
+    p->hflags = c;
+    memset(p->hpages + p->cap_slots, 0, (cap - p->cap_slots) * sizeof *a);
+    memset(p->hmaps + p->cap_slots, 0, (cap - p->cap_slots) * sizeof *b);
+    memset(p->hflags + p->cap_slots, 0, cap - p->cap_slots);
+    p->cap_slots = cap;
+    return 0;
+}
+
+static int push_free(hv_pool *p, uint64_t slot, uint64_t pages) {
+    if (p->nfree == p->cap_free) {
+        uint64_t cap = p->cap_free ? p->cap_free * 2 : 256;
+        hv_extent *f = realloc(p->freelist, cap * sizeof *f);
+        if (!f) return ENOMEM;
+        p->freelist = f;
+        p->cap_free = cap;
+    }
+    p->freelist[p->nfree].slot = slot;
+    p->freelist[p->nfree].pages = pages;
+    p->nfree++;
+    return 0;
+}
+
+/* Looks up a live handle; returns its slot or UINT64_MAX. Caller holds the lock. */
+static uint64_t handle_slot(hv_pool *p, uint64_t handle) {
+    if (handle == 0 || handle % p->granule) return UINT64_MAX;
+    uint64_t slot = handle / p->granule;
+    if (slot >= p->end_slot || p->hpages[slot] == 0) return UINT64_MAX;
+    return slot;
+}
+
+int hv_create(hv_pool *p, uint64_t size, uint64_t *handle_out) {
+    if (size == 0 || size % p->granule)
+        return fail(EINVAL, "handle size %llu is not a positive multiple of the granularity %llu",
+                    (unsigned long long)size, (unsigned long long)p->granule);
+    uint64_t pages = size / p->granule;
+    if (pages > UINT32_MAX) return fail(EINVAL, "handle size %llu is too large", (unsigned long long)size);
+    pthread_mutex_lock(&p->mu);
+    int rc = 0;
+    if (p->limit && p->committed + size > p->limit) {
+        rc = fail(ENOMEM,
+                  "out of device memory: %llu bytes in use of %llu, %llu more requested",
+                  (unsigned long long)p->committed, (unsigned long long)p->limit,
+                  (unsigned long long)size);
+        goto out;
+    }
+    uint64_t slot = UINT64_MAX, fi = UINT64_MAX;
+    for (uint64_t i = p->nfree; i-- > 0;) {
+        if (p->freelist[i].pages == pages) {
+            fi = i;
+            slot = p->freelist[i].slot;
+            break;
+        }
+    }
+    int from_free = slot != UINT64_MAX;
+    if (!from_free) {
+        slot = p->end_slot;
+        if (grow_slots(p, slot + pages)) {
+            rc = fail(ENOMEM, "out of host memory for the handle table");
+            goto out;
+        }
+    }
+    if (fallocate(p->fd, 0, (off_t)(slot * p->granule), (off_t)size) != 0) {
+        int e = errno;
+        /* undo whatever fallocate managed to commit */
+        fallocate(p->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)(slot * p->granule),
+                  (off_t)size);
+        if (e == ENOSPC || e == ENOMEM || e == EFBIG)
+            rc = fail(ENOMEM, "out of host memory: fallocate of %llu bytes failed: %s",
+                      (unsigned long long)size, strerror(e));
+        else
+            rc = fail(e, "fallocate of %llu bytes failed: %s", (unsigned long long)size, strerror(e));
+        goto out;
+    }
+    if (from_free) {
+        p->freelist[fi] = p->freelist[p->nfree - 1];
+        p->nfree--;
+    } else {
+        p->end_slot = slot + pages;
+    }
+    p->hpages[slot] = (uint32_t)pages;
+    p->hmaps[slot] = 0;
+    p->hflags[slot] = 0;
+    p->committed += size;
+    p->nhandles++;
+    *handle_out = slot * p->granule;
+out:
+    pthread_mutex_unlock(&p->mu);
+    return rc;
+}
+
+/* Caller holds the lock; the handle is live and unmapped. */
+static int release_slot(hv_pool *p, uint64_t slot) {
+    uint64_t pages = p->hpages[slot];
+    uint64_t size = pages * p->granule;
+    if (fallocate(p->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)(slot * p->granule),
+                  (off_t)size) != 0) {
+        int e = errno;
+        return fail(e, "punching a hole of %llu bytes failed: %s", (unsigned long long)size,
+                    strerror(e));
+    }
+    p->hpages[slot] = 0;
+    p->hflags[slot] = 0;
+    p->committed -= size;
+    p->nhandles--;
+    if (push_free(p, slot, pages)) {
+        /* the extent is lost to reuse (only file offsets, not memory) */
+    }
+    return 0;
+}
+
+static int free_impl(hv_pool *p, uint64_t handle, int deferred) {
+    pthread_mutex_lock(&p->mu);
+    int rc = 0;
+    uint64_t slot = handle_slot(p, handle);
+    if (slot == UINT64_MAX || (p->hflags[slot] & HV_PENDING_FREE)) {
+        rc = fail(EBADF, "unknown handle %#llx (never created, or already freed)",
+                  (unsigned long long)handle);
+    } else if (p->hmaps[slot]) {
+        if (deferred)
+            p->hflags[slot] |= HV_PENDING_FREE;
+        else
+            rc = fail(EBUSY, "handle %#llx is still mapped %u time(s); unmap it before freeing",
+                      (unsigned long long)handle, p->hmaps[slot]);
+    } else {
+        rc = release_slot(p, slot);
+    }
+    pthread_mutex_unlock(&p->mu);
+    return rc;
+}
+
+int hv_free(hv_pool *p, uint64_t handle) { return free_impl(p, handle, 0); }
+int hv_free_deferred(hv_pool *p, uint64_t handle) { return free_impl(p, handle, 1); }
+
+int hv_handle_info(hv_pool *p, uint64_t handle, uint64_t *size, uint64_t *mapcount) {
+    pthread_mutex_lock(&p->mu);
+    int rc = 0;
+    uint64_t slot = handle_slot(p, handle);
+    if (slot == UINT64_MAX || (p->hflags[slot] & HV_PENDING_FREE)) {
+        rc = fail(EBADF, "unknown handle %#llx", (unsigned long long)handle);
+    } else {
+        if (size) *size = (uint64_t)p->hpages[slot] * p->granule;
+        if (mapcount) *mapcount = p->hmaps[slot];
+    }
+    pthread_mutex_unlock(&p->mu);
+    return rc;
+}
+
+/* ---- reservations ------------------------------------------------------------------------- */
+
+int hv_reserve(hv_pool *p, uint64_t size, uint64_t *va_out) {
+    if (size == 0 || size % p->granule)
+        return fail(EINVAL, "reservation size %llu is not a positive multiple of the granularity %llu",
+                    (unsigned long long)size, (unsigned long long)p->granule);
+    uint64_t npages = size / p->granule;
+    uint64_t *ent = calloc(npages, sizeof *ent);
+    if (!ent) return fail(ENOMEM, "out of host memory for the page table of %llu pages",
+                          (unsigned long long)npages);
+    uint64_t span = size + p->granule;
+    void *raw = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (raw == MAP_FAILED) {
+        int e = errno;
+        free(ent);
+        return fail(e == ENOMEM ? ENOMEM : e, "reserving %llu bytes of address space failed: %s",
+                    (unsigned long long)size, strerror(e));
+    }
+    uint64_t start = ((uint64_t)raw + p->granule - 1) & ~(p->granule - 1);
+    uint64_t head = start - (uint64_t)raw, tail = span - head - size;
+    if (head) munmap(raw, head);
+    if (tail) munmap((void *)(start + size), tail);
+
+    pthread_mutex_lock(&p->mu);
+    int rc = 0;
+    if (p->nresv == p->cap_resv) {
+        uint64_t cap = p->cap_resv ? p->cap_resv * 2 : 8;
+        hv_resv *r = realloc(p->resv, cap * sizeof *r);
+        if (!r) {
+            rc = fail(ENOMEM, "out of host memory for the reservation table");
+            goto out;
+        }
+        p->resv = r;
+        p->cap_resv = cap;
+    }
+    /* keep the table sorted by address */
+    uint64_t i = p->nresv;
+    while (i > 0 && p->resv[i - 1].va > start) {
+        p->resv[i] = p->resv[i - 1];
+        i--;
+    }
+    p->resv[i] = (hv_resv){.va = start, .size = size, .npages = npages, .mapped_pages = 0, .ent = ent};
+    p->nresv++;
+    p->reserved += size;
+    p->last_resv = i;
+    *va_out = start;
+out:
+    pthread_mutex_unlock(&p->mu);
+    if (rc) {
+        munmap((void *)start, size);
+        free(ent);
+    }
+    return rc;
+}
+
+/* Finds the reservation containing va; caller holds the lock. */
+static hv_resv *find_resv(hv_pool *p, uint64_t va) {
+    if (p->last_resv < p->nresv) {
+        hv_resv *r = &p->resv[p->last_resv];
+        if (va >= r->va && va - r->va < r->size) return r;
+    }
+    uint64_t lo = 0, hi = p->nresv;
+    while (lo < hi) {
+        uint64_t mid = (lo + hi) / 2;
+        hv_resv *r = &p->resv[mid];
+        if (va < r->va)
+            hi = mid;
+        else if (va - r->va >= r->size)
+            lo = mid + 1;
+        else {
+            p->last_resv = mid;
+            return r;
+        }
+    }
+    return NULL;
+}
+
+int hv_reservation_size(hv_pool *p, uint64_t va, uint64_t *size) {
+    pthread_mutex_lock(&p->mu);
+    hv_resv *r = find_resv(p, va);
+    int rc = 0;
+    if (!r || r->va != va)
+        rc = fail(EFAULT, "%#llx is not the start of a reservation", (unsigned long long)va);
+    else
+        *size = r->size;
+    pthread_mutex_unlock(&p->mu);
+    return rc;
+}
+
+int hv_release(hv_pool *p, uint64_t va, uint64_t size) {
+    pthread_mutex_lock(&p->mu);
+    int rc = 0;
+    hv_resv *r = find_resv(p, va);
+    if (!r || r->va != va) {
+        rc = fail(EFAULT, "%#llx is not the start of a reservation", (unsigned long long)va);
+        goto out;
+    }
+    if (size && size != r->size) {
+        rc = fail(EINVAL, "release size %llu differs from the reserved size %llu at %#llx",
+                  (unsigned long long)size, (unsigned long long)r->size, (unsigned long long)va);
+        goto out;
+    }
+    if (r->mapped_pages) {
+        rc = fail(EBUSY, "reservation at %#llx still has %llu mapped page(s); unmap them first",
+                  (unsigned long long)va, (unsigned long long)r->mapped_pages);
+        goto out;
+    }
+    if (munmap((void *)r->va, r->size) != 0) {
+        int e = errno;
+        rc = fail(e, "munmap of the reservation at %#llx failed: %s", (unsigned long long)va,
+                  strerror(e));
+        goto out;
+    }
+    free(r->ent);
+    p->reserved -= r->size;
+    uint64_t idx = (uint64_t)(r - p->resv);
+    memmove(&p->resv[idx], &p->resv[idx + 1], (p->nresv - idx - 1) * sizeof *r);
+    p->nresv--;
+    p->last_resv = 0;
+out:
+    pthread_mutex_unlock(&p->mu);
+    return rc;
+}
+
+/* ---- mappings ----------------------------------------------------------------------------- */
+
+static int map_locked(hv_pool *p, uint64_t va, uint64_t handle) {
+    if (va % p->granule)
+        return fail(EINVAL, "map address %#llx is not aligned to the granularity %llu",
+                    (unsigned long long)va, (unsigned long long)p->granule);
+    uint64_t slot = handle_slot(p, handle);
+    if (slot == UINT64_MAX || (p->hflags[slot] & HV_PENDING_FREE))
+        return fail(EBADF, "unknown handle %#llx (never created, or already freed)",
+                    (unsigned long long)handle);
+    uint64_t pages = p->hpages[slot], size = pages * p->granule;
+    hv_resv *r = find_resv(p, va);
+    if (!r) return fail(EFAULT, "map address %#llx is not inside a reservation", (unsigned long long)va);
+    uint64_t first = (va - r->va) / p->granule;
+    if (first + pages > r->npages)
+        return fail(EINVAL, "mapping %llu bytes at %#llx runs past the end of its reservation [%#llx, %#llx)",
+                    (unsigned long long)size, (unsigned long long)va, (unsigned long long)r->va,
+                    (unsigned long long)(r->va + r->size));
+    for (uint64_t i = 0; i < pages; i++)
+        if (r->ent[first + i])
+            return fail(EEXIST, "address %#llx is already mapped; unmap it first",
+                        (unsigned long long)(va + i * p->granule));
+    if (p->max_mappings && p->nmappings >= p->max_mappings)
+        return fail(ENOMEM, "mapping limit of %llu mappings reached (it keeps the process under "
+                    "vm.max_map_count); use larger handles or raise the limit",
+                    (unsigned long long)p->max_mappings);
+    void *got = mmap((void *)va, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, p->fd,
+                     (off_t)handle);
+    if (got == MAP_FAILED) {
+        int e = errno;
+        /* A failed MAP_FIXED may have removed the old mapping: put the reservation back. */
+        mmap((void *)va, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+        return fail(e, "mmap of %llu bytes at %#llx failed: %s%s", (unsigned long long)size,
+                    (unsigned long long)va, strerror(e),
+                    e == ENOMEM ? " (too many mappings? check vm.max_map_count)" : "");
+    }
+    r->ent[first] = handle | HV_START_BIT;
+    for (uint64_t i = 1; i < pages; i++) r->ent[first + i] = handle;
+    r->mapped_pages += pages;
+    p->hmaps[slot]++;
+    p->mapped += size;
+    p->nmappings++;
+    return 0;
+}
+
+static int unmap_locked(hv_pool *p, uint64_t va, uint64_t *handle_out) {
+    hv_resv *r = find_resv(p, va);
+    if (!r) return fail(EFAULT, "unmap address %#llx is not inside a reservation", (unsigned long long)va);
+    if ((va - r->va) % p->granule)
+        return fail(EINVAL, "unmap address %#llx is not aligned to the granularity %llu",
+                    (unsigned long long)va, (unsigned long long)p->granule);
+    uint64_t first = (va - r->va) / p->granule;
+    uint64_t e0 = r->ent[first];
+    if (!(e0 & HV_START_BIT))
+        return fail(ENOENT, e0 ? "address %#llx is inside a mapping but not its start"
+                               : "address %#llx is not mapped",
+                    (unsigned long long)va);
+    uint64_t handle = e0 & ~HV_START_BIT;
+    uint64_t slot = handle / p->granule;
+    uint64_t pages = p->hpages[slot], size = pages * p->granule;
+    void *got = mmap((void *)va, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED,
+                     -1, 0);
+    if (got == MAP_FAILED) {
+        int e = errno;
+        return fail(e, "re-reserving %llu bytes at %#llx failed: %s", (unsigned long long)size,
+                    (unsigned long long)va, strerror(e));
+    }
+    memset(&r->ent[first], 0, pages * sizeof *r->ent);
+    r->mapped_pages -= pages;
+    p->hmaps[slot]--;
+    p->mapped -= size;
+    p->nmappings--;
+    if (handle_out) *handle_out = handle;
+    if (p->hmaps[slot] == 0 && (p->hflags[slot] & HV_PENDING_FREE)) release_slot(p, slot);
+    return 0;
+}
+
+int hv_map(hv_pool *p, uint64_t va, uint64_t handle) {
+    pthread_mutex_lock(&p->mu);
+    int rc = map_locked(p, va, handle);
+    pthread_mutex_unlock(&p->mu);
+    return rc;
+}
+
+int hv_unmap(hv_pool *p, uint64_t va, uint64_t *handle_out) {
+    pthread_mutex_lock(&p->mu);
+    int rc = unmap_locked(p, va, handle_out);
+    pthread_mutex_unlock(&p->mu);
+    return rc;
+}
+
+int hv_map_batch(hv_pool *p, const uint64_t *vas, const uint64_t *handles, uint64_t n,
+                 uint64_t *failed) {
+    pthread_mutex_lock(&p->mu);
+    int rc = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        rc = map_locked(p, vas[i], handles[i]);
+        if (rc) {
+            char saved[sizeof hv_err];
+            memcpy(saved, hv_err, sizeof saved);
+            for (uint64_t j = i; j-- > 0;) unmap_locked(p, vas[j], NULL);
+            snprintf(hv_err, sizeof hv_err, "batch entry %llu of %llu: %s", (unsigned long long)i,
+                     (unsigned long long)n, saved);
+            if (failed) *failed = i;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&p->mu);
+    return rc;
+}
+
+int hv_unmap_batch(hv_pool *p, const uint64_t *vas, uint64_t n, uint64_t *failed) {
+    if (n == 0) return 0;
+    uint64_t *undone = malloc(n * sizeof *undone); /* handles unmapped so far, for rollback */
+    if (!undone) {
+        if (failed) *failed = 0;
+        return fail(ENOMEM, "out of host memory for the batch rollback record");
+    }
+    pthread_mutex_lock(&p->mu);
+    int rc = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        rc = unmap_locked(p, vas[i], &undone[i]);
+        if (rc) {
+            char saved[sizeof hv_err];
+            memcpy(saved, hv_err, sizeof saved);
+            for (uint64_t j = i; j-- > 0;) map_locked(p, vas[j], undone[j]);
+            snprintf(hv_err, sizeof hv_err, "batch entry %llu of %llu: %s", (unsigned long long)i,
+                     (unsigned long long)n, saved);
+            if (failed) *failed = i;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&p->mu);
+    free(undone);
+    return rc;
+}
+
+/* Caller holds the lock. */
+static int check_mapped_locked(hv_pool *p, uint64_t va, uint64_t len) {
+    uint64_t end = va + len, cur = va;
+    if (end < va) return fail(EINVAL, "range at %#llx of %llu bytes wraps around",
+                              (unsigned long long)va, (unsigned long long)len);
+    while (cur < end) {
+        hv_resv *r = find_resv(p, cur);
+        if (!r) return fail(EFAULT, "address %#llx is not inside a reservation", (unsigned long long)cur);
+        uint64_t page = (cur - r->va) / p->granule;
+        if (!r->ent[page]) return fail(ENOENT, "address %#llx is not mapped", (unsigned long long)cur);
+        cur = r->va + (page + 1) * p->granule;
+    }
+    return 0;
+}
+
+int hv_check_mapped(hv_pool *p, uint64_t va, uint64_t len) {
+    if (len == 0) return 0;
+    pthread_mutex_lock(&p->mu);
+    int rc = check_mapped_locked(p, va, len);
+    pthread_mutex_unlock(&p->mu);
+    return rc;
+}
+
+int hv_copy_batch_checked(hv_pool *p, const uint64_t *dsts, const uint64_t *srcs,
+                          const uint64_t *sizes, uint64_t n, int check_dst, int check_src,
+                          uint64_t *failed) {
+    if (check_dst || check_src) {
+        pthread_mutex_lock(&p->mu);
+        for (uint64_t i = 0; i < n; i++) {
+            int rc = 0;
+            if (sizes[i] && check_dst) rc = check_mapped_locked(p, dsts[i], sizes[i]);
+            if (!rc && sizes[i] && check_src) rc = check_mapped_locked(p, srcs[i], sizes[i]);
+            if (rc) {
+                char saved[sizeof hv_err];
+                memcpy(saved, hv_err, sizeof saved);
+                snprintf(hv_err, sizeof hv_err, "copy %llu of %llu (%s side): %s",
+                         (unsigned long long)i, (unsigned long long)n,
+                         check_dst && check_mapped_locked(p, dsts[i], sizes[i]) ? "destination" : "source",
+                         saved);
+                if (failed) *failed = i;
+                pthread_mutex_unlock(&p->mu);
+                return rc;
+            }
+        }
+        pthread_mutex_unlock(&p->mu);
+    }
+    hv_copy_batch(dsts, srcs, sizes, n);
+    return 0;
+}
+
+/* ---- copies and host buffers -------------------------------------------------------------- */
+
+void hv_copy(uint64_t dst, uint64_t src, uint64_t n) { memmove((void *)dst, (const void *)src, n); }
+
+void hv_copy_batch(const uint64_t *dsts, const uint64_t *srcs, const uint64_t *sizes, uint64_t n) {
+    for (uint64_t i = 0; i < n; i++) memcpy((void *)dsts[i], (const void *)srcs[i], sizes[i]);
+}
+
+int hv_host_alloc(uint64_t size, uint64_t *ptr_out) {
+    if (size == 0) return fail(EINVAL, "host buffer size must be positive");
+    void *m = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) {
+        int e = errno;
+        return fail(e == ENOMEM ? ENOMEM : e, "allocating a host buffer of %llu bytes failed: %s",
+                    (unsigned long long)size, strerror(e));
+    }
+    *ptr_out = (uint64_t)m;
+    return 0;
+}
+
+int hv_host_free(uint64_t ptr, uint64_t size) {
+    if (munmap((void *)ptr, size) != 0) {
+        int e = errno;
+        return fail(e, "freeing the host buffer at %#llx failed: %s", (unsigned long long)ptr, strerror(e));
+    }
+    return 0;
+}
+
+int hv_bench_raw_map_unmap(int fd, uint64_t va, const uint64_t *offs, uint64_t n, uint64_t page,
+                           uint64_t rounds) {
+    for (uint64_t k = 0; k < rounds; k++) {
+        for (uint64_t i = 0; i < n; i++)
+            if (mmap((void *)(va + i * page), page, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd,
+                     (off_t)offs[i]) == MAP_FAILED)
+                return fail(errno, "raw mmap failed: %s", strerror(errno));
+        for (uint64_t i = 0; i < n; i++)
+            if (mmap((void *)(va + i * page), page, PROT_NONE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) == MAP_FAILED)
+                return fail(errno, "raw re-reserve failed: %s", strerror(errno));
+    }
+    return 0;
+}

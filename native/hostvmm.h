@@ -1,0 +1,103 @@
+/* hostvmm: VMM primitives over host memory (Linux memfd + mmap).
+ *
+ * One pool = one memfd. A physical *handle* is a byte offset into that memfd (never 0: the
+ * first granule of the file is never handed out), committed eagerly with fallocate so that a
+ * lack of memory is an error code now rather than SIGBUS or the OOM killer later, and freed by
+ * punching a hole. A *reservation* is a PROT_NONE/MAP_NORESERVE anonymous range aligned to the
+ * granule. Mapping a handle replaces part of a reservation with MAP_SHARED|MAP_FIXED of the
+ * memfd; unmapping re-maps PROT_NONE anonymous memory over it, so the range stays reserved.
+ *
+ * The pool keeps its own table of reservations, handles and mappings and refuses misuse that a
+ * device would refuse (MAP_FIXED would silently replace). Handles are always mapped whole.
+ *
+ * Every function returning int returns 0 on success or a positive errno-style code:
+ *   EINVAL  misuse: zero/unaligned size or address, size mismatch
+ *   EFAULT  address not inside any reservation of this pool
+ *   EBADF   unknown handle (never created, already freed, or pending free)
+ *   EEXIST  mapping onto a range that already has a mapping
+ *   ENOENT  unmapping an address that is not the start of a mapping
+ *   EBUSY   releasing a reservation with mappings / freeing a mapped handle
+ *   ENOMEM  out of memory (the configured limit, fallocate ENOSPC/ENOMEM, or mmap ENOMEM)
+ *   other   errno of a failed system call
+ * and leaves a human-readable message for the calling thread in hv_last_error().
+ * All sizes and addresses are bytes. Thread-safe: one mutex per pool (copies take no lock).
+ */
+#ifndef XLLM_HOSTVMM_H
+#define XLLM_HOSTVMM_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct hv_pool hv_pool;
+
+/* Statistics filled by hv_stats, in this order (bytes unless named otherwise). */
+enum {
+    HV_STAT_COMMITTED = 0,   /* bytes of live handles (fallocated) */
+    HV_STAT_HANDLES,         /* number of live handles */
+    HV_STAT_RESERVATIONS,    /* number of reservations */
+    HV_STAT_RESERVED,        /* bytes reserved */
+    HV_STAT_MAPPED,          /* bytes mapped (a handle mapped twice counts twice) */
+    HV_STAT_MAPPINGS,        /* number of mappings */
+    HV_STAT_LIMIT,           /* configured limit on committed bytes, 0 = none */
+    HV_STAT_FILE_END,        /* end of the used offset range of the memfd */
+    HV_STAT_MAX_MAPPINGS,    /* cap on live mappings, 0 = none */
+    HV_STAT_COUNT
+};
+
+const char *hv_last_error(void);
+
+int hv_pool_open(hv_pool **out, uint64_t granule, uint64_t limit);
+void hv_pool_close(hv_pool *p);
+int hv_pool_fd(hv_pool *p);
+uint64_t hv_granule(hv_pool *p);
+void hv_stats(hv_pool *p, uint64_t *out);
+void hv_set_limit(hv_pool *p, uint64_t limit);
+/* Cap on live mappings (ENOMEM beyond it), 0 = none. */
+void hv_set_max_mappings(hv_pool *p, uint64_t max_mappings);
+
+int hv_create(hv_pool *p, uint64_t size, uint64_t *handle_out);
+int hv_free(hv_pool *p, uint64_t handle);
+/* Free now if unmapped, else free when the last mapping goes (ACL/CUDA release semantics). */
+int hv_free_deferred(hv_pool *p, uint64_t handle);
+int hv_handle_info(hv_pool *p, uint64_t handle, uint64_t *size, uint64_t *mapcount);
+
+int hv_reserve(hv_pool *p, uint64_t size, uint64_t *va_out);
+/* size 0: release whatever was reserved at va (ACL); otherwise it must equal the reserved size. */
+int hv_release(hv_pool *p, uint64_t va, uint64_t size);
+int hv_reservation_size(hv_pool *p, uint64_t va, uint64_t *size);
+
+int hv_map(hv_pool *p, uint64_t va, uint64_t handle);
+int hv_unmap(hv_pool *p, uint64_t va, uint64_t *handle_out);
+/* All or nothing: on failure every mapping this call made is undone; *failed = index. */
+int hv_map_batch(hv_pool *p, const uint64_t *vas, const uint64_t *handles, uint64_t n,
+                 uint64_t *failed);
+/* All or nothing for misuse: on failure every unmap this call did is re-mapped. */
+int hv_unmap_batch(hv_pool *p, const uint64_t *vas, uint64_t n, uint64_t *failed);
+/* 0 when every byte of [va, va+len) lies in mapped pages of this pool, else ENOENT/EFAULT. */
+int hv_check_mapped(hv_pool *p, uint64_t va, uint64_t len);
+
+/* Checks that every device-side range (dst when check_dst, src when check_src) is mapped in
+ * this pool, then copies with no lock held. Nothing is copied when a check fails. The caller
+ * must keep the ranges mapped until the call returns. */
+int hv_copy_batch_checked(hv_pool *p, const uint64_t *dsts, const uint64_t *srcs,
+                          const uint64_t *sizes, uint64_t n, int check_dst, int check_src,
+                          uint64_t *failed);
+void hv_copy(uint64_t dst, uint64_t src, uint64_t n);
+void hv_copy_batch(const uint64_t *dsts, const uint64_t *srcs, const uint64_t *sizes, uint64_t n);
+
+/* Anonymous page-aligned host buffer (the host "pinned" buffer). */
+int hv_host_alloc(uint64_t size, uint64_t *ptr_out);
+int hv_host_free(uint64_t ptr, uint64_t size);
+
+/* Benchmark baseline: the same system calls as hv_map/hv_unmap with no bookkeeping.
+ * Maps offs[i] at va + i*page then unmaps, for every i, `rounds` times. */
+int hv_bench_raw_map_unmap(int fd, uint64_t va, const uint64_t *offs, uint64_t n, uint64_t page,
+                           uint64_t rounds);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

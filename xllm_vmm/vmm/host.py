@@ -1,0 +1,317 @@
+"""The host driver: VMM over Linux memfd + mmap, through the native ``libxllm_hostvmm.so``.
+
+One driver = one pooled memfd. A handle is a byte offset into it (never 0), committed eagerly
+with ``fallocate`` (a lack of memory is :class:`VmmOutOfMemory` now, not SIGBUS later) and freed
+by punching a hole. Reservations are ``PROT_NONE``/``MAP_NORESERVE`` ranges aligned to the
+granularity; maps are ``MAP_SHARED|MAP_FIXED`` of the memfd; unmapping re-maps ``PROT_NONE`` so
+the range stays reserved. The native pool keeps its own table of reservations, handles and
+mappings and refuses misuse (``MAP_FIXED`` alone would replace silently). Batched map/unmap is
+one native call, all or nothing.
+
+``max_mappings`` caps live mappings (:class:`VmmOutOfMemory` beyond it), to stay under
+``vm.max_map_count``; without it, the kernel's own ENOMEM from ``mmap`` is reported the same way.
+
+Memory: with ``device_memory`` set the driver emulates a device of that many bytes (``mem_info``
+total, and out-of-memory once live handles would exceed it); otherwise it reports host memory
+(cgroup limit or ``MemAvailable``) and runs out when ``fallocate`` does. Handle memory counts as
+``Shmem`` in ``/proc/meminfo``. Every mapping costs VMAs (``vm.max_map_count``, 65530 by
+default); contiguous handles mapped contiguously merge into one VMA. The memfd is one file
+descriptor per driver.
+
+Errors carry ``errno`` as ``code``. Not fork-safe: a forked child shares the mappings.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes as C
+import errno
+import threading
+import weakref
+from typing import Sequence
+
+from xllm_vmm.vmm import native
+from xllm_vmm.vmm.driver import (
+    CopyKind,
+    MemInfo,
+    Transfer,
+    VmmAlreadyMapped,
+    VmmBusy,
+    VmmError,
+    VmmInvalidArgument,
+    VmmNotMapped,
+    VmmOutOfMemory,
+)
+from xllm_vmm.vmm.sysmem import host_memory
+from xllm_vmm.vmm.transfer import CopyWorker
+from xllm_vmm.vmm.views import ViewRegistry
+
+GRANULARITY = 2 * 1024 * 1024
+
+_ERRORS: dict[int, type[VmmError]] = {
+    errno.ENOMEM: VmmOutOfMemory,
+    errno.ENOSPC: VmmOutOfMemory,
+    errno.EEXIST: VmmAlreadyMapped,
+    errno.ENOENT: VmmNotMapped,
+    errno.EBUSY: VmmBusy,
+    errno.EINVAL: VmmInvalidArgument,
+    errno.EFAULT: VmmInvalidArgument,
+    errno.EBADF: VmmInvalidArgument,
+}
+
+_STAT_NAMES = ("committed_bytes", "handles", "reservations", "reserved_bytes", "mapped_bytes",
+               "mappings", "limit_bytes", "file_end_bytes", "max_mappings")
+
+
+def _u64s(values: Sequence[int]) -> array.array:
+    try:
+        return array.array("Q", values)
+    except (OverflowError, TypeError) as exc:
+        raise VmmInvalidArgument("batch", errno.EINVAL, "",
+                                 f"addresses, handles and sizes must be non-negative ints: {exc}") from exc
+
+
+def _addr(arr: array.array) -> int:
+    return arr.buffer_info()[0]
+
+
+def _close_pool(lib: C.CDLL, pool: int) -> None:
+    lib.hv_pool_close(pool)
+
+
+class HostDriver:
+    """VMM on host memory. Thread-safe (the native pool holds one mutex; copies take none)."""
+
+    name = "host"
+    device_kind = "cpu"
+
+    def __init__(self, *, device_index: int = 0, device_memory: int | None = None,
+                 granularity: int = GRANULARITY, max_mappings: int | None = None) -> None:
+        if device_memory is not None and device_memory <= 0:
+            raise VmmInvalidArgument("open host driver", errno.EINVAL, "",
+                                     f"device_memory must be a positive number of bytes, got {device_memory}")
+        self.device_index = device_index
+        self.device_memory = device_memory
+        self._lib = native.host_library()
+        pool = C.c_void_p()
+        self._check("open host pool", self._lib.hv_pool_open(C.byref(pool), granularity,
+                                                             device_memory or 0))
+        self._pool = pool.value
+        if max_mappings:
+            self._lib.hv_set_max_mappings(self._pool, max_mappings)
+        self._granularity = granularity
+        self._closed = False
+        self._host_buffers: dict[int, int] = {}
+        self._hb_lock = threading.Lock()
+        self._worker = CopyWorker(f"xllm-vmm-host{device_index}-copy")
+        self.views = ViewRegistry()
+        self._finalizer = weakref.finalize(self, _close_pool, self._lib, self._pool)
+
+    # ---- errors -------------------------------------------------------------------------------
+
+    def _check(self, op: str, rc: int, detail: str = "") -> None:
+        if rc == 0:
+            return
+        msg = (self._lib.hv_last_error() or b"").decode(errors="replace")
+        cls = _ERRORS.get(rc, VmmError)
+        raise cls(op, rc, msg, detail)
+
+    def _live(self) -> int:
+        if self._closed:
+            raise VmmInvalidArgument("host driver", errno.EBADF, "", "the driver is closed")
+        return self._pool
+
+    # ---- info ---------------------------------------------------------------------------------
+
+    @property
+    def granularity(self) -> int:
+        """Physical page size in bytes (2 MiB)."""
+        return self._granularity
+
+    def mem_info(self) -> MemInfo:
+        """With ``device_memory``: (device_memory − live handle bytes, device_memory). Else the
+        host's free memory (cgroup or MemAvailable, which already counts live handles as
+        Shmem) and total."""
+        if self.device_memory is not None:
+            committed = self.stats()["committed_bytes"]
+            return MemInfo(free=max(0, self.device_memory - committed), total=self.device_memory)
+        return host_memory()
+
+    def stats(self) -> dict[str, int]:
+        """Counters of the native pool: committed/reserved/mapped bytes, handles, mappings."""
+        out = (C.c_uint64 * len(_STAT_NAMES))()
+        self._lib.hv_stats(self._live(), C.addressof(out))
+        return dict(zip(_STAT_NAMES, out))
+
+    # ---- virtual ranges -----------------------------------------------------------------------
+
+    def reserve(self, size: int) -> int:
+        """Reserves ``size`` bytes (a positive multiple of the granularity) of address space,
+        aligned to the granularity; returns its start."""
+        va = C.c_uint64()
+        self._check("reserve", self._lib.hv_reserve(self._live(), size, C.byref(va)),
+                    f"size={size}")
+        return va.value
+
+    def release(self, va: int, size: int) -> None:
+        """Releases a whole reservation; refused while it has mappings or live tensor views."""
+        self.views.check_release(va, size)
+        self._check("release", self._lib.hv_release(self._live(), va, size),
+                    f"va={va:#x} size={size}")
+
+    # ---- handles ------------------------------------------------------------------------------
+
+    def create_handle(self, size: int) -> int:
+        """Commits ``size`` bytes (a multiple of the granularity); returns the handle (> 0)."""
+        h = C.c_uint64()
+        self._check("create_handle", self._lib.hv_create(self._live(), size, C.byref(h)),
+                    f"size={size}")
+        return h.value
+
+    def create_handles(self, count: int, size: int) -> list[int]:
+        """Creates ``count`` handles of ``size`` bytes, all or nothing: on failure (typically
+        :class:`VmmOutOfMemory`) the handles this call created are freed before raising."""
+        made: list[int] = []
+        try:
+            for _ in range(count):
+                made.append(self.create_handle(size))
+        except VmmError:
+            for h in made:
+                self.free_handle(h)
+            raise
+        return made
+
+    def free_handle(self, handle: int) -> None:
+        """Frees an unmapped handle; its memory goes back to the host at once."""
+        self._check("free_handle", self._lib.hv_free(self._live(), handle), f"handle={handle:#x}")
+
+    def handle_size(self, handle: int) -> int:
+        size = C.c_uint64()
+        self._check("handle_size", self._lib.hv_handle_info(self._live(), handle, C.byref(size), None))
+        return size.value
+
+    # ---- mappings -----------------------------------------------------------------------------
+
+    def map(self, va: int, handle: int) -> None:
+        self._check("map", self._lib.hv_map(self._live(), va, handle),
+                    f"va={va:#x} handle={handle:#x}")
+
+    def unmap(self, va: int) -> None:
+        self._check("unmap", self._lib.hv_unmap(self._live(), va, None), f"va={va:#x}")
+
+    def map_batch(self, vas: Sequence[int], handles: Sequence[int]) -> None:
+        """Maps ``handles[i]`` at ``vas[i]`` in one native call, all or nothing."""
+        if len(vas) != len(handles):
+            raise VmmInvalidArgument("map_batch", errno.EINVAL, "",
+                                     f"{len(vas)} addresses but {len(handles)} handles")
+        if not vas:
+            return
+        a, h = _u64s(vas), _u64s(handles)
+        failed = C.c_uint64()
+        self._check("map_batch",
+                    self._lib.hv_map_batch(self._live(), _addr(a), _addr(h), len(a), C.byref(failed)))
+
+    def unmap_batch(self, vas: Sequence[int]) -> None:
+        """Unmaps every mapping starting at ``vas[i]`` in one native call, all or nothing."""
+        if not vas:
+            return
+        a = _u64s(vas)
+        failed = C.c_uint64()
+        self._check("unmap_batch",
+                    self._lib.hv_unmap_batch(self._live(), _addr(a), len(a), C.byref(failed)))
+
+    def is_mapped(self, va: int, nbytes: int) -> bool:
+        """True when every byte of ``[va, va+nbytes)`` lies in mapped pages of this driver."""
+        return self._lib.hv_check_mapped(self._live(), va, nbytes) == 0
+
+    # ---- copies -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _sides(kind: CopyKind) -> tuple[int, int]:
+        kind = CopyKind(kind)
+        return int(kind in (CopyKind.H2D, CopyKind.D2D)), int(kind in (CopyKind.D2H, CopyKind.D2D))
+
+    def copy(self, dst: int, src: int, nbytes: int, kind: CopyKind) -> None:
+        """Copies ``nbytes``; device-side ranges must be mapped (checked, else VmmNotMapped)."""
+        self.copy_batch([dst], [src], [nbytes], kind)
+
+    def _copy_arrays(self, dsts, srcs, sizes, kind: CopyKind):
+        if not (len(dsts) == len(srcs) == len(sizes)):
+            raise VmmInvalidArgument("copy_batch", errno.EINVAL, "",
+                                     f"{len(dsts)} destinations, {len(srcs)} sources, {len(sizes)} sizes")
+        return _u64s(dsts), _u64s(srcs), _u64s(sizes), self._sides(kind)
+
+    def _run_copy(self, d: array.array, s: array.array, n: array.array, sides) -> None:
+        failed = C.c_uint64()
+        self._check("copy_batch", self._lib.hv_copy_batch_checked(
+            self._live(), _addr(d), _addr(s), _addr(n), len(d), sides[0], sides[1], C.byref(failed)))
+
+    def copy_batch(self, dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int],
+                   kind: CopyKind) -> None:
+        """Gathers/scatters ``sizes[i]`` bytes from ``srcs[i]`` to ``dsts[i]`` in one native
+        call (no GIL held while copying). Every device-side range is checked first; nothing is
+        copied if one is not mapped."""
+        d, s, n, sides = self._copy_arrays(dsts, srcs, sizes, kind)
+        if len(d):
+            self._run_copy(d, s, n, sides)
+
+    def copy_batch_async(self, dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int],
+                         kind: CopyKind) -> Transfer:
+        """Like :meth:`copy_batch` on the driver's copy thread; transfers run in order. The
+        ranges must stay mapped (and host buffers alive) until the transfer is done."""
+        d, s, n, sides = self._copy_arrays(dsts, srcs, sizes, kind)
+        self._live()
+        return self._worker.submit(lambda: self._run_copy(d, s, n, sides))
+
+    def synchronize(self) -> None:
+        """Waits for every asynchronous transfer submitted so far."""
+        self._worker.drain()
+
+    # ---- host buffers -------------------------------------------------------------------------
+
+    def alloc_host(self, size: int) -> int:
+        """Allocates a page-aligned host buffer of ``size`` bytes (the host "pinned" buffer)."""
+        ptr = C.c_uint64()
+        self._check("alloc_host", self._lib.hv_host_alloc(size, C.byref(ptr)), f"size={size}")
+        with self._hb_lock:
+            self._host_buffers[ptr.value] = size
+        return ptr.value
+
+    def free_host(self, ptr: int) -> None:
+        with self._hb_lock:
+            size = self._host_buffers.pop(ptr, None)
+        if size is None:
+            raise VmmInvalidArgument("free_host", errno.EINVAL, "",
+                                     f"{ptr:#x} is not a host buffer of this driver")
+        self._check("free_host", self._lib.hv_host_free(ptr, size))
+
+    # ---- lifetime -----------------------------------------------------------------------------
+
+    @property
+    def memfd(self) -> int:
+        """The pool's memfd (for diagnostics and the raw benchmark baseline)."""
+        return self._lib.hv_pool_fd(self._live())
+
+    def close(self) -> None:
+        """Waits for transfers, then unmaps and releases everything and closes the memfd.
+        Idempotent. Tensor views over the arena must be dropped first."""
+        if self._closed:
+            return
+        self._worker.shutdown()
+        self.views.check_close()
+        with self._hb_lock:
+            buffers, self._host_buffers = self._host_buffers, {}
+        for ptr, size in buffers.items():
+            self._lib.hv_host_free(ptr, size)
+        self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> "HostDriver":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        mem = f", device_memory={self.device_memory}" if self.device_memory else ""
+        return f"HostDriver(device_index={self.device_index}{mem}{', closed' if self._closed else ''})"
