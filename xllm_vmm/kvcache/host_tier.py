@@ -1,0 +1,334 @@
+"""The host KV tier (HK-01): completed prefix blocks copied to a preallocated host pool, and
+restored from it into newly mapped VMM blocks when their device copy was evicted.
+
+Policy: **write-through on completion.** When a request releases its blocks and a published
+hash becomes cached on the device (:meth:`PrefixCache.on_zero_ref` → :meth:`HostTier.on_cached`),
+the tier queues a device→host copy of it; :meth:`HostTier.step` submits the queue as one batched
+asynchronous copy. Why not offload on eviction: eviction runs inside an allocation that is short
+of memory and must hand blocks back at once (the allocator frees them and retries), whereas an
+offload copy takes time; waiting for it would stall the allocating request, and pinning the
+victims until the copy ends would free nothing now. Copying at completion keeps eviction
+instant and the copy off the critical path; its cost is copying blocks that may never be
+evicted (bounded by one copy per hash: a hash already on the host is not copied again). Only
+blocks of requests that finished are copied; a running request's blocks never are (HK-01:
+"active requests are not swapped out").
+
+Restore: after a device lookup hits ``k`` blocks, :meth:`match` counts the next blocks found on
+the host; the engine allocates device blocks for the rest of the prompt as usual and
+:meth:`restore` copies the host blocks into the first of them (one batched host→device copy).
+When it finishes the restored blocks are published in the device index and the request
+proceeds as a device hit; if the copy fails the request simply computes those blocks.
+
+Pins (invariant 4): every device block and host block a copy reads or writes is pinned from
+submission until the copy has finished — successfully or not — and only then released. A
+request cancelled mid-copy releases its references as usual; the pins keep its blocks (and the
+host blocks) alive until the copy ends, after which nothing is left behind: restored blocks
+whose copy succeeded stay as ordinary cached blocks, the others are freed.
+
+Layout of a host block: for each cache group (in the prefix cache's order), for each tensor of
+the group, that tensor's bytes of the block. Units: bytes, blocks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping, Protocol, Sequence
+
+from xllm_vmm.kvcache.hashing import BlockHash
+from xllm_vmm.kvcache.host_pool import HostPool
+from xllm_vmm.kvcache.prefix import PrefixCache
+from xllm_vmm.vmm.driver import CopyKind
+
+
+class BlockAddresses(Protocol):
+    """Where a block's bytes live on the device."""
+
+    def block_segments(self, group: str, block: int) -> Sequence[tuple[int, int]]:
+        """``(device address, nbytes)`` of ``block`` in every tensor of ``group``, in tensor
+        order. The block's pages are mapped while it is allocated (invariant 1)."""
+
+
+@dataclass
+class HostTierStats:
+    """Host tier counters (blocks are prefix hashes; bytes cover every group and tensor)."""
+
+    offload_queued: int = 0
+    offloaded_blocks: int = 0
+    offloaded_bytes: int = 0
+    offload_failures: int = 0
+    offload_skipped: int = 0  # host pool full of pinned/filling blocks, or hash evicted first
+    host_lookups: int = 0
+    host_hit_blocks: int = 0
+    restored_blocks: int = 0
+    restored_bytes: int = 0
+    restore_failures: int = 0
+    restores_cancelled: int = 0
+    host_evictions: int = 0
+    host_blocks_used: int = 0
+    host_blocks_indexed: int = 0
+    host_capacity_blocks: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Restore:
+    """A restore in flight for one request: ``num_blocks`` blocks from request block
+    ``first_block``. Poll :meth:`done`; afterwards :attr:`ok` says whether they are valid (a
+    failed restore leaves the blocks allocated to the request, to be computed)."""
+
+    def __init__(self, tier: "HostTier", first_block: int, num_blocks: int) -> None:
+        self._tier = tier
+        self.first_block = first_block
+        self.num_blocks = num_blocks
+        self.finished = num_blocks == 0
+        self.ok = num_blocks == 0
+        self.cancelled = False
+        self.error: BaseException | None = None
+
+    def done(self) -> bool:
+        if not self.finished:
+            self._tier.poll()
+        return self.finished
+
+    def wait(self) -> bool:
+        while not self.finished:
+            self._tier.wait_all()
+        return self.ok
+
+    def cancel(self) -> None:
+        """The request is gone. Its blocks stay pinned until the copy finishes; the request may
+        release its references right away."""
+        if not self.finished and not self.cancelled:
+            self.cancelled = True
+            self._tier.stats.restores_cancelled += 1
+
+
+@dataclass
+class _InFlight:
+    kind: CopyKind
+    transfer: Any
+    hashes: list[BlockHash]
+    device: dict[str, list[int]]  # group -> blocks, aligned with hashes
+    host: list[int]  # host blocks, aligned with hashes
+    restore: Restore | None = None
+    error: BaseException | None = None
+    nbytes: int = 0
+    finished: bool = field(default=False)
+
+
+class HostTier:
+    """Write-through host tier over a :class:`PrefixCache`, a :class:`HostPool` and a driver.
+
+    The engine calls :meth:`step` once per scheduler iteration (and may call :meth:`poll` at any
+    time); :meth:`close` waits for every copy and releases every pin."""
+
+    def __init__(self, prefix: PrefixCache, pool: HostPool, driver: Any,
+                 addresses: BlockAddresses) -> None:
+        self.prefix = prefix
+        self.pool = pool
+        self.driver = driver
+        self.addresses = addresses
+        self._pending: OrderedDict[BlockHash, None] = OrderedDict()
+        self._offloading: set[BlockHash] = set()
+        self._inflight: list[_InFlight] = []
+        self.stats = HostTierStats(host_capacity_blocks=pool.capacity)
+        prefix.add_listener(self)
+
+    # ------------------------------------------------------------------ write-through
+    def on_cached(self, h: BlockHash) -> None:
+        """A hash's blocks were released by their last request: queue its copy to the host."""
+        if self.pool.capacity == 0 or h in self.pool or h in self._offloading or h in self._pending:
+            return
+        self._pending[h] = None
+        self.stats.offload_queued += 1
+
+    def _segments(self, blocks: Mapping[str, int]) -> list[tuple[int, int]]:
+        segs: list[tuple[int, int]] = []
+        for name in self.prefix.group_names:
+            segs.extend(self.addresses.block_segments(name, blocks[name]))
+        return segs
+
+    def step(self) -> None:
+        """Submit queued offloads as one batched device→host copy, then reap finished copies."""
+        self.poll()
+        if not self._pending:
+            return
+        hashes: list[BlockHash] = []
+        host: list[int] = []
+        device: dict[str, list[int]] = {n: [] for n in self.prefix.group_names}
+        dsts: list[int] = []
+        srcs: list[int] = []
+        sizes: list[int] = []
+        pending, self._pending = self._pending, OrderedDict()
+        for h in pending:
+            if h in self.pool or not self.prefix.contains(h):
+                self.stats.offload_skipped += 1
+                continue
+            hb = self.pool.reserve()
+            if hb is None:
+                self.stats.offload_skipped += 1
+                continue
+            blocks = self.prefix.blocks_of(h)
+            for n, b in blocks.items():
+                self.prefix.pin(n, b)
+                device[n].append(b)
+            off = self.pool.address(hb)
+            for addr, nb in self._segments(blocks):
+                dsts.append(off)
+                srcs.append(addr)
+                sizes.append(nb)
+                off += nb
+            hashes.append(h)
+            host.append(hb)
+            self._offloading.add(h)
+        if not hashes:
+            return
+        self._submit(_InFlight(CopyKind.D2H, None, hashes, device, host, nbytes=sum(sizes)),
+                     dsts, srcs, sizes)
+
+    def _submit(self, t: _InFlight, dsts: list[int], srcs: list[int], sizes: list[int]) -> None:
+        try:
+            t.transfer = self.driver.copy_batch_async(dsts, srcs, sizes, t.kind)
+        except Exception as e:  # the copy never started: finish it as failed right away
+            t.error = e
+            self._finish(t)
+            return
+        self._inflight.append(t)
+
+    # ------------------------------------------------------------------ restore
+    def match(self, hashes: Sequence[BlockHash], start: int, max_blocks: int | None = None
+              ) -> int:
+        """How many of ``hashes[start:]`` are on the host, consecutively from ``start``."""
+        end = len(hashes) if max_blocks is None else min(len(hashes), max_blocks)
+        n = 0
+        for h in hashes[start:end]:
+            if h in self.pool:
+                n += 1
+            else:
+                break
+        self.stats.host_lookups += 1
+        self.stats.host_hit_blocks += n
+        return n
+
+    def restore(self, hashes: Sequence[BlockHash], first_block: int,
+                blocks: Mapping[str, Sequence[int]]) -> Restore:
+        """Copy the host blocks of ``hashes`` (request blocks ``first_block``…) into the device
+        blocks ``blocks[g][j]`` (freshly allocated to the request, one per hash per group).
+        Hashes no longer on the host end the restore early (see :attr:`Restore.num_blocks`)."""
+        hs: list[BlockHash] = []
+        host: list[int] = []
+        for h in hashes:
+            hb = self.pool.lookup(h)
+            if hb is None:
+                break
+            hs.append(h)
+            host.append(hb)
+        r = Restore(self, first_block, len(hs))
+        if not hs:
+            return r
+        device = {n: list(blocks[n][: len(hs)]) for n in self.prefix.group_names}
+        dsts: list[int] = []
+        srcs: list[int] = []
+        sizes: list[int] = []
+        for j, hb in enumerate(host):
+            self.pool.pin(hb)
+            self.pool.touch(hb)
+            ids = {n: device[n][j] for n in self.prefix.group_names}
+            for n, b in ids.items():
+                self.prefix.pin(n, b)
+            off = self.pool.address(hb)
+            for addr, nb in self._segments(ids):
+                dsts.append(addr)
+                srcs.append(off)
+                sizes.append(nb)
+                off += nb
+        self._submit(_InFlight(CopyKind.H2D, None, hs, device, host, restore=r,
+                               nbytes=sum(sizes)), dsts, srcs, sizes)
+        return r
+
+    # ------------------------------------------------------------------ completion
+    def poll(self) -> int:
+        """Finish every copy that is done; returns how many finished."""
+        n = 0
+        still: list[_InFlight] = []
+        for t in self._inflight:
+            if t.transfer.done():
+                try:
+                    t.transfer.wait()
+                except Exception as e:
+                    t.error = e
+                self._finish(t)
+                n += 1
+            else:
+                still.append(t)
+        self._inflight = still
+        return n
+
+    def wait_all(self) -> None:
+        """Wait for every copy in flight and finish it."""
+        inflight, self._inflight = self._inflight, []
+        for t in inflight:
+            try:
+                t.transfer.wait()
+            except Exception as e:
+                t.error = e
+            self._finish(t)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._inflight)
+
+    def _finish(self, t: _InFlight) -> None:
+        ok = t.error is None
+        if t.kind is CopyKind.D2H:
+            for h, hb in zip(t.hashes, t.host):
+                self._offloading.discard(h)
+                if ok:
+                    self.pool.commit(hb, h)
+                else:
+                    self.pool.abort(hb)
+            if ok:
+                self.stats.offloaded_blocks += len(t.hashes)
+                self.stats.offloaded_bytes += t.nbytes
+            else:
+                self.stats.offload_failures += len(t.hashes)
+        else:
+            r = t.restore
+            assert r is not None
+            if ok:
+                self.prefix.publish(t.device, t.hashes)
+                self.stats.restored_blocks += len(t.hashes)
+                self.stats.restored_bytes += t.nbytes
+            else:
+                self.stats.restore_failures += len(t.hashes)
+            for hb in t.host:
+                self.pool.unpin(hb)
+            r.finished = True
+            r.ok = ok
+            r.error = t.error
+        for n, ids in t.device.items():
+            for b in ids:
+                self.prefix.unpin(n, b)
+        self.prefix.release_orphans()
+        t.finished = True
+        self._sync_stats()
+
+    def _sync_stats(self) -> None:
+        self.stats.host_evictions = self.pool.evictions
+        self.stats.host_blocks_used = self.pool.used
+        self.stats.host_blocks_indexed = self.pool.indexed
+
+    # ------------------------------------------------------------------ tools
+    def reset(self) -> int:
+        """Forget every unpinned host block (operator reset); returns how many."""
+        self._pending.clear()
+        n = self.pool.reset()
+        self._sync_stats()
+        return n
+
+    def close(self) -> None:
+        self.wait_all()
+        self._pending.clear()
+        self.pool.close()
