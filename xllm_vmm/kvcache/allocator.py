@@ -44,8 +44,10 @@ reaches 0 the allocator asks the optional retention policy (:class:`RetentionPol
 - :meth:`BlockAllocator.release_cached` lets the policy drop cached blocks on its own (a cap,
   host offload finished): they are freed without another ``on_zero_ref``.
 - Introspection for page-aware eviction: :meth:`block_info` (group, slot, ref count, cached),
-  :meth:`slot_info` (live / cached / free counts of a slot), :meth:`slot_of`,
-  :meth:`blocks_of_slot`.
+  :meth:`slot_info` (live / cached / free counts of a slot), :meth:`slot_live`,
+  :meth:`slot_cached`, :meth:`slot_of`, :meth:`blocks_of_slot`.
+- ``free`` also takes the one-group form ``free(group, blocks)``, so a
+  :class:`BlockAllocator` is the prefix cache's ``BlockBackend`` as it is.
 """
 
 from __future__ import annotations
@@ -326,10 +328,17 @@ class BlockAllocator:
         return n - take
 
     # -- references ----------------------------------------------------------------------
-    def free(self, blocks: Mapping[str, Sequence[int]]) -> None:
-        """Drop one reference from each block. At 0 the retention policy may keep a block as
-        cached; otherwise it is freed, and every slot this empties is released in one call.
-        Freeing a block that holds no reference raises ``ValueError`` and changes nothing."""
+    def free(self, blocks: Mapping[str, Sequence[int]] | str,
+             group_blocks: Sequence[int] | None = None) -> None:
+        """Drop one reference from each block, in the order given. At 0 the retention policy
+        may keep a block as cached; otherwise it is freed, and every slot this empties is
+        released in one call. Freeing a block that holds no reference raises ``ValueError``
+        and changes nothing.
+
+        Two call forms: ``free({group: blocks, ...})`` (several groups together, SD-01) and
+        ``free(group, blocks)`` (one group; the prefix cache's ``BlockBackend`` form)."""
+        if isinstance(blocks, str):
+            blocks = {blocks: group_blocks if group_blocks is not None else ()}
         for name, blks in blocks.items():
             g = self._g(name)
             ref = g.ref
@@ -435,6 +444,15 @@ class BlockAllocator:
     def blocks_of_slot(self, group: str, slot: int) -> range:
         bps = self._g(group).bps
         return range(slot * bps, (slot + 1) * bps)
+
+    def slot_live(self, group: str, slot: int) -> int:
+        """Blocks of ``slot`` with ref ≥ 1."""
+        g = self._g(group)
+        return g.occ[slot] - g.ncached[slot]
+
+    def slot_cached(self, group: str, slot: int) -> int:
+        """Cached (ref 0, retained) blocks of ``slot``."""
+        return self._g(group).ncached[slot]
 
     def block_info(self, group: str, block: int) -> BlockInfo:
         g = self._g(group)

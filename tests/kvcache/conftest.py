@@ -1,0 +1,106 @@
+"""Fixtures for the virtual KV cache tests: hand-made cache layouts, drivers, a fake slot
+backing with a slot budget, and a tiny fake retention policy (the prefix cache's interface)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pool.drivers import driver_factory, make_driver  # noqa: F401  (fixture, helper)
+from xllm_vmm.models.spec import CacheGroup, CacheLayout, CacheTensor
+
+MiB = 1 << 20
+PAGE = 2 * MiB
+
+
+def toy_layout(layers: int = 2, blocks_per_page: int = 4, block_size: int = 16,
+               draft_blocks_per_page: int | None = None, name: str = "toy") -> CacheLayout:
+    """``layers`` × K/V tensors with ``blocks_per_page`` blocks per 2 MiB page; an optional
+    MTP draft group (one layer, K/V) of another width."""
+    tbb = PAGE // blocks_per_page
+    tensors = tuple(CacheTensor(f"layer{i}.{kv}", tbb // block_size)
+                    for i in range(layers) for kv in "kv")
+    groups = [CacheGroup("attn", tensors, block_size)]
+    if draft_blocks_per_page is not None:
+        dbb = PAGE // draft_blocks_per_page
+        groups.append(CacheGroup("draft", (CacheTensor("mtp0.k", dbb // block_size),
+                                           CacheTensor("mtp0.v", dbb // block_size)),
+                                 block_size))
+    return CacheLayout(name, 1, tuple(groups))
+
+
+class FakeBacking:
+    """Slot backing with a budget of ``budget_slots`` active slots over all groups; records
+    every activate / deactivate call."""
+
+    def __init__(self, budget_slots: int = 1 << 30) -> None:
+        self.budget_slots = budget_slots
+        self.active: set[tuple[str, int]] = set()
+        self.calls: list[tuple[str, dict[str, list[int]]]] = []
+
+    def activate(self, slots):
+        n = sum(len(v) for v in slots.values())
+        self.calls.append(("activate", {k: list(v) for k, v in slots.items()}))
+        if len(self.active) + n > self.budget_slots:
+            return False
+        for g, ss in slots.items():
+            for s in ss:
+                assert (g, s) not in self.active
+                self.active.add((g, s))
+        return True
+
+    def deactivate(self, slots):
+        self.calls.append(("deactivate", {k: list(v) for k, v in slots.items()}))
+        for g, ss in slots.items():
+            for s in ss:
+                self.active.remove((g, s))
+
+
+class KeepAllPolicy:
+    """Keeps every block whose ref drops to 0 (unless ``keep`` is False); evicts in release
+    order (LRU), whole slots first when asked; records every call."""
+
+    def __init__(self, allocator=None, keep: bool = True) -> None:
+        self.allocator = allocator
+        self.keep = keep
+        self.lru: dict[tuple[str, int], None] = {}
+        self.calls: list[tuple] = []
+
+    def on_zero_ref(self, group, block):
+        self.calls.append(("zero", group, block))
+        if self.keep:
+            self.lru[(group, block)] = None
+        return self.keep
+
+    def on_revive(self, group, block):
+        self.calls.append(("revive", group, block))
+        del self.lru[(group, block)]
+
+    def num_evictable(self, group):
+        return sum(1 for g, _ in self.lru if g == group)
+
+    def evict(self, group, n_blocks, prefer_slot_emptying=True):
+        self.calls.append(("evict", group, n_blocks, prefer_slot_emptying))
+        out: list[int] = []
+        if prefer_slot_emptying and self.allocator is not None:
+            a = self.allocator
+            for (g, b) in list(self.lru):
+                if g != group or len(out) >= n_blocks or b in out:
+                    continue
+                slot = a.slot_of(g, b)
+                if a.slot_live(g, slot) == 0:
+                    for bb in a.blocks_of_slot(g, slot):
+                        if (g, bb) in self.lru and bb not in out:
+                            out.append(bb)
+        for (g, b) in list(self.lru):
+            if len(out) >= n_blocks:
+                break
+            if g == group and b not in out:
+                out.append(b)
+        for b in out:
+            del self.lru[(group, b)]
+        return out
+
+
+@pytest.fixture
+def backing():
+    return FakeBacking()

@@ -1,0 +1,222 @@
+"""BlockAllocator on a fake slot backing: exact block ids, slots, packing, release, the
+retention extension point (with a tiny fake policy), all-or-nothing across groups."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcache.conftest import FakeBacking, KeepAllPolicy
+from xllm_vmm.kvcache import BlockAllocator, BlockInfo, GroupShape, SlotInfo
+
+
+def make(backing, slots=4, bps=4, draft=None, policy=None):
+    shapes = [GroupShape("attn", slots, bps)]
+    if draft:
+        shapes.append(GroupShape("draft", *draft))
+    a = BlockAllocator(shapes, backing)
+    if policy is not None:
+        policy.allocator = a
+        a.set_retention(policy)
+    return a
+
+
+def test_fresh_slots_give_lowest_ids_and_fill_one_slot_before_the_next(backing):
+    a = make(backing)
+    assert a.allocate({"attn": 3}) == {"attn": [0, 1, 2]}
+    assert a.allocate({"attn": 2}) == {"attn": [3, 4]}
+    assert backing.calls == [("activate", {"attn": [0]}), ("activate", {"attn": [1]})]
+    assert a.active_slots("attn") == [0, 1]
+    assert a.slot_info("attn", 1) == SlotInfo("attn", 1, True, live=1, cached=0, free=3)
+    a.check_invariants()
+
+
+def test_new_block_goes_to_the_fullest_partial_slot(backing):
+    a = make(backing)
+    a.allocate({"attn": 8})  # slots 0 and 1 full
+    a.free({"attn": [0, 1, 2]})  # slot 0: one live block (3 free)
+    a.free({"attn": [4]})  # slot 1: three live blocks (1 free)
+    assert a.allocate({"attn": 1}) == {"attn": [4]}  # fullest: slot 1
+    # slot 1 is full again: next comes from slot 0, most recently freed first
+    assert a.allocate({"attn": 2}) == {"attn": [2, 1]}
+    a.check_invariants()
+
+
+def test_decode_growth_packs_into_few_slots(backing):
+    a = make(backing, slots=8, bps=4)
+    seqs = [a.allocate({"attn": 1})["attn"] for _ in range(6)]
+    assert seqs == [[0], [1], [2], [3], [4], [5]]
+    for s in (seqs[0], seqs[2], seqs[4]):  # three sequences finish
+        a.free({"attn": s})
+    # slot 0 holds blocks 1 and 3 (2 free), slot 1 holds block 5 (3 free): growth fills slot 0
+    assert [a.allocate({"attn": 1})["attn"][0] for _ in range(3)] == [2, 0, 4]
+    assert a.num_active_slots("attn") == 2
+
+
+def test_emptied_slot_is_released_at_once_in_one_call(backing):
+    a = make(backing)
+    x = a.allocate({"attn": 6})["attn"]  # slots 0, 1
+    backing.calls.clear()
+    a.free({"attn": x})
+    assert backing.calls == [("deactivate", {"attn": [0, 1]})]
+    assert a.active_slots("attn") == [] and backing.active == set()
+    assert a.num_free_blocks("attn") == 0
+    # the next allocation starts again from the lowest slot
+    assert a.allocate({"attn": 1}) == {"attn": [0]}
+
+
+def test_several_new_slots_are_activated_in_one_call(backing):
+    a = make(backing, slots=4, bps=4)
+    assert a.allocate({"attn": 10})["attn"] == list(range(10))
+    assert backing.calls == [("activate", {"attn": [0, 1, 2]})]
+
+
+def test_groups_are_allocated_together_or_not_at_all(backing):
+    b = FakeBacking(budget_slots=2)
+    a = make(b, slots=4, bps=4, draft=(4, 8))
+    assert a.allocate({"attn": 3, "draft": 3}) == {"attn": [0, 1, 2], "draft": [0, 1, 2]}
+    assert b.calls[-1] == ("activate", {"attn": [0], "draft": [0]})
+    # attn needs a new slot, draft fits: the budget (2 slots) refuses, nothing changes
+    assert a.allocate({"attn": 2, "draft": 2}) is None
+    assert a.num_free_blocks("attn") == 1 and a.num_free_blocks("draft") == 5
+    assert a.num_live_blocks("attn") == 3 and a.num_live_blocks("draft") == 3
+    a.check_invariants()
+    # released together: both slots go in one call
+    a.free({"attn": [0, 1, 2], "draft": [0, 1, 2]})
+    assert b.calls[-1] == ("deactivate", {"attn": [0], "draft": [0]})
+
+
+def test_virtual_range_exhausted_is_not_now(backing):
+    a = make(backing, slots=2, bps=4)
+    assert a.allocate({"attn": 9}) is None
+    assert backing.calls == []
+    assert a.allocate({"attn": 8})["attn"] == list(range(8))
+
+
+def test_double_free_is_refused_and_changes_nothing(backing):
+    a = make(backing)
+    x = a.allocate({"attn": 2})["attn"]
+    a.free({"attn": [x[0]]})
+    with pytest.raises(ValueError, match=r"block 0 in group 'attn'.*double free"):
+        a.free({"attn": [x[1], x[0]]})
+    assert a.ref_count("attn", 1) == 1
+    with pytest.raises(ValueError, match=r"block 1 in group 'attn': 2 frees, 1 references"):
+        a.free({"attn": [1, 1]})
+    a.check_invariants()
+
+
+def test_unknown_group_names_the_groups(backing):
+    a = make(backing, draft=(2, 2))
+    with pytest.raises(KeyError, match="unknown cache group 'mla'; groups: attn, draft"):
+        a.allocate({"mla": 1})
+
+
+def test_touch_adds_references_and_refuses_free_blocks(backing):
+    a = make(backing)
+    (b,) = a.allocate({"attn": 1})["attn"]
+    a.touch("attn", b)
+    assert a.block_info("attn", b) == BlockInfo("attn", 0, 0, ref_count=2, cached=False)
+    a.free("attn", [b])  # one-group form
+    assert a.ref_count("attn", b) == 1
+    a.free("attn", [b])
+    with pytest.raises(ValueError, match="touch of free block 0 in group 'attn'"):
+        a.touch("attn", b)
+
+
+# -- the retention extension point ---------------------------------------------------------
+
+def test_zero_ref_blocks_kept_by_the_policy_stay_allocated_and_mapped(backing):
+    p = KeepAllPolicy()
+    a = make(backing, policy=p)
+    x = a.allocate({"attn": 3})["attn"]
+    a.free({"attn": x})
+    assert p.calls == [("zero", "attn", 0), ("zero", "attn", 1), ("zero", "attn", 2)]
+    assert [a.is_cached("attn", b) for b in x] == [True, True, True]
+    assert a.slot_info("attn", 0) == SlotInfo("attn", 0, True, live=0, cached=3, free=1)
+    assert backing.active == {("attn", 0)}
+    assert a.num_evictable("attn") == 3
+    # a new allocation takes the free block first, not the cached ones
+    assert a.allocate({"attn": 1}) == {"attn": [3]}
+    a.check_invariants()
+
+
+def test_touch_revives_a_cached_block(backing):
+    p = KeepAllPolicy()
+    a = make(backing, policy=p)
+    x = a.allocate({"attn": 2})["attn"]
+    a.free({"attn": x})
+    a.touch("attn", 1)
+    assert p.calls[-1] == ("revive", "attn", 1)
+    assert a.block_info("attn", 1) == BlockInfo("attn", 1, 0, ref_count=1, cached=False)
+    assert a.num_cached_blocks("attn") == 1 and a.num_live_blocks("attn") == 1
+    a.check_invariants()
+
+
+def test_policy_saying_no_frees_the_block_and_releases_the_slot(backing):
+    p = KeepAllPolicy(keep=False)
+    a = make(backing, policy=p)
+    x = a.allocate({"attn": 2})["attn"]
+    a.free({"attn": x})
+    assert a.active_slots("attn") == [] and backing.calls[-1] == ("deactivate", {"attn": [0]})
+
+
+def test_shortage_evicts_what_the_policy_gives_up_and_retries():
+    b = FakeBacking(budget_slots=2)
+    p = KeepAllPolicy()
+    a = make(b, slots=4, bps=4, policy=p)
+    s0 = a.allocate({"attn": 4})["attn"]  # slot 0
+    s1 = a.allocate({"attn": 4})["attn"]  # slot 1
+    a.free({"attn": s1})  # slot 1: all cached, first in LRU
+    a.free({"attn": s0[:2]})  # slot 0: two cached, two live
+    # 3 blocks: no free block, budget full -> evict(attn, 3): the policy gives up slot 1 whole
+    got = a.allocate({"attn": 3})
+    assert ("evict", "attn", 3, True) in p.calls
+    assert got == {"attn": [4, 5, 6]}  # slot 1 released, then mapped again, lowest ids first
+    assert a.evictions == 4
+    assert [a.is_cached("attn", x) for x in (0, 1)] == [True, True]
+    a.check_invariants()
+
+
+def test_eviction_of_blocks_in_a_live_slot_frees_positions_there():
+    b = FakeBacking(budget_slots=1)
+    p = KeepAllPolicy()
+    a = make(b, slots=4, bps=4, policy=p)
+    x = a.allocate({"attn": 4})["attn"]
+    a.free({"attn": x[:3]})  # 0, 1, 2 cached; 3 live
+    assert a.allocate({"attn": 2}) == {"attn": [1, 0]}  # LRU 0, 1 evicted, reused LIFO
+    assert a.is_cached("attn", 2)
+    a.check_invariants()
+
+
+def test_still_short_after_eviction_is_none_and_keeps_live_blocks():
+    b = FakeBacking(budget_slots=1)
+    p = KeepAllPolicy()
+    a = make(b, slots=4, bps=4, policy=p)
+    x = a.allocate({"attn": 4})["attn"]
+    a.free({"attn": [x[0]]})
+    assert a.allocate({"attn": 4}) is None  # only one evictable block
+    assert [a.ref_count("attn", y) for y in x[1:]] == [1, 1, 1]
+    a.check_invariants()
+
+
+def test_other_groups_are_asked_when_the_short_group_has_nothing_to_give():
+    b = FakeBacking(budget_slots=2)
+    p = KeepAllPolicy()
+    a = make(b, slots=4, bps=4, draft=(4, 4), policy=p)
+    d = a.allocate({"draft": 4})["draft"]
+    a.allocate({"attn": 4})
+    a.free({"draft": d})  # the draft slot is all cached
+    assert a.allocate({"attn": 1}) == {"attn": [4]}
+    assert ("evict", "draft", 4, True) in p.calls
+    assert a.active_slots("draft") == []
+
+
+def test_release_cached_refuses_pinned_blocks(backing):
+    p = KeepAllPolicy()
+    a = make(backing, policy=p)
+    x = a.allocate({"attn": 2})["attn"]
+    a.free({"attn": [x[0]]})
+    with pytest.raises(ValueError, match="block 1 in group 'attn' is live, not cached"):
+        a.release_cached("attn", [0, 1])
+    assert a.is_cached("attn", 0)
+    a.release_cached("attn", [0])
+    assert a.slot_info("attn", 0).free == 3
