@@ -199,3 +199,15 @@ def test_host_pool_lru_evicts_oldest_unpinned_host_block():
         run.finish(r)
     tier.poll()
     assert pool.lookup(h1) is None and pool.lookup(h3) == 1 and pool.evictions == 1
+
+
+def test_eviction_reaps_finished_offloads_before_giving_up():
+    alloc, prefix, pool, driver, tier, run = make(auto=False)
+    a = run.start(toks(1, 2, tail=0))
+    run.compute(a)
+    run.finish(a)
+    assert prefix.num_evictable("attn") == 0  # pinned by the offload in flight
+    assert prefix.evict("attn", 2, prefer_slot_emptying=False) == []  # still copying
+    driver.transfers[0].complete()  # done, but nobody polled yet
+    assert prefix.evict("attn", 2, prefer_slot_emptying=False) == [1, 0]
+    assert pool.indexed == 2 and tier.in_flight == 0

@@ -85,17 +85,10 @@ def host_pool_size(device_capacity_bytes: int, host_blocks_factor: float,
 
 
 def available_host_memory() -> int:
-    """``MemAvailable`` from /proc/meminfo in bytes (falls back to free physical pages)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
+    """Host memory available now in bytes: ``MemAvailable``, capped by the cgroup limit."""
+    from xllm_vmm.vmm.sysmem import host_memory
 
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return host_memory().free
 
 
 def check_host_pool_fits(size: HostPoolSize, available_bytes: int | None = None) -> None:

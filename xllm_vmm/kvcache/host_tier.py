@@ -249,7 +249,13 @@ class HostTier:
         return r
 
     # ------------------------------------------------------------------ completion
-    def poll(self) -> int:
+    def reap(self) -> int:
+        """Finish the copies that are done without freeing anything through the allocator
+        (safe inside an allocator callback: :meth:`PrefixCache.evict` calls it). Blocks they
+        leave orphaned are freed at the next :meth:`poll`."""
+        return self.poll(release=False)
+
+    def poll(self, release: bool = True) -> int:
         """Finish every copy that is done; returns how many finished."""
         n = 0
         still: list[_InFlight] = []
@@ -259,11 +265,13 @@ class HostTier:
                     t.transfer.wait()
                 except Exception as e:
                     t.error = e
-                self._finish(t)
+                self._finish(t, release)
                 n += 1
             else:
                 still.append(t)
         self._inflight = still
+        if release:
+            self.prefix.release_orphans()
         return n
 
     def wait_all(self) -> None:
@@ -280,7 +288,7 @@ class HostTier:
     def in_flight(self) -> int:
         return len(self._inflight)
 
-    def _finish(self, t: _InFlight) -> None:
+    def _finish(self, t: _InFlight, release: bool = True) -> None:
         ok = t.error is None
         if t.kind is CopyKind.D2H:
             for h, hb in zip(t.hashes, t.host):
@@ -311,7 +319,8 @@ class HostTier:
         for n, ids in t.device.items():
             for b in ids:
                 self.prefix.unpin(n, b)
-        self.prefix.release_orphans()
+        if release:
+            self.prefix.release_orphans()
         t.finished = True
         self._sync_stats()
 

@@ -58,6 +58,9 @@ class BlockBackend(Protocol):
     def free(self, group: str, blocks: Sequence[int]) -> None:
         """Drop one reference on each block, in the given order."""
 
+    # optional: ``release_cached(group, blocks)`` frees cached blocks the policy gives up
+    # without another ``on_zero_ref`` (used by :meth:`PrefixCache.release_orphans`).
+
     def slot_of(self, group: str, block: int) -> int:
         """The slot (page offset across every tensor of the group) that holds ``block``."""
 
@@ -173,7 +176,10 @@ class PrefixCache:
 
     def add_listener(self, listener: Any) -> None:
         """``listener.on_cached(hash)`` is called when all groups' blocks of a hash are first
-        cached (its request released it); the host tier uses it for write-through."""
+        cached (its request released it); the host tier uses it for write-through.
+        ``listener.reap()``, if present, is called from :meth:`evict` when pinned blocks stand
+        between it and the blocks asked for: it finishes copies that are done (unpinning their
+        blocks) without calling back into the allocator."""
         self._listeners.append(listener)
 
     @property
@@ -238,7 +244,14 @@ class PrefixCache:
         ``prefer_slot_emptying`` whole evictable slots come first (so the result may exceed
         ``n_blocks`` by the rest of the last slot), oldest slot first; then plain LRU."""
         g = self._g(group)
-        if n_blocks <= 0 or not g.lru:
+        if n_blocks <= 0:
+            return []
+        if len(g.lru) < n_blocks and g.pins:
+            for lst in self._listeners:  # copies that finished unpin their blocks now
+                reap = getattr(lst, "reap", None)
+                if reap is not None:
+                    reap()
+        if not g.lru:
             return []
         chosen: list[int] = []
         taken: set[int] = set()
@@ -434,23 +447,31 @@ class PrefixCache:
 
     def release_orphans(self) -> int:
         """Free cached blocks that no longer back a usable hash (their peer in another group was
-        evicted, or the cache was reset), so their pages can be released now rather than at the
-        next eviction. Must not be called from inside an allocator callback."""
+        evicted, the cache was reset, a restore copy failed), so their pages are released now
+        rather than at the next eviction. Returns the blocks freed. Must not be called from
+        inside an allocator callback."""
         if not self._orphans:
             return 0
         backend = self._backend()
-        n = 0
+        release_cached = getattr(backend, "release_cached", None)
+        per_group: dict[str, list[int]] = {}
         for name, b in sorted(self._orphans):
+            if b in self._groups[name].lru:  # pinned orphans wait: unpin puts them back
+                per_group.setdefault(name, []).append(b)
+        n = 0
+        for name, blocks in per_group.items():
             g = self._groups[name]
-            if b not in g.lru:  # pinned meanwhile; unpin puts it back
-                continue
-            self._dropping.add((name, b))
-            backend.touch(name, b)  # -> on_revive: leaves the cache
-            backend.free(name, [b])  # -> on_zero_ref: in _dropping -> freed
-            self._dropping.discard((name, b))
-            n += 1
-        self._orphans = {(n_, b) for (n_, b) in self._orphans
-                         if b in self._groups[n_].cached}
+            for b in blocks:
+                self._uncache(g, b)
+            if release_cached is not None:
+                release_cached(name, blocks)
+            else:  # a backend without release_cached: revive, then drop the last reference
+                for b in blocks:
+                    self._dropping.add((name, b))
+                    backend.touch(name, b)
+                    backend.free(name, [b])
+                    self._dropping.discard((name, b))
+            n += len(blocks)
         return n
 
     def reset_stats(self) -> None:

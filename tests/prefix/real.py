@@ -1,0 +1,163 @@
+"""Helpers to run the prefix cache and host tier over a real VirtualKVCache on a real driver
+(the host driver; the ACL emulation where it can be opened)."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import pytest
+
+from xllm_vmm.kvcache import VirtualKVCache
+from xllm_vmm.kvcache.hashing import block_hashes
+from xllm_vmm.kvcache.prefix_setup import attach_host_tier, attach_prefix_cache
+from xllm_vmm.models.spec import CacheGroup, CacheLayout, CacheTensor
+from xllm_vmm.pool.budget import BudgetConfig, BudgetMode
+from xllm_vmm.pool.pool import VmmPool
+from xllm_vmm.vmm import CopyKind, VmmUnavailable, open_driver
+
+MiB = 1 << 20
+BS = 4
+
+
+def open_test_driver(kind: str, device_memory: int):
+    try:
+        if kind == "host":
+            return open_driver("host", device_memory=device_memory)
+        if kind == "acl-emu":
+            return open_driver("acl", library="emulation", device_memory=device_memory)
+    except (VmmUnavailable, ImportError) as e:  # the ACL emulation is not built everywhere yet
+        pytest.skip(f"{kind} driver unavailable here: {e}")
+    raise AssertionError(kind)
+
+
+def flat_layout(bytes_per_token=1 << 16):
+    """One group of K and V; 2 MiB pages hold 8 blocks of 4 tokens at 64 KiB per token."""
+    return CacheLayout("test-flat", 1, (CacheGroup(
+        "attn", (CacheTensor("l0.k", bytes_per_token), CacheTensor("l0.v", bytes_per_token)),
+        BS),))
+
+
+def mla_index_layout():
+    """MLA+INDEX: two groups of different widths (HK-05 supported)."""
+    return CacheLayout("test-mla", 1, (
+        CacheGroup("mla", (CacheTensor("l0.latent", 1 << 16), CacheTensor("l1.latent", 1 << 16)),
+                   BS),
+        CacheGroup("index", (CacheTensor("l0.index", 1 << 15),), BS),
+    ))
+
+
+@dataclass
+class Req:
+    tokens: list
+    hashes: list
+    blocks: dict
+    hit: int
+    restore: object = None
+
+
+class Stack:
+    """driver → pool (elastic, ``budget`` bytes quota) → VirtualKVCache → PrefixCache →
+    HostTier."""
+
+    def __init__(self, kind: str, layout: CacheLayout, *, budget: int, max_tokens: int,
+                 host_factor: float = 0.0) -> None:
+        self.driver = open_test_driver(kind, 256 * MiB)
+        self.pool = VmmPool(self.driver, BudgetConfig(mode=BudgetMode.ELASTIC,
+                                                      max_cache_size=budget,
+                                                      execution_peak_bytes=0), 128 * MiB)
+        self.cache = VirtualKVCache.for_tokens(self.pool, layout, max_tokens)
+        self.prefix = attach_prefix_cache(self.cache)
+        self.host = attach_host_tier(self.cache, self.prefix, self.driver, host_factor,
+                                     populate=False)
+        self.groups = self.prefix.group_names
+        self._scratch = {}
+
+    def close(self) -> None:
+        if self.host is not None:
+            self.host.close()
+        self.pool.close()
+        self.driver.close()
+
+    # -- block contents
+    def _buf(self, n):
+        b = self._scratch.get(n)
+        if b is None:
+            b = self._scratch[n] = (ctypes.c_char * n)()
+        return b
+
+    def write(self, group: str, block: int, seed: int) -> None:
+        geo = self.cache.geometry[group]
+        nb = geo.group.tensor_block_bytes
+        for t in range(geo.num_tensors):
+            pat = bytes(((seed >> (8 * (i % 16))) + i + 31 * t) & 0xFF for i in range(256))
+            data = (pat * (nb // 256 + 1))[:nb]
+            buf = self._buf(nb)
+            ctypes.memmove(buf, data, nb)
+            self.driver.copy(self.cache.block_address(group, t, block), ctypes.addressof(buf),
+                             nb, CopyKind.H2D)
+
+    def read(self, group: str, block: int) -> bytes:
+        geo = self.cache.geometry[group]
+        nb = geo.group.tensor_block_bytes
+        out = []
+        for t in range(geo.num_tensors):
+            buf = (ctypes.c_char * nb)()
+            self.driver.copy(ctypes.addressof(buf), self.cache.block_address(group, t, block),
+                             nb, CopyKind.D2H)
+            out.append(bytes(buf))
+        return b"".join(out)
+
+    # -- request lifecycle (what the engine does)
+    def start(self, tokens, *, restore: bool = True):
+        hashes = block_hashes(tokens, BS)
+        n_blocks = -(-len(tokens) // BS)
+        cap = (len(tokens) - 1) // BS
+        hit = self.prefix.lookup(hashes, max_blocks=cap)
+        self.prefix.acquire(hit)
+        need = n_blocks - hit.num_blocks
+        new = self.cache.allocate({g: need for g in self.groups}) if need else \
+            {g: [] for g in self.groups}
+        if new is None:
+            self.prefix.release({g: list(hit.blocks[g]) for g in self.groups})
+            return None
+        blocks = {g: list(hit.blocks[g]) + new[g] for g in self.groups}
+        r = None
+        if self.host is not None and restore:
+            m = self.host.match(hashes, hit.num_blocks, max_blocks=cap)
+            if m:
+                r = self.host.restore(hashes[hit.num_blocks:hit.num_blocks + m], hit.num_blocks,
+                                      {g: new[g][:m] for g in self.groups})
+        return Req(list(tokens), hashes, blocks, hit.num_blocks, r)
+
+    def compute(self, req: Req) -> None:
+        first = req.hit
+        if req.restore is not None:
+            if req.restore.wait():
+                first += req.restore.num_blocks
+        for i in range(first, len(req.blocks[self.groups[0]])):
+            seed = req.hashes[i] if i < len(req.hashes) else 12345
+            for g in self.groups:
+                self.write(g, req.blocks[g][i], seed)
+        self.prefix.publish(req.blocks, req.hashes[first:], first_block=first)
+
+    def finish(self, req: Req) -> None:
+        self.prefix.release(req.blocks)
+        if self.host is not None:
+            self.host.step()
+
+    def expected(self, group: str, h: int) -> bytes:
+        geo = self.cache.geometry[group]
+        nb = geo.group.tensor_block_bytes
+        out = []
+        for t in range(geo.num_tensors):
+            pat = bytes(((h >> (8 * (i % 16))) + i + 31 * t) & 0xFF for i in range(256))
+            out.append((pat * (nb // 256 + 1))[:nb])
+        return b"".join(out)
+
+
+def toks(*blocks, tail=1):
+    out = []
+    for b in blocks:
+        out += [b * 100 + i for i in range(BS)]
+    return out + [7] * tail
