@@ -34,5 +34,22 @@ def _root(
     """xllm-vmm: KV cache and weights in a virtual-memory pool."""
 
 
+@app.command(
+    "check-config",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                      "help_option_names": []},
+    add_help_option=False,
+)
+def _check_config(ctx: typer.Context) -> None:
+    """Check serving configurations (TOML, engine JSON, launch commands, --FLAG=VALUE) against
+    every rule of the VMM specification. Exit codes: 0 valid, 1 findings, 2 usage or unreadable
+    input. Run `xllm-vmm check-config --help` for its options and every flag."""
+    from xllm_vmm.cli.check_config import run
+
+    raise typer.Exit(run(list(ctx.args)))
+
+
 # Command modules register themselves on `app` (keep this list sorted).
 from xllm_vmm.cli import bench  # noqa: E402,F401
+from xllm_vmm.cli import flags  # noqa: E402,F401
+from xllm_vmm.cli import schema  # noqa: E402,F401

@@ -60,8 +60,7 @@ class Source:
         if self.kind == "env":
             return f"environment {self.env}" + (f" ({loc})" if loc else "")
         if self.kind == "cli":
-            where = f"command line {loc}" if loc else "command line"
-            return f"{where} ({self.text})" if self.text else where
+            return f"command line {loc}" if loc else "command line"
         return loc or self.kind
 
     def to_dict(self) -> dict:

@@ -100,7 +100,13 @@ class ResolvedConfig:
 
     def describe(self, name: str) -> str:
         """``name=value (source)`` for messages."""
-        return f"{name}={format_value(FLAGS[name], self[name])} ({self.provenance(name)})"
+        flag = FLAGS[name]
+        shown = format_value(flag, self[name])
+        if flag.is_bytes and isinstance(self[name], int) and self[name] >= 1024:
+            from xllm_vmm.config.values import format_size
+
+            shown += f" [{format_size(self[name])}]"
+        return f"{name}={shown} ({self.provenance(name)})"
 
 
 def _layer(assignments: list[Assignment], findings: list[Finding]) -> dict[str, Assignment]:
@@ -128,6 +134,7 @@ def load(
     env: Mapping[str, str] | None = None,
     *,
     env_tokens: Iterable[Token] = (),
+    overrides: Iterable[str | Token] = (),
     label: str = "",
 ) -> ResolvedConfig:
     """Resolve a configuration from its sources.
@@ -137,7 +144,8 @@ def load(
     JSON file (as if given with ``--config_json_file``; a ``config_json_file`` flag in any
     source is honoured too). ``env``: the environment to read ``XLLM_VMM_*`` from (``None``:
     none — pass ``os.environ`` explicitly). ``env_tokens``: ``NAME=value`` assignments from a
-    shell script (they override ``env``).
+    shell script (they override ``env``). ``overrides``: more command-line tokens applied
+    after ``args`` as a separate layer (they win over ``args`` instead of conflicting).
 
     Raises :class:`ConfigError` with every problem found when any input is unreadable or holds
     an error (unknown flag, wrong type, conflicting repeat). Warnings are kept in
@@ -175,6 +183,11 @@ def load(
     got, errs = parse_args(list(args))
     findings.extend(errs)
     apply(_layer(got, findings))
+    overrides = list(overrides)
+    if overrides:
+        got, errs = parse_args(overrides)
+        findings.extend(errs)
+        apply(_layer(got, findings))
 
     if json_file is not None:
         path = os.fspath(json_file)

@@ -1,0 +1,214 @@
+"""``xllm-vmm check-config``: check serving configurations before anything is launched.
+
+Its own command line is parsed here, not by Typer: every flag of the catalogue is accepted in
+the engine's gflags syntax beside the command's options, and ``xllm_vmm.cli.main`` calls
+:func:`run` directly so that a check does not import Typer (start-up time; see
+docs/benchmarks.md). Nothing here imports torch. Exit codes: 0 valid, 1 findings (errors, or
+warnings with ``--strict``), 2 usage error or unreadable input.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TextIO
+
+USAGE = "xllm-vmm check-config [OPTIONS] [FILES]... [--FLAG=VALUE]..."
+
+OPTIONS = [
+    ("FILES", "TOML files (.toml), engine JSON files (.json) or launch scripts to check; each "
+              "is one configuration."),
+    ("--config FILE", "TOML file layered under every input (repeatable; later files win)."),
+    ("--config_json_file FILE", "The engine's JSON config file; its values override the command line."),
+    ("--cmd 'COMMAND'", "Check an existing launch command line (repeatable)."),
+    ("--cmd-file FILE", "Check the launch command of a shell script (repeatable)."),
+    ("--format text|json|github", "Output format (default text)."),
+    ("--strict", "Treat warnings as errors."),
+    ("--show-config", "Also print the explicitly set and derived values with their sources."),
+    ("--write-resolved FILE", "Write the resolved configuration (set and derived values) as TOML."),
+    ("--explain ID", "Print a rule and the specification sentence it comes from, then exit."),
+    ("--device-memory SIZE", "Total memory of one device (e.g. 64GiB): decides EL-08."),
+    ("--host-memory SIZE", "Available host RAM (e.g. 512GiB): decides HK-07."),
+    ("--no-env", "Ignore XLLM_VMM_* environment variables."),
+    ("-h, --help", "Show this help (flags grouped as in `xllm-vmm flags`)."),
+]
+
+_VALUE_OPTS = {"--config", "--cmd", "--cmd-file", "--cmd_file", "--format", "--write-resolved",
+               "--write_resolved", "--explain", "--device-memory", "--device_memory",
+               "--host-memory", "--host_memory"}
+_BOOL_OPTS = {"--strict", "--show-config", "--show_config", "--no-env", "--no_env",
+              "-h", "--help"}
+
+
+class UsageError(Exception):
+    pass
+
+
+def parse_argv(argv: list[str]) -> dict:
+    """Split check-config's argv into its own options, positional files and catalogue flags.
+
+    Catalogue flags keep their order. A token that follows a non-bool catalogue flag written
+    without ``=`` is that flag's value, not a file.
+    """
+    from xllm_vmm.config.catalogue import FLAGS
+
+    opts: dict = {"config": [], "cmd": [], "cmd_file": [], "files": [], "flags": [],
+                  "format": "text", "strict": False, "show_config": False,
+                  "write_resolved": None, "explain": None, "device_memory": None,
+                  "host_memory": None, "no_env": False, "help": False}
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        i += 1
+        name, eq, value = tok.partition("=")
+        if name in _VALUE_OPTS:
+            if not eq:
+                if i >= len(argv):
+                    raise UsageError(f"{name} needs a value")
+                value = argv[i]
+                i += 1
+            key = name.lstrip("-").replace("-", "_")
+            if key in ("config", "cmd", "cmd_file"):
+                opts[key].append(value)
+            else:
+                opts[key] = value
+            continue
+        if name in _BOOL_OPTS:
+            if eq:
+                raise UsageError(f"{name} takes no value")
+            key = "help" if name in ("-h", "--help") else name.lstrip("-").replace("-", "_")
+            opts[key] = True
+            continue
+        if tok.startswith("-") and tok != "-":
+            opts["flags"].append(tok)
+            flag = FLAGS.get(name.lstrip("-").replace("-", "_"))
+            if not eq and flag is not None and not flag.is_bool and i < len(argv):
+                opts["flags"].append(argv[i])
+                i += 1
+            continue
+        opts["files"].append(tok)
+    if opts["format"] not in ("text", "json", "github"):
+        raise UsageError(f"--format must be text, json or github, not {opts['format']!r}")
+    for key in ("device_memory", "host_memory"):
+        if opts[key] is not None:
+            from xllm_vmm.config.values import parse_size
+
+            try:
+                opts[key] = parse_size(opts[key])
+            except ValueError:
+                raise UsageError(f"--{key.replace('_', '-')} must be a size such as 64GiB, "
+                                 f"not {opts[key]!r}") from None
+    return opts
+
+
+def help_text(out: TextIO) -> None:
+    """The command's help: options, then every flag in panels by group."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.panel import Panel
+    from rich.table import Table
+
+    from xllm_vmm.config.catalogue import GROUPS, flags_by_group
+
+    console = Console(file=out, highlight=False)
+    console.print(f"Usage: {escape(USAGE)}\n")
+    console.print("Check serving configurations against every rule of the VMM specification. "
+                  "Exit codes: 0 valid, 1 findings, 2 usage or unreadable input.\n")
+    t = Table.grid(padding=(0, 2))
+    for a, b in OPTIONS:
+        t.add_row(f"[bold cyan]{escape(a)}[/]", escape(b))
+    console.print(Panel(t, title="Options", title_align="left", border_style="dim"))
+    for group, flags in flags_by_group().items():
+        if not flags:
+            continue
+        g = Table.grid(padding=(0, 2))
+        for f in flags:
+            g.add_row(f"[bold cyan]--{f.name}[/]", f"[dim]{f.type_label}={escape(f.default_text())}[/]",
+                      escape(f.help))
+        console.print(Panel(g, title=f"{GROUPS[group]} [{group}]", title_align="left",
+                            border_style="dim"))
+
+
+def explain(rule_id: str, out: TextIO) -> int:
+    from xllm_vmm.config.findings import INPUT_IDS
+    from xllm_vmm.config.rules import RULES
+
+    key = rule_id.strip().upper()
+    rule = RULES.get(key)
+    if rule is None:
+        if key in INPUT_IDS:
+            out.write(f"{key} (input check, error): {INPUT_IDS[key]}\n"
+                      "source: RULES.md \"General value checks\"\n")
+            return 0
+        import difflib
+
+        close = difflib.get_close_matches(key, list(RULES) + list(INPUT_IDS), n=3, cutoff=0.5)
+        sys.stderr.write(f"error: no rule {rule_id!r}"
+                         + (f"; did you mean {', '.join(close)}?" if close else "") + "\n")
+        return 2
+    kind = {"model": " (model rule: needs the model's config.json)",
+            "sizing": " (needs memory sizes)", "runtime": " (runtime rule: enforced while serving)",
+            "config": ""}[rule.kind]
+    out.write(f"{rule.id} ({rule.severity}){kind}\n"
+              f"  when:    {rule.condition}\n"
+              f"  outcome: {rule.outcome}\n"
+              f"  source:  {rule.source}\n")
+    return 0
+
+
+def run(argv: list[str], out: TextIO | None = None, err: TextIO | None = None,
+        env: dict | None = None) -> int:
+    """Run check-config on ``argv`` (the tokens after ``check-config``); returns the exit code.
+    ``env`` defaults to ``os.environ``."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    try:
+        opts = parse_argv(list(argv))
+    except UsageError as e:
+        err.write(f"error: {e}\nusage: {USAGE}  (see --help)\n")
+        return 2
+    if opts["help"]:
+        help_text(out)
+        return 0
+    if opts["explain"] is not None:
+        return explain(opts["explain"], out)
+
+    from xllm_vmm.config.inputs import resolve_inputs
+    from xllm_vmm.config.render import Result, exit_code, render_github, render_json, render_text
+    from xllm_vmm.config.rules import check_all
+
+    environ = {} if opts["no_env"] else (os.environ if env is None else env)
+    resolved = resolve_inputs(opts["flags"], config=opts["config"], cmd=opts["cmd"],
+                              cmd_file=opts["cmd_file"], files=opts["files"], env=environ)
+    if opts["write_resolved"] and len(resolved) != 1:
+        err.write("error: --write-resolved needs exactly one input\n")
+        return 2
+    results = []
+    for r in resolved:
+        if r.config is None:
+            results.append(Result(r.label, None, list(r.findings)))
+            continue
+        report = check_all(r.config, device_memory=opts["device_memory"],
+                           host_memory=opts["host_memory"])
+        results.append(Result(r.label, report, list(r.findings) + report.findings))
+    fmt = opts["format"]
+    if fmt == "json":
+        render_json(results, out, strict=opts["strict"])
+    elif fmt == "github":
+        render_github(results, out, strict=opts["strict"])
+    else:
+        render_text(results, out, strict=opts["strict"], show_config=opts["show_config"])
+    if opts["write_resolved"] and results[0].report is not None:
+        path = opts["write_resolved"]
+        try:
+            with open(path, "w", encoding="utf-8") as fh:
+                fh.write(results[0].report.resolved.to_toml())
+        except OSError as e:
+            err.write(f"error: cannot write {path}: {e.strerror or e}\n")
+            return 2
+    return exit_code(results, opts["strict"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the fast path (``xllm-vmm check-config ...`` without Typer)."""
+    raise SystemExit(run(sys.argv[2:] if argv is None else argv))

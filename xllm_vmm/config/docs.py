@@ -1,0 +1,88 @@
+"""Flag listings generated from the catalogue: ``xllm-vmm flags --format markdown|json`` and
+``docs/cli-reference.md`` (regenerate with ``python -m xllm_vmm.config.docs``; a test fails when
+the committed file differs)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from xllm_vmm.config.catalogue import GROUPS, FlagDef, flags_by_group
+
+REFERENCE_PATH = Path(__file__).resolve().parents[2] / "docs" / "cli-reference.md"
+
+
+def select_flags(group: str | None = None, search: str | None = None) -> dict[str, list[FlagDef]]:
+    out = {}
+    needle = (search or "").lower()
+    for grp, flags in flags_by_group().items():
+        if group is not None and grp != group:
+            continue
+        keep = [f for f in flags if not needle or needle in f.name or needle in f.help.lower()]
+        if keep:
+            out[grp] = keep
+    return out
+
+
+def flags_json(selected: dict[str, list[FlagDef]]) -> list[dict]:
+    return [{"name": f.name, "type": f.type, "default": f.default, "group": f.group,
+             "unit": f.unit, "help": f.help, "implemented": f.implemented,
+             "platform_default": f.platform_default, "origin": f.origin,
+             "env": f.env_var} for flags in selected.values() for f in flags]
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def flags_markdown(selected: dict[str, list[FlagDef]]) -> str:
+    lines = []
+    for grp, flags in selected.items():
+        lines.append(f"## {GROUPS[grp]} (`{grp}`)\n")
+        lines.append("| flag | type | default | help |")
+        lines.append("|---|---|---|---|")
+        for f in flags:
+            note = "" if f.implemented else " *(accepted, no effect in the xllm-vmm engine)*"
+            lines.append(f"| `--{f.name}` | {f.type_label} | `{_cell(f.default_text())}` | "
+                         f"{_cell(f.help)}{note} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def reference_markdown() -> str:
+    """The full text of docs/cli-reference.md."""
+    n = sum(len(v) for v in flags_by_group().values())
+    head = f"""# CLI reference: every flag
+
+<!-- Generated from xllm_vmm/config/catalogue.py by `python -m xllm_vmm.config.docs`.
+     Do not edit by hand: tests/config/test_docs.py fails when this file is stale. -->
+
+xllm-vmm accepts the {n} flags below, on the command line in the engine's gflags syntax
+(`--name=value`, `--name value`, `--name` / `--noname` for bools, dashes or underscores), in TOML
+files (flat keys or tables named after the group), in the engine's JSON file
+(`--config_json_file`) and as environment variables `XLLM_VMM_<NAME>`. Byte-sized flags (type
+`(bytes)`) also take sizes such as `512MiB` or `1GiB`. Where the engine's default differs by
+build or platform, the first default is used and the help says so. Flags marked *accepted, no
+effect* are type-checked but not used by the xllm-vmm engine. See `docs/configuration.md` for
+sources, precedence and the rules; `xllm-vmm flags` prints the same table.
+
+"""
+    return head + flags_markdown(select_flags())
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    text = reference_markdown()
+    if argv and argv[0] == "--check":
+        current = REFERENCE_PATH.read_text(encoding="utf-8") if REFERENCE_PATH.exists() else ""
+        if current != text:
+            sys.stderr.write(f"{REFERENCE_PATH} is stale: run python -m xllm_vmm.config.docs\n")
+            return 1
+        return 0
+    REFERENCE_PATH.write_text(text, encoding="utf-8")
+    print(f"wrote {REFERENCE_PATH}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,117 @@
+"""The inputs of ``check-config`` (and of any command that takes a configuration the same way,
+such as ``plan``): direct gflags-style flags, ``--config`` TOML files, ``--config_json_file``,
+``--cmd`` command lines, ``--cmd-file`` shell scripts, positional files, the environment.
+
+Each *target* becomes one configuration, checked on its own; the shared layers (``--config``
+files, the direct flags, the environment) apply to every target:
+
+- a positional ``.toml`` file: that TOML file on top of the ``--config`` files;
+- a positional ``.json`` file: the engine's JSON file (as ``--config_json_file``);
+- a positional file with any other name, or ``--cmd-file``: a launch script (its flags are the
+  command line, its ``XLLM_VMM_*`` assignments the environment);
+- ``--cmd 'TEXT'``: a launch command line;
+- no target: one configuration from the shared layers alone.
+
+Flags given directly are applied after a target's own command line (they win; a repeat with a
+different value inside one command line is CFG-DUP).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+from xllm_vmm.config.findings import ConfigError, Finding, Source
+from xllm_vmm.config.loader import ResolvedConfig, load
+from xllm_vmm.config.sources import parse_shell
+
+
+@dataclass
+class Resolved:
+    """One target's outcome: the configuration (None when it could not be built) and the
+    findings of reading it (input errors, or warnings such as a mistyped environment name)."""
+
+    label: str
+    config: ResolvedConfig | None
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def unreadable(self) -> bool:
+        return any(f.unreadable for f in self.findings)
+
+
+def _resolve(label: str, *, cli: list, config_files: list, json_file, env, env_tokens=(),
+             overrides=()) -> Resolved:
+    try:
+        cfg = load(cli, config_files, json_file, env, env_tokens=env_tokens,
+                   overrides=overrides, label=label)
+    except ConfigError as err:
+        for f in err.findings:
+            f.input = f.input or label
+        return Resolved(label, None, err.findings)
+    return Resolved(label, cfg, list(cfg.warnings))
+
+
+def resolve_inputs(
+    args: Iterable[str] = (),
+    *,
+    config: Iterable[str | os.PathLike] = (),
+    config_json_file: str | os.PathLike | None = None,
+    cmd: Iterable[str] = (),
+    cmd_file: Iterable[str | os.PathLike] = (),
+    files: Iterable[str | os.PathLike] = (),
+    env: Mapping[str, str] | None = None,
+) -> list[Resolved]:
+    """Resolve every target (see the module docstring). Never raises for bad input: problems
+    are findings of the :class:`Resolved` they belong to. ``env`` defaults to no environment;
+    commands pass ``os.environ``."""
+    args = list(args)
+    shared_files = [os.fspath(p) for p in config]
+    out: list[Resolved] = []
+    targets: list[tuple[str, str]] = []
+    for p in files:
+        p = os.fspath(p)
+        low = p.lower()
+        kind = "toml" if low.endswith(".toml") else "json" if low.endswith(".json") else "script"
+        targets.append((kind, p))
+    targets += [("cmd", c) for c in cmd]
+    targets += [("script", os.fspath(p)) for p in cmd_file]
+    if not targets:
+        label = shared_files[-1] if len(shared_files) == 1 and not args else "command line"
+        return [_resolve(label, cli=args, config_files=shared_files,
+                         json_file=config_json_file, env=env)]
+    n_cmd = 0
+    for kind, value in targets:
+        if kind == "toml":
+            out.append(_resolve(value, cli=args, config_files=shared_files + [value],
+                                json_file=config_json_file, env=env))
+        elif kind == "json":
+            out.append(_resolve(value, cli=args, config_files=shared_files, json_file=value,
+                                env=env))
+        else:
+            if kind == "cmd":
+                n_cmd += 1
+                label, text, file = f"--cmd #{n_cmd}", value, None
+            else:
+                label, file = value, value
+                try:
+                    with open(value, "rb") as fh:
+                        text = fh.read().decode("utf-8")
+                except (OSError, UnicodeDecodeError) as err:
+                    msg = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+                    out.append(Resolved(label, None, [Finding(
+                        "CFG-READ", "error", f"cannot read {value}: {msg}",
+                        hint="check the path given to --cmd-file", where=Source("cli", value),
+                        input=label)]))
+                    continue
+            shell, errs = parse_shell(text, file)
+            if shell is None:
+                for f in errs:
+                    f.input = label
+                out.append(Resolved(label, None, errs))
+                continue
+            out.append(_resolve(label, cli=list(shell.tokens), config_files=shared_files,
+                                json_file=config_json_file, env=env, env_tokens=shell.env,
+                                overrides=args))
+    return out

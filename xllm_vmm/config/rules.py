@@ -1,0 +1,767 @@
+"""The configuration rules of ``shared/spec/RULES.md`` as code: one small function per rule id.
+
+:func:`check` runs every rule on a :class:`~xllm_vmm.config.loader.ResolvedConfig` (and the
+model's :class:`~xllm_vmm.models.spec.ModelSpec` when it is known) and returns a :class:`Report`:
+findings (errors and warnings), implied values (derived, with the rule id), and the rules that
+could not be checked and why. It never guesses: a model rule without a model, or a sizing rule
+without the memory it needs, is listed in ``Report.not_checked``.
+
+Terms follow RULES.md: *KV VMM* ``enable_vmm_kvcache``; *weight VMM* ``enable_vmm_weights``;
+*elastic* ``vmm_elastic`` with a VMM pool; *speculative decoding* ``num_speculative_tokens>0``;
+*MTP* speculative decoding with ``speculative_algorithm=MTP`` and a ``draft_model``; *external
+draft* speculative decoding with another algorithm and a ``draft_model``; *embedded Eagle3 draft*
+``speculative_algorithm=Eagle3``; *host offload* KV VMM + prefix cache + ``host_blocks_factor>1``.
+Algorithm and transfer-type names compare case-insensitively.
+
+Nothing here imports torch; the model reader is imported only when a model is looked up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from xllm_vmm.config.catalogue import FLAGS, format_value
+from xllm_vmm.config.findings import Finding, Implied
+from xllm_vmm.config.loader import ResolvedConfig
+from xllm_vmm.config.values import format_size, parse_devices
+
+#: Device kinds with a VMM driver in xllm-vmm.
+VMM_DEVICE_KINDS = ("npu", "cuda", "cpu")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule of RULES.md. ``kind``: ``config`` (decided from flags), ``model`` (needs the
+    model's config.json), ``sizing`` (needs memory sizes), ``runtime`` (enforced while serving)."""
+
+    id: str
+    severity: str  # error / warning / implied / runtime
+    kind: str
+    condition: str
+    outcome: str
+    source: str  # the specification sentence it comes from
+
+
+def _r(id, severity, kind, condition, outcome, source):
+    return Rule(id, severity, kind, condition, outcome, source)
+
+
+RULES: dict[str, Rule] = {r.id: r for r in [
+    _r("VMM-01", "error", "config", "KV VMM or weight VMM on a device kind without a VMM driver",
+       "refused; the supported kinds are npu, cuda and cpu",
+       '000 "Both options default to false and are supported on NPU."; 001 "仅 NPU 支持"'),
+    _r("VMM-02", "implied", "config", "KV VMM and weight VMM both on",
+       "one VMM pool shared by the KV cache and the weights",
+       '000 "enable both to share the VMM pool between the KV Cache and model weights"'),
+    _r("VMM-03", "implied", "config", "weight VMM on, KV VMM off",
+       "the KV cache uses the physical (non-VMM) implementation",
+       '000 "Weight-only VMM keeps the physical KV Cache implementation."'),
+    _r("VMM-04", "implied", "config", "weight VMM on",
+       "enable_manual_loader=true; an explicit enable_manual_loader=false is a warning and is overridden",
+       '001 "为模型权重使用 VMM，并隐式启用 manual loader"'),
+    _r("VMM-05", "implied", "config", "KV VMM on, weight VMM off",
+       "the configured weight loader is kept; enable_manual_loader is not changed",
+       '001 "仅启用 KV VMM 时继续使用配置的权重加载器，不会隐式启用 enable_manual_loader"'),
+    _r("VMM-06", "warning", "config",
+       "vmm_elastic=true, vmm_memory_reserve_bytes>0, or max_cache_size>0 meant for the pool, "
+       "with neither VMM flag on", "the VMM-only settings have no effect", "derived"),
+    _r("W-01", "error", "model", "weight VMM with a backend other than llm (inferred from the "
+       "model when backend is empty)", "refused",
+       '000 "Weight VMM currently supports the LLM backend."'),
+    _r("W-02", "runtime", "runtime", "sleep, wakeup or fork of a model without weight VMM",
+       "refused with an error naming enable_vmm_weights",
+       '000 "Model sleep, wakeup and fork require enable_vmm_weights=true."'),
+    _r("W-03", "error", "config", "weight VMM on, KV VMM off, vmm_elastic=false",
+       "refused: weight-only VMM needs vmm_elastic=true",
+       '000 "Weight-only VMM requires vmm_elastic=true; a fixed weight pool would consume memory '
+       'needed by the physical KV Cache."'),
+    _r("W-04", "error", "model", "weight VMM with a hybrid model (linear-state caches)", "refused",
+       '000 "Hybrid linear-state caches and external draft models do not support weight VMM."'),
+    _r("W-05", "error", "config", "weight VMM with an external draft", "refused",
+       '000 "Hybrid linear-state caches and external draft models do not support weight VMM."'),
+    _r("W-06", "runtime", "runtime", "remote weight transfer using Mooncake while the pool is elastic",
+       "refused: needs vmm_elastic=false and a positive max_memory_utilization",
+       '000 "PD KV transfer and remote weight transfer using Mooncake require a fully resident '
+       'pool; use vmm_elastic=false and a positive max_memory_utilization."'),
+    _r("PC-01", "implied", "config", "KV VMM and enable_prefix_cache=true",
+       "complete KV blocks are reused across requests; cached blocks keep their virtual addresses "
+       "and physical pages after the request ends",
+       '000 "Set enable_prefix_cache=true together with enable_vmm_kvcache=true to reuse complete '
+       'KV blocks across requests. Cached blocks retain their virtual addresses and physical pages '
+       'after a request completes."'),
+    _r("PC-02", "implied", "model", "PC-01 with a hybrid model",
+       "a prefix hit is only usable where a recoverable linear-state checkpoint exists",
+       '000 "hybrid attention also requires a recoverable linear-state checkpoint"'),
+    _r("PC-03", "warning", "config",
+       "PC-01 with cache-aware routing (enable_service_routing=true)",
+       "KV cache events are not published for VMM blocks",
+       '000 "This option does not enable KV Cache event publishing for VMM."'),
+    _r("HK-01", "implied", "config", "KV VMM, enable_prefix_cache=true, host_blocks_factor>1",
+       "completed blocks are retained in host memory and restored into newly mapped VMM blocks",
+       '000 "Enable prefix caching and set host_blocks_factor greater than 1 to retain completed KV '
+       'blocks in host memory."'),
+    _r("HK-02", "warning", "config", "host_blocks_factor>1 with enable_prefix_cache=false",
+       "no host retention happens",
+       '000 "Enable prefix caching and set host_blocks_factor greater than 1"'),
+    _r("HK-03", "warning", "config", "0 < host_blocks_factor <= 1",
+       "host retention is off (it needs a factor above 1)",
+       '000 "set host_blocks_factor greater than 1"'),
+    _r("HK-04", "error", "config", "host offload with kv_cache_dtype other than auto", "refused",
+       '000 "This LLM path supports flat KV and MLA+INDEX tensor layouts with kv_cache_dtype=auto"'),
+    _r("HK-05", "error", "model",
+       "host offload with a VLM backend, grouped KV caches, or a hybrid model's conv/SSM caches",
+       "refused",
+       '000 "VLM, grouped caches, and hybrid linear-attention conv/SSM caches remain unsupported '
+       'for VMM HostKV offload."'),
+    _r("HK-06", "implied", "config", "host offload",
+       "host capacity = configured device KV tensor capacity × host_blocks_factor, preallocated, "
+       "also in elastic mode",
+       '000 "Host capacity is preallocated from the configured device KV tensor capacity '
+       'multiplied by host_blocks_factor, including in elastic mode."'),
+    _r("HK-07", "warning", "sizing",
+       "the preallocated host capacity (HK-06) exceeds the host's available RAM",
+       "error when serving; warning in check-config and plan, with the numbers",
+       '000 "Size max_cache_size and the factor for available host RAM."'),
+    _r("HK-08", "error", "config", "host_blocks_factor < 0", "refused", "derived"),
+    _r("SD-01", "implied", "config", "MTP with KV VMM",
+       "target and draft KV caches are mapped and released together, also when their KV widths differ",
+       '000 "The scheduler maps and releases both caches together, including models whose target '
+       'and draft KV tensors have different widths."'),
+    _r("SD-02", "error", "config", "embedded Eagle3 draft with KV VMM", "refused",
+       '000 "Embedded Eagle3 drafts and speculative decoding with PD disaggregation are '
+       'unsupported with virtual KV Cache."'),
+    _r("SD-03", "error", "config",
+       "speculative decoding with PD disaggregation (enable_disagg_pd=true) and KV VMM", "refused",
+       '000 "Embedded Eagle3 drafts and speculative decoding with PD disaggregation are '
+       'unsupported with virtual KV Cache."'),
+    _r("SD-04", "error", "config", "KV VMM with enable_task_pipeline=true", "refused",
+       '001 "请设置 enable_task_pipeline=false；当前任务执行流水线尚不支持虚拟 KV Cache。"'),
+    _r("SD-05", "error", "config",
+       "num_speculative_tokens>0 with speculative_algorithm=MTP and no draft_model",
+       "refused: MTP needs the draft model path", "derived from the MTP launch example "
+       '(000 "--draft_model=/models/mtp --speculative_algorithm=MTP --num_speculative_tokens=3")'),
+    _r("HY-01", "implied", "model", "KV VMM with a hybrid model",
+       "only full-attention KV tensors use VMM; conv and recurrent states stay resident and are "
+       "reserved separately from the physical KV page pool",
+       '000 "For hybrid attention models, only full-attention KV tensors use VMM; convolution and '
+       'recurrent states remain resident and are reserved separately from the physical KV page pool."'),
+    _r("QK-01", "error", "config", "KV VMM with kv_cache_dtype other than auto",
+       "refused: quantized KV cache is unsupported with KV VMM",
+       '000 "Quantized KV Cache remains unsupported with KV VMM."'),
+    _r("EL-01", "implied", "config", "KV VMM and elastic",
+       "physical backing grows as KV pages are mapped; idle backing is released after the last "
+       "block on a page is returned; a stable virtual arena is reserved and logical slots are "
+       "activated on demand",
+       '000 "With enable_vmm_kvcache=true and vmm_elastic=true, physical backing grows as KV pages '
+       'are mapped."'),
+    _r("EL-02", "warning", "config",
+       "elastic and max_memory_utilization set explicitly (command line, file or environment)",
+       "it has no effect in this mode; max_cache_size is the byte quota",
+       '000 "An existing setting such as max_memory_utilization=0.75 has no effect in this mode."'),
+    _r("EL-03", "error", "config",
+       "not elastic (physical KV or fixed VMM) and max_memory_utilization not in (0, 1]",
+       "refused", '000 "Physical KV Cache and fixed VMM continue to use the ratio."'),
+    _r("EL-04", "error", "config", "elastic and max_memory_utilization outside [0, 1]",
+       "refused (the value is ignored, but must still be a ratio)", "derived"),
+    _r("EL-05", "error", "config", "max_cache_size < 0 or vmm_memory_reserve_bytes < 0",
+       "refused", "derived"),
+    _r("EL-06", "error", "model",
+       "max_cache_size>0 smaller than one page for every VMM tensor (the least the pool can map)",
+       "refused with the minimum", "derived"),
+    _r("EL-07", "implied", "config", "elastic",
+       "growth and admission use current free memory minus the observed execution peak minus "
+       "vmm_memory_reserve_bytes; with a reserve of 0 the observed execution headroom is still kept",
+       '000 "Actual growth and request admission use current free memory and preserve headroom '
+       'for observed execution peaks plus vmm_memory_reserve_bytes."'),
+    _r("EL-08", "warning", "sizing",
+       "vmm_memory_reserve_bytes larger than the device's total memory", "the pool could never grow",
+       "derived"),
+    _r("PD-01", "error", "config",
+       "PD disaggregation with KV transfer over Mooncake (kv_cache_transfer_type=Mooncake) and "
+       "KV VMM elastic", "refused: needs vmm_elastic=false and a positive max_memory_utilization",
+       '000 "PD KV transfer and remote weight transfer using Mooncake require a fully resident '
+       'pool; use vmm_elastic=false and a positive max_memory_utilization."'),
+    _r("AD-01", "runtime", "runtime", "admission",
+       "request token demand is converted into KV blocks with the model's actual cache layout, "
+       "per cache group", '000 "Admission converts request token demand into KV blocks using the '
+       'model\'s actual cache layout"'),
+    _r("AD-02", "runtime", "runtime", "admission",
+       "the capacity used is the minimum available across the model's workers",
+       '000 "and the minimum available capacity across its workers"'),
+    _r("AD-03", "runtime", "runtime", "admission",
+       "MTP embedding slots and hybrid recurrent-state slots must be available too",
+       '000 "MTP embedding slots and hybrid recurrent-state slots must also be available."'),
+    _r("AD-04", "runtime", "runtime", "admission",
+       "a fresh chunked-prefill request is checked against its full prompt footprint; decode takes "
+       "more blocks as tokens are generated; no request's maximum output is reserved in advance",
+       '000 "Fresh chunked-prefill requests are checked against their full prompt footprint"'),
+    _r("AD-05", "runtime", "runtime", "admission",
+       "running concurrency adapts to request lengths and live memory, within max_seqs_per_batch "
+       "and max_tokens_per_batch",
+       '000 "Running concurrency therefore adapts to request lengths and live memory within the '
+       'configured scheduler limits."'),
+]}
+
+
+@dataclass
+class Report:
+    """The outcome of :func:`check`.
+
+    ``findings``: errors and warnings, each with rule id, flags (name → value) and sources
+    (name → :class:`Source`). ``implied``: values set by implied rules. ``resolved``: the
+    configuration with implied flag values applied (provenance ``derived``, with the rule id).
+    ``not_checked``: ``{rule id: reason}`` for rules that apply but could not be decided.
+    """
+
+    resolved: ResolvedConfig
+    findings: list[Finding] = field(default_factory=list)
+    implied: list[Implied] = field(default_factory=list)
+    not_checked: dict[str, str] = field(default_factory=dict)
+    model: str | None = None  # the model the model rules were checked against
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "error"]
+
+    @property
+    def warnings(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "warning"]
+
+    def exit_code(self, strict: bool = False) -> int:
+        """0 valid, 1 errors (or warnings with ``strict``)."""
+        return 1 if self.errors or (strict and self.warnings) else 0
+
+    def rule_ids(self) -> list[str]:
+        return [f.id for f in self.findings]
+
+
+class _Ctx:
+    def __init__(self, cfg: ResolvedConfig, model, model_reason: str | None,
+                 device_memory: int | None, host_memory: int | None):
+        self.cfg = cfg
+        self.model = model
+        self.model_reason = model_reason or (
+            "no --model given" if not cfg["model"] else f"the model {cfg['model']!r} was not read")
+        self.device_memory = device_memory
+        self.host_memory = host_memory
+        c = cfg
+        self.kv = bool(c["enable_vmm_kvcache"])
+        self.w = bool(c["enable_vmm_weights"])
+        self.vmm = self.kv or self.w
+        self.elastic = self.vmm and bool(c["vmm_elastic"])
+        self.kv_elastic = self.kv and bool(c["vmm_elastic"])
+        self.spec = c["num_speculative_tokens"] > 0
+        alg = str(c["speculative_algorithm"]).strip().lower()
+        self.mtp = self.spec and alg == "mtp" and bool(c["draft_model"])
+        self.eagle3 = alg == "eagle3"
+        self.external_draft = self.spec and alg != "mtp" and bool(c["draft_model"])
+        self.prefix = bool(c["enable_prefix_cache"])
+        self.host_offload = self.kv and self.prefix and c["host_blocks_factor"] > 1
+
+    # helpers
+    def d(self, *names: str) -> str:
+        return ", ".join(self.cfg.describe(n) for n in names)
+
+    def finding(self, rule_id: str, message: str, names: tuple[str, ...], hint: str,
+                severity: str | None = None) -> Finding:
+        rule = RULES[rule_id]
+        sev = severity or ("error" if rule.severity == "error" else "warning")
+        return Finding(rule_id, sev, message,
+                       flags={n: self.cfg[n] for n in names},
+                       sources={n: self.cfg.provenance(n) for n in names}, hint=hint,
+                       input=self.cfg.label)
+
+
+_Out = Iterator["Finding | Implied | tuple[str, str]"]  # tuple: (rule id, not-checked reason)
+_CHECKS: list[tuple[str, Callable[[_Ctx], _Out]]] = []
+
+
+def _rule(*ids: str):
+    def deco(fn):
+        for i in ids:
+            assert i in RULES, i
+        _CHECKS.append((ids[0], fn))
+        return fn
+    return deco
+
+
+def _not_checked(rule_id: str, reason: str) -> tuple[str, str]:
+    return (rule_id, reason)
+
+
+# ----------------------------------------------------------------------------- enabling VMM
+
+
+@_rule("VMM-01")
+def _vmm01(x: _Ctx) -> _Out:
+    if not x.vmm:
+        return
+    try:
+        devices = parse_devices(x.cfg["devices"])
+    except ValueError as err:
+        yield Finding("CFG-TYPE", "error", f"devices: {err} ({x.cfg.provenance('devices')})",
+                      flags={"devices": x.cfg["devices"]},
+                      sources={"devices": x.cfg.provenance("devices")},
+                      hint="write devices as npu:0,npu:1 / cuda:0 / cpu / auto",
+                      where=x.cfg.provenance("devices"), input=x.cfg.label)
+        return
+    bad = sorted({k for k, _ in devices if k not in VMM_DEVICE_KINDS})
+    if bad:
+        on = [n for n in ("enable_vmm_kvcache", "enable_vmm_weights") if x.cfg[n]]
+        yield x.finding(
+            "VMM-01", f"VMM-01: {x.d(*on)} needs a device kind with a VMM driver, but "
+            f"{x.d('devices')} uses {', '.join(bad)}",
+            ("devices", *on),
+            f"serve on {', '.join(VMM_DEVICE_KINDS)} devices, or turn VMM off "
+            f"({' '.join('--' + n + '=false' for n in on)})")
+
+
+@_rule("VMM-02", "VMM-03", "VMM-04", "VMM-05")
+def _vmm_impl(x: _Ctx) -> _Out:
+    if x.kv and x.w:
+        yield Implied("VMM-02", "vmm_pool", "shared",
+                      "one VMM pool is shared by the KV cache and the weights")
+    if x.w and not x.kv:
+        yield Implied("VMM-03", "kv_cache_impl", "physical",
+                      "weight-only VMM: the KV cache uses the physical implementation")
+    if x.w:
+        loader = x.cfg.provenance("enable_manual_loader")
+        if x.cfg.explicit("enable_manual_loader") and not x.cfg["enable_manual_loader"]:
+            yield x.finding(
+                "VMM-04", f"VMM-04: {x.d('enable_manual_loader')} is overridden: "
+                f"{x.d('enable_vmm_weights')} always uses the manual loader",
+                ("enable_manual_loader", "enable_vmm_weights"),
+                "remove enable_manual_loader=false", severity="warning")
+        if not (x.cfg["enable_manual_loader"] and loader.kind != "default"):
+            yield Implied("VMM-04", "enable_manual_loader", True,
+                          "weight VMM loads weights with the manual loader")
+    if x.kv and not x.w:
+        yield Implied("VMM-05", "weight_loader",
+                      "manual" if x.cfg["enable_manual_loader"] else "default",
+                      "KV-only VMM keeps the configured weight loader "
+                      f"(enable_manual_loader={format_value(FLAGS['enable_manual_loader'], x.cfg['enable_manual_loader'])})")
+
+
+@_rule("VMM-06")
+def _vmm06(x: _Ctx) -> _Out:
+    if x.vmm:
+        return
+    names = [n for n in ("vmm_elastic", "vmm_memory_reserve_bytes")
+             if x.cfg[n] and x.cfg[n] > 0]
+    if not names:
+        return
+    note = ""
+    if x.cfg["max_cache_size"] > 0 and x.cfg.explicit("max_cache_size"):
+        names.append("max_cache_size")
+        note = "; max_cache_size then limits the physical KV cache, not a VMM pool"
+    yield x.finding(
+        "VMM-06", f"VMM-06: {x.d(*names)} has no effect: neither enable_vmm_kvcache nor "
+        f"enable_vmm_weights is on{note}", tuple(names),
+        "turn on --enable_vmm_kvcache=true (or --enable_vmm_weights=true), or remove "
+        + ", ".join(n for n in names if n != "max_cache_size"))
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def _backend(x: _Ctx) -> tuple[str | None, str]:
+    """(backend, how it was found); backend None when it cannot be known."""
+    if x.cfg["backend"]:
+        return str(x.cfg["backend"]).strip().lower(), str(x.cfg.provenance("backend"))
+    if x.model is not None:
+        return x.model.backend, f"inferred from the model {x.model.name}"
+    return None, ""
+
+
+@_rule("W-01")
+def _w01(x: _Ctx) -> _Out:
+    if not x.w:
+        return
+    backend, how = _backend(x)
+    if backend is None:
+        yield _not_checked("W-01", f"backend is empty and {x.model_reason}: the backend cannot "
+                                   "be inferred")
+        return
+    if backend != "llm":
+        yield x.finding(
+            "W-01", f"W-01: {x.d('enable_vmm_weights')} supports only the llm backend, but the "
+            f"backend is {backend} ({how})", ("enable_vmm_weights", "backend"),
+            "turn weight VMM off (--enable_vmm_weights=false); KV VMM alone "
+            "(--enable_vmm_kvcache=true) works with other backends")
+
+
+@_rule("W-03")
+def _w03(x: _Ctx) -> _Out:
+    if x.w and not x.kv and not x.cfg["vmm_elastic"]:
+        yield x.finding(
+            "W-03", f"W-03: weight-only VMM ({x.d('enable_vmm_weights', 'enable_vmm_kvcache')}) "
+            f"needs an elastic pool, but {x.d('vmm_elastic')}: a fixed weight pool would take "
+            "memory the physical KV cache needs",
+            ("enable_vmm_weights", "enable_vmm_kvcache", "vmm_elastic"),
+            "add --vmm_elastic=true, or also enable --enable_vmm_kvcache=true")
+
+
+@_rule("W-04")
+def _w04(x: _Ctx) -> _Out:
+    if not x.w:
+        return
+    if x.model is None:
+        yield _not_checked("W-04", x.model_reason)
+    elif x.model.is_hybrid:
+        yield x.finding(
+            "W-04", f"W-04: {x.d('enable_vmm_weights')} is not supported for the hybrid model "
+            f"{x.model.name} (linear-attention / SSM layers)", ("enable_vmm_weights", "model"),
+            "turn weight VMM off (--enable_vmm_weights=false)")
+
+
+@_rule("W-05")
+def _w05(x: _Ctx) -> _Out:
+    if x.w and x.external_draft:
+        names = ("enable_vmm_weights", "speculative_algorithm", "draft_model",
+                 "num_speculative_tokens")
+        yield x.finding(
+            "W-05", f"W-05: {x.d('enable_vmm_weights')} is not supported with an external draft "
+            f"model ({x.d(*names[1:])})", names,
+            "turn weight VMM off (--enable_vmm_weights=false), or use MTP")
+
+
+# ----------------------------------------------------------------------------- prefix cache
+
+
+@_rule("PC-01", "PC-02", "PC-03")
+def _pc(x: _Ctx) -> _Out:
+    if not (x.kv and x.prefix):
+        return
+    yield Implied("PC-01", "prefix_cache", "vmm_blocks",
+                  "complete KV blocks are reused across requests; cached blocks keep their "
+                  "virtual addresses and physical pages until evicted (LRU)")
+    if x.model is None:
+        yield _not_checked("PC-02", x.model_reason)
+    elif x.model.is_hybrid:
+        yield Implied("PC-02", "prefix_cache_hybrid", "needs_linear_state_checkpoint",
+                      "a prefix hit is usable only where a recoverable linear-state checkpoint "
+                      "exists")
+    if x.cfg["enable_service_routing"]:
+        yield x.finding(
+            "PC-03", f"PC-03: {x.d('enable_service_routing')} expects KV cache events, but they "
+            f"are not published for VMM blocks ({x.d('enable_vmm_kvcache', 'enable_prefix_cache')})",
+            ("enable_service_routing", "enable_vmm_kvcache", "enable_prefix_cache"),
+            "route without cache events, or use the physical KV cache for cache-aware routing")
+
+
+# ----------------------------------------------------------------------------- host KV offload
+
+
+@_rule("HK-01", "HK-02", "HK-03", "HK-04", "HK-06", "HK-08")
+def _hk(x: _Ctx) -> _Out:
+    f = x.cfg["host_blocks_factor"]
+    if f < 0:
+        yield x.finding("HK-08", f"HK-08: {x.d('host_blocks_factor')} is negative",
+                        ("host_blocks_factor",),
+                        "set host_blocks_factor to 0 (off) or above 1 (host tier on)")
+        return
+    if 0 < f <= 1:
+        yield x.finding(
+            "HK-03", f"HK-03: {x.d('host_blocks_factor')} keeps no blocks in host memory: host "
+            "retention needs a factor above 1", ("host_blocks_factor",),
+            "set host_blocks_factor above 1 (e.g. 2) to retain blocks, or 0 to say it is off")
+    if f > 1 and not x.prefix:
+        yield x.finding(
+            "HK-02", f"HK-02: {x.d('host_blocks_factor')} has no effect with "
+            f"{x.d('enable_prefix_cache')}: no blocks are retained in host memory",
+            ("host_blocks_factor", "enable_prefix_cache"),
+            "add --enable_prefix_cache=true, or remove host_blocks_factor")
+    if not x.host_offload:
+        return
+    yield Implied("HK-01", "host_kv_offload", True,
+                  "completed blocks are retained in host memory and restored into newly mapped "
+                  "VMM blocks")
+    if x.cfg["kv_cache_dtype"] != "auto":
+        yield x.finding(
+            "HK-04", f"HK-04: host KV offload ({x.d('host_blocks_factor')}) needs "
+            f"kv_cache_dtype=auto, but {x.d('kv_cache_dtype')}",
+            ("host_blocks_factor", "kv_cache_dtype"),
+            "set --kv_cache_dtype=auto, or turn host offload off (--host_blocks_factor=0)")
+    quota = x.cfg["max_cache_size"]
+    if quota > 0:
+        value = int(quota * f)
+        text = (f"{format_size(value)} of host memory ({value} bytes = max_cache_size "
+                f"{quota} × host_blocks_factor {f}), preallocated")
+    else:
+        value = f"device KV capacity × {f}"
+        text = (f"host memory = the device KV tensor capacity × {f}, preallocated at start-up "
+                "(also in elastic mode)")
+    yield Implied("HK-06", "host_kv_capacity", value, text)
+
+
+@_rule("HK-05")
+def _hk05(x: _Ctx) -> _Out:
+    if not x.host_offload:
+        return
+    backend, how = _backend(x)
+    reasons = []
+    if backend == "vlm":
+        reasons.append(f"the vlm backend ({how})")
+    if x.model is not None:
+        if x.model.has_grouped_caches:
+            reasons.append(f"the grouped KV caches of {x.model.name}")
+        if x.model.is_hybrid:
+            reasons.append(f"the conv/SSM caches of the hybrid model {x.model.name}")
+    if reasons:
+        yield x.finding(
+            "HK-05", f"HK-05: host KV offload ({x.d('host_blocks_factor')}) does not support "
+            + " and ".join(reasons), ("host_blocks_factor", "enable_vmm_kvcache", "model"),
+            "turn host offload off (--host_blocks_factor=0)")
+    elif x.model is None:
+        yield _not_checked("HK-05", x.model_reason)
+
+
+@_rule("HK-07")
+def _hk07(x: _Ctx) -> _Out:
+    if not x.host_offload:
+        return
+    quota = x.cfg["max_cache_size"]
+    if x.host_memory is None:
+        yield _not_checked("HK-07", "the host's available RAM is not known: size it with "
+                                    "`xllm-vmm plan` (or pass --host-memory)")
+        return
+    if quota <= 0:
+        yield _not_checked("HK-07", "max_cache_size=0: the device KV capacity depends on the "
+                                    "device; size it with `xllm-vmm plan`")
+        return
+    need = int(quota * x.cfg["host_blocks_factor"])
+    if need > x.host_memory:
+        yield x.finding(
+            "HK-07", f"HK-07: the host KV tier needs {format_size(need)} ({need} bytes = "
+            f"{x.d('max_cache_size')} × {x.d('host_blocks_factor')}) but the host has "
+            f"{format_size(x.host_memory)} available",
+            ("max_cache_size", "host_blocks_factor"),
+            f"lower host_blocks_factor to at most {x.host_memory / quota:.2f} or lower "
+            "max_cache_size")
+
+
+# ----------------------------------------------------------------------------- speculative, hybrid
+
+
+@_rule("SD-01")
+def _sd01(x: _Ctx) -> _Out:
+    if x.kv and x.mtp:
+        yield Implied("SD-01", "draft_kv_cache", "mapped_with_target",
+                      "target and MTP draft KV caches are mapped and released together")
+
+
+@_rule("SD-02")
+def _sd02(x: _Ctx) -> _Out:
+    if x.kv and x.eagle3:
+        yield x.finding(
+            "SD-02", f"SD-02: an embedded Eagle3 draft ({x.d('speculative_algorithm')}) is not "
+            f"supported with {x.d('enable_vmm_kvcache')}",
+            ("speculative_algorithm", "enable_vmm_kvcache"),
+            "turn KV VMM off (--enable_vmm_kvcache=false) or use another algorithm (e.g. MTP)")
+
+
+@_rule("SD-03")
+def _sd03(x: _Ctx) -> _Out:
+    if x.kv and x.spec and x.cfg["enable_disagg_pd"]:
+        names = ("num_speculative_tokens", "enable_disagg_pd", "enable_vmm_kvcache")
+        yield x.finding(
+            "SD-03", f"SD-03: speculative decoding with PD disaggregation is not supported with "
+            f"virtual KV cache ({x.d(*names)})", names,
+            "set --num_speculative_tokens=0, or --enable_vmm_kvcache=false")
+
+
+@_rule("SD-04")
+def _sd04(x: _Ctx) -> _Out:
+    if x.kv and x.cfg["enable_task_pipeline"]:
+        names = ("enable_task_pipeline", "enable_vmm_kvcache")
+        yield x.finding(
+            "SD-04", f"SD-04: the task pipeline does not support virtual KV cache ({x.d(*names)})",
+            names, "set --enable_task_pipeline=false (or --noenable_task_pipeline)")
+
+
+@_rule("SD-05")
+def _sd05(x: _Ctx) -> _Out:
+    c = x.cfg
+    if x.spec and str(c["speculative_algorithm"]).strip().lower() == "mtp" and not c["draft_model"]:
+        names = ("num_speculative_tokens", "speculative_algorithm", "draft_model")
+        yield x.finding(
+            "SD-05", f"SD-05: MTP speculative decoding needs the draft model path "
+            f"({x.d(*names)})", names,
+            "add --draft_model=/path/to/mtp, or set --num_speculative_tokens=0")
+
+
+@_rule("HY-01")
+def _hy01(x: _Ctx) -> _Out:
+    if not x.kv:
+        return
+    if x.model is None:
+        yield _not_checked("HY-01", x.model_reason)
+    elif x.model.is_hybrid:
+        yield Implied("HY-01", "linear_state", "resident",
+                      "only full-attention KV tensors use VMM; conv and recurrent states stay "
+                      "resident, reserved outside the KV page pool")
+
+
+@_rule("QK-01")
+def _qk01(x: _Ctx) -> _Out:
+    if x.kv and x.cfg["kv_cache_dtype"] != "auto":
+        names = ("kv_cache_dtype", "enable_vmm_kvcache")
+        yield x.finding(
+            "QK-01", f"QK-01: quantized KV cache is not supported with KV VMM ({x.d(*names)})",
+            names, "set --kv_cache_dtype=auto, or --enable_vmm_kvcache=false")
+
+
+# ----------------------------------------------------------------------------- elastic, budget
+
+
+@_rule("EL-01", "EL-07")
+def _el_implied(x: _Ctx) -> _Out:
+    if x.kv_elastic:
+        yield Implied("EL-01", "vmm_growth", "elastic",
+                      "physical pages are mapped as KV blocks are needed and released when idle; "
+                      "a stable virtual arena is reserved")
+    if x.elastic:
+        r = x.cfg["vmm_memory_reserve_bytes"]
+        yield Implied("EL-07", "growth_budget",
+                      f"free - execution_peak - {r}",
+                      f"growth and admission use free memory minus the observed execution peak "
+                      f"minus vmm_memory_reserve_bytes ({format_size(r) if r > 0 else '0'})")
+
+
+@_rule("EL-02", "EL-03", "EL-04")
+def _el_ratio(x: _Ctx) -> _Out:
+    u = x.cfg["max_memory_utilization"]
+    if x.kv_elastic:
+        if not 0 <= u <= 1:
+            yield x.finding(
+                "EL-04", f"EL-04: {x.d('max_memory_utilization')} is not a ratio in [0, 1] "
+                "(it is ignored by the elastic pool, but must still be a ratio)",
+                ("max_memory_utilization", "vmm_elastic"),
+                "remove max_memory_utilization (max_cache_size is the elastic pool's quota)")
+        elif x.cfg.explicit("max_memory_utilization"):
+            yield x.finding(
+                "EL-02", f"EL-02: {x.d('max_memory_utilization')} has no effect with "
+                f"{x.d('vmm_elastic')}: the elastic pool ignores the ratio",
+                ("max_memory_utilization", "vmm_elastic"),
+                "remove max_memory_utilization; use max_cache_size as the byte quota")
+    elif not 0 < u <= 1:
+        mode = "fixed VMM pool" if x.kv else "physical KV cache"
+        yield x.finding(
+            "EL-03", f"EL-03: the {mode} is sized by max_memory_utilization, which must be in "
+            f"(0, 1], but {x.d('max_memory_utilization')}",
+            ("max_memory_utilization",), "set max_memory_utilization to e.g. 0.8")
+
+
+@_rule("EL-05")
+def _el05(x: _Ctx) -> _Out:
+    for n in ("max_cache_size", "vmm_memory_reserve_bytes"):
+        if x.cfg[n] < 0:
+            yield x.finding("EL-05", f"EL-05: {x.d(n)} is negative", (n,),
+                            f"set {n} to 0 or a positive number of bytes")
+
+
+@_rule("EL-06")
+def _el06(x: _Ctx) -> _Out:
+    quota = x.cfg["max_cache_size"]
+    if not (x.kv and quota > 0):
+        return
+    if x.model is None:
+        yield _not_checked("EL-06", x.model_reason)
+        return
+    from xllm_vmm.models import ModelConfigError, cache_layout
+
+    try:
+        layout = cache_layout(x.model, workers=int(x.cfg["tp_size"]),
+                              block_size=int(x.cfg["block_size"]),
+                              kv_dtype=str(x.cfg["kv_cache_dtype"]), draft=x.mtp)
+    except ModelConfigError as err:
+        yield _not_checked("EL-06", f"the cache layout cannot be computed: {err}")
+        return
+    tensors = sum(len(g.tensors) for g in layout.groups)
+    page = int(x.cfg["phy_page_granularity_size"])
+    least = tensors * page
+    if quota < least:
+        yield x.finding(
+            "EL-06", f"EL-06: {x.d('max_cache_size')} is below the least the pool can map for "
+            f"{x.model.name}: one {format_size(page)} page for each of its {tensors} VMM tensors "
+            f"per worker = {format_size(least)} ({least} bytes)",
+            ("max_cache_size", "phy_page_granularity_size", "tp_size"),
+            f"set --max_cache_size to at least {least} ({format_size(least)}), or 0 for no quota")
+
+
+@_rule("EL-08")
+def _el08(x: _Ctx) -> _Out:
+    r = x.cfg["vmm_memory_reserve_bytes"]
+    if not (x.elastic and r > 0):
+        return
+    if x.device_memory is None:
+        yield _not_checked("EL-08", "the device's total memory is not known (pass --device-memory)")
+    elif r > x.device_memory:
+        yield x.finding(
+            "EL-08", f"EL-08: {x.d('vmm_memory_reserve_bytes')} is more than the device's "
+            f"{format_size(x.device_memory)}: the pool could never grow",
+            ("vmm_memory_reserve_bytes",),
+            f"lower vmm_memory_reserve_bytes well below {x.device_memory}")
+
+
+@_rule("PD-01")
+def _pd01(x: _Ctx) -> _Out:
+    c = x.cfg
+    if (x.kv_elastic and c["enable_disagg_pd"]
+            and str(c["kv_cache_transfer_type"]).strip().lower() == "mooncake"):
+        names = ("kv_cache_transfer_type", "enable_disagg_pd", "vmm_elastic")
+        yield x.finding(
+            "PD-01", f"PD-01: PD KV transfer over Mooncake needs a fully resident pool, but "
+            f"{x.d(*names)}", names,
+            "set --vmm_elastic=false and a positive --max_memory_utilization (e.g. 0.8)")
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+def find_model(cfg: ResolvedConfig):
+    """The :class:`ModelSpec` named by ``cfg["model"]`` (a local directory: only its config.json
+    is read; or a catalogue name), or ``(None, reason)`` when it cannot be read."""
+    ref = cfg["model"]
+    if not ref:
+        return None, "no --model given"
+    try:
+        from xllm_vmm.models import ModelConfigError, load_model_spec
+    except ImportError as err:  # pragma: no cover - the model reader ships with the package
+        return None, f"the model reader is unavailable ({err})"
+    try:
+        return load_model_spec(str(ref)), None
+    except ModelConfigError as err:
+        return None, f"the model config could not be read: {err}"
+
+
+def check(cfg: ResolvedConfig, model=None, *, model_reason: str | None = None,
+          device_memory: int | None = None, host_memory: int | None = None) -> Report:
+    """Run every rule on ``cfg``.
+
+    ``model``: the :class:`~xllm_vmm.models.spec.ModelSpec` for model rules, or None (model
+    rules that apply are then listed in ``not_checked`` with ``model_reason``).
+    ``device_memory`` (bytes, one device) decides EL-08; ``host_memory`` (bytes available) HK-07.
+    """
+    x = _Ctx(cfg, model, model_reason, device_memory, host_memory)
+    report = Report(resolved=cfg, model=getattr(model, "name", None))
+    resolved = cfg
+    for _, fn in _CHECKS:
+        for item in fn(x):
+            if isinstance(item, Finding):
+                report.findings.append(item)
+            elif isinstance(item, Implied):
+                report.implied.append(item)
+                if item.key in FLAGS:
+                    resolved = resolved.with_derived(item.key, item.value, item.rule)
+            else:
+                report.not_checked[item[0]] = item[1]
+    report.resolved = resolved
+    return report
+
+
+def check_all(cfg: ResolvedConfig, **kwargs) -> Report:
+    """:func:`check` with the model looked up from ``cfg["model"]`` (:func:`find_model`)."""
+    model, reason = find_model(cfg)
+    return check(cfg, model, model_reason=reason, **kwargs)
