@@ -1,0 +1,477 @@
+"""``make_plan``: a model and :class:`PlanInputs` -> a :class:`Plan`, with every formula.
+
+Per worker (one worker per device; ``W`` workers in tensor parallel), in bytes:
+
+- weights ``Wt = ceil(weights_total / W)`` (+ ``ceil(mtp_weights / W)`` with an MTP draft);
+- execution peak ``P`` (default, unless overridden)::
+
+      P = max_tokens_per_batch x e x (4 x hidden + 2 x ceil(I / W)) + max_seqs_per_batch x vocab x 4
+
+  with ``e`` the model dtype's bytes and ``I`` the active MLP width (``intermediate_size`` for a
+  dense model; ``moe_intermediate_size x experts_per_token`` plus the shared experts for MoE);
+  the second term is the float32 logits of one token per sequence;
+- budget ``B`` (memory for KV blocks and resident state):
+
+  - physical / fixed VMM: ``B = floor(T x max_memory_utilization) - Wt - P``;
+  - elastic VMM: ``free = T - Wt - O``; ``B = free - P - vmm_memory_reserve_bytes``
+    (``max_memory_utilization`` ignored, EL-02);
+  - either way capped by the quota ``Q``: ``B = min(B, Q)`` when ``max_cache_size > 0``, where
+    ``Q = max_cache_size`` (minus ``Wt`` when weights share the pool, VMM-02);
+
+- hybrid state slots ``S`` (HY-01): the most sequences of the context length whose KV blocks
+  plus resident state ``r`` fit: ``demand(S, L) + S x r <= B``, at most ``max_seqs_per_batch``;
+  ``B_kv = B - S x r``;
+- capacity: sliding groups get blocks for ``min(max_seqs_per_batch, c)`` windows, the rest of
+  ``B_kv`` goes to the groups that grow with the context: ``N`` blocks each, tokens ``N x
+  block_size``; ``max_concurrency`` is the most sequences of ``L`` tokens that fit ``B_kv``
+  (``<= S`` for hybrid models, ``<= max_seqs_per_batch``);
+- arena: physical 0; fixed VMM the mapped KV pool; elastic VMM the pool sized for
+  ``min(T - Wt, Q)`` (the most it could ever hold); plus ``Wt`` when weights share the pool;
+- host pool (HK-06): ``floor(arena_kv x host_blocks_factor)`` when host offload is on.
+
+``T`` is the device total, ``O`` the runtime overhead (default 1 GiB).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from xllm_vmm.models import CacheLayout, LayoutError, ModelSpec, cache_layout, dtype_bytes
+from xllm_vmm.planner.capacity import Unit, ceil_div, demand, largest, max_blocks, max_seqs
+from xllm_vmm.planner.inputs import DEFAULT_RUNTIME_OVERHEAD_BYTES, PlanInputs
+
+SCHEMA_VERSION = 1
+
+
+def _n(x: int | float) -> str:
+    return f"{x:,}" if isinstance(x, int) else f"{x:g}"
+
+
+@dataclass(frozen=True)
+class Formula:
+    figure: str
+    formula: str  # symbolic
+    numbers: str  # with this plan's numbers
+    value: int | float | None
+
+
+@dataclass(frozen=True)
+class Reason:
+    severity: str  # "error" (does not fit), "warning", "info"
+    code: str
+    message: str
+    hint: str = ""
+
+
+@dataclass
+class GroupPlan:
+    name: str
+    tensors: int
+    tensor_bytes_per_token: int
+    bytes_per_token: int
+    block_bytes: int  # all tensors of one block together
+    tensor_block_bytes: int
+    blocks_per_page: int
+    slot_bytes: int
+    max_tokens_per_seq: int | None
+    blocks: int = 0  # capacity in blocks (per tensor)
+    units: int = 0  # slots (VMM) or blocks (physical) allocated
+    pool_bytes: int = 0
+
+
+@dataclass
+class WorkerPlan:
+    index: int
+    device_total_bytes: int
+    weights_bytes: int
+    execution_peak_bytes: int
+    runtime_overhead_bytes: int
+    physical_budget_bytes: int
+    resident_bytes_per_seq: int
+    resident_slots: int
+    resident_bytes: int
+    kv_pool_bytes: int
+    arena_bytes: int
+    elastic_min_bytes: int | None
+    elastic_max_bytes: int | None
+    host_pool_bytes: int
+    kv_capacity_blocks: int
+    kv_capacity_tokens: int
+    max_concurrency: int
+    groups: list[GroupPlan]
+
+
+@dataclass
+class Plan:
+    spec: ModelSpec
+    inputs: PlanInputs
+    layout: CacheLayout | None
+    context_len: int
+    workers: list[WorkerPlan] = field(default_factory=list)
+    reasons: list[Reason] = field(default_factory=list)
+    formulas: list[Formula] = field(default_factory=list)
+    max_context_len: int | None = None  # largest that fits one request; None = unbounded
+    suggested_workers: int | None = None
+    config_findings: list = field(default_factory=list)  # from the config rules, if checked
+
+    @property
+    def mode(self) -> str:
+        return self.inputs.mode
+
+    @property
+    def fits(self) -> bool:
+        return not any(r.severity == "error" for r in self.reasons)
+
+    @property
+    def verdict(self) -> str:
+        return "fits" if self.fits else "does_not_fit"
+
+    @property
+    def weights_bytes_total(self) -> int:
+        return self.spec.served_weight_bytes + (self.spec.mtp_weight_bytes if self._mtp else 0)
+
+    @property
+    def _mtp(self) -> bool:
+        return self.inputs.mtp and self.spec.mtp_layers > 0
+
+    def worker_min(self, attr: str) -> int:
+        """AD-02: the minimum of a per-worker figure across workers."""
+        return min(getattr(w, attr) for w in self.workers) if self.workers else 0
+
+
+def active_intermediate(spec: ModelSpec) -> int:
+    """MLP width one token passes through: dense ``intermediate_size``, or for MoE
+    ``moe_intermediate_size x experts_per_token`` plus the shared experts (the larger of the
+    two when a model has dense and MoE layers)."""
+    dense = spec.intermediate_size
+    if not spec.num_experts:
+        return dense
+    cfg = spec.extra.get("config", {})
+    moe_i = spec.moe_intermediate_size or spec.intermediate_size
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) or moe_i * spec.num_shared_experts
+    moe = moe_i * max(spec.num_experts_per_tok, 1) + shared
+    if spec.model_type == "gpt_oss":
+        return moe
+    return max(dense, moe)
+
+
+def execution_peak(spec: ModelSpec, inp: PlanInputs) -> tuple[int, str]:
+    """The default execution-peak estimate and its formula with numbers."""
+    e = dtype_bytes(spec.dtype)
+    i_w = ceil_div(active_intermediate(spec), inp.workers)
+    act = inp.max_tokens_per_batch * e * (4 * spec.hidden_size + 2 * i_w)
+    logits = inp.max_seqs_per_batch * spec.vocab_size * 4
+    text = (f"{_n(inp.max_tokens_per_batch)} x {e} x (4 x {_n(spec.hidden_size)} + 2 x "
+            f"{_n(i_w)}) + {_n(inp.max_seqs_per_batch)} x {_n(spec.vocab_size)} x 4")
+    return act + logits, text
+
+
+def _units(layout: CacheLayout, inp: PlanInputs, physical: bool) -> list[Unit]:
+    out = []
+    for g in layout.groups:
+        if physical:
+            out.append(Unit(g.name, g.block_bytes, 1, g.block_size, g.max_tokens_per_seq))
+        else:
+            out.append(Unit(g.name, g.slot_bytes(inp.page_bytes), g.blocks_per_page(inp.page_bytes),
+                            g.block_size, g.max_tokens_per_seq))
+    return out
+
+
+def _split(units: list[Unit], budget: int, window_seqs: int) -> tuple[int, dict[str, int], int]:
+    """Carve ``budget``: sliding groups get blocks for ``window_seqs`` sequences' windows (at
+    full window), the growing groups the most blocks ``N`` that fit the rest.
+    Returns (N, units per group, bytes used)."""
+    capped = [u for u in units if u.window is not None]
+    growing = [u for u in units if u.window is None]
+    per_group: dict[str, int] = {}
+    used = 0
+    for u in capped:
+        blocks = window_seqs * u.seq_blocks(u.window + u.block_size)  # a full window
+        per_group[u.name] = ceil_div(blocks, u.blocks_per_unit)
+        used += per_group[u.name] * u.unit_bytes
+    n = max_blocks(growing, budget - used) if growing else 0
+    for u in growing:
+        per_group[u.name] = ceil_div(n, u.blocks_per_unit)
+        used += per_group[u.name] * u.unit_bytes
+    return n, per_group, used
+
+
+def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True) -> Plan:
+    """Size ``spec`` under ``inp``. Never raises for memory that does not fit: the plan's
+    ``reasons`` say why and what to change. Raises :class:`~xllm_vmm.models.LayoutError` (or
+    :class:`~xllm_vmm.planner.devices.DeviceError`) only for inputs that cannot be planned at
+    all (non-positive sizes, unknown dtypes)."""
+    from xllm_vmm.planner.devices import DeviceError
+
+    _validate(inp)
+    L = inp.context_len if inp.context_len is not None else spec.max_position_embeddings
+    if L is None or L < 1:
+        raise DeviceError("the model declares no max_position_embeddings",
+                          hint="pass --context-len")
+    plan = Plan(spec=spec, inputs=inp, layout=None, context_len=L)
+    f = plan.formulas.append
+    mtp = inp.mtp and spec.mtp_layers > 0
+    if inp.mtp and not spec.mtp_layers:
+        plan.reasons.append(Reason(
+            "warning", "SD-01", f"MTP speculative decoding is on but {spec.name} has no MTP "
+            "layers (num_nextn_predict_layers); no draft cache group is planned",
+            "plan the draft model separately, or set num_speculative_tokens=0"))
+    try:
+        layout = cache_layout(spec, workers=inp.workers, block_size=inp.block_size,
+                              kv_dtype=inp.kv_cache_dtype, draft=mtp)
+    except LayoutError as exc:
+        plan.reasons.append(Reason("error", "LAYOUT", exc.message, exc.hint))
+        return plan
+    plan.layout = layout
+    physical = inp.mode == "physical"
+    W, T, page = inp.workers, inp.device_memory_bytes, inp.page_bytes
+
+    # Weights.
+    wt_total = spec.served_weight_bytes
+    wt = ceil_div(wt_total, W)
+    src = "safetensors headers" if spec.weight_bytes_exact else "estimated from the architecture"
+    f(Formula("weights per worker", "ceil(weights / workers)",
+              f"ceil({_n(wt_total)} / {W}) ({src})", wt))
+    if mtp:
+        mw = ceil_div(spec.mtp_weight_bytes, W)
+        f(Formula("MTP draft weights per worker", "ceil(mtp_weights / workers)",
+                  f"ceil({_n(spec.mtp_weight_bytes)} / {W})", mw))
+        wt += mw
+
+    # Groups.
+    groups: list[GroupPlan] = []
+    for g in layout.groups:
+        gp = GroupPlan(g.name, len(g.tensors), g.tensor_bytes_per_token, g.bytes_per_token,
+                       g.block_bytes, g.tensor_block_bytes, g.blocks_per_page(page),
+                       g.slot_bytes(page), g.max_tokens_per_seq)
+        groups.append(gp)
+        f(Formula(f"[{g.name}] KV bytes per token", "tensors x tensor bytes per token",
+                  f"{gp.tensors} x {_n(gp.tensor_bytes_per_token)}", gp.bytes_per_token))
+        f(Formula(f"[{g.name}] block bytes", "bytes per token x block_size",
+                  f"{_n(gp.bytes_per_token)} x {g.block_size}", gp.block_bytes))
+        f(Formula(f"[{g.name}] blocks per page", "floor(page / (tensor bytes per token x "
+                  "block_size))", f"floor({_n(page)} / {_n(gp.tensor_block_bytes)})",
+                  gp.blocks_per_page))
+        f(Formula(f"[{g.name}] slot bytes", "page x tensors", f"{_n(page)} x {gp.tensors}",
+                  gp.slot_bytes))
+        if gp.blocks_per_page < 1 and not physical:
+            plan.reasons.append(Reason(
+                "error", "PAGE", f"one block of group {g.name!r} ({_n(gp.tensor_block_bytes)} "
+                f"bytes per tensor) is larger than a page ({_n(page)} bytes)",
+                "lower --block_size so that a block fits in a page"))
+    if not plan.fits:
+        return plan
+    units = _units(layout, inp, physical)
+    r = layout.resident.bytes_per_seq if layout.resident else 0
+
+    # Execution peak, overhead, budget.
+    if inp.execution_peak_bytes is None:
+        P, text = execution_peak(spec, inp)
+        f(Formula("execution peak (default)", "max_tokens_per_batch x e x (4 x hidden + 2 x "
+                  "ceil(I / workers)) + max_seqs_per_batch x vocab x 4", text, P))
+    else:
+        P = inp.execution_peak_bytes
+        f(Formula("execution peak (given)", "--execution-peak", _n(P), P))
+    O = DEFAULT_RUNTIME_OVERHEAD_BYTES if inp.runtime_overhead_bytes is None \
+        else inp.runtime_overhead_bytes
+    quota = None
+    if inp.max_cache_size > 0:
+        quota = inp.max_cache_size - (wt if inp.shared_pool else 0)
+        f(Formula("quota Q", "max_cache_size" + (" - weights (shared pool, VMM-02)"
+                                                 if inp.shared_pool else ""),
+                  _n(inp.max_cache_size) + (f" - {_n(wt)}" if inp.shared_pool else ""), quota))
+    if inp.mode == "elastic_vmm":
+        free = T - wt - O
+        budget = free - P - inp.vmm_memory_reserve_bytes
+        f(Formula("free at start", "total - weights - runtime overhead",
+                  f"{_n(T)} - {_n(wt)} - {_n(O)}", free))
+        f(Formula("physical budget B (elastic)", "free - execution peak - "
+                  "vmm_memory_reserve_bytes" + (", capped by Q" if quota is not None else ""),
+                  f"{_n(free)} - {_n(P)} - {_n(inp.vmm_memory_reserve_bytes)}", budget))
+    else:
+        usable = int(T * inp.max_memory_utilization)
+        budget = usable - wt - P
+        f(Formula(f"physical budget B ({inp.mode})", "floor(total x max_memory_utilization) - "
+                  "weights - execution peak" + (", capped by Q" if quota is not None else ""),
+                  f"floor({_n(T)} x {inp.max_memory_utilization:g}) - {_n(wt)} - {_n(P)}",
+                  budget))
+    if quota is not None and quota < budget:
+        budget = quota
+        f(Formula("physical budget B (capped)", "min(B, Q)", _n(quota), budget))
+    if quota is not None and quota <= 0:
+        plan.reasons.append(Reason(
+            "error", "QUOTA", f"max_cache_size={_n(inp.max_cache_size)} leaves nothing for the "
+            f"KV cache after the weights ({_n(wt)} bytes per worker) in the shared pool",
+            f"raise max_cache_size above {_n(wt)} or set it to 0 (no quota)"))
+
+    min_pool = sum(u.unit_bytes for u in units)
+    if not physical:
+        f(Formula("least pool (one slot per group)", "sum of slot bytes", " + ".join(
+            _n(u.unit_bytes) for u in units), min_pool))
+        if quota is not None and 0 < quota < min_pool:
+            plan.reasons.append(Reason(
+                "error", "EL-06", f"max_cache_size={_n(inp.max_cache_size)} is smaller than one "
+                f"page for every VMM tensor: the least the pool can map is {_n(min_pool)} bytes"
+                + (" after the weights" if inp.shared_pool else ""),
+                f"set max_cache_size to at least {_n(min_pool + (wt if inp.shared_pool else 0))}"
+                " or to 0 (no quota)"))
+
+    # Hybrid state slots, concurrency, capacity.
+    if r:
+        S = min(inp.max_seqs_per_batch, max_seqs(units, L, budget, r))
+        f(Formula("resident state per sequence (HY-01)", "conv + recurrent",
+                  f"{_n(layout.resident.conv_bytes_per_seq)} + "
+                  f"{_n(layout.resident.recurrent_bytes_per_seq)}", r))
+        f(Formula("resident state slots S", "max S <= max_seqs_per_batch with "
+                  "demand(S, L) + S x r <= B", f"L={_n(L)}, r={_n(r)}, B={_n(budget)}", S))
+    else:
+        S = 0
+    kv_budget = budget - S * r
+    c_fit = max_seqs(units, L, kv_budget)
+    conc = min(c_fit, inp.max_seqs_per_batch, S if r else c_fit)
+    window_seqs = min(inp.max_seqs_per_batch, c_fit)
+    n_blocks, per_group, used = _split(units, kv_budget, window_seqs)
+    for gp, u in zip(groups, units):
+        gp.units = per_group.get(u.name, 0)
+        gp.blocks = gp.units * u.blocks_per_unit
+        gp.pool_bytes = gp.units * u.unit_bytes
+    tokens = n_blocks * inp.block_size
+    f(Formula("KV capacity (blocks per growing group)", "max N with sum over groups of "
+              "ceil(N / blocks per unit) x unit bytes <= B_kv - sliding windows",
+              f"B_kv = {_n(budget)} - {_n(S)} x {_n(r)} = {_n(kv_budget)}", n_blocks))
+    f(Formula("KV capacity (tokens)", "N x block_size", f"{_n(n_blocks)} x {inp.block_size}",
+              tokens))
+    f(Formula(f"max concurrency at L={_n(L)}", "max c with demand(c, L) <= B_kv, at most "
+              "max_seqs_per_batch" + (" and S" if r else ""),
+              f"one request needs {_n(demand(units, 1, L) + r)} bytes", conc))
+
+    # Arena and elastic range.
+    if physical:
+        arena_kv = 0
+    elif inp.mode == "fixed_vmm":
+        arena_kv = used
+    else:
+        arena_budget = T - wt - S * r
+        if quota is not None:
+            arena_budget = min(arena_budget, quota - S * r)
+        arena_kv = _split(units, arena_budget, window_seqs)[2]
+    arena = arena_kv + (wt if (inp.shared_pool and not physical) else 0)
+    if not physical:
+        f(Formula("arena (virtual bytes reserved)",
+                  ("mapped KV pool" if inp.mode == "fixed_vmm" else
+                   "KV pool sized for min(total - weights, Q)")
+                  + (" + weights (shared pool)" if inp.shared_pool else ""),
+                  f"{_n(arena_kv)}" + (f" + {_n(wt)}" if inp.shared_pool else ""), arena))
+
+    host_pool = 0
+    if inp.host_offload:
+        base = arena_kv if not physical else used
+        host_pool = int(base * inp.host_blocks_factor)
+        f(Formula("host pool (HK-06)", "device KV tensor capacity x host_blocks_factor",
+                  f"{_n(base)} x {inp.host_blocks_factor:g}", host_pool))
+        total_host = host_pool * W
+        if inp.host_memory_bytes is not None and total_host > inp.host_memory_bytes:
+            factor_ok = inp.host_memory_bytes / max(1, base * W)
+            plan.reasons.append(Reason(
+                "warning", "HK-07", f"the host pool needs {_n(total_host)} bytes "
+                f"({_n(host_pool)} x {W} workers), more than the {_n(inp.host_memory_bytes)} "
+                f"bytes of host memory available",
+                f"lower host_blocks_factor to at most {factor_ok:.2f}, or set max_cache_size so "
+                f"that max_cache_size x host_blocks_factor x workers fits host memory"))
+
+    for i in range(W):
+        plan.workers.append(WorkerPlan(
+            index=i, device_total_bytes=T, weights_bytes=wt, execution_peak_bytes=P,
+            runtime_overhead_bytes=O if inp.mode == "elastic_vmm" else 0,
+            physical_budget_bytes=budget, resident_bytes_per_seq=r, resident_slots=S,
+            resident_bytes=S * r, kv_pool_bytes=used, arena_bytes=arena,
+            elastic_min_bytes=min_pool if inp.mode == "elastic_vmm" else None,
+            elastic_max_bytes=used if inp.mode == "elastic_vmm" else None,
+            host_pool_bytes=host_pool, kv_capacity_blocks=n_blocks, kv_capacity_tokens=tokens,
+            max_concurrency=conc, groups=[GroupPlan(**vars(g)) for g in groups]))
+
+    # Largest context length that fits one request (found exactly).
+    def one_fits(length: int) -> bool:
+        return demand(units, 1, length) + r <= budget
+
+    growing = any(u.window is None for u in units)
+    if budget <= 0:
+        plan.max_context_len = 0
+    elif not growing:
+        plan.max_context_len = None if one_fits(1) else 0
+    else:
+        plan.max_context_len = max(largest(one_fits, 1) or 0, 0)
+
+    # Verdict.
+    if budget <= 0:
+        need = wt + P + (inp.vmm_memory_reserve_bytes + O if inp.mode == "elastic_vmm" else 0)
+        have = T if inp.mode == "elastic_vmm" else int(T * inp.max_memory_utilization)
+        plan.reasons.append(Reason(
+            "error", "MEMORY", f"no memory is left for the KV cache on each worker: weights "
+            f"{_n(wt)} + execution peak {_n(P)}"
+            + (f" + runtime overhead {_n(O)} + reserve {_n(inp.vmm_memory_reserve_bytes)}"
+               if inp.mode == "elastic_vmm" else "")
+            + f" = {_n(need)} bytes of {_n(have)} usable",
+            "use more workers (tp_size / devices), a device with more memory"
+            + (", or a higher max_memory_utilization" if inp.mode != "elastic_vmm" else "")))
+    elif conc < 1 and plan.fits:
+        need = demand(units, 1, L) + r
+        plan.reasons.append(Reason(
+            "error", "CONTEXT", f"one request of {_n(L)} tokens needs {_n(need)} bytes of KV "
+            f"cache{' and resident state' if r else ''} per worker; the budget is {_n(budget)}",
+            f"lower --context-len to at most {_n(plan.max_context_len or 0)}, use more workers, "
+            "or give the cache more memory"))
+    if spec.max_position_embeddings and L > spec.max_position_embeddings:
+        plan.reasons.append(Reason(
+            "warning", "CONTEXT-MAX", f"context length {_n(L)} exceeds the model's "
+            f"max_position_embeddings {_n(spec.max_position_embeddings)}",
+            "the model was not trained for it; lower --context-len"))
+    if suggest and not plan.fits and any(x.code in ("MEMORY", "CONTEXT") for x in plan.reasons):
+        plan.suggested_workers = _suggest_workers(spec, inp)
+        if plan.suggested_workers:
+            plan.reasons.append(Reason(
+                "info", "WORKERS", f"{plan.suggested_workers} workers would fit "
+                f"{_n(L)} tokens", f"set tp_size={plan.suggested_workers}"))
+    return plan
+
+
+def _suggest_workers(spec: ModelSpec, inp: PlanInputs) -> int | None:
+    import dataclasses
+
+    for w in range(inp.workers + 1, 129):
+        try:
+            cache_layout(spec, workers=w, block_size=inp.block_size, kv_dtype=inp.kv_cache_dtype)
+        except LayoutError:
+            continue
+        if make_plan(spec, dataclasses.replace(inp, workers=w), suggest=False).fits:
+            return w
+    return None
+
+
+def _validate(inp: PlanInputs) -> None:
+    from xllm_vmm.planner.devices import DeviceError
+
+    def need(ok: bool, what: str, value, hint: str) -> None:
+        if not ok:
+            raise DeviceError(f"{what} must be {hint}, got {value!r}", hint=f"fix {what}")
+
+    need(inp.workers >= 1, "workers (tp_size / devices)", inp.workers, "at least 1")
+    need(inp.device_memory_bytes > 0, "device memory", inp.device_memory_bytes,
+         "a positive number of bytes")
+    need(inp.page_bytes > 0, "page size", inp.page_bytes, "a positive number of bytes")
+    need(inp.block_size >= 1, "block_size", inp.block_size, "a positive number of tokens")
+    need(inp.context_len is None or inp.context_len >= 1, "context length", inp.context_len,
+         "at least 1 token")
+    need(inp.max_cache_size >= 0, "max_cache_size", inp.max_cache_size, ">= 0 (EL-05)")
+    need(inp.vmm_memory_reserve_bytes >= 0, "vmm_memory_reserve_bytes",
+         inp.vmm_memory_reserve_bytes, ">= 0 (EL-05)")
+    need(inp.host_blocks_factor >= 0, "host_blocks_factor", inp.host_blocks_factor, ">= 0 (HK-08)")
+    need(inp.max_seqs_per_batch >= 1, "max_seqs_per_batch", inp.max_seqs_per_batch, ">= 1")
+    need(inp.max_tokens_per_batch >= 1, "max_tokens_per_batch", inp.max_tokens_per_batch, ">= 1")
+    need(inp.execution_peak_bytes is None or inp.execution_peak_bytes >= 0, "execution peak",
+         inp.execution_peak_bytes, ">= 0 bytes")
+    need(inp.runtime_overhead_bytes is None or inp.runtime_overhead_bytes >= 0,
+         "runtime overhead", inp.runtime_overhead_bytes, ">= 0 bytes")
+    if inp.mode != "elastic_vmm":
+        need(0 < inp.max_memory_utilization <= 1, "max_memory_utilization",
+             inp.max_memory_utilization, "in (0, 1] for physical KV and fixed VMM (EL-03)")
