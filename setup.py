@@ -49,6 +49,7 @@ def _lib(name: str, sources: list[str]) -> Extension:
 setup(
     ext_modules=[
         _lib("libxllm_hostvmm", ["native/hostvmm.c"]),
+        _lib("libascendcl_emu", ["native/acl_emu.c", "native/hostvmm.c"]),
     ],
     cmdclass={"build_ext": build_plain_shared_libs},
 )

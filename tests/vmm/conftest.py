@@ -34,7 +34,7 @@ def _available(kind: str) -> str | None:
     return None
 
 
-DRIVER_KINDS = ["host"]
+DRIVER_KINDS = ["host", "acl-emu"]
 
 
 @pytest.fixture(params=DRIVER_KINDS)

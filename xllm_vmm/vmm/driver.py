@@ -114,6 +114,11 @@ class Driver(Protocol):
     # physical handles
     def create_handle(self, size: int) -> int: ...
 
+    def create_handles(self, count: int, size: int) -> list[int]:
+        """``count`` handles of ``size`` bytes, all or nothing: on failure (typically
+        :class:`VmmOutOfMemory`) the handles this call created are freed before raising."""
+        ...
+
     def free_handle(self, handle: int) -> None: ...
 
     # mappings (a handle is always mapped whole, at offset 0)
@@ -126,7 +131,10 @@ class Driver(Protocol):
         mapping this call made is undone before the error is raised."""
         ...
 
-    def unmap_batch(self, vas: Sequence[int]) -> None: ...
+    def unmap_batch(self, vas: Sequence[int]) -> None:
+        """Unmap the mapping starting at each ``vas[i]``, all or nothing (what this call
+        unmapped is mapped again before the error is raised)."""
+        ...
 
     # copies (device addresses are mapped VAs; host addresses are ordinary host pointers)
     def copy(self, dst: int, src: int, nbytes: int, kind: CopyKind) -> None: ...
@@ -140,6 +148,13 @@ class Driver(Protocol):
     ) -> Transfer: ...
 
     def synchronize(self) -> None: ...
+
+    # host staging buffers (pinned where the device has such memory)
+    def alloc_host(self, size: int) -> int:
+        """A host buffer of ``size`` bytes for copies to and from the device; its address."""
+        ...
+
+    def free_host(self, ptr: int) -> None: ...
 
     def close(self) -> None:
         """Release everything the driver still holds (mappings, handles, reservations)."""

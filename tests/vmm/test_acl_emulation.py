@@ -1,0 +1,150 @@
+"""The ACL emulation (``libascendcl_emu.so``) enforces the real ACL constraints and codes, and
+the acl driver turns them into typed errors with ``aclGetRecentErrMsg`` text."""
+
+from __future__ import annotations
+
+import ctypes as C
+import threading
+
+import pytest
+
+from xllm_vmm.vmm import VmmOutOfMemory, open_driver
+from xllm_vmm.vmm.acl import (
+    ACL_HBM_MEM_HUGE,
+    aclrtMemLocation,
+    aclrtPhysicalMemProp,
+    load_library,
+    resolve_library,
+)
+
+MiB = 1024 * 1024
+G = 2 * MiB
+
+
+@pytest.fixture
+def acl():
+    lib = load_library(resolve_library("emulation"))
+    rc = lib.aclInit(None)
+    assert rc in (0, 100002)
+    lib.aclGetRecentErrMsg()
+    assert lib.aclrtSetDevice(0) == 0
+    lib.xllmEmuSetDeviceMemory.argtypes = [C.c_int32, C.c_uint64]
+    yield lib
+    lib.xllmEmuSetDeviceMemory(0, 1 << 40)
+
+
+def prop(mem_attr=ACL_HBM_MEM_HUGE, dev=0, loc_type=1, alloc_type=0):
+    return aclrtPhysicalMemProp(handleType=0, allocationType=alloc_type, memAttr=mem_attr,
+                                location=aclrtMemLocation(id=dev, type=loc_type), reserve=0)
+
+
+def msg(lib) -> str:
+    m = lib.aclGetRecentErrMsg()
+    return m.decode() if m else ""
+
+
+def test_repeat_init_is_100002_and_error_message_is_cleared_on_read(acl):
+    assert acl.aclInit(None) == 100002
+    assert "repeated initialization" in msg(acl)
+    assert acl.aclGetRecentErrMsg() is None  # read once, then cleared
+
+
+def test_granularity_is_2mib_for_hbm_huge_and_1gib_for_huge1g(acl):
+    g = C.c_size_t()
+    assert acl.aclrtMemGetAllocationGranularity(C.byref(prop()), 1, C.byref(g)) == 0
+    assert g.value == 2 * MiB
+    assert acl.aclrtMemGetAllocationGranularity(C.byref(prop(mem_attr=10)), 0, C.byref(g)) == 0
+    assert g.value == 1 << 30
+    assert acl.aclrtMemGetAllocationGranularity(C.byref(prop(mem_attr=99)), 0, C.byref(g)) == 107016
+
+
+def test_physical_memory_constraints(acl):
+    h = C.c_void_p()
+    assert acl.aclrtMallocPhysical(C.byref(h), G + 4096, C.byref(prop()), 0) == 107000
+    assert "multiple of 2097152" in msg(acl)
+    assert acl.aclrtMallocPhysical(C.byref(h), G, C.byref(prop(alloc_type=1)), 0) == 107000  # CUDA's PINNED
+    assert "PINNED (0)" in msg(acl)
+    assert acl.aclrtMallocPhysical(C.byref(h), G, C.byref(prop(loc_type=0)), 0) == 107000
+    assert acl.aclrtMallocPhysical(C.byref(h), G, C.byref(prop()), 1) == 107000  # flags must be 0
+    assert acl.aclrtMallocPhysical(C.byref(h), G, C.byref(prop()), 0) == 0
+    assert acl.aclrtFreePhysical(h) == 0
+    assert acl.aclrtFreePhysical(h) == 107017  # freed twice
+
+
+def test_map_rules_size_offset_unmap_by_start_release_when_unmapped(acl):
+    va, h = C.c_void_p(), C.c_void_p()
+    assert acl.aclrtReserveMemAddress(C.byref(va), 4 * G, 0, None, 0) == 0
+    assert acl.aclrtReserveMemAddress(C.byref(C.c_void_p()), G, 4096, None, 0) == 107000  # alignment
+    assert acl.aclrtMallocPhysical(C.byref(h), 2 * G, C.byref(prop()), 0) == 0
+    assert acl.aclrtMapMem(va, G, 0, h, 0) == 107000  # size must equal the handle's
+    assert "must equal the size" in msg(acl)
+    assert acl.aclrtMapMem(va, 2 * G, G, h, 0) == 107000  # offset must be 0
+    assert acl.aclrtMapMem(va.value + 4096, 2 * G, 0, h, 0) == 107008  # unaligned
+    assert acl.aclrtMapMem(va, 2 * G, 0, h, 0) == 0
+    assert acl.aclrtMapMem(va, 2 * G, 0, h, 0) == 107000  # already mapped
+    assert "already mapped" in msg(acl)
+    assert acl.aclrtUnmapMem(va.value + G) == 107000  # not the start of the mapping
+    assert acl.aclrtReleaseMemAddress(va) == 107000  # still mapped
+    assert "mapped page" in msg(acl)
+    # free while mapped: released only when the last mapping goes
+    assert acl.aclrtFreePhysical(h) == 0
+    assert acl.aclrtUnmapMem(va) == 0
+    assert acl.aclrtMapMem(va, 2 * G, 0, h, 0) == 107017  # the handle is gone now
+    assert acl.aclrtReleaseMemAddress(va) == 0
+
+
+def test_device_is_per_thread(acl):
+    result = {}
+
+    def worker():
+        free, total = C.c_size_t(), C.c_size_t()
+        result["before"] = acl.aclrtGetMemInfo(1, C.byref(free), C.byref(total))
+        result["msg"] = msg(acl)
+        result["set"] = acl.aclrtSetDevice(0)
+        result["after"] = acl.aclrtGetMemInfo(1, C.byref(free), C.byref(total))
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert result == {"before": 107002, "msg": result["msg"], "set": 0, "after": 0}
+    assert "aclrtSetDevice" in result["msg"]
+
+
+def test_out_of_memory_is_207001_and_the_driver_raises_vmm_out_of_memory(acl):
+    d = open_driver("acl", library="emulation")
+    try:
+        acl.xllmEmuSetDeviceMemory(0, 8 * MiB)
+        assert d.mem_info().total == 8 * MiB
+        hs = d.create_handles(4, G)
+        with pytest.raises(VmmOutOfMemory) as err:
+            d.create_handle(G)
+        assert err.value.code == 207001
+        assert "out of memory on device 0" in err.value.device_message
+        for h in hs:
+            d.free_handle(h)
+        assert d.mem_info().free == 8 * MiB
+    finally:
+        acl.xllmEmuSetDeviceMemory(0, 1 << 40)
+        d.close()
+
+
+def test_copies_refuse_unmapped_device_memory(acl):
+    va, h = C.c_void_p(), C.c_void_p()
+    assert acl.aclrtReserveMemAddress(C.byref(va), G, 0, None, 0) == 0
+    buf = C.create_string_buffer(64)
+    assert acl.aclrtMemcpy(va, 64, buf, 64, 1) == 107000  # H2D to reserved, unmapped memory
+    assert acl.aclrtMallocPhysical(C.byref(h), G, C.byref(prop()), 0) == 0
+    assert acl.aclrtMapMem(va, G, 0, h, 0) == 0
+    assert acl.aclrtMemcpy(va, 32, buf, 64, 1) == 107000  # count > destMax
+    assert acl.aclrtMemcpy(va, 64, buf, 64, 1) == 0
+    assert acl.aclrtUnmapMem(va) == 0
+    assert acl.aclrtFreePhysical(h) == 0
+    assert acl.aclrtReleaseMemAddress(va) == 0
+
+
+def test_missing_acl_library_is_a_clear_unavailable_error(monkeypatch):
+    from xllm_vmm.vmm import VmmUnavailable
+
+    with pytest.raises(VmmUnavailable) as err:
+        open_driver("npu", library="/nonexistent/libascendcl.so")
+    assert "set_env.sh" in str(err.value) and "XLLM_VMM_ACL_LIBRARY" in str(err.value)
