@@ -1,0 +1,154 @@
+"""Property-based stateful test of the pool + virtual KV cache on the simulated driver.
+
+Random sequences of admit / allocate / append / free / touch cached blocks / budget changes /
+injected driver failures, with the invariants of DESIGN.md checked after every step:
+
+1. every live or cached block has every page under it mapped;
+2. pages in use = pages of active slots (slots holding a live or cached block), and the driver
+   maps exactly those (no ready band here);
+3. growth never takes the pool past free − peak − reserve, nor past the quota; a failed call
+   leaves nothing behind;
+4. a live (referenced) block is never evicted;
+and nothing is left mapped or created after everything is freed.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvcache.conftest import PAGE, KeepAllPolicy, toy_layout
+from xllm_vmm.kvcache import Admission, VirtualKVCache
+from xllm_vmm.pool import BudgetConfig, VmmPool
+from xllm_vmm.vmm.sim import SimDriver
+
+MiB = 1 << 20
+DEVICE = 96 * MiB
+RESERVE = 4 * MiB
+QUOTA = 72 * MiB
+
+
+class CacheMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.d = SimDriver(DEVICE)
+        self.layout = toy_layout(layers=1, blocks_per_page=4, block_size=8,
+                                 draft_blocks_per_page=2)
+        cfg = BudgetConfig(mode="elastic", execution_peak_bytes=2 * MiB, reserve_bytes=RESERVE,
+                           max_cache_size=QUOTA)
+        tokens = 8 * 4 * 12  # attn: 12 slots (2 pages each), draft: 24 slots
+        self.pool = VmmPool(self.d, cfg, VirtualKVCache.arena_bytes(self.layout, PAGE, tokens))
+        self.c = VirtualKVCache.for_tokens(self.pool, self.layout, tokens)
+        self.policy = KeepAllPolicy(self.c.allocator)
+        self.c.allocator.set_retention(self.policy)
+        self.adm = Admission([self.c])
+        self.seqs: dict[int, tuple[int, dict[str, list[int]]]] = {}  # id -> (tokens, blocks)
+        self.next_id = 0
+        self.held_before = 0
+
+    def _after_growth_check(self) -> None:
+        held = self.pool.held_bytes
+        if held > self.held_before:
+            assert self.d.mem_info().free >= self.pool.execution_peak.bytes + RESERVE
+        assert held <= QUOTA
+
+    def _alloc(self, counts):
+        self.held_before = self.pool.held_bytes
+        live_before = {(g, b) for _, blocks in self.seqs.values() for g, bs in blocks.items()
+                       for b in bs}
+        got = self.c.allocate(counts)
+        self._after_growth_check()
+        for g, b in live_before:  # invariant 4: referenced blocks survive any eviction
+            assert self.c.allocator.ref_count(g, b) >= 1
+        if got is not None:
+            for g, n in counts.items():
+                assert len(got[g]) == n
+        return got
+
+    @rule(tokens=st.integers(1, 120))
+    def admit_and_allocate(self, tokens):
+        decision = self.adm.check_prefill(tokens)
+        got = self._alloc(decision.demand)
+        if got is not None:
+            self.seqs[self.next_id] = (tokens, got)
+            self.next_id += 1
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), new=st.integers(1, 40))
+    def append(self, data, new):
+        sid = data.draw(st.sampled_from(sorted(self.seqs)))
+        tokens, blocks = self.seqs[sid]
+        growth = self.adm.check_growth(tokens, new).demand
+        got = self._alloc(growth)
+        if got is not None:
+            for g, bs in got.items():
+                blocks[g].extend(bs)
+            self.seqs[sid] = (tokens + new, blocks)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def finish(self, data):
+        sid = data.draw(st.sampled_from(sorted(self.seqs)))
+        _, blocks = self.seqs.pop(sid)
+        self.c.free(blocks)
+
+    @precondition(lambda self: self.policy.lru)
+    @rule(data=st.data())
+    def hit_cached_block(self, data):
+        g, b = data.draw(st.sampled_from(sorted(self.policy.lru)))
+        self.c.allocator.touch(g, b)
+        other = "draft" if g == "attn" else "attn"
+        self.seqs[self.next_id] = (0, {g: [b], other: []})
+        self.next_id += 1
+
+    @rule(keep=st.booleans())
+    def toggle_retention(self, keep):
+        self.policy.keep = keep
+
+    @rule(mib=st.integers(0, 80))
+    def memory_used_outside(self, mib):
+        self.d.set_external_use(mib * MiB)
+
+    @rule(mib=st.integers(0, 16))
+    def execution_peak(self, mib):
+        self.pool.reset_execution_peak(mib * MiB)
+
+    @rule(op=st.sampled_from(["create", "map"]), n=st.integers(1, 6))
+    def inject_failure(self, op, n):
+        self.d.fail_nth(op, n)
+
+    @invariant()
+    def consistent(self):
+        a = self.c.allocator
+        a.check_invariants()
+        pages = set()
+        for name, geo in self.c.geometry.items():
+            for s in a.active_slots(name):
+                pages.update(geo.slot_pages(s))
+                for b in a.blocks_of_slot(name, s):
+                    if a.ref_count(name, b) or a.is_cached(name, b):
+                        assert self.c.check_mapped(name, b)
+        assert set(self.pool.pages_in_use(self.c.region)) == pages
+        assert self.d.mapped_bytes == self.pool.mapped_bytes == len(pages) * PAGE
+        assert self.pool.held_bytes == self.d.created_bytes == self.c.active_bytes()
+        assert self.pool.held_bytes <= QUOTA
+
+    def teardown(self):
+        self.d._fail = {"create": [], "map": []}
+        for _, blocks in self.seqs.values():
+            self.c.free(blocks)
+        for name in self.c.geometry:
+            cached = [b for (g, b) in list(self.policy.lru) if g == name]
+            for b in cached:
+                del self.policy.lru[(name, b)]
+            self.c.allocator.release_cached(name, cached)
+        assert self.d.mapped_bytes == 0 and self.d.created_bytes == 0
+        assert self.pool.stats().pages_in_use == 0
+        self.pool.close()
+
+
+CacheMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestCacheMachine = CacheMachine.TestCase
