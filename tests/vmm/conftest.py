@@ -34,7 +34,7 @@ def _available(kind: str) -> str | None:
     return None
 
 
-DRIVER_KINDS = ["host", "acl-emu"]
+DRIVER_KINDS = ["host", "acl-emu", "cuda"]
 
 
 @pytest.fixture(params=DRIVER_KINDS)
