@@ -80,6 +80,7 @@ class FakeAllocator:
                 return None
             for b in victims:
                 assert g.ref.get(b) == 0, f"policy evicted block {b} with ref {g.ref.get(b)}"
+                assert self.policy.pin_count(name, b) == 0, f"policy evicted pinned block {b}"
                 g.cached.discard(b)
                 self._release(name, b)
         return None
@@ -87,13 +88,14 @@ class FakeAllocator:
     def _try(self, name: str, n: int) -> list[int] | None:
         g = self.groups[name]
         free = self._free_positions(name)
+        added = []
         while len(free) < n:
-            if self.mapped_total() >= self.budget_slots:
-                return None
             new = [s for s in range(g.num_slots) if s not in g.mapped]
-            if not new:
+            if self.mapped_total() >= self.budget_slots or not new:
+                g.mapped.difference_update(added)  # all or nothing, like the real pool
                 return None
             g.mapped.add(new[0])
+            added.append(new[0])
             self.mapped_peak = max(self.mapped_peak, self.mapped_total())
             free = self._free_positions(name)
         return free[:n]
