@@ -336,9 +336,11 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True) -> Plan
         gp.blocks = gp.units * u.blocks_per_unit
         gp.pool_bytes = gp.units * u.unit_bytes
     tokens = n_blocks * inp.block_size
-    f(Formula("KV capacity (blocks per growing group)", "max N with sum over groups of "
-              "ceil(N / blocks per unit) x unit bytes <= B_kv - sliding windows",
-              f"B_kv = {_n(budget)} - {_n(S)} x {_n(r)} = {_n(kv_budget)}", n_blocks))
+    windows = sum(gp.pool_bytes for gp in groups if gp.max_tokens_per_seq is not None)
+    f(Formula("KV budget B_kv", "B - S x r", f"{_n(budget)} - {_n(S)} x {_n(r)}", kv_budget))
+    f(Formula("KV capacity N (blocks per growing group)", "max N with sum over growing groups "
+              "of ceil(N / blocks per unit) x unit bytes <= B_kv - sliding windows",
+              f"{_n(kv_budget)} - {_n(windows)}", n_blocks))
     f(Formula("KV capacity (tokens)", "N x block_size", f"{_n(n_blocks)} x {inp.block_size}",
               tokens))
     f(Formula(f"max concurrency at L={_n(L)}", "max c with demand(c, L) <= B_kv, at most "

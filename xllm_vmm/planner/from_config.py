@@ -1,0 +1,59 @@
+"""Plan inputs from a resolved configuration (the same sources as ``check-config``).
+
+Flags read: ``tp_size`` (or the number of ``devices`` when ``tp_size`` is not set), ``block_size``,
+``kv_cache_dtype``, ``max_memory_utilization``, ``max_cache_size``, ``vmm_memory_reserve_bytes``,
+``enable_vmm_kvcache``, ``enable_vmm_weights``, ``vmm_elastic``, ``enable_prefix_cache``,
+``host_blocks_factor``, ``max_seqs_per_batch``, ``max_tokens_per_batch``,
+``num_speculative_tokens``, ``speculative_algorithm``, ``phy_page_granularity_size`` (the page).
+The device, host memory, context length and execution-peak figures come from ``plan``'s own
+options (they are not engine flags).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from xllm_vmm.planner.inputs import PlanInputs
+
+
+def workers_from_config(cfg: Any) -> int:
+    """``tp_size`` when set; else the number of devices in ``devices`` (``npu:0,npu:1`` -> 2);
+    else 1."""
+    tp = int(cfg["tp_size"])
+    explicit = getattr(cfg, "explicit", None)
+    if explicit is not None and explicit("tp_size"):
+        return tp
+    devices = str(cfg.get("devices", "") or "").strip()
+    if devices and devices.lower() not in ("auto", "cpu"):
+        listed = [d for d in devices.split(",") if d.strip()]
+        if len(listed) > 1:
+            return len(listed)
+    return tp
+
+
+def inputs_from_config(cfg: Any, **plan_options: Any) -> PlanInputs:
+    """A :class:`PlanInputs` from ``cfg`` (anything with ``cfg["flag"]``), with ``plan``'s own
+    options (``device_memory_bytes``, ``device_name``, ``host_memory_bytes``, ``context_len``,
+    ``execution_peak_bytes``, ``runtime_overhead_bytes``, ``workers``) on top; options that
+    are None are left at their defaults."""
+    values = dict(
+        workers=workers_from_config(cfg),
+        block_size=int(cfg["block_size"]),
+        kv_cache_dtype=str(cfg["kv_cache_dtype"]),
+        max_memory_utilization=float(cfg["max_memory_utilization"]),
+        max_cache_size=int(cfg["max_cache_size"]),
+        vmm_memory_reserve_bytes=int(cfg["vmm_memory_reserve_bytes"]),
+        enable_vmm_kvcache=bool(cfg["enable_vmm_kvcache"]),
+        enable_vmm_weights=bool(cfg["enable_vmm_weights"]),
+        vmm_elastic=bool(cfg["vmm_elastic"]),
+        enable_prefix_cache=bool(cfg["enable_prefix_cache"]),
+        host_blocks_factor=float(cfg["host_blocks_factor"]),
+        max_seqs_per_batch=int(cfg["max_seqs_per_batch"]),
+        max_tokens_per_batch=int(cfg["max_tokens_per_batch"]),
+        num_speculative_tokens=int(cfg["num_speculative_tokens"]),
+        speculative_algorithm=str(cfg["speculative_algorithm"]),
+    )
+    if "phy_page_granularity_size" in cfg:
+        values["page_bytes"] = int(cfg["phy_page_granularity_size"])
+    values.update({k: v for k, v in plan_options.items() if v is not None})
+    return PlanInputs(**values)
