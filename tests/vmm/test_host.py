@@ -1,0 +1,157 @@
+"""Host-driver specifics: no leaked mappings, file descriptors or shared memory; the mapping
+cap; stats; the native library's error messages."""
+
+from __future__ import annotations
+
+import ctypes as C
+import os
+
+import pytest
+
+from xllm_vmm.vmm import CopyKind, VmmInvalidArgument, VmmOutOfMemory, open_driver
+from xllm_vmm.vmm.sysmem import host_memory, meminfo
+
+MiB = 1024 * 1024
+
+
+def _maps() -> list[str]:
+    """Mappings of this process, without the heap (malloc moves its end freely)."""
+    with open("/proc/self/maps") as f:
+        return [line for line in f.read().splitlines() if not line.endswith("[heap]")]
+
+
+def _fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def _cycle(kind: str) -> None:
+    d = open_driver("host") if kind == "host" else open_driver("acl", library="emulation")
+    g = d.granularity
+    va = d.reserve(64 * g)
+    hs = d.create_handles(32, g)
+    # gapped maps split the reservation into many VMAs
+    d.map_batch([va + 2 * i * g for i in range(32)], hs)
+    buf = C.create_string_buffer(b"x" * 4096)
+    d.copy_batch([va + 2 * i * g for i in range(32)], [C.addressof(buf)] * 32, [4096] * 32, CopyKind.H2D)
+    assert sum("memfd:xllm-vmm-host" in m for m in _maps()) >= 32
+    if kind == "host":
+        st = os.fstat(d.memfd)
+        assert st.st_blocks * 512 >= 32 * g  # committed eagerly by fallocate
+        d.unmap_batch([va + 2 * i * g for i in range(32)])
+        for h in hs:
+            d.free_handle(h)
+        assert os.fstat(d.memfd).st_blocks == 0  # every hole punched: no memory held
+        d.release(va, 64 * g)
+    d.close()
+
+
+@pytest.mark.parametrize("kind", ["host", "acl-emu"])
+def test_no_leaked_mappings_fds_or_memory_after_release(kind):
+    _cycle(kind)  # warm up: libraries loaded, allocator arenas grown
+    before_maps, before_fds = _maps(), _fds()
+    _cycle(kind)
+    assert _maps() == before_maps
+    assert _fds() == before_fds
+
+
+def test_shmem_grows_with_handles_and_returns_after_free():
+    d = open_driver("host")
+    g = d.granularity
+    shmem0 = meminfo()["Shmem"]
+    hs = d.create_handles(64, g)  # 128 MiB
+    grown = meminfo()["Shmem"] - shmem0
+    for h in hs:
+        d.free_handle(h)
+    back = meminfo()["Shmem"] - shmem0
+    d.close()
+    # other processes on the machine move Shmem a little; 128 MiB stands out
+    assert grown > 96 * MiB
+    assert back < 32 * MiB
+
+
+def test_mapping_cap_fails_a_batch_mid_way_with_out_of_memory_and_rolls_back():
+    from xllm_vmm.vmm.host import HostDriver
+
+    d = HostDriver(max_mappings=3)
+    g = d.granularity
+    va = d.reserve(8 * g)
+    hs = d.create_handles(5, g)
+    d.map(va + 7 * g, hs[4])
+    with pytest.raises(VmmOutOfMemory) as err:
+        d.map_batch([va, va + g, va + 2 * g], hs[:3])  # the third exceeds the cap of 3
+    assert "mapping limit of 3" in str(err.value) and "batch entry 2 of 3" in str(err.value)
+    assert d.stats()["mappings"] == 1  # the two made by the failed call are gone
+    d.map_batch([va, va + g], hs[:2])
+    assert d.stats()["mapped_bytes"] == 3 * g
+    d.close()
+
+
+def test_stats_count_bytes_handles_and_mappings():
+    d = open_driver("host", device_memory=32 * MiB)
+    g = d.granularity
+    va = d.reserve(4 * g)
+    h2 = d.create_handle(2 * g)
+    h1 = d.create_handle(g)
+    d.map_batch([va, va + 2 * g, va + 3 * g], [h2, h1, h1])
+    s = d.stats()
+    assert (s["committed_bytes"], s["handles"], s["reserved_bytes"], s["mapped_bytes"], s["mappings"]) == (
+        3 * g, 2, 4 * g, 4 * g, 3)
+    assert d.mem_info().free == 32 * MiB - 3 * g
+    d.close()
+    with pytest.raises(VmmInvalidArgument):
+        d.reserve(g)  # closed
+
+
+def test_freed_handles_are_reused_and_never_zero():
+    d = open_driver("host")
+    g = d.granularity
+    a, b = d.create_handle(g), d.create_handle(g)
+    assert 0 not in (a, b)
+    d.free_handle(a)
+    assert d.create_handle(g) == a
+    d.close()
+
+
+def test_host_memory_is_positive_and_bounded():
+    info = host_memory()
+    assert 0 < info.free <= info.total
+
+
+def test_host_buffers_are_tracked():
+    d = open_driver("host")
+    p = d.alloc_host(1 << 20)
+    C.memset(p, 1, 1 << 20)
+    d.free_host(p)
+    with pytest.raises(VmmInvalidArgument):
+        d.free_host(p)
+    d.close()
+
+
+def test_async_copies_complete_in_order_off_the_calling_thread():
+    d = open_driver("host")
+    g = d.granularity
+    va = d.reserve(g)
+    d.map(va, d.create_handle(g))
+    src = C.create_string_buffer(b"a" * g, g)
+    src2 = C.create_string_buffer(b"b" * g, g)
+    t1 = d.copy_batch_async([va], [C.addressof(src)], [g], CopyKind.H2D)
+    t2 = d.copy_batch_async([va], [C.addressof(src2)], [g], CopyKind.H2D)
+    t2.wait(30)
+    assert t1.done()
+    out = C.create_string_buffer(4)
+    d.copy(C.addressof(out), va + g - 4, 4, CopyKind.D2H)
+    assert out.raw == b"bbbb"
+    bad = d.copy_batch_async([va + g], [C.addressof(src)], [16], CopyKind.H2D)  # past the mapping
+    with pytest.raises(Exception) as err:
+        bad.wait(30)
+    assert "not inside a reservation" in str(err.value)
+    d.close()
+
+
+def test_missing_native_library_is_a_clear_error(monkeypatch, tmp_path):
+    import xllm_vmm.vmm.native as native
+
+    monkeypatch.setenv("XLLM_VMM_NATIVE_DIR", str(tmp_path))
+    with pytest.raises(Exception) as err:
+        native.library_path(native.HOST_LIBRARY)
+    assert "libxllm_hostvmm.so not found" in str(err.value) and "pip install" in str(err.value)
