@@ -16,7 +16,7 @@ def test_first_block_hash_is_xxh3_128_of_zero_parent_and_uint32_tokens():
     hs = block_hashes(toks, 4, seed=1024)
     assert len(hs) == 2  # the partial third block has no hash (PC-01)
     h0 = xxhash.xxh3_128_intdigest(bytes(16) + array("I", [1, 2, 3, 4]).tobytes(), 1024)
-    h1 = xxhash.xxh3_128_intdigest(h0.to_bytes(16, "little") + array("I", [5, 6, 7, 8]).tobytes(),
+    h1 = xxhash.xxh3_128_intdigest(h0.to_bytes(16, "big") + array("I", [5, 6, 7, 8]).tobytes(),
                                    1024)
     assert hs == [h0, h1]
 

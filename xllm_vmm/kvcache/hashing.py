@@ -2,7 +2,8 @@
 
 The hash of block ``i`` of a request is::
 
-    h_i = XXH3_128(seed, h_{i-1} (16 bytes, little endian; 16 zero bytes for i = 0)
+    h_i = XXH3_128(seed, h_{i-1} (its canonical 16-byte digest, big endian; 16 zero bytes
+                                 for i = 0)
                          || token ids of block i (uint32, little endian, block_size of them)
                          || for each medium that overlaps block i, in prompt order:
                               b"M" || its hash bytes || its start and length (uint64 LE)
@@ -17,7 +18,8 @@ Only *complete* blocks get a hash: a trailing partial block has none, and chunke
 publishes a block only once all ``block_size`` of its tokens are in the cache (PC-01).
 
 The seed is the ``xxh3_128bits_seed`` flag (default 1024), the same token and multimodal hash
-the physical KV cache uses. Hashes are ``int`` (128 bits), cheap dict keys.
+the physical KV cache uses. Hashes are ``int`` (128 bits, ``== xxh3_128_intdigest``), cheap
+dict keys; the chain itself runs over the digest bytes (no int conversion inside the loop).
 
 Units: tokens for positions and lengths; ``block_size`` in tokens per block.
 """
@@ -108,8 +110,48 @@ def _media_keys_per_block(media: Sequence[MediaSpan], n_blocks: int, block_size:
 def hash_block(parent: BlockHash | None, tokens: bytes, extra: bytes = b"",
                seed: int = DEFAULT_SEED) -> BlockHash:
     """One link of the chain. ``tokens`` are uint32 LE bytes (see :func:`token_bytes`)."""
-    pb = _ZERO16 if parent is None else parent.to_bytes(16, "little")
+    pb = _ZERO16 if parent is None else parent.to_bytes(16, "big")
     return xxhash.xxh3_128_intdigest(pb + tokens + extra, seed)
+
+
+def chain_digests(buf: bytes | memoryview, block_size: int, *, seed: int = DEFAULT_SEED,
+                  parent: bytes = _ZERO16, first_block: int = 0,
+                  extra: dict[int, bytes] | None = None) -> list[bytes]:
+    """The XXH3-128 chain over ``buf`` (uint32 LE token ids, whole blocks only), as 16-byte
+    digests. ``extra[b]`` is appended to block ``b``'s input (media, extra keys)."""
+    mv = memoryview(buf)
+    step = block_size * 4
+    n = len(mv) // step
+    digest = xxhash.xxh3_128_digest
+    out: list[bytes] = []
+    h = parent
+    if not extra:
+        for i in range(n):
+            h = digest(h + mv[i * step:(i + 1) * step], seed)
+            out.append(h)
+        return out
+    for i in range(n):
+        data = h + mv[i * step:(i + 1) * step]
+        e = extra.get(first_block + i)
+        if e:
+            data += e
+        h = digest(data, seed)
+        out.append(h)
+    return out
+
+
+def sha256_chain_digests(buf: bytes | memoryview, block_size: int) -> list[bytes]:
+    """The same chain with SHA-256 (the common default elsewhere): the benchmark's baseline."""
+    mv = memoryview(buf)
+    step = block_size * 4
+    n = len(mv) // step
+    sha = hashlib.sha256
+    out: list[bytes] = []
+    h = bytes(32)
+    for i in range(n):
+        h = sha(h + mv[i * step:(i + 1) * step]).digest()
+        out.append(h)
+    return out
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, *, seed: int = DEFAULT_SEED,
@@ -130,37 +172,21 @@ def block_hashes(token_ids: Sequence[int], block_size: int, *, seed: int = DEFAU
     n = len(token_ids) // block_size
     if n == 0:
         return []
-    buf = memoryview(token_bytes(token_ids[: n * block_size]))
-    mkeys = _media_keys_per_block(media, n, block_size, first_block) if media else {}
+    buf = token_bytes(token_ids[: n * block_size])
+    extra = _media_keys_per_block(media, n, block_size, first_block) if media else {}
     extra0 = _extra_bytes(extra_keys)
-    step = block_size * 4
-    out: list[BlockHash] = []
-    h = parent
-    digest = xxhash.xxh3_128_intdigest
-    for i in range(n):
-        b = first_block + i
-        pb = _ZERO16 if h is None else h.to_bytes(16, "little")
-        data = pb + buf[i * step:(i + 1) * step]
-        if b in mkeys:
-            data += mkeys[b]
-        if b == 0 and extra0:
-            data += extra0
-        h = digest(data, seed)
-        out.append(h)
-    return out
+    if extra0 and first_block == 0:
+        extra[0] = extra.get(0, b"") + extra0
+    pb = _ZERO16 if parent is None else parent.to_bytes(16, "big")
+    frombytes = int.from_bytes
+    return [frombytes(d, "big") for d in chain_digests(
+        buf, block_size, seed=seed, parent=pb, first_block=first_block, extra=extra)]
 
 
 def sha256_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """The same chain with SHA-256 (the common default elsewhere): the benchmark's baseline."""
+    """SHA-256 chain digests of every complete block (the benchmark's baseline)."""
     n = len(token_ids) // block_size
-    buf = memoryview(token_bytes(token_ids[: n * block_size]))
-    step = block_size * 4
-    out: list[bytes] = []
-    h = bytes(32)
-    for i in range(n):
-        h = hashlib.sha256(h + buf[i * step:(i + 1) * step]).digest()
-        out.append(h)
-    return out
+    return sha256_chain_digests(token_bytes(token_ids[: n * block_size]), block_size)
 
 
 class RequestHasher:
