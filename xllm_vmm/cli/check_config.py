@@ -125,11 +125,11 @@ def help_text(out: TextIO) -> None:
         for f in flags:
             g.add_row(f"[bold cyan]--{f.name}[/]", f"[dim]{f.type_label}={escape(f.default_text())}[/]",
                       escape(f.help))
-        console.print(Panel(g, title=f"{GROUPS[group]} [{group}]", title_align="left",
+        console.print(Panel(g, title=escape(f"{GROUPS[group]} [{group}]"), title_align="left",
                             border_style="dim"))
 
 
-def explain(rule_id: str, out: TextIO) -> int:
+def explain(rule_id: str, out: TextIO, err: TextIO | None = None) -> int:
     from xllm_vmm.config.findings import INPUT_IDS
     from xllm_vmm.config.rules import RULES
 
@@ -143,7 +143,7 @@ def explain(rule_id: str, out: TextIO) -> int:
         import difflib
 
         close = difflib.get_close_matches(key, list(RULES) + list(INPUT_IDS), n=3, cutoff=0.5)
-        sys.stderr.write(f"error: no rule {rule_id!r}"
+        (err or sys.stderr).write(f"error: no rule {rule_id!r}"
                          + (f"; did you mean {', '.join(close)}?" if close else "") + "\n")
         return 2
     kind = {"model": " (model rule: needs the model's config.json)",
@@ -171,7 +171,7 @@ def run(argv: list[str], out: TextIO | None = None, err: TextIO | None = None,
         help_text(out)
         return 0
     if opts["explain"] is not None:
-        return explain(opts["explain"], out)
+        return explain(opts["explain"], out, err)
 
     from xllm_vmm.config.inputs import resolve_inputs
     from xllm_vmm.config.render import Result, exit_code, render_github, render_json, render_text

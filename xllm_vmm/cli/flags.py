@@ -50,7 +50,7 @@ def flags_command(
 
     console = Console()
     for grp, flags in selected.items():
-        table = Table(title=f"{GROUPS[grp]} [{grp}]", title_justify="left", expand=False)
+        table = Table(title=escape(f"{GROUPS[grp]} [{grp}]"), title_justify="left", expand=False)
         table.add_column("flag", style="bold cyan", no_wrap=True)
         table.add_column("type")
         table.add_column("default")

@@ -1,0 +1,159 @@
+"""``xllm-vmm check-config`` end to end: exit codes, formats, inputs, examples."""
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from xllm_vmm.cli.check_config import run
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
+
+
+def check(*argv, env=None):
+    out, err = io.StringIO(), io.StringIO()
+    code = run(list(argv), out=out, err=err, env=env or {})
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_five_examples_shipped():
+    assert [p.name for p in CONFIGS] == [
+        "elastic-1gib-reserve.toml", "kv-vmm-prefix-host-offload.toml", "mtp-kv-vmm.toml",
+        "pd-mooncake-fixed-pool.toml", "weight-only-vmm.toml"]
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_examples_check_clean_strict(path):
+    code, out, _ = check(str(path), "--strict", "--format", "json")
+    doc = json.loads(out)
+    assert code == 0, doc["inputs"][0]["findings"]
+    assert doc["summary"] == {"inputs": 1, "errors": 0, "warnings": 0}
+    assert path.read_text().startswith("#:schema ./xllm-vmm.schema.json\n")
+
+
+def test_gflags_on_check_config_itself():
+    code, out, _ = check("--enable_vmm_kvcache=true", "--enable_task_pipeline=true")
+    assert code == 1 and "SD-04" in out
+    assert check("--enable_vmm_kvcache=true", "--enable_task_pipeline=false")[0] == 0
+
+
+def test_exit_codes_strict_and_unreadable(tmp_path):
+    warn = ("--enable_vmm_kvcache", "--vmm_elastic", "--max_memory_utilization", "0.7")
+    assert check(*warn)[0] == 0
+    assert check(*warn, "--strict")[0] == 1
+    assert check(str(tmp_path / "missing.toml"))[0] == 2
+    assert check("--format=yaml")[0] == 2
+    assert check("--bogus_flag=1")[0] == 1
+
+
+def test_several_inputs_one_exit_code(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("enable_vmm_kvcache = true\nkv_cache_dtype = \"int8\"\n")
+    code, out, _ = check(str(CONFIGS[0]), str(bad), "--cmd", "xllm --port=1", "--format", "json")
+    doc = json.loads(out)
+    assert code == 1 and doc["exit_code"] == 1
+    assert [i["input"] for i in doc["inputs"]] == [str(CONFIGS[0]), str(bad), "--cmd #1"]
+    assert [i["status"] for i in doc["inputs"]] == ["ok", "errors", "ok"]
+    f = doc["inputs"][1]["findings"][0]
+    assert f["id"] == "QK-01" and f["severity"] == "error"
+    assert f["flags"] == {"kv_cache_dtype": "int8", "enable_vmm_kvcache": True}
+    assert f["sources"]["kv_cache_dtype"] == {"kind": "toml", "file": str(bad), "line": 2,
+                                              "col": 1, "text": 'kv_cache_dtype = "int8"'}
+    assert doc["schema_version"] == 1
+    resolved = doc["inputs"][1]["resolved"]
+    assert resolved["enable_vmm_kvcache"]["source"]["kind"] == "toml"
+    assert doc["inputs"][1]["derived"]["prefix_cache"]["rule"] == "PC-01"
+
+
+def test_cmd_file_github_annotations(tmp_path):
+    script = tmp_path / "launch.sh"
+    script.write_text("#!/bin/sh\n# serve\nxllm --model=/m \\\n  --enable_vmm_kvcache=true \\\n"
+                      "  --kv_cache_dtype=fp8\n")
+    code, out, _ = check("--cmd-file", str(script), "--format", "github")
+    assert code == 1
+    first = out.splitlines()[0]
+    assert first.startswith(f"::error file={script},line=5,col=3,title=QK-01::QK-01: ")
+
+
+def test_explain_prints_rule_and_sentence():
+    code, out, _ = check("--explain", "el-02")
+    assert code == 0
+    assert out.startswith("EL-02 (warning)")
+    assert "An existing setting such as max_memory_utilization=0.75 has no effect" in out
+    code, _, err = check("--explain", "SD-9")
+    assert code == 2 and "no rule" in err
+
+
+def test_write_resolved_round_trips(tmp_path):
+    out_file = tmp_path / "resolved.toml"
+    code, _, _ = check("--enable_vmm_weights", "--vmm_elastic", "--backend=llm",
+                       "--write-resolved", str(out_file))
+    assert code == 0
+    text = out_file.read_text()
+    assert "enable_manual_loader = true" in text  # derived by VMM-04
+    assert check(str(out_file), "--strict")[0] == 0
+
+
+def test_environment_is_a_source():
+    code, out, _ = check("--format", "json", env={"XLLM_VMM_ENABLE_VMM_KVCACHE": "true",
+                                                  "XLLM_VMM_ENABLE_TASK_PIPELINE": "1"})
+    assert code == 1
+    f = json.loads(out)["inputs"][0]["findings"][0]
+    assert f["sources"]["enable_task_pipeline"]["env"] == "XLLM_VMM_ENABLE_TASK_PIPELINE"
+    assert check("--no-env", env={"XLLM_VMM_ENABLE_TASK_PIPELINE": "1",
+                                  "XLLM_VMM_ENABLE_VMM_KVCACHE": "1"})[0] == 0
+
+
+def test_help_lists_groups():
+    code, out, _ = check("--help")
+    assert code == 0 and "--enable_vmm_kvcache" in out and "[vmm]" in out
+
+
+def _subprocess(*args):
+    return subprocess.run([sys.executable, "-m", "xllm_vmm.cli", *args], capture_output=True,
+                          text=True, cwd=ROOT)
+
+
+def test_process_exit_code_and_no_torch_typer_or_pydantic_import():
+    code = ("import sys, runpy; sys.argv = ['xllm-vmm', 'check-config', "
+            f"{str(CONFIGS[0])!r}, '--format=json']\n"
+            "from xllm_vmm.cli import main\n"
+            "try:\n    main()\nexcept SystemExit as e:\n"
+            "    bad = [m for m in ('torch', 'typer', 'pydantic') if m in sys.modules]\n"
+            "    sys.stderr.write('LOADED=' + ','.join(bad))\n    raise\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.strip().endswith("LOADED=")
+
+
+def test_typer_command_delegates():
+    p = _subprocess("check-config", "--enable_vmm_kvcache=true", "--enable_task_pipeline=true")
+    assert p.returncode == 1 and "SD-04" in p.stdout and "Traceback" not in p.stderr
+    from typer.testing import CliRunner
+
+    from xllm_vmm.cli.app import app
+
+    r = CliRunner().invoke(app, ["check-config", "--enable_vmm_kvcache=true",
+                                 "--enable_task_pipeline=true", "--no-env"])
+    assert r.exit_code == 1 and "SD-04" in r.output
+
+
+def test_flags_and_schema_commands():
+    from typer.testing import CliRunner
+
+    from xllm_vmm.cli.app import app
+
+    r = CliRunner().invoke(app, ["flags", "--format", "json", "--group", "vmm"])
+    assert r.exit_code == 0
+    names = [f["name"] for f in json.loads(r.output)]
+    assert names == ["enable_task_pipeline", "enable_vmm_kvcache", "enable_vmm_weights",
+                     "vmm_elastic", "vmm_memory_reserve_bytes"]
+    r = CliRunner().invoke(app, ["flags", "--format", "markdown", "--search", "reserve"])
+    assert "| `--vmm_memory_reserve_bytes` | int64 (bytes) | `0` |" in r.output
+    assert CliRunner().invoke(app, ["flags", "--group", "vm"]).exit_code == 2
+    r = CliRunner().invoke(app, ["schema"])
+    assert json.loads(r.output)["title"] == "xllm-vmm configuration"

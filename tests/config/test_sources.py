@@ -1,0 +1,170 @@
+"""Sources, precedence and provenance."""
+
+import json
+
+import pytest
+
+from xllm_vmm.config import ConfigError, load
+from xllm_vmm.config.sources import parse_args, parse_shell, read_toml
+
+
+def ids(err: ConfigError):
+    return [f.id for f in err.findings]
+
+
+def test_gflags_forms():
+    cfg = load(["--enable-vmm-kvcache", "--noenable_prefix_cache", "--port", "9000",
+                "-block_size=64", "--max_cache_size=512MiB", "--host_blocks_factor", "2.5"])
+    assert cfg["enable_vmm_kvcache"] is True
+    assert cfg["enable_prefix_cache"] is False
+    assert cfg["port"] == 9000 and cfg["block_size"] == 64
+    assert cfg["max_cache_size"] == 512 * 1024 * 1024
+    assert cfg["host_blocks_factor"] == 2.5
+    assert cfg.provenance("port").text == "--port 9000"
+    assert cfg.explicit("port") and not cfg.explicit("tp_size")
+
+
+@pytest.mark.parametrize("text,value", [("1GiB", 1 << 30), ("1G", 1 << 30), ("1GB", 10**9),
+                                        ("1.5GiB", 3 << 29), ("4096", 4096), ("0", 0)])
+def test_sizes_reported_as_integers(text, value):
+    assert load([f"--vmm_memory_reserve_bytes={text}"])["vmm_memory_reserve_bytes"] == value
+
+
+def test_size_rejected_for_non_byte_flag():
+    with pytest.raises(ConfigError) as e:
+        load(["--block_size=1KiB"])
+    assert ids(e.value) == ["CFG-TYPE"]
+    assert "expected an integer (int32, 1..2147483647)" in e.value.findings[0].message
+
+
+def test_unknown_flag_suggests():
+    with pytest.raises(ConfigError) as e:
+        load(["--enable_vmm_kv_cache=true"])
+    f = e.value.findings[0]
+    assert f.id == "CFG-UNKNOWN" and "enable_vmm_kvcache" in f.hint
+
+
+def test_bool_value_errors_and_negation_with_value():
+    with pytest.raises(ConfigError) as e:
+        load(["--enable_vmm_kvcache=maybe", "--noport", "--noenable_prefix_cache=true"])
+    assert ids(e.value) == ["CFG-TYPE", "CFG-UNKNOWN", "CFG-TYPE"]
+    assert "expected a bool (true or false)" in e.value.findings[0].message
+
+
+def test_duplicate_with_different_values_is_an_error_same_value_is_not():
+    assert load(["--port=1", "--port=1"])["port"] == 1
+    with pytest.raises(ConfigError) as e:
+        load(["--port=1", "--port", "2"])
+    assert ids(e.value) == ["CFG-DUP"]
+    assert "port is given twice with different values: 1" in e.value.findings[0].message
+
+
+def test_out_of_range_and_missing_value():
+    with pytest.raises(ConfigError) as e:
+        load(["--xxh3_128bits_seed=-1", "--port=70000", "--model"])
+    assert ids(e.value) == ["CFG-TYPE", "CFG-TYPE", "CFG-TYPE"]
+    assert "--model needs a value" in e.value.findings[2].message
+
+
+def test_precedence_json_over_cli_over_env_over_toml(tmp_path):
+    a = tmp_path / "a.toml"
+    a.write_text("port = 1\nblock_size = 16\nmax_seqs_per_batch = 7\nrandom_seed = 3\n")
+    b = tmp_path / "b.toml"
+    b.write_text("[scheduler]\nmax_seqs_per_batch = 8\n")
+    j = tmp_path / "engine.json"
+    j.write_text(json.dumps({"port": 4}))
+    env = {"XLLM_VMM_PORT": "2", "XLLM_VMM_BLOCK_SIZE": "32", "OTHER": "x"}
+    cfg = load(["--port=3", f"--config_json_file={j}"], [a, b], env=env)
+    assert cfg["port"] == 4 and cfg.provenance("port").kind == "json"
+    assert cfg.provenance("port").location() == f"{j}:1:2"
+    assert cfg["block_size"] == 32 and cfg.provenance("block_size").env == "XLLM_VMM_BLOCK_SIZE"
+    assert cfg["max_seqs_per_batch"] == 8
+    assert cfg.provenance("max_seqs_per_batch").location() == f"{b}:2:1"
+    assert cfg["random_seed"] == 3
+    cfg = load(["--port=3"], [a], env=env)
+    assert cfg["port"] == 3
+
+
+def test_toml_errors_point_at_line_and_column(tmp_path):
+    p = tmp_path / "bad.toml"
+    p.write_text("enable_vmm_kvcache = true\n[kv_cache]\nblock_size = \"big\"\nblok_size = 3\n")
+    with pytest.raises(ConfigError) as e:
+        load([], [p])
+    type_err, unknown = e.value.findings
+    assert type_err.id == "CFG-TYPE"
+    assert type_err.message.startswith(f"{p}:3:1: 'big' is not valid for block_size")
+    assert 'block_size = "big"' in type_err.message
+    assert unknown.id == "CFG-UNKNOWN" and unknown.where.line == 4
+    assert "block_size" in unknown.hint
+
+
+def test_toml_syntax_error_is_unreadable(tmp_path):
+    p = tmp_path / "bad.toml"
+    p.write_text("port = 1\nmodel = \n")
+    with pytest.raises(ConfigError) as e:
+        load([], [p])
+    f = e.value.findings[0]
+    assert f.id == "CFG-SYNTAX" and e.value.unreadable
+    assert (f.where.line, f.where.col) == (2, 9)
+
+
+def test_toml_wrong_type_says_expected():
+    got, findings = read_toml("x.toml", "enable_vmm_kvcache = \"yes\"\nport = 1.5\n")
+    assert got == []
+    assert [f.id for f in findings] == ["CFG-TYPE", "CFG-TYPE"]
+    assert "expected a bool (true or false)" in findings[0].message
+
+
+def test_json_config_file_errors(tmp_path):
+    p = tmp_path / "e.json"
+    p.write_text('{"port": 1,\n "nope": 2}')
+    with pytest.raises(ConfigError) as e:
+        load(json_file=p)
+    assert ids(e.value) == ["CFG-UNKNOWN"] and e.value.findings[0].where.line == 2
+    with pytest.raises(ConfigError) as e:
+        load(json_file=tmp_path / "missing.json")
+    assert ids(e.value) == ["CFG-READ"] and e.value.unreadable
+
+
+def test_env_close_misspelling_warns():
+    cfg = load(env={"XLLM_VMM_ENABLE_VMM_KVCACH": "1", "XLLM_VMM_SOMETHING_ELSE": "x"})
+    assert [f.id for f in cfg.warnings] == ["CFG-UNKNOWN"]
+    assert "XLLM_VMM_ENABLE_VMM_KVCACHE" in cfg.warnings[0].hint
+
+
+SCRIPT = """#!/usr/bin/env bash
+# launch the server
+set -e
+export XLLM_VMM_VMM_ELASTIC=true
+ASCEND_RT_VISIBLE_DEVICES=0,1 nohup /opt/xllm/bin/xllm \\
+    --model=/models/qwen \\
+    --enable_vmm_kvcache=true \\
+    --port 9000 \\
+    --devices="npu:0,npu:1" > run.log 2>&1 &
+"""
+
+
+def test_cmd_file_parsing_positions_and_env(tmp_path):
+    p = tmp_path / "launch.sh"
+    p.write_text(SCRIPT)
+    shell, findings = parse_shell(SCRIPT, str(p))
+    assert findings == []
+    assert shell.binary == "/opt/xllm/bin/xllm"
+    assert [t.text for t in shell.tokens] == [
+        "--model=/models/qwen", "--enable_vmm_kvcache=true", "--port", "9000",
+        "--devices=npu:0,npu:1"]
+    assert [(t.line, t.col) for t in shell.tokens][:2] == [(6, 5), (7, 5)]
+    cfg = load(shell.tokens, env_tokens=shell.env)
+    assert cfg["vmm_elastic"] is True
+    assert cfg.provenance("vmm_elastic").location() == f"{p}:4:8"
+    assert cfg.provenance("port").location() == f"{p}:8:5"
+
+
+def test_shell_without_flags_and_bad_quotes():
+    assert parse_shell("echo hello")[1][0].id == "CFG-SYNTAX"
+    assert parse_shell("xllm --model='/m")[1][0].id == "CFG-SYNTAX"
+
+
+def test_positional_argument_is_reported():
+    _, findings = parse_args(["--port=1", "stray"])
+    assert [f.id for f in findings] == ["CFG-ARG"]
