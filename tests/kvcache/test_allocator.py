@@ -220,3 +220,13 @@ def test_release_cached_refuses_pinned_blocks(backing):
     assert a.is_cached("attn", 0)
     a.release_cached("attn", [0])
     assert a.slot_info("attn", 0).free == 3
+
+
+def test_near_keeps_a_sequences_blocks_in_its_own_slot(backing):
+    a = make(backing, slots=4, bps=4)
+    a.allocate({"attn": 5})  # slot 0 full, slot 1: block 4
+    a.free({"attn": [0]})  # slot 0 now has one free block (the fullest partial slot)
+    # without a hint the fullest partial slot (0) gets it; with one, the sequence's slot (1)
+    assert a.allocate({"attn": 1}, near={"attn": 4}) == {"attn": [5]}
+    assert a.allocate({"attn": 1}) == {"attn": [0]}
+    a.check_invariants()

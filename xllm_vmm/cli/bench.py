@@ -43,3 +43,105 @@ def emit(title: str, results: dict[str, Any], fmt: OutputFormat) -> None:
 
 
 # Subcommands: map/copy (device layer), kvcache (virtual KV cache), prefix (prefix cache).
+
+
+from typing import Optional  # noqa: E402  (device-layer subcommands below)
+
+
+def _open_bench_driver(device: str, device_index: int, acl_library: Optional[str]):
+    """Opens the driver for ``--device``, turning an unavailable device into a clear exit."""
+    from xllm_vmm.vmm import DRIVER_KINDS, VmmError, open_driver
+
+    if device.lower() not in DRIVER_KINDS:
+        typer.echo(f"error: --device {device!r} is not one of {', '.join(sorted(DRIVER_KINDS))}", err=True)
+        raise typer.Exit(2)
+    try:
+        return open_driver(device, device_index=device_index, library=acl_library)
+    except VmmError as exc:
+        typer.echo(f"error: --device {device}: {exc}", err=True)
+        raise typer.Exit(1) from exc
+
+
+_DEVICE_HELP = "Driver: cpu/host (memfd+mmap), npu/acl, cuda."
+_ACL_HELP = "ACL library for --device npu ('emulation' = the bundled emulation); default $XLLM_VMM_ACL_LIBRARY or libascendcl.so."
+
+
+@bench_app.command("map")
+def bench_map(
+    device: str = typer.Option("cpu", "--device", help=_DEVICE_HELP),
+    device_index: int = typer.Option(0, "--device-index", min=0, help="Device number."),
+    pages: int = typer.Option(64, "--pages", min=1, help="2 MiB pages mapped per batch."),
+    rounds: int = typer.Option(20, "--rounds", min=1, help="Map+unmap rounds per measurement."),
+    repeats: int = typer.Option(3, "--repeats", min=1, help="Measurements; the best is kept."),
+    acl_library: Optional[str] = typer.Option(None, "--acl-library", help=_ACL_HELP),
+    fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
+) -> None:
+    """Map+unmap cost per 2 MiB page: batched native call vs one call per page vs the raw
+    system-call loop (fields batched_vs_raw_ratio, python_overhead_us_per_page)."""
+    from xllm_vmm.bench import map as map_bench
+
+    driver = _open_bench_driver(device, device_index, acl_library)
+    try:
+        results = map_bench.run(driver, pages=pages, rounds=rounds, repeats=repeats)
+    finally:
+        driver.close()
+    emit("bench map (µs per page, map+unmap)", results, fmt)
+
+
+@bench_app.command("copy")
+def bench_copy(
+    device: str = typer.Option("cpu", "--device", help=_DEVICE_HELP),
+    device_index: int = typer.Option(0, "--device-index", min=0, help="Device number."),
+    blocks: int = typer.Option(128, "--blocks", min=1, help="Blocks per batch, one per 2 MiB page."),
+    min_block: int = typer.Option(64 * 1024, "--min-block", min=1, help="Smallest block, bytes."),
+    max_block: int = typer.Option(2 * 1024 * 1024, "--max-block", min=1, help="Largest block, bytes (≤ 2 MiB)."),
+    repeats: int = typer.Option(5, "--repeats", min=1, help="Measurements; the best is kept."),
+    acl_library: Optional[str] = typer.Option(None, "--acl-library", help=_ACL_HELP),
+    fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
+) -> None:
+    """Gather/scatter of scattered blocks vs one plain memcpy of the same bytes (field
+    copy_vs_memcpy_ratio)."""
+    from xllm_vmm.bench import copy as copy_bench
+
+    driver = _open_bench_driver(device, device_index, acl_library)
+    try:
+        results = copy_bench.run(driver, blocks=blocks, min_block=min_block, max_block=max_block,
+                                 repeats=repeats)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    finally:
+        driver.close()
+    emit("bench copy (GB/s)", results, fmt)
+
+
+@bench_app.command("kvcache")
+def bench_kvcache(
+    sequences: int = typer.Option(256, help="Sequences in the staggered-decode burst."),
+    layers: int = typer.Option(36, help="Layers of the modelled GQA model (8 KV heads of 128, "
+                                        "bf16)."),
+    block_size: int = typer.Option(128, help="Tokens per block."),
+    long_fraction: float = typer.Option(0.1, help="Share of sequences that outlive the burst."),
+    driver: str = typer.Option("sim", help="Driver for the fragmentation trace: sim or host."),
+    seed: int = typer.Option(0, help="Seed of the trace."),
+    repeats: int = typer.Option(3, help="Throughput runs (the best one counts)."),
+    fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
+) -> None:
+    """Virtual KV cache vs. a plain free-list block pool: allocator throughput, admission cost,
+    fragmentation (idle and peak footprint over the packed floor) and map calls per 1k tokens."""
+    from xllm_vmm.bench.kvcache import KvBenchConfig, run_kvcache_bench
+
+    if driver not in ("sim", "host"):
+        typer.echo(f"error: --driver must be 'sim' or 'host', got {driver!r}", err=True)
+        raise typer.Exit(2)
+    for name, value in (("--sequences", sequences), ("--layers", layers),
+                        ("--block-size", block_size), ("--repeats", repeats)):
+        if value < 1:
+            typer.echo(f"error: {name} must be >= 1, got {value}", err=True)
+            raise typer.Exit(2)
+    if not 0.0 < long_fraction < 1.0:
+        typer.echo(f"error: --long-fraction must be in (0, 1), got {long_fraction}", err=True)
+        raise typer.Exit(2)
+    cfg = KvBenchConfig(sequences=sequences, layers=layers, block_size=block_size,
+                        long_fraction=long_fraction, driver=driver, seed=seed, repeats=repeats)
+    emit("bench kvcache", run_kvcache_bench(cfg), fmt)

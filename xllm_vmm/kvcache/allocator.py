@@ -187,8 +187,13 @@ class BlockAllocator:
                            f"{', '.join(self._groups)}") from None
 
     # -- allocation ----------------------------------------------------------------------
-    def allocate(self, counts: Mapping[str, int]) -> dict[str, list[int]] | None:
+    def allocate(self, counts: Mapping[str, int],
+                 near: Mapping[str, int] | None = None) -> dict[str, list[int]] | None:
         """Allocate ``counts[group]`` blocks in every group, all or nothing.
+
+        ``near`` (optional): per group, a block the caller already holds for the same sequence
+        (its last one). Free blocks in that block's slot are taken first, so that one
+        sequence's blocks stay together and a finished sequence empties whole slots.
 
         Returns the new block ids per group (each with ref count 1), or ``None`` when the
         memory is not there now (after evicting what the retention policy gave up).
@@ -202,6 +207,8 @@ class BlockAllocator:
                 if n < 0:
                     raise ValueError(f"negative block count {n} for group {name!r}")
                 out: list[int] = []
+                if near and name in near:
+                    n = self._take_near(g, near[name], n, out)
                 self._take_partial(g, n, out)
                 return {name: out}
         for name, n in counts.items():
@@ -215,12 +222,37 @@ class BlockAllocator:
         for name, n in counts.items():
             g = groups[name]
             out = []
+            if near and name in near:
+                n = self._take_near(g, near[name], n, out)
             rest = self._take_partial(g, n, out)
             for slot in new_slots.get(name, ()):
                 rest = self._take_new_slot(g, slot, rest, out)
             assert rest == 0
             result[name] = out
         return result
+
+    def _take_near(self, g: _Group, block: int, n: int, out: list[int]) -> int:
+        """Take up to ``n`` free blocks from the slot of ``block``; returns what is left."""
+        if not n or not 0 <= block < len(g.ref):
+            return n
+        slot = block // g.bps
+        stack = g.stacks[slot]
+        if not stack:
+            return n
+        k = len(stack)
+        take = k if n >= k else n
+        ref = g.ref
+        for _ in range(take):
+            blk = stack.pop()
+            ref[blk] = 1
+            out.append(blk)
+        del g.buckets[k][slot]
+        if k - take:
+            g.buckets[k - take][slot] = None
+        g.occ[slot] += take
+        g.free_active -= take
+        g.n_live += take
+        return n - take
 
     def _plan(self, counts: Mapping[str, int]) -> dict[str, int] | None:
         """New slots needed per group; ``None`` when a group lacks inactive slots."""

@@ -268,10 +268,11 @@ class VirtualKVCache:
         self.pool.unmap_pages(self.region, pages)
 
     # -- blocks --------------------------------------------------------------------------
-    def allocate(self, counts: Mapping[str, int]) -> dict[str, list[int]] | None:
+    def allocate(self, counts: Mapping[str, int],
+                 near: Mapping[str, int] | None = None) -> dict[str, list[int]] | None:
         """Blocks per group, all groups or none; ``None`` = "not now" (see
-        :meth:`BlockAllocator.allocate`)."""
-        return self.allocator.allocate(counts)
+        :meth:`BlockAllocator.allocate`, also for ``near``)."""
+        return self.allocator.allocate(counts, near)
 
     def free(self, blocks: Mapping[str, Sequence[int]]) -> None:
         self.allocator.free(blocks)
