@@ -226,17 +226,18 @@ def render_table(plan: Plan, out: TextIO | None = None, *, explain: bool = False
     for r in plan.reasons:
         colour = {"error": "red", "warning": "yellow"}.get(r.severity, "blue")
         console.print(f"[{colour}]{r.severity}[/] [{escape(r.code)}] {escape(r.message)}"
-                      + (f"\n  -> {escape(r.hint)}" if r.hint else ""))
+                      + (f"\n  -> {escape(r.hint)}" if r.hint else ""), soft_wrap=True)
     for f in plan.config_findings:
         colour = "red" if f.get("severity") == "error" else "yellow"
         console.print(f"[{colour}]{f.get('severity')}[/] [{escape(str(f.get('id')))}] "
                       f"{escape(str(f.get('message')))}"
-                      + (f"\n  -> {escape(str(f['hint']))}" if f.get("hint") else ""))
+                      + (f"\n  -> {escape(str(f['hint']))}" if f.get("hint") else ""),
+                      soft_wrap=True)
     if explain:
         console.print("[bold]Formulas[/]")
         for f in plan.formulas:
             v = f"{f.value:,}" if isinstance(f.value, int) else str(f.value)
             console.print(f"  [bold]{escape(f.figure)}[/]: {escape(f.formula)}\n"
-                          f"      {escape(f.numbers)} -> [bold]{v}[/]")
+                          f"      {escape(f.numbers)} -> [bold]{v}[/]", soft_wrap=True)
     elif plan.workers:
         console.print("[dim]--explain prints the formula of every figure[/]")

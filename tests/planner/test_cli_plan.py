@@ -1,0 +1,86 @@
+"""``xllm-vmm plan`` end to end: exit codes, formats, config sources, clear errors."""
+
+import json
+
+from typer.testing import CliRunner
+
+from xllm_vmm.cli.app import app
+
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, ["plan", *args], env={})
+
+
+def test_json_output_qwen3_8b():
+    r = run("--model=Qwen/Qwen3-8B", "--format", "json", "--execution-peak", "1GiB",
+            "--host-memory", "256GiB")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["verdict"] == "fits" and d["mode"] == "physical"
+    assert d["per_worker"][0]["physical_budget_bytes"] == 37_520_368_844
+
+
+def test_flags_in_gflags_syntax_and_devices_count():
+    r = run("--model", "qwen__qwen3-8b", "--enable_vmm_kvcache", "--tp_size", "2",
+            "--format=json", "--host-memory=256GiB")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["workers"] == 2 and d["mode"] == "fixed_vmm"
+    r = run("--model=Qwen/Qwen3-8B", "--devices=npu:0,npu:1,npu:2,npu:3", "--format=json",
+            "--host-memory=256GiB")
+    assert json.loads(r.stdout)["workers"] == 4
+
+
+def test_toml_config_file_and_device_profile(tmp_path):
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text('[model]\nmodel = "Qwen/Qwen3-32B"\n[vmm]\nenable_vmm_kvcache = true\n'
+                   'vmm_elastic = true\n')
+    r = run("--config", str(cfg), "--device", "h200", "--format", "toml",
+            "--host-memory=256GiB")
+    assert r.exit_code == 0, r.output
+    assert 'mode = "elastic_vmm"' in r.stdout and 'name = "h200"' in r.stdout
+
+
+def test_does_not_fit_exits_1_and_explains():
+    r = run("--model=deepseek-ai/DeepSeek-V3", "--tp_size=8", "--explain",
+            "--host-memory=256GiB")
+    assert r.exit_code == 1
+    assert "does not fit" in r.stdout and "tp_size=16" in r.stdout
+    assert "floor(total x max_memory_utilization) - weights - execution peak" in r.stdout
+
+
+def test_config_rule_errors_are_reported_and_fail():
+    r = run("--model=Qwen/Qwen3-8B", "--enable_vmm_kvcache", "--kv_cache_dtype=int8",
+            "--format=json", "--host-memory=256GiB")
+    assert r.exit_code == 1
+    d = json.loads(r.stdout)
+    assert d["verdict"] == "does_not_fit" and d["reasons"][0]["code"] == "CONFIG"
+    assert "QK-01" in {f["id"] for f in d["config_findings"]}
+
+
+def test_list_models():
+    r = run("--list-models", "--format", "json")
+    assert r.exit_code == 0
+    names = [m["name"] for m in json.loads(r.stdout)]
+    assert "Qwen/Qwen3-8B" in names and len(names) == 13
+
+
+def test_bad_inputs_are_clear_errors(tmp_path):
+    r = run("--model=Qwen/Qwen3-9B")
+    assert r.exit_code == 2 and "did you mean Qwen/Qwen3-8B" in r.stderr
+    assert "Traceback" not in r.output
+    r = run("--model=Qwen/Qwen3-8B", "--device", "h300")
+    assert r.exit_code == 2 and "unknown device profile 'h300'" in r.stderr
+    r = run("--model=Qwen/Qwen3-8B", "--device-memory", "lots")
+    assert r.exit_code == 2 and "--device-memory 'lots' is not a size" in r.stderr
+    r = run("--model=Qwen/Qwen3-8B", "--device-memory", "0")
+    assert r.exit_code == 2 and "must be positive" in r.stderr
+    (tmp_path / "config.json").write_text("{not json")
+    r = run(f"--model={tmp_path}")
+    assert r.exit_code == 2 and "config.json is not valid JSON" in r.stderr
+    r = run()
+    assert r.exit_code == 2 and "no model given" in r.stderr
+    r = run("--model=Qwen/Qwen3-8B", "--tp_size=3")
+    assert r.exit_code == 1 and "3 workers cannot split" in r.stdout
