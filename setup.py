@@ -17,7 +17,7 @@ import os
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-CFLAGS = ["-O2", "-std=gnu11", "-fvisibility=default", "-Wall", "-Wno-unused-result"]
+CFLAGS = ["-O2", "-std=gnu11", "-fvisibility=default", "-Wall", "-Wno-unused-result", "-Wno-format-truncation"]
 if os.environ.get("XLLM_VMM_NATIVE_SANITIZE"):
     # e.g. XLLM_VMM_NATIVE_SANITIZE=address: instrumented build for the native tests
     CFLAGS += [f"-fsanitize={os.environ['XLLM_VMM_NATIVE_SANITIZE']}", "-g", "-fno-omit-frame-pointer"]
