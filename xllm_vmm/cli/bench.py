@@ -145,3 +145,53 @@ def bench_kvcache(
     cfg = KvBenchConfig(sequences=sequences, layers=layers, block_size=block_size,
                         long_fraction=long_fraction, driver=driver, seed=seed, repeats=repeats)
     emit("bench kvcache", run_kvcache_bench(cfg), fmt)
+
+
+@bench_app.command("prefix")
+def bench_prefix(
+    driver: str = typer.Option("host", help="Driver for the shared-prefix workload: host, or "
+                                            "acl-emu (the bundled ACL emulation)."),
+    block_size: int = typer.Option(128, help="Tokens per block."),
+    hash_tokens: int = typer.Option(1 << 19, help="Tokens hashed by the hash-chain comparison."),
+    lookup_blocks: int = typer.Option(1 << 16, help="Cached blocks for lookup_us_1m; 1048576 "
+                                                    "measures 1M for real (slower, ~1 GiB)."),
+    requests: int = typer.Option(120, help="Requests in the shared-prefix workload."),
+    system_prompts: int = typer.Option(6, help="Distinct system prompts in the workload."),
+    host_blocks_factor: float = typer.Option(4.0, help="host_blocks_factor of the host tier "
+                                                       "run (> 1)."),
+    seed: int = typer.Option(0, help="Seed of the workload."),
+    fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
+) -> None:
+    """Prefix cache and host KV tier: XXH3-128 vs SHA-256 hash chain, lookup cost at 1k and 1M
+    cached blocks, device-only vs host-tier hit rate under memory pressure, restore/offload vs
+    memcpy bandwidth, and bytes freed per evicted block (slot-emptying vs plain LRU)."""
+    from xllm_vmm.bench.prefix import PrefixBenchConfig, run_prefix_bench
+
+    if driver not in ("host", "acl-emu"):
+        typer.echo(f"error: --driver must be 'host' or 'acl-emu', got {driver!r}", err=True)
+        raise typer.Exit(2)
+    for name, value, least in (("--block-size", block_size, 1), ("--hash-tokens", hash_tokens,
+                               block_size), ("--lookup-blocks", lookup_blocks, 1024),
+                               ("--requests", requests, 1), ("--system-prompts",
+                                                              system_prompts, 1)):
+        if value < least:
+            typer.echo(f"error: {name} must be >= {least}, got {value}", err=True)
+            raise typer.Exit(2)
+    if host_blocks_factor <= 1:
+        typer.echo(f"error: --host-blocks-factor must be > 1 (the host tier is off at 1 or "
+                   f"less, HK-03), got {host_blocks_factor}", err=True)
+        raise typer.Exit(2)
+    cfg = PrefixBenchConfig(driver=driver, block_size=block_size, hash_tokens=hash_tokens,
+                            lookup_blocks=lookup_blocks, requests=requests,
+                            system_prompts=system_prompts,
+                            host_blocks_factor=host_blocks_factor, seed=seed)
+    try:
+        results = run_prefix_bench(cfg)
+    except Exception as exc:  # a driver that cannot be opened here, a layout that does not fit
+        from xllm_vmm.vmm import VmmError
+
+        if isinstance(exc, (VmmError, ImportError, ValueError)):
+            typer.echo(f"error: bench prefix --driver {driver}: {exc}", err=True)
+            raise typer.Exit(1) from exc
+        raise
+    emit("bench prefix", results, fmt)

@@ -1,0 +1,361 @@
+"""``xllm-vmm bench prefix``: the prefix cache and the host KV tier, each against a baseline
+measured in the same run.
+
+- ``hash_vs_sha256_ratio``: tokens per second of the XXH3-128 block chain over those of a
+  SHA-256 chain over the same block bytes (the common default elsewhere). Both time the chain
+  over already packed uint32 token bytes; ``hash_e2e_vs_sha256_ratio`` also includes packing a
+  Python token list (identical work for both, so it pulls the ratio towards 1). Target ≥ 2.
+- ``lookup_us_1k`` / ``lookup_us_1m``: the cost of one request's lookup (a 64-block prompt,
+  half of it a hit) with 1,024 and 1,048,576 blocks cached. ``--lookup-blocks`` sets the large
+  size (default 65,536, to run in seconds); when it is below 1M, ``lookup_us_1m`` is the cost
+  measured there and ``lookup_1m_measured_at_blocks`` says so: a lookup is one dict probe per
+  prompt block, independent of the cache size, so the figure extrapolates flat (the recorded
+  1M run in docs/benchmarks.md confirms it).
+- A shared-prefix workload under device memory pressure on the real stack (driver → elastic
+  pool with a ``max_cache_size`` quota below the working set → virtual KV cache → prefix
+  cache → host tier): ``hit_rate_device_only`` (prefix-cache hit tokens / prompt tokens
+  without the host tier), ``hit_rate_with_host`` (device hits + restored tokens, with
+  ``host_blocks_factor``), ``host_hit_rate_gain`` (their difference), ``host_restores``.
+- ``restore_vs_memcpy_ratio`` / ``offload_vs_memcpy_ratio``: bytes per second of the tier's
+  batched host→device restores (device→host offloads) in that workload over one ``memmove``
+  of the same number of bytes between two host buffers.
+- ``bytes_freed_per_eviction_ratio``: physical bytes released per evicted block by
+  slot-emptying eviction over plain LRU, on a fragmented cache (decode-style interleaving:
+  every slot holds blocks of 8 requests; an eighth of the requests still run, the rest finished
+  in random order). Each policy evicts one slot's worth of blocks at a time until half of the
+  slots that hold no live block have been released.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+import time
+from array import array
+from dataclasses import dataclass
+from typing import Any
+
+from xllm_vmm.kvcache.hashing import (
+    block_hashes,
+    chain_digests,
+    sha256_block_hashes,
+    sha256_chain_digests,
+)
+from xllm_vmm.kvcache.prefix import PrefixCache
+
+__all__ = ["PrefixBenchConfig", "run_prefix_bench"]
+
+_MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class PrefixBenchConfig:
+    """Sizes of every part (tokens, blocks, bytes). The defaults run in a few seconds."""
+
+    driver: str = "host"
+    block_size: int = 128  # tokens per block (the block_size flag's default)
+    hash_tokens: int = 1 << 19
+    lookup_small_blocks: int = 1024
+    lookup_blocks: int = 1 << 16  # the "1M" point; 1 << 20 measures it for real
+    lookup_prompt_blocks: int = 64
+    lookup_iterations: int = 2000
+    # shared-prefix workload
+    system_prompts: int = 6
+    system_prompt_blocks: int = 12
+    suffix_blocks: int = 2
+    requests: int = 120
+    device_budget_slots: int = 4  # max_cache_size in slots; the working set is larger
+    host_blocks_factor: float = 4.0
+    tensor_block_bytes: int = 256 * 1024  # per tensor (K and V): 8 blocks per 2 MiB page
+    # eviction comparison
+    evict_requests: int = 64
+    evict_blocks_per_request: int = 8
+    seed: int = 0
+
+
+def _rate(f, *args) -> float:
+    """Best-of-3 seconds for one call."""
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        f(*args)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _hash_bench(cfg: PrefixBenchConfig, rng: random.Random) -> dict[str, Any]:
+    toks = [rng.randrange(152_000) for _ in range(cfg.hash_tokens)]
+    buf = array("I", toks).tobytes()
+    t_x = _rate(chain_digests, buf, cfg.block_size)
+    t_s = _rate(sha256_chain_digests, buf, cfg.block_size)
+    e_x = _rate(block_hashes, toks, cfg.block_size)
+    e_s = _rate(sha256_block_hashes, toks, cfg.block_size)
+    return {
+        "hash_tokens_per_s": cfg.hash_tokens / t_x,
+        "sha256_tokens_per_s": cfg.hash_tokens / t_s,
+        "hash_vs_sha256_ratio": t_s / t_x,
+        "hash_e2e_vs_sha256_ratio": e_s / e_x,
+    }
+
+
+def _lookup_us(n_cached: int, cfg: PrefixBenchConfig, rng: random.Random) -> float:
+    prefix = PrefixCache({"attn": 1}, cfg.block_size)
+    hashes = [rng.getrandbits(128) for _ in range(n_cached)]
+    prefix.publish({"attn": range(n_cached)}, hashes)
+    p = cfg.lookup_prompt_blocks
+    reqs = []
+    for _ in range(64):
+        start = rng.randrange(max(1, n_cached - p))
+        # a real chain's prefix: half the prompt cached, the rest new
+        reqs.append(hashes[start:start + p // 2] + [rng.getrandbits(128) for _ in range(p - p // 2)])
+    it = cfg.lookup_iterations
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for i in range(it):
+            prefix.lookup(reqs[i & 63])
+        best = min(best, time.perf_counter() - t)
+    return best / it * 1e6
+
+
+def _flat_layout(cfg: PrefixBenchConfig):
+    from xllm_vmm.models.spec import CacheGroup, CacheLayout, CacheTensor
+
+    bpt = max(1, cfg.tensor_block_bytes // cfg.block_size)  # bytes per token per tensor
+    return CacheLayout("bench-prefix", 1, (CacheGroup(
+        "attn", (CacheTensor("k", bpt), CacheTensor("v", bpt)), cfg.block_size),))
+
+
+def _open_driver(kind: str, device_memory: int):
+    if kind == "sim":
+        from xllm_vmm.vmm.sim import SimDriver
+
+        return SimDriver(device_memory)
+    from xllm_vmm.vmm import open_driver
+
+    if kind == "acl-emu":
+        return open_driver("acl", library="emulation", device_memory=device_memory)
+    return open_driver(kind, device_memory=device_memory)
+
+
+def _workload(cfg: PrefixBenchConfig, with_host: bool) -> dict[str, Any]:
+    """Many requests over a few long system prompts; device budget below the working set."""
+    from xllm_vmm.kvcache import VirtualKVCache
+    from xllm_vmm.kvcache.prefix_setup import attach_host_tier, attach_prefix_cache
+    from xllm_vmm.pool import BudgetConfig, VmmPool
+
+    layout = _flat_layout(cfg)
+    g = layout.groups[0]
+    page = 2 * _MiB
+    bpp = page // g.tensor_block_bytes
+    slot_bytes = page * len(g.tensors)
+    prompt_blocks = cfg.system_prompt_blocks + cfg.suffix_blocks
+    budget = cfg.device_budget_slots * slot_bytes
+    max_tokens = 4 * cfg.device_budget_slots * bpp * cfg.block_size
+    driver = _open_driver(cfg.driver, 16 * budget + 64 * _MiB)
+    pool = VmmPool(driver, BudgetConfig(mode="elastic", max_cache_size=budget,
+                                        execution_peak_bytes=0),
+                   VirtualKVCache.arena_bytes(layout, page, max_tokens))
+    cache = VirtualKVCache.for_tokens(pool, layout, max_tokens)
+    prefix = attach_prefix_cache(cache)
+    host = attach_host_tier(cache, prefix, driver, cfg.host_blocks_factor) if with_host else None
+    rng = random.Random(cfg.seed)
+    bs = cfg.block_size
+    systems = [[rng.randrange(152_000) for _ in range(cfg.system_prompt_blocks * bs)]
+               for _ in range(cfg.system_prompts)]
+    prompt_tokens = hit_tokens = restored_tokens = restores = 0
+    restore_s = 0.0
+    refused = 0
+    try:
+        for _ in range(cfg.requests):
+            toks = systems[rng.randrange(cfg.system_prompts)] + [
+                rng.randrange(152_000) for _ in range(cfg.suffix_blocks * bs + 1)]
+            hashes = block_hashes(toks, bs)
+            cap = (len(toks) - 1) // bs
+            if host is not None:
+                host.step()  # the scheduler's per-iteration call: reap finished copies
+            hit = prefix.lookup(hashes, max_blocks=cap)
+            prefix.acquire(hit)
+            need = prompt_blocks + 1 - hit.num_blocks
+            new = cache.allocate({"attn": need})
+            if new is None and host is not None:
+                # "not now": blocks pinned by copies in flight; the scheduler retries once
+                # they are done
+                host.wait_all()
+                new = cache.allocate({"attn": need})
+            if new is None:
+                refused += 1
+                prefix.release({"attn": list(hit.blocks["attn"])})
+                continue
+            blocks = list(hit.blocks["attn"]) + new["attn"]
+            prompt_tokens += len(toks)
+            hit_tokens += hit.num_blocks * bs
+            first = hit.num_blocks
+            if host is not None:
+                m = host.match(hashes, first, max_blocks=cap)
+                if m:
+                    t = time.perf_counter()
+                    r = host.restore(hashes[first:first + m], first, {"attn": new["attn"][:m]})
+                    if r.wait():
+                        restore_s += time.perf_counter() - t
+                        restored_tokens += r.num_blocks * bs
+                        restores += 1
+                        first += r.num_blocks
+            # the forward pass would write blocks[first:] here; publish the complete ones
+            prefix.publish({"attn": blocks}, hashes[first:], first_block=first)
+            prefix.release({"attn": blocks})
+            if host is not None:
+                host.step()
+        out: dict[str, Any] = {
+            "prompt_tokens": prompt_tokens,
+            "hit_tokens": hit_tokens,
+            "restored_tokens": restored_tokens,
+            "restores": restores,
+            "refused": refused,
+            "evictions": prefix.stats.evictions,
+            "restore_s": restore_s,
+            "hit_rate": (hit_tokens + restored_tokens) / prompt_tokens if prompt_tokens else 0.0,
+            "working_set_blocks": cfg.system_prompts * cfg.system_prompt_blocks,
+            "device_budget_blocks": cfg.device_budget_slots * bpp,
+        }
+        if host is not None:
+            host.wait_all()
+            out["restored_bytes"] = host.stats.restored_bytes
+            out["offload"] = _offload_rate(host, cache, prefix, driver)
+        return out
+    finally:
+        if host is not None:
+            host.close()
+        pool.close()
+        driver.close()
+
+
+def _offload_rate(host, cache, prefix, driver) -> tuple[int, float]:
+    """Bytes and seconds of one batched device→host copy of every cached block (as the
+    write-through path submits it)."""
+    from xllm_vmm.kvcache.prefix_setup import KvBlockAddresses
+    from xllm_vmm.vmm import CopyKind
+
+    addrs = KvBlockAddresses(cache)
+    blocks = prefix.lru_order("attn")
+    dsts, srcs, sizes = [], [], []
+    pool = host.pool
+    for i, b in enumerate(blocks[: pool.capacity]):
+        off = pool.address(i)
+        for a, n in addrs.block_segments("attn", b):
+            dsts.append(off)
+            srcs.append(a)
+            sizes.append(n)
+            off += n
+    if not sizes:
+        return 0, 0.0
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        driver.copy_batch_async(dsts, srcs, sizes, CopyKind.D2H).wait()
+        best = min(best, time.perf_counter() - t)
+    return sum(sizes), best
+
+
+def _memcpy_s(nbytes: int) -> float:
+    a = (ctypes.c_char * nbytes)()
+    b = (ctypes.c_char * nbytes)()
+    ctypes.memset(a, 1, nbytes)
+    ctypes.memset(b, 2, nbytes)
+    return _rate(ctypes.memmove, b, a, nbytes)
+
+
+def _eviction_bench(cfg: PrefixBenchConfig) -> dict[str, Any]:
+    """Bytes released per evicted block: slot-emptying eviction against plain LRU."""
+    return {mode: _evict_once(cfg, prefer) for mode, prefer in
+            (("lru", False), ("slot_emptying", True))}
+
+
+def _evict_once(cfg: PrefixBenchConfig, prefer: bool) -> float:
+    from xllm_vmm.kvcache import VirtualKVCache
+    from xllm_vmm.kvcache.prefix_setup import attach_prefix_cache
+    from xllm_vmm.pool import BudgetConfig, VmmPool
+
+    layout = _flat_layout(cfg)
+    g = layout.groups[0]
+    n_req, per = cfg.evict_requests, cfg.evict_blocks_per_request
+    total = n_req * per
+    page = 2 * _MiB
+    bpp = page // g.tensor_block_bytes
+    slots = -(-total // bpp) + 1
+    driver = _open_driver("sim", 2 * slots * 2 * page + 64 * _MiB)
+    pool = VmmPool(driver, BudgetConfig(mode="elastic", execution_peak_bytes=0),
+                   slots * 2 * page)
+    cache = VirtualKVCache(pool, layout, {"attn": slots})
+    prefix = attach_prefix_cache(cache)
+    rng = random.Random(cfg.seed)
+    try:
+        # decode-style interleaving: one block per request per step, so slots mix requests
+        owned: list[list[int]] = [[] for _ in range(n_req)]
+        for _ in range(per):
+            for r in range(n_req):
+                owned[r].extend(cache.allocate({"attn": 1})["attn"])
+        for r in range(n_req):
+            prefix.publish({"attn": owned[r]}, [rng.getrandbits(128) for _ in owned[r]])
+        order = list(range(n_req))
+        rng.shuffle(order)
+        for r in order[n_req // 8:]:  # seven eighths finish, in random order
+            prefix.release({"attn": owned[r]})
+        # goal: free half of the slots that hold no live block (what any policy could free)
+        alloc = cache.allocator
+        emptiable = sum(1 for sl in alloc.active_slots("attn") if alloc.slot_live("attn", sl) == 0)
+        slot_bytes = cache.geometry["attn"].slot_bytes
+        target = max(1, emptiable // 2) * slot_bytes
+        before = pool.mapped_bytes
+        evicted = 0
+        while before - pool.mapped_bytes < target:
+            victims = prefix.evict("attn", bpp, prefer_slot_emptying=prefer)
+            if not victims:
+                break
+            alloc.release_cached("attn", victims)
+            evicted += len(victims)
+        freed = before - pool.mapped_bytes
+        return freed / evicted if evicted else 0.0
+    finally:
+        pool.close()
+        driver.close()
+
+
+def run_prefix_bench(cfg: PrefixBenchConfig = PrefixBenchConfig()) -> dict[str, Any]:
+    """Run every part; returns a flat dict (see the module docstring for each field)."""
+    rng = random.Random(cfg.seed)
+    res: dict[str, Any] = {"driver": cfg.driver, "block_size": cfg.block_size}
+    res.update(_hash_bench(cfg, rng))
+    res["lookup_us_1k"] = _lookup_us(cfg.lookup_small_blocks, cfg, rng)
+    res["lookup_us_1m"] = _lookup_us(cfg.lookup_blocks, cfg, rng)
+    res["lookup_1m_measured_at_blocks"] = cfg.lookup_blocks
+    res["lookup_growth_ratio"] = res["lookup_us_1m"] / res["lookup_us_1k"]
+
+    dev = _workload(cfg, with_host=False)
+    host = _workload(cfg, with_host=True)
+    res["hit_rate_device_only"] = dev["hit_rate"]
+    res["hit_rate_with_host"] = host["hit_rate"]
+    res["host_hit_rate_gain"] = host["hit_rate"] - dev["hit_rate"]
+    res["host_restores"] = host["restores"]
+    res["device_evictions"] = host["evictions"]
+    res["workload_requests"] = cfg.requests
+    res["workload_working_set_blocks"] = dev["working_set_blocks"]
+    res["workload_device_budget_blocks"] = dev["device_budget_blocks"]
+    rb = host.get("restored_bytes", 0)
+    if rb and host["restore_s"] > 0:
+        restore_bw = rb / host["restore_s"]
+        res["restore_bytes_per_s"] = restore_bw
+        res["restore_vs_memcpy_ratio"] = restore_bw / (rb / _memcpy_s(rb))
+    else:
+        res["restore_bytes_per_s"] = 0.0
+        res["restore_vs_memcpy_ratio"] = 0.0
+    ob, os_ = host.get("offload", (0, 0.0))
+    if ob and os_ > 0:
+        res["offload_bytes_per_s"] = ob / os_
+        res["offload_vs_memcpy_ratio"] = (ob / os_) / (ob / _memcpy_s(ob))
+    ev = _eviction_bench(cfg)
+    res["bytes_freed_per_eviction_lru"] = ev["lru"]
+    res["bytes_freed_per_eviction_slot_emptying"] = ev["slot_emptying"]
+    res["bytes_freed_per_eviction_ratio"] = (ev["slot_emptying"] / ev["lru"]
+                                             if ev["lru"] else 0.0)
+    return res
