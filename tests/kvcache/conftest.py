@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pool.drivers import driver_factory, make_driver  # noqa: F401  (fixture, helper)
+from tests.pool.drivers import driver_factory, make_driver  # noqa: F401  (fixture, helper)
 from xllm_vmm.models.spec import CacheGroup, CacheLayout, CacheTensor
 
 MiB = 1 << 20

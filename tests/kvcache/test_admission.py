@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcache.conftest import PAGE, KeepAllPolicy, toy_layout
+from tests.kvcache.conftest import PAGE, KeepAllPolicy, toy_layout
 from xllm_vmm.kvcache import Admission, SequenceSlots, VirtualKVCache, blocks_for_tokens
 from xllm_vmm.models.spec import CacheGroup, CacheLayout, CacheTensor, ResidentState
 from xllm_vmm.pool import BudgetConfig, VmmPool

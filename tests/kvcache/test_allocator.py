@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcache.conftest import FakeBacking, KeepAllPolicy
+from tests.kvcache.conftest import FakeBacking, KeepAllPolicy
 from xllm_vmm.kvcache import BlockAllocator, BlockInfo, GroupShape, SlotInfo
 
 

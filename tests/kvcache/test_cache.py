@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from kvcache.conftest import PAGE, toy_layout
+from tests.kvcache.conftest import PAGE, toy_layout
 from xllm_vmm.kvcache import CacheLayoutError, VirtualKVCache
 from xllm_vmm.pool import BudgetConfig, VmmPool
 from xllm_vmm.vmm.driver import CopyKind, VmmNotMapped

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvcache.conftest import PAGE, KeepAllPolicy, toy_layout
+from tests.kvcache.conftest import PAGE, KeepAllPolicy, toy_layout
 from xllm_vmm.kvcache import Admission, VirtualKVCache
 from xllm_vmm.pool import BudgetConfig, VmmPool
 from xllm_vmm.vmm.sim import SimDriver

@@ -1,3 +1,3 @@
 """Fixtures for the pool tests."""
 
-from pool.drivers import driver_factory  # noqa: F401  (fixture)
+from tests.pool.drivers import driver_factory  # noqa: F401  (fixture)

@@ -98,7 +98,7 @@ def resolve_inputs(
                 try:
                     with open(value, "rb") as fh:
                         text = fh.read().decode("utf-8")
-                except (OSError, UnicodeDecodeError) as err:
+                except (OSError, UnicodeDecodeError, ValueError) as err:
                     msg = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
                     out.append(Resolved(label, None, [Finding(
                         "CFG-READ", "error", f"cannot read {value}: {msg}",

@@ -382,7 +382,7 @@ def read_toml(path: str, text: str | None = None) -> tuple[list[Assignment], lis
             with open(path, "rb") as fh:
                 data = fh.read()
             text = data.decode("utf-8")
-        except (OSError, UnicodeDecodeError) as err:
+        except (OSError, UnicodeDecodeError, ValueError) as err:
             where = Source("toml", path)
             return [], [Finding("CFG-READ", "error", f"cannot read {path}: {_oserr(err)}",
                                 hint="check the path", where=where)]
@@ -458,7 +458,7 @@ def read_json(path: str, text: str | None = None) -> tuple[list[Assignment], lis
         try:
             with open(path, "rb") as fh:
                 text = fh.read().decode("utf-8")
-        except (OSError, UnicodeDecodeError) as err:
+        except (OSError, UnicodeDecodeError, ValueError) as err:
             return [], [Finding("CFG-READ", "error", f"cannot read {path}: {_oserr(err)}",
                                 hint="check the path given to --config_json_file",
                                 where=Source("json", path))]
