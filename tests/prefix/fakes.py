@@ -256,6 +256,7 @@ class Runner:
                 r = self.host.restore(hashes[hit.num_blocks:hit.num_blocks + n_host],
                                       hit.num_blocks,
                                       {g: got[g][:n_host] for g in self.prefix.group_names})
+                r.update(blocks)  # positions that joined another restore use its blocks
         return Req(tokens, hashes, blocks, hit.num_blocks, r)
 
     def compute(self, req) -> None:

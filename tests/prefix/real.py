@@ -128,6 +128,7 @@ class Stack:
             if m:
                 r = self.host.restore(hashes[hit.num_blocks:hit.num_blocks + m], hit.num_blocks,
                                       {g: new[g][:m] for g in self.groups})
+                r.update(blocks)  # positions that joined another restore use its blocks
         return Req(list(tokens), hashes, blocks, hit.num_blocks, r)
 
     def compute(self, req: Req) -> None:

@@ -211,3 +211,149 @@ def test_eviction_reaps_finished_offloads_before_giving_up():
     driver.transfers[0].complete()  # done, but nobody polled yet
     assert prefix.evict("attn", 2, prefer_slot_emptying=False) == [1, 0]
     assert pool.indexed == 2 and tier.in_flight == 0
+
+
+# ---- de-duplicated restores: a second request joins the restore in flight ------------------
+
+def _on_host_only():
+    """Blocks of toks(1, 2) written, offloaded, then dropped from the device (operator reset):
+    on the host only. The driver completes copies only when told."""
+    alloc, prefix, pool, driver, tier, run = make(budget=4, auto=False)
+    a = run.start(toks(1, 2, tail=0))
+    run.compute(a)
+    original = [alloc.read_block("attn", b) for b in a.blocks["attn"]]
+    run.finish(a)
+    driver.complete_all()
+    tier.poll()
+    prefix.reset()
+    assert alloc.mapped_total() == 0 and pool.indexed == 2
+    return alloc, prefix, pool, driver, tier, run, original
+
+
+def test_second_restore_of_the_same_hashes_joins_the_copy_in_flight():
+    alloc, prefix, pool, driver, tier, run, original = _on_host_only()
+    b = run.start(toks(1, 2, 9))
+    c = run.start(toks(1, 2, 8))
+    assert (b.restore.num_blocks, b.restore.joined) == (2, 0)
+    assert (c.restore.num_blocks, c.restore.joined) == (2, 2)
+    # one host->device copy for both requests; c uses b's blocks, by reference
+    assert [t.kind for t in driver.transfers] == [CopyKind.D2H, CopyKind.H2D]
+    assert b.blocks["attn"] == [0, 1, 2, 3] and c.blocks["attn"] == [0, 1, 6, 7]
+    assert c.restore.blocks == {"attn": [0, 1]}
+    g = alloc.groups["attn"]
+    assert g.ref == {0: 2, 1: 2, 2: 1, 3: 1, 6: 1, 7: 1}  # c's own 4 and 5 went back at once
+    assert alloc.mapped_total() == 3  # and their slot with them
+    assert not b.restore.done() and not c.restore.done()
+    driver.transfers[1].complete()
+    assert c.restore.done() and b.restore.done()
+    assert b.restore.ok and c.restore.ok
+    assert [alloc.read_block("attn", x) for x in c.blocks["attn"][:2]] == original
+    assert tier.stats.restored_blocks == 2 and tier.stats.restored_bytes == 64
+    assert tier.stats.restore_joined_blocks == 2
+    assert prefix.lookup(block_hashes(toks(1, 2, tail=0), BS), record=False).blocks["attn"] == (0, 1)
+    for req in (b, c):
+        run.compute(req)
+        run.finish(req)
+    driver.complete_all()
+    tier.poll()
+    prefix.reset()
+    assert g.ref == {} and alloc.mapped_total() == 0
+
+
+def test_a_restore_joins_only_the_hashes_in_flight_and_copies_the_rest():
+    alloc, prefix, pool, driver, tier, run, original = _on_host_only()
+    b = run.start(toks(1, 9))  # restores hash 1 only (block 2 differs)
+    c = run.start(toks(1, 2, 8))
+    assert (b.restore.num_blocks, c.restore.num_blocks, c.restore.joined) == (1, 2, 1)
+    assert [t.kind for t in driver.transfers] == [CopyKind.D2H, CopyKind.H2D, CopyKind.H2D]
+    assert c.blocks["attn"][0] == b.blocks["attn"][0]
+    driver.transfers[1].complete()
+    assert b.restore.done() and not c.restore.done()  # c still waits for its own copy
+    driver.transfers[2].complete()
+    assert c.restore.done() and c.restore.ok
+    assert [alloc.read_block("attn", x) for x in c.blocks["attn"][:2]] == original
+
+
+@pytest.mark.parametrize("who", ["first", "joiner"])
+def test_cancel_of_one_request_the_other_still_completes_nothing_freed_early(who):
+    alloc, prefix, pool, driver, tier, run, original = _on_host_only()
+    b = run.start(toks(1, 2, 9))
+    c = run.start(toks(1, 2, 8))
+    gone, stays = (b, c) if who == "first" else (c, b)
+    gone.restore.cancel()
+    run.finish(gone)  # releases its references right away
+    g = alloc.groups["attn"]
+    shared = stays.blocks["attn"][:2]
+    assert [g.ref[x] for x in shared] == [1, 1]
+    assert [prefix.pin_count("attn", x) for x in shared] == [1, 1]
+    assert tier.stats.restores_cancelled == 1
+    driver.transfers[1].complete()
+    assert stays.restore.wait() is True
+    assert [alloc.read_block("attn", x) for x in shared] == original
+    run.compute(stays)
+    run.finish(stays)
+    driver.complete_all()
+    tier.poll()
+    prefix.reset()
+    assert g.ref == {} and alloc.mapped_total() == 0
+    assert all(pool.pin_count(x) == 0 for x in range(pool.capacity))
+
+
+def test_cancel_of_both_leaves_nothing_behind():
+    alloc, prefix, pool, driver, tier, run, original = _on_host_only()
+    b = run.start(toks(1, 2, 9))
+    c = run.start(toks(1, 2, 8))
+    for req in (b, c):
+        req.restore.cancel()
+        run.finish(req)
+    g = alloc.groups["attn"]
+    assert g.ref == {0: 0, 1: 0}  # held by the copy's pins only
+    assert alloc.mapped_total() == 1
+    driver.transfers[1].complete()
+    tier.poll()
+    assert b.restore.finished and c.restore.finished and tier.in_flight == 0
+    # the copy succeeded: the blocks stay as ordinary cached blocks, evictable
+    assert prefix.lru_order("attn") == [0, 1]
+    prefix.reset()
+    assert g.ref == {} and alloc.mapped_total() == 0
+    assert all(pool.pin_count(x) == 0 for x in range(pool.capacity))
+
+
+def test_failure_of_the_shared_copy_is_seen_by_every_request():
+    alloc, prefix, pool, driver, tier, run, original = _on_host_only()
+    driver.fail_next_copy = 1
+    b = run.start(toks(1, 2, 9))
+    c = run.start(toks(1, 2, 8))
+    assert c.restore.joined == 2
+    driver.transfers[1].complete()
+    assert b.restore.wait() is False and c.restore.wait() is False
+    assert b.restore.error is c.restore.error and "injected copy failure" in str(b.restore.error)
+    assert tier.stats.restore_failures == 2 and tier.stats.restored_blocks == 0
+    hs = block_hashes(toks(1, 2, tail=0), BS)
+    assert prefix.lookup(hs, record=False).num_blocks == 0  # nothing published
+    # both compute the blocks (into the shared blocks) and proceed
+    run.compute(b)
+    run.compute(c)
+    assert [alloc.read_block("attn", x) for x in c.blocks["attn"][:2]] == original
+    assert prefix.lookup(hs, record=False).blocks["attn"] == tuple(b.blocks["attn"][:2])
+    for req in (b, c):
+        run.finish(req)
+    driver.complete_all()
+    tier.poll()
+    prefix.reset()
+    assert alloc.groups["attn"].ref == {} and alloc.mapped_total() == 0
+    assert all(pool.pin_count(x) == 0 for x in range(pool.capacity))
+
+
+def test_failed_shared_copy_with_both_cancelled_frees_everything():
+    alloc, prefix, pool, driver, tier, run, original = _on_host_only()
+    driver.fail_next_copy = 1
+    b = run.start(toks(1, 2, 9))
+    c = run.start(toks(1, 2, 8))
+    for req in (b, c):
+        req.restore.cancel()
+        run.finish(req)
+    driver.transfers[1].complete()
+    tier.poll()
+    assert not b.restore.ok and not c.restore.ok
+    assert alloc.groups["attn"].ref == {} and alloc.mapped_total() == 0

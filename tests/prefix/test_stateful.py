@@ -153,7 +153,7 @@ class PrefixMachine(RuleBasedStateMachine):
                 for b in ids:
                     assert b in self.alloc.groups[g].ref, f"{g} block {b} freed under a copy"
                     assert self.prefix.pin_count(g, b) > 0
-            if t.restore is not None:
+            if t.restores:  # a restore (its first request and any that joined it)
                 for hb in t.host:
                     assert self.pool.pin_count(hb) > 0
 

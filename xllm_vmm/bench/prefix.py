@@ -196,6 +196,7 @@ def _workload(cfg: PrefixBenchConfig, with_host: bool) -> dict[str, Any]:
                 if m:
                     t = time.perf_counter()
                     r = host.restore(hashes[first:first + m], first, {"attn": new["attn"][:m]})
+                    r.update({"attn": blocks})
                     if r.wait():
                         restore_s += time.perf_counter() - t
                         restored_tokens += r.num_blocks * bs

@@ -19,11 +19,23 @@ the host; the engine allocates device blocks for the rest of the prompt as usual
 When it finishes the restored blocks are published in the device index and the request
 proceeds as a device hit; if the copy fails the request simply computes those blocks.
 
+Restores are de-duplicated: a hash that another request is restoring right now is not copied
+again. The second request *joins* the copy in flight: it takes a reference on the device blocks
+the first restore writes (and drops its own freshly allocated block for that position, which is
+freed at once), and its :class:`Restore` finishes when that copy does, with the same outcome.
+:attr:`Restore.blocks` are the device blocks that hold the restored hashes; the caller writes
+them into the request's block table (:meth:`Restore.update`). If a shared copy fails, every
+request that joined it sees the failure and computes those blocks into the shared blocks (the
+KV of a block is a function of its token prefix, so they write the same bytes; the first
+publish indexes the block, the others are no-ops).
+
 Pins (invariant 4): every device block and host block a copy reads or writes is pinned from
 submission until the copy has finished — successfully or not — and only then released. A
 request cancelled mid-copy releases its references as usual; the pins keep its blocks (and the
 host blocks) alive until the copy ends, after which nothing is left behind: restored blocks
-whose copy succeeded stay as ordinary cached blocks, the others are freed.
+whose copy succeeded stay as ordinary cached blocks, the others are freed. A joiner holds
+references, not pins: the first restore's pins keep the shared blocks until the copy ends
+whoever cancels, and each request's references keep them while that request runs.
 
 Layout of a host block: for each cache group (in the prefix cache's order), for each tensor of
 the group, that tensor's bytes of the block. Units: bytes, blocks.
@@ -64,6 +76,7 @@ class HostTierStats:
     restored_bytes: int = 0
     restore_failures: int = 0
     restores_cancelled: int = 0
+    restore_joined_blocks: int = 0  # blocks a restore took from another restore in flight
     host_evictions: int = 0
     host_blocks_used: int = 0
     host_blocks_indexed: int = 0
@@ -75,17 +88,37 @@ class HostTierStats:
 
 class Restore:
     """A restore in flight for one request: ``num_blocks`` blocks from request block
-    ``first_block``. Poll :meth:`done`; afterwards :attr:`ok` says whether they are valid (a
+    ``first_block``, held in the device blocks :attr:`blocks` (``blocks[g][j]`` for request
+    block ``first_block + j``; the passed blocks, except where this restore joined another
+    one in flight). Poll :meth:`done`; afterwards :attr:`ok` says whether they are valid (a
     failed restore leaves the blocks allocated to the request, to be computed)."""
 
-    def __init__(self, tier: "HostTier", first_block: int, num_blocks: int) -> None:
+    def __init__(self, tier: "HostTier", first_block: int, num_blocks: int,
+                 blocks: Mapping[str, list[int]] | None = None) -> None:
         self._tier = tier
         self.first_block = first_block
         self.num_blocks = num_blocks
+        self.blocks: dict[str, list[int]] = dict(blocks or {})
+        self.joined = 0  # blocks taken by reference from another restore in flight
         self.finished = num_blocks == 0
         self.ok = num_blocks == 0
         self.cancelled = False
         self.error: BaseException | None = None
+        self._waiting = 0  # copies (own and joined) not finished yet
+
+    def update(self, table: Mapping[str, list[int]]) -> None:
+        """Write :attr:`blocks` into a request's block table (``table[g][i]`` is the block of
+        request block ``i``): required after a join, harmless otherwise."""
+        for g, ids in self.blocks.items():
+            table[g][self.first_block:self.first_block + len(ids)] = ids
+
+    def _copy_finished(self, error: BaseException | None) -> None:
+        if error is not None and self.error is None:
+            self.error = error
+        self._waiting -= 1
+        if self._waiting == 0:
+            self.finished = True
+            self.ok = self.error is None
 
     def done(self) -> bool:
         if not self.finished:
@@ -99,7 +132,8 @@ class Restore:
 
     def cancel(self) -> None:
         """The request is gone. Its blocks stay pinned until the copy finishes; the request may
-        release its references right away."""
+        release its references right away (a request that joined another restore only drops
+        its references; the copy and the other requests carry on)."""
         if not self.finished and not self.cancelled:
             self.cancelled = True
             self._tier.stats.restores_cancelled += 1
@@ -112,7 +146,7 @@ class _InFlight:
     hashes: list[BlockHash]
     device: dict[str, list[int]]  # group -> blocks, aligned with hashes
     host: list[int]  # host blocks, aligned with hashes
-    restore: Restore | None = None
+    restores: list[Restore] = field(default_factory=list)  # the first, then joiners
     error: BaseException | None = None
     nbytes: int = 0
     finished: bool = field(default=False)
@@ -133,6 +167,8 @@ class HostTier:
         self._pending: OrderedDict[BlockHash, None] = OrderedDict()
         self._offloading: set[BlockHash] = set()
         self._inflight: list[_InFlight] = []
+        # hash -> (its restore copy in flight, the device block it is copied into, per group)
+        self._restoring: dict[BlockHash, tuple[_InFlight, dict[str, int]]] = {}
         self.stats = HostTierStats(host_capacity_blocks=pool.capacity)
         prefix.add_listener(self)
 
@@ -216,36 +252,74 @@ class HostTier:
                 blocks: Mapping[str, Sequence[int]]) -> Restore:
         """Copy the host blocks of ``hashes`` (request blocks ``first_block``…) into the device
         blocks ``blocks[g][j]`` (freshly allocated to the request, one per hash per group).
-        Hashes no longer on the host end the restore early (see :attr:`Restore.num_blocks`)."""
+        Hashes no longer on the host end the restore early (see :attr:`Restore.num_blocks`).
+
+        A hash that another restore is copying right now is joined instead of copied: this
+        request gets a reference on that restore's device block and its own ``blocks[g][j]``
+        is released (freed). Use :attr:`Restore.blocks` (or :meth:`Restore.update`) as the
+        request's blocks for the restored positions."""
+        groups = self.prefix.group_names
         hs: list[BlockHash] = []
-        host: list[int] = []
         for h in hashes:
-            hb = self.pool.lookup(h)
-            if hb is None:
+            if h not in self._restoring and h not in self.pool:
                 break
             hs.append(h)
-            host.append(hb)
-        r = Restore(self, first_block, len(hs))
-        if not hs:
+        n = len(hs)
+        own = {g: list(blocks[g][:n]) for g in groups}
+        r = Restore(self, first_block, n, own)
+        if not n:
             return r
-        device = {n: list(blocks[n][: len(hs)]) for n in self.prefix.group_names}
+        result = {g: list(own[g]) for g in groups}
+        dropped: dict[str, list[int]] = {g: [] for g in groups}
+        joined: dict[int, _InFlight] = {}
+        copy_at: list[int] = []
+        backend = self.prefix.backend
+        for j, h in enumerate(hs):
+            lead = self._restoring.get(h)
+            if lead is None:
+                copy_at.append(j)
+                continue
+            t, ids = lead
+            for g in groups:
+                backend.touch(g, ids[g])  # this request's reference on the shared block
+                result[g][j] = ids[g]
+                dropped[g].append(own[g][j])
+            joined[id(t)] = t
+        r.blocks = result
+        r.joined = n - len(copy_at)
+        self.stats.restore_joined_blocks += r.joined
+        if r.joined:
+            self.prefix.release(dropped)  # unpublished, unpinned: freed now
+        r._waiting = len(joined) + (1 if copy_at else 0)
+        for t in joined.values():
+            t.restores.append(r)
+        if not copy_at:
+            return r
+        chs = [hs[j] for j in copy_at]
+        device = {g: [own[g][j] for j in copy_at] for g in groups}
+        host: list[int] = []
         dsts: list[int] = []
         srcs: list[int] = []
         sizes: list[int] = []
-        for j, hb in enumerate(host):
+        for k, h in enumerate(chs):
+            hb = self.pool.lookup(h)
+            assert hb is not None  # checked above; nothing ran in between
+            host.append(hb)
             self.pool.pin(hb)
             self.pool.touch(hb)
-            ids = {n: device[n][j] for n in self.prefix.group_names}
-            for n, b in ids.items():
-                self.prefix.pin(n, b)
+            ids = {g: device[g][k] for g in groups}
+            for g, b in ids.items():
+                self.prefix.pin(g, b)
             off = self.pool.address(hb)
             for addr, nb in self._segments(ids):
                 dsts.append(addr)
                 srcs.append(off)
                 sizes.append(nb)
                 off += nb
-        self._submit(_InFlight(CopyKind.H2D, None, hs, device, host, restore=r,
-                               nbytes=sum(sizes)), dsts, srcs, sizes)
+        t = _InFlight(CopyKind.H2D, None, chs, device, host, restores=[r], nbytes=sum(sizes))
+        for k, h in enumerate(chs):
+            self._restoring[h] = (t, {g: device[g][k] for g in groups})
+        self._submit(t, dsts, srcs, sizes)
         return r
 
     # ------------------------------------------------------------------ completion
@@ -303,8 +377,9 @@ class HostTier:
             else:
                 self.stats.offload_failures += len(t.hashes)
         else:
-            r = t.restore
-            assert r is not None
+            for h in t.hashes:
+                if self._restoring.get(h, (None,))[0] is t:
+                    del self._restoring[h]
             if ok:
                 self.prefix.publish(t.device, t.hashes)
                 self.stats.restored_blocks += len(t.hashes)
@@ -313,9 +388,8 @@ class HostTier:
                 self.stats.restore_failures += len(t.hashes)
             for hb in t.host:
                 self.pool.unpin(hb)
-            r.finished = True
-            r.ok = ok
-            r.error = t.error
+            for r in t.restores:
+                r._copy_finished(t.error)
         for n, ids in t.device.items():
             for b in ids:
                 self.prefix.unpin(n, b)
