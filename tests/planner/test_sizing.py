@@ -176,11 +176,30 @@ def test_sliding_window_blocks():
     p = make_plan(spec, PlanInputs(workers=1, max_seqs_per_batch=100, context_len=4096,
                                    execution_peak_bytes=GiB))
     groups = {g.name: g for g in p.workers[0].groups}
-    # physical: a unit is one block; 100 sequences x 2 blocks (window 128 spans <= 2 blocks)
-    assert groups["sliding"].blocks == 200
+    # physical: a unit is one block; 100 sequences x 2 blocks (window 128 spans <= 2 blocks),
+    # plus the prefill chunk in flight: min(10240, 4096) = 4096 tokens after the 127 before it
+    # span min(32, ceil((127 + 4096 + 127) / 128) = 34) = 32 blocks, 30 beyond the window
+    assert groups["sliding"].blocks == 200 + 30
     w = p.workers[0]
-    rest = w.physical_budget_bytes - 200 * groups["sliding"].block_bytes
+    rest = w.physical_budget_bytes - 230 * groups["sliding"].block_bytes
     assert groups["attn"].blocks == rest // groups["attn"].block_bytes == w.kv_capacity_blocks
+
+
+def test_sliding_window_prefill_chunk_sizes():
+    spec = load_model_spec("openai/gpt-oss-20b")
+    base_inp = PlanInputs(workers=1, max_seqs_per_batch=100, context_len=4096,
+                          execution_peak_bytes=GiB)
+
+    def sliding(**kw):
+        p = make_plan(spec, dataclasses.replace(base_inp, **kw))
+        return {g.name: g for g in p.workers[0].groups}["sliding"].blocks
+
+    # a 256-token chunk: 127 + 256 tokens span ceil((383 + 127) / 128) = 4 blocks, 2 extra
+    assert sliding(max_tokens_per_batch=256) == 200 + 2
+    # a 1-token chunk (pure decode) needs nothing beyond the window
+    assert sliding(max_tokens_per_batch=1) == 200
+    # without chunked prefill the whole 4096-token prompt is resident while it prefills
+    assert sliding(enable_chunked_prefill=False, max_tokens_per_batch=256) == 200 + 30
 
 
 def test_host_pool_and_hk07(qwen):

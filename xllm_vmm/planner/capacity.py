@@ -9,6 +9,13 @@ For ``c`` sequences of ``L`` tokens, group ``g`` needs ``c x seq_blocks(g, L)`` 
 ``ceil(L / block_size)`` for a group that grows with the context and, for a sliding-window group
 (window ``w``), ``min(ceil(L / block_size), ceil((w + block_size - 1) / block_size))``: the newest
 ``w`` tokens span at most that many blocks.
+
+A sliding group also holds, once per pool, the prefill chunk in flight: while a chunk of ``C``
+tokens (``C = min(max_tokens_per_batch, L)`` with chunked prefill, else ``L``) is prefilled, its
+sequence keeps the ``w - 1`` tokens before the chunk and the chunk itself, which span up to
+``min(ceil(L / block_size), ceil((w - 1 + C + block_size - 1) / block_size))`` blocks; the
+blocks beyond the sequence's window are :meth:`Unit.prefill_extra` (added once, not per sequence:
+one batch holds at most ``max_tokens_per_batch`` prefill tokens).
 """
 
 from __future__ import annotations
@@ -29,21 +36,39 @@ class Unit:
     blocks_per_unit: int
     block_size: int
     window: int | None = None  # sliding cap in tokens; None = grows with the context
+    chunk: int = 0  # tokens of the prefill chunk in flight (sliding groups; 0 = none)
+
+    def span(self, tokens: int) -> int:
+        """Most blocks ``tokens`` consecutive tokens can touch (they may start mid-block)."""
+        return ceil_div(tokens + self.block_size - 1, self.block_size) if tokens > 0 else 0
 
     def seq_blocks(self, tokens: int) -> int:
-        """Blocks one sequence of ``tokens`` tokens holds in this group."""
+        """Blocks one sequence of ``tokens`` tokens holds in this group (decoding)."""
         full = ceil_div(tokens, self.block_size)
         if self.window is None:
             return full
-        return min(full, ceil_div(self.window + self.block_size - 1, self.block_size))
+        return min(full, self.span(self.window))
+
+    def prefill_extra(self, tokens: int) -> int:
+        """Blocks beyond :meth:`seq_blocks` that a sequence of ``tokens`` tokens holds while a
+        prefill chunk is in flight: the ``window - 1`` tokens before the chunk plus the chunk
+        (``min(chunk, tokens)`` tokens). 0 for a group that grows with the context."""
+        if self.window is None or self.chunk <= 0:
+            return 0
+        full = ceil_div(tokens, self.block_size)
+        held = min(full, self.span(self.window - 1 + min(self.chunk, tokens)))
+        return max(0, held - self.seq_blocks(tokens))
 
     def bytes_for_blocks(self, blocks: int) -> int:
         return ceil_div(blocks, self.blocks_per_unit) * self.unit_bytes
 
 
 def demand(units: list[Unit], seqs: int, tokens: int) -> int:
-    """Pool bytes ``seqs`` sequences of ``tokens`` tokens need, every group together."""
-    return sum(u.bytes_for_blocks(seqs * u.seq_blocks(tokens)) for u in units)
+    """Pool bytes ``seqs`` sequences of ``tokens`` tokens need, every group together (with the
+    prefill chunk in flight of sliding groups, once, when ``seqs > 0``)."""
+    return sum(u.bytes_for_blocks(seqs * u.seq_blocks(tokens)
+                                  + (u.prefill_extra(tokens) if seqs > 0 else 0))
+               for u in units)
 
 
 def largest(pred, lo: int, hi: int | None = None, limit: int = 1 << 62) -> int | None:

@@ -4,6 +4,7 @@ Flags read: ``tp_size`` (or the number of ``devices`` when ``tp_size`` is not se
 ``kv_cache_dtype``, ``max_memory_utilization``, ``max_cache_size``, ``vmm_memory_reserve_bytes``,
 ``enable_vmm_kvcache``, ``enable_vmm_weights``, ``vmm_elastic``, ``enable_prefix_cache``,
 ``host_blocks_factor``, ``max_seqs_per_batch``, ``max_tokens_per_batch``,
+``enable_chunked_prefill``,
 ``num_speculative_tokens``, ``speculative_algorithm``, ``phy_page_granularity_size`` (the page).
 The device, host memory, context length and execution-peak figures come from ``plan``'s own
 options (they are not engine flags).
@@ -50,6 +51,7 @@ def inputs_from_config(cfg: Any, **plan_options: Any) -> PlanInputs:
         host_blocks_factor=float(cfg["host_blocks_factor"]),
         max_seqs_per_batch=int(cfg["max_seqs_per_batch"]),
         max_tokens_per_batch=int(cfg["max_tokens_per_batch"]),
+        enable_chunked_prefill=bool(cfg["enable_chunked_prefill"]),
         num_speculative_tokens=int(cfg["num_speculative_tokens"]),
         speculative_algorithm=str(cfg["speculative_algorithm"]),
     )

@@ -32,6 +32,7 @@ class PlanInputs:
     device_name: str = "ascend-910b-64g"
     page_bytes: int = PAGE_BYTES
     host_memory_bytes: int | None = None
+    host_memory_source: str = "--host-memory"  # how host_memory_bytes is known (for HK-07)
     context_len: int | None = None
     block_size: int = 128
     kv_cache_dtype: str = "auto"
@@ -45,6 +46,7 @@ class PlanInputs:
     host_blocks_factor: float = 0.0
     max_seqs_per_batch: int = 200
     max_tokens_per_batch: int = 10240
+    enable_chunked_prefill: bool = True
     num_speculative_tokens: int = 0
     speculative_algorithm: str = "MTP"
     execution_peak_bytes: int | None = None

@@ -166,27 +166,35 @@ def execution_peak(spec: ModelSpec, inp: PlanInputs) -> tuple[int, str]:
     return act + logits, text
 
 
-def _units(layout: CacheLayout, inp: PlanInputs, physical: bool) -> list[Unit]:
+def prefill_chunk(inp: PlanInputs, context_len: int) -> int:
+    """Tokens of one prefill chunk: ``min(max_tokens_per_batch, L)`` with chunked prefill,
+    else the whole prompt ``L``."""
+    return min(inp.max_tokens_per_batch, context_len) if inp.enable_chunked_prefill \
+        else context_len
+
+
+def _units(layout: CacheLayout, inp: PlanInputs, physical: bool, chunk: int) -> list[Unit]:
     out = []
     for g in layout.groups:
-        if physical:
-            out.append(Unit(g.name, g.block_bytes, 1, g.block_size, g.max_tokens_per_seq))
-        else:
-            out.append(Unit(g.name, g.slot_bytes(inp.page_bytes), g.blocks_per_page(inp.page_bytes),
-                            g.block_size, g.max_tokens_per_seq))
+        unit_bytes, per_unit = (g.block_bytes, 1) if physical else \
+            (g.slot_bytes(inp.page_bytes), g.blocks_per_page(inp.page_bytes))
+        out.append(Unit(g.name, unit_bytes, per_unit, g.block_size, g.max_tokens_per_seq,
+                        chunk if g.max_tokens_per_seq is not None else 0))
     return out
 
 
-def _split(units: list[Unit], budget: int, window_seqs: int) -> tuple[int, dict[str, int], int]:
+def _split(units: list[Unit], budget: int, window_seqs: int,
+           context_len: int) -> tuple[int, dict[str, int], int]:
     """Carve ``budget``: sliding groups get blocks for ``window_seqs`` sequences' windows (at
-    full window), the growing groups the most blocks ``N`` that fit the rest.
-    Returns (N, units per group, bytes used)."""
+    full window, capped by the context length) plus the prefill chunk in flight, the growing
+    groups the most blocks ``N`` that fit the rest. Returns (N, units per group, bytes used)."""
     capped = [u for u in units if u.window is not None]
     growing = [u for u in units if u.window is None]
     per_group: dict[str, int] = {}
     used = 0
     for u in capped:
-        blocks = window_seqs * u.seq_blocks(u.window + u.block_size)  # a full window
+        blocks = window_seqs * u.seq_blocks(context_len) + \
+            (u.prefill_extra(context_len) if window_seqs else 0)
         per_group[u.name] = ceil_div(blocks, u.blocks_per_unit)
         used += per_group[u.name] * u.unit_bytes
     n = max_blocks(growing, budget - used) if growing else 0
@@ -261,8 +269,20 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True) -> Plan
                 "lower --block_size so that a block fits in a page"))
     if not plan.fits:
         return plan
-    units = _units(layout, inp, physical)
+    chunk = prefill_chunk(inp, L)
+    units = _units(layout, inp, physical, chunk)
     r = layout.resident.bytes_per_seq if layout.resident else 0
+    for u in units:
+        if u.window is not None:
+            f(Formula(f"[{u.name}] blocks per sequence (window {_n(u.window)})",
+                      "min(ceil(L / block_size), ceil((window + block_size - 1) / block_size))",
+                      f"L={_n(L)}, block_size={u.block_size}", u.seq_blocks(L)))
+            f(Formula(f"[{u.name}] prefill chunk blocks (once per pool)",
+                      "min(ceil(L / block_size), ceil((window - 1 + C + block_size - 1) / "
+                      "block_size)) - blocks per sequence, C = "
+                      + ("min(max_tokens_per_batch, L)" if inp.enable_chunked_prefill
+                         else "L (chunked prefill off)"),
+                      f"C={_n(chunk)}", u.prefill_extra(L)))
 
     # Execution peak, overhead, budget.
     if inp.execution_peak_bytes is None:
@@ -330,7 +350,7 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True) -> Plan
     c_fit = max_seqs(units, L, kv_budget)
     conc = min(c_fit, inp.max_seqs_per_batch, S if r else c_fit)
     window_seqs = min(inp.max_seqs_per_batch, c_fit)
-    n_blocks, per_group, used = _split(units, kv_budget, window_seqs)
+    n_blocks, per_group, used = _split(units, kv_budget, window_seqs, L)
     for gp, u in zip(groups, units):
         gp.units = per_group.get(u.name, 0)
         gp.blocks = gp.units * u.blocks_per_unit
@@ -356,7 +376,7 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True) -> Plan
         arena_budget = T - wt - S * r
         if quota is not None:
             arena_budget = min(arena_budget, quota - S * r)
-        arena_kv = _split(units, arena_budget, window_seqs)[2]
+        arena_kv = _split(units, arena_budget, window_seqs, L)[2]
     arena = arena_kv + (wt if (inp.shared_pool and not physical) else 0)
     if not physical:
         f(Formula("arena (virtual bytes reserved)",
