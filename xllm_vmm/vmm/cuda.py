@@ -15,23 +15,14 @@ GPU; ``tests/device/run_gpu_checks.sh`` runs them on one.
 from __future__ import annotations
 
 import ctypes as C
-import errno
 import os
 import threading
 from typing import Sequence
 
-from xllm_vmm.vmm.driver import (
-    CopyKind,
-    MemInfo,
-    Transfer,
-    VmmError,
-    VmmInvalidArgument,
-    VmmOutOfMemory,
-    VmmUnavailable,
-)
-from xllm_vmm.vmm.ledger import Codes, Ledger
-from xllm_vmm.vmm.transfer import CopyWorker
-from xllm_vmm.vmm.views import ViewRegistry
+from xllm_vmm.vmm import native
+from xllm_vmm.vmm.base import LedgerDriver
+from xllm_vmm.vmm.driver import CopyKind, VmmError, VmmInvalidArgument, VmmOutOfMemory, VmmUnavailable
+from xllm_vmm.vmm.ledger import Codes
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_INVALID_VALUE = 1
@@ -97,38 +88,22 @@ _PROTOTYPES: dict[str, list] = {
     "cuGetErrorString": [C.c_int, _P(C.c_char_p)],
 }
 
-_libs: dict[str, C.CDLL] = {}
-_libs_lock = threading.Lock()
-
-
 def load_library(path: str) -> C.CDLL:
-    with _libs_lock:
-        lib = _libs.get(path)
-        if lib is not None:
-            return lib
-        try:
-            lib = C.CDLL(path)
-        except OSError as exc:
-            raise VmmUnavailable("load CUDA driver", 0, str(exc),
-                                 f"cannot load {path}: no NVIDIA driver on this machine; use "
-                                 "--device cpu, or set XLLM_VMM_CUDA_LIBRARY to libcuda.so.1's path") from exc
-        for name, argtypes in _PROTOTYPES.items():
-            try:
-                fn = getattr(lib, name)
-            except AttributeError as exc:
-                raise VmmUnavailable("load CUDA driver", 0, str(exc),
-                                     f"{path} has no {name}: the VMM API needs CUDA 10.2 or newer") from exc
-            fn.argtypes = argtypes
-            fn.restype = C.c_int
-        _libs[path] = lib
-        return lib
+    """Loads a CUDA driver library once per process and declares the prototypes."""
+    return native.load_ctypes_library(
+        path, {name: (argtypes, C.c_int) for name, argtypes in _PROTOTYPES.items()},
+        op="load CUDA driver",
+        unloadable="cannot load {path}: no NVIDIA driver on this machine; use --device cpu, or "
+                   "set XLLM_VMM_CUDA_LIBRARY to libcuda.so.1's path",
+        missing_symbol="{path} has no {name}: the VMM API needs CUDA 10.2 or newer")
 
 
-class CudaDriver:
+class CudaDriver(LedgerDriver):
     """VMM on an NVIDIA GPU. Thread-safe."""
 
     name = "cuda"
     device_kind = "cuda"
+    _invalid_code = CUDA_ERROR_INVALID_VALUE
 
     def __init__(self, *, device_index: int = 0, device_memory: int | None = None,
                  library: str | None = None) -> None:
@@ -166,12 +141,7 @@ class CudaDriver:
         gran = C.c_size_t()
         self._check("cuMemGetAllocationGranularity", self._cu.cuMemGetAllocationGranularity(
             C.byref(gran), C.byref(self._prop), CU_MEM_ALLOC_GRANULARITY_MINIMUM))
-        self._granularity = gran.value
-        self._ledger = Ledger(self._granularity, CODES, device_memory)
-        self._host_buffers: set[int] = set()
-        self._worker = CopyWorker(f"xllm-vmm-cuda{device_index}-copy", self._bind)
-        self.views = ViewRegistry()
-        self._closed = False
+        self._init_common(device_index, device_memory, gran.value, CODES)
 
     # ---- plumbing -------------------------------------------------------------------------
 
@@ -199,84 +169,37 @@ class CudaDriver:
         self._bind()
         self._check(op, fn(*args), detail)
 
-    def _live(self) -> None:
-        if self._closed:
-            raise VmmInvalidArgument("cuda driver", errno.EBADF, "", "the driver is closed")
-
     def _sync_framework(self) -> None:
         """Kernels queued by PyTorch may still use pages about to be unmapped."""
         self._call("cuCtxSynchronize", self._cu.cuCtxSynchronize)
 
-    # ---- info -----------------------------------------------------------------------------
+    # ---- device calls (the ledger has checked them) ---------------------------------------
 
-    @property
-    def granularity(self) -> int:
-        return self._granularity
-
-    def mem_info(self) -> MemInfo:
+    def _dev_mem_info(self) -> tuple[int, int]:
         free, total = C.c_size_t(), C.c_size_t()
         self._call("cuMemGetInfo_v2", self._cu.cuMemGetInfo_v2, C.byref(free), C.byref(total))
-        f, t = free.value, total.value
-        if self.device_memory is not None:
-            t = min(t, self.device_memory)
-            with self._lock:
-                f = min(f, max(0, self.device_memory - self._ledger.committed))
-        return MemInfo(free=f, total=t)
+        return free.value, total.value
 
-    # ---- virtual ranges -------------------------------------------------------------------
+    def _dev_reserve(self, size: int) -> int:
+        va = C.c_uint64()
+        self._call("cuMemAddressReserve", self._cu.cuMemAddressReserve, C.byref(va), size,
+                   self._granularity, 0, 0, detail=f"size={size}")
+        return va.value
 
-    def reserve(self, size: int) -> int:
-        self._live()
-        with self._lock:
-            self._ledger.check_reserve(size)
-            va = C.c_uint64()
-            self._call("cuMemAddressReserve", self._cu.cuMemAddressReserve, C.byref(va), size,
-                       self._granularity, 0, 0, detail=f"size={size}")
-            self._ledger.add_reservation(va.value, size)
-            return va.value
+    def _dev_release(self, va: int, size: int) -> None:
+        self._call("cuMemAddressFree", self._cu.cuMemAddressFree, va, size, detail=f"va={va:#x}")
 
-    def release(self, va: int, size: int) -> None:
-        self._live()
-        with self._lock:
-            self._ledger.check_release(va, size)
-            self.views.check_release(va, size)
-            self._call("cuMemAddressFree", self._cu.cuMemAddressFree, va, size, detail=f"va={va:#x}")
-            self._ledger.remove_reservation(va)
+    def _dev_create(self, size: int) -> int:
+        h = C.c_uint64()
+        self._call("cuMemCreate", self._cu.cuMemCreate, C.byref(h), size, C.byref(self._prop), 0,
+                   detail=f"size={size}")
+        return h.value
 
-    # ---- handles --------------------------------------------------------------------------
+    def _dev_free(self, handle: int) -> None:
+        self._call("cuMemRelease", self._cu.cuMemRelease, handle, detail=f"handle={handle:#x}")
 
-    def create_handle(self, size: int) -> int:
-        self._live()
-        with self._lock:
-            self._ledger.check_create(size)
-            h = C.c_uint64()
-            self._call("cuMemCreate", self._cu.cuMemCreate, C.byref(h), size, C.byref(self._prop), 0,
-                       detail=f"size={size}")
-            self._ledger.add_handle(h.value, size)
-            return h.value
-
-    def create_handles(self, count: int, size: int) -> list[int]:
-        made: list[int] = []
-        try:
-            for _ in range(count):
-                made.append(self.create_handle(size))
-        except VmmError:
-            for h in made:
-                self.free_handle(h)
-            raise
-        return made
-
-    def free_handle(self, handle: int) -> None:
-        self._live()
-        with self._lock:
-            self._ledger.check_free(handle)
-            self._call("cuMemRelease", self._cu.cuMemRelease, handle, detail=f"handle={handle:#x}")
-            self._ledger.remove_handle(handle)
-
-    # ---- mappings -------------------------------------------------------------------------
-
-    def _map_one(self, va: int, handle: int) -> None:
-        size = self._ledger.check_map(va, handle)
+    def _dev_map(self, va: int, size: int, handle: int) -> None:
+        """``cuMemMap``, then ``cuMemSetAccess`` (undone by ``cuMemUnmap`` if it fails)."""
         self._call("cuMemMap", self._cu.cuMemMap, va, size, 0, handle, 0, detail=f"va={va:#x}")
         try:
             self._call("cuMemSetAccess", self._cu.cuMemSetAccess, va, size, C.byref(self._access), 1,
@@ -284,132 +207,28 @@ class CudaDriver:
         except VmmError:
             self._cu.cuMemUnmap(va, size)
             raise
-        self._ledger.add_mapping(va, handle, size)
 
-    def _unmap_one(self, va: int) -> None:
-        _, size = self._ledger.check_unmap(va)
+    def _dev_unmap(self, va: int, size: int) -> None:
         self._call("cuMemUnmap", self._cu.cuMemUnmap, va, size, detail=f"va={va:#x}")
-        self._ledger.remove_mapping(va)
 
-    def map(self, va: int, handle: int) -> None:
-        self._live()
-        with self._lock:
-            self._map_one(va, handle)
-
-    def unmap(self, va: int) -> None:
-        self._live()
-        self._sync_framework()
-        with self._lock:
-            self._unmap_one(va)
-
-    def map_batch(self, vas: Sequence[int], handles: Sequence[int]) -> None:
-        self._live()
-        if len(vas) != len(handles):
-            raise VmmInvalidArgument("map_batch", CUDA_ERROR_INVALID_VALUE, "",
-                                     f"{len(vas)} addresses but {len(handles)} handles")
-        with self._lock:
-            done: list[int] = []
-            try:
-                for va, h in zip(vas, handles):
-                    self._map_one(va, h)
-                    done.append(va)
-            except VmmError:
-                for va in reversed(done):
-                    self._unmap_one(va)
-                raise
-
-    def unmap_batch(self, vas: Sequence[int]) -> None:
-        self._live()
-        self._sync_framework()
-        with self._lock:
-            done: list[tuple[int, int]] = []
-            try:
-                for va in vas:
-                    handle, _ = self._ledger.check_unmap(va)
-                    self._unmap_one(va)
-                    done.append((va, handle))
-            except VmmError:
-                for va, handle in reversed(done):
-                    self._map_one(va, handle)
-                raise
-
-    # ---- copies ---------------------------------------------------------------------------
-
-    def copy(self, dst: int, src: int, nbytes: int, kind: CopyKind) -> None:
-        self.copy_batch([dst], [src], [nbytes], kind)
-
-    def copy_batch(self, dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int],
-                   kind: CopyKind) -> None:
-        self._live()
-        kind = CopyKind(kind)
-        if not (len(dsts) == len(srcs) == len(sizes)):
-            raise VmmInvalidArgument("copy_batch", CUDA_ERROR_INVALID_VALUE, "",
-                                     f"{len(dsts)} destinations, {len(srcs)} sources, {len(sizes)} sizes")
-        with self._lock:
-            for d, s, n in zip(dsts, srcs, sizes):
-                if kind in (CopyKind.H2D, CopyKind.D2D):
-                    self._ledger.check_mapped("copy_batch", d, n, "destination")
-                if kind in (CopyKind.D2H, CopyKind.D2D):
-                    self._ledger.check_mapped("copy_batch", s, n, "source")
-        self._sync_framework()
+    def _dev_copy(self, dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int],
+                  kind: CopyKind) -> None:
+        """``cuMemcpy`` per block (unified addressing: any direction)."""
         memcpy = self._cu.cuMemcpy
         for d, s, n in zip(dsts, srcs, sizes):
             self._check("cuMemcpy", memcpy(d, s, n), f"dst={d:#x} src={s:#x} n={n}")
 
-    def copy_batch_async(self, dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int],
-                         kind: CopyKind) -> Transfer:
-        dsts, srcs, sizes = list(dsts), list(srcs), list(sizes)
-        self._live()
-        return self._worker.submit(lambda: self.copy_batch(dsts, srcs, sizes, kind))
-
-    def synchronize(self) -> None:
-        self._worker.drain()
+    def _dev_synchronize(self) -> None:
         self._sync_framework()
 
-    # ---- host buffers ---------------------------------------------------------------------
-
-    def alloc_host(self, size: int) -> int:
+    def _dev_alloc_host(self, size: int) -> int:
         """Page-locked host memory from ``cuMemAllocHost``."""
         p = C.c_void_p()
         self._call("cuMemAllocHost_v2", self._cu.cuMemAllocHost_v2, C.byref(p), size, detail=f"size={size}")
-        with self._lock:
-            self._host_buffers.add(p.value)
         return p.value
 
-    def free_host(self, ptr: int) -> None:
-        with self._lock:
-            if ptr not in self._host_buffers:
-                raise VmmInvalidArgument("free_host", CUDA_ERROR_INVALID_VALUE, "",
-                                         f"{ptr:#x} is not a host buffer of this driver")
-            self._host_buffers.discard(ptr)
+    def _dev_free_host(self, ptr: int) -> None:
         self._call("cuMemFreeHost", self._cu.cuMemFreeHost, ptr)
-
-    # ---- lifetime -------------------------------------------------------------------------
-
-    def close(self) -> None:
-        """Unmaps, releases and frees everything this driver made; the primary context stays."""
-        if self._closed:
-            return
-        self._worker.shutdown()
-        self.views.check_close()
-        self._sync_framework()
-        with self._lock:
-            led = self._ledger
-            for va in list(led.mappings):
-                self._unmap_one(va)
-            for h in list(led.handles):
-                self.free_handle(h)
-            for va, (size, _) in list(led.reservations.items()):
-                self.release(va, size)
-            for p in list(self._host_buffers):
-                self.free_host(p)
-            self._closed = True
-
-    def __enter__(self) -> "CudaDriver":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"CudaDriver(device_index={self.device_index})"

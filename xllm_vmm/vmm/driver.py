@@ -16,6 +16,7 @@ mappings, freeing a handle that is still mapped. Running out of device memory ra
 from __future__ import annotations
 
 import enum
+import errno
 from dataclasses import dataclass
 from typing import Protocol, Sequence, runtime_checkable
 
@@ -62,6 +63,19 @@ class VmmBusy(VmmInvalidArgument):
 class VmmUnavailable(VmmError):
     """The driver cannot be used here (library missing, no device). The message says why and
     what to install or select instead."""
+
+
+#: errno → exception class, for drivers whose codes are errno values (the host driver)
+ERRNO_ERRORS: dict[int, type[VmmError]] = {
+    errno.ENOMEM: VmmOutOfMemory,
+    errno.ENOSPC: VmmOutOfMemory,
+    errno.EEXIST: VmmAlreadyMapped,
+    errno.ENOENT: VmmNotMapped,
+    errno.EBUSY: VmmBusy,
+    errno.EINVAL: VmmInvalidArgument,
+    errno.EFAULT: VmmInvalidArgument,
+    errno.EBADF: VmmInvalidArgument,
+}
 
 
 class CopyKind(enum.IntEnum):

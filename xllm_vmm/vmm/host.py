@@ -31,33 +31,13 @@ import weakref
 from typing import Sequence
 
 from xllm_vmm.vmm import native
-from xllm_vmm.vmm.driver import (
-    CopyKind,
-    MemInfo,
-    Transfer,
-    VmmAlreadyMapped,
-    VmmBusy,
-    VmmError,
-    VmmInvalidArgument,
-    VmmNotMapped,
-    VmmOutOfMemory,
-)
+from xllm_vmm.vmm.base import DriverBase
+from xllm_vmm.vmm.driver import ERRNO_ERRORS, CopyKind, MemInfo, Transfer, VmmError, VmmInvalidArgument
 from xllm_vmm.vmm.sysmem import host_memory
 from xllm_vmm.vmm.transfer import CopyWorker
 from xllm_vmm.vmm.views import ViewRegistry
 
 GRANULARITY = 2 * 1024 * 1024
-
-_ERRORS: dict[int, type[VmmError]] = {
-    errno.ENOMEM: VmmOutOfMemory,
-    errno.ENOSPC: VmmOutOfMemory,
-    errno.EEXIST: VmmAlreadyMapped,
-    errno.ENOENT: VmmNotMapped,
-    errno.EBUSY: VmmBusy,
-    errno.EINVAL: VmmInvalidArgument,
-    errno.EFAULT: VmmInvalidArgument,
-    errno.EBADF: VmmInvalidArgument,
-}
 
 _STAT_NAMES = ("committed_bytes", "handles", "reservations", "reserved_bytes", "mapped_bytes",
                "mappings", "limit_bytes", "file_end_bytes", "max_mappings")
@@ -79,7 +59,7 @@ def _close_pool(lib: C.CDLL, pool: int) -> None:
     lib.hv_pool_close(pool)
 
 
-class HostDriver:
+class HostDriver(DriverBase):
     """VMM on host memory. Thread-safe (the native pool holds one mutex; copies take none)."""
 
     name = "host"
@@ -113,7 +93,7 @@ class HostDriver:
         if rc == 0:
             return
         msg = (self._lib.hv_last_error() or b"").decode(errors="replace")
-        cls = _ERRORS.get(rc, VmmError)
+        cls = ERRNO_ERRORS.get(rc, VmmError)
         raise cls(op, rc, msg, detail)
 
     def _live(self) -> int:
@@ -168,19 +148,6 @@ class HostDriver:
                     f"size={size}")
         return h.value
 
-    def create_handles(self, count: int, size: int) -> list[int]:
-        """Creates ``count`` handles of ``size`` bytes, all or nothing: on failure (typically
-        :class:`VmmOutOfMemory`) the handles this call created are freed before raising."""
-        made: list[int] = []
-        try:
-            for _ in range(count):
-                made.append(self.create_handle(size))
-        except VmmError:
-            for h in made:
-                self.free_handle(h)
-            raise
-        return made
-
     def free_handle(self, handle: int) -> None:
         """Frees an unmapped handle; its memory goes back to the host at once."""
         self._check("free_handle", self._lib.hv_free(self._live(), handle), f"handle={handle:#x}")
@@ -230,10 +197,6 @@ class HostDriver:
     def _sides(kind: CopyKind) -> tuple[int, int]:
         kind = CopyKind(kind)
         return int(kind in (CopyKind.H2D, CopyKind.D2D)), int(kind in (CopyKind.D2H, CopyKind.D2D))
-
-    def copy(self, dst: int, src: int, nbytes: int, kind: CopyKind) -> None:
-        """Copies ``nbytes``; device-side ranges must be mapped (checked, else VmmNotMapped)."""
-        self.copy_batch([dst], [src], [nbytes], kind)
 
     def _copy_arrays(self, dsts, srcs, sizes, kind: CopyKind):
         if not (len(dsts) == len(srcs) == len(sizes)):
@@ -295,22 +258,14 @@ class HostDriver:
     def close(self) -> None:
         """Waits for transfers, then unmaps and releases everything and closes the memfd.
         Idempotent. Tensor views over the arena must be dropped first."""
-        if self._closed:
+        if not self._begin_close():
             return
-        self._worker.shutdown()
-        self.views.check_close()
         with self._hb_lock:
             buffers, self._host_buffers = self._host_buffers, {}
         for ptr, size in buffers.items():
             self._lib.hv_host_free(ptr, size)
         self._closed = True
         self._finalizer()
-
-    def __enter__(self) -> "HostDriver":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         mem = f", device_memory={self.device_memory}" if self.device_memory else ""

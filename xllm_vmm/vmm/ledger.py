@@ -11,14 +11,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from xllm_vmm.vmm.driver import (
-    VmmAlreadyMapped,
-    VmmBusy,
-    VmmError,
-    VmmInvalidArgument,
-    VmmNotMapped,
-    VmmOutOfMemory,
-)
+from xllm_vmm.vmm.driver import VmmAlreadyMapped, VmmBusy, VmmError, VmmInvalidArgument
+from xllm_vmm.vmm.driver import VmmNotMapped, VmmOutOfMemory
 
 
 @dataclass(frozen=True)

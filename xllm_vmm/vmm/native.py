@@ -12,6 +12,7 @@ import ctypes as C
 import os
 import threading
 from pathlib import Path
+from typing import Any, Mapping
 
 from xllm_vmm.vmm.driver import VmmUnavailable
 
@@ -19,7 +20,6 @@ HOST_LIBRARY = "libxllm_hostvmm.so"
 ACL_EMULATION_LIBRARY = "libascendcl_emu.so"
 
 _lock = threading.Lock()
-_host: C.CDLL | None = None
 
 _U64 = C.c_uint64
 _P = C.c_void_p  # pointers to uint64 arrays are passed as raw addresses (array.array buffers)
@@ -48,57 +48,71 @@ def library_path(name: str) -> Path:
     return path
 
 
-def _sig(lib: C.CDLL, name: str, argtypes: list, restype=C.c_int) -> None:
-    try:
-        fn = getattr(lib, name)
-    except AttributeError as exc:
-        raise VmmUnavailable("load native library", 0, str(exc),
-                             f"{lib._name} lacks {name}: it was built from older sources; "
-                             "rebuild it with `pip install -e .` (or `python setup.py build_ext "
-                             "--inplace`)") from exc
-    fn.argtypes = argtypes
-    fn.restype = restype
+_libs: dict[str, C.CDLL] = {}
+
+
+def load_ctypes_library(path: str, prototypes: Mapping[str, tuple[list, Any]], *, op: str,
+                        unloadable: str, missing_symbol: str) -> C.CDLL:
+    """Loads the shared library ``path`` once per process and declares ``prototypes`` (symbol →
+    (argtypes, restype)). A library that cannot be loaded, or lacks a symbol, raises
+    :class:`VmmUnavailable` for ``op`` with ``unloadable`` / ``missing_symbol`` as the advice
+    (``{path}`` and ``{name}`` are filled in)."""
+    with _lock:
+        lib = _libs.get(path)
+        if lib is not None:
+            return lib
+        try:
+            lib = C.CDLL(path)
+        except OSError as exc:
+            raise VmmUnavailable(op, 0, str(exc), unloadable.format(path=path)) from exc
+        for name, (argtypes, restype) in prototypes.items():
+            try:
+                fn = getattr(lib, name)
+            except AttributeError as exc:
+                raise VmmUnavailable(op, 0, str(exc),
+                                     missing_symbol.format(path=path, name=name)) from exc
+            fn.argtypes = argtypes
+            fn.restype = restype
+        _libs[path] = lib
+        return lib
+
+
+_POOL = C.c_void_p
+_INT = C.c_int
+_HOST_PROTOTYPES: dict[str, tuple[list, Any]] = {
+    "hv_last_error": ([], C.c_char_p),
+    "hv_pool_open": ([C.POINTER(C.c_void_p), _U64, _U64], _INT),
+    "hv_pool_close": ([_POOL], None),
+    "hv_pool_fd": ([_POOL], _INT),
+    "hv_granule": ([_POOL], _U64),
+    "hv_stats": ([_POOL, _P], None),
+    "hv_set_limit": ([_POOL, _U64], None),
+    "hv_set_max_mappings": ([_POOL, _U64], None),
+    "hv_create": ([_POOL, _U64, C.POINTER(_U64)], _INT),
+    "hv_free": ([_POOL, _U64], _INT),
+    "hv_free_deferred": ([_POOL, _U64], _INT),
+    "hv_handle_info": ([_POOL, _U64, C.POINTER(_U64), C.POINTER(_U64)], _INT),
+    "hv_reserve": ([_POOL, _U64, C.POINTER(_U64)], _INT),
+    "hv_release": ([_POOL, _U64, _U64], _INT),
+    "hv_reservation_size": ([_POOL, _U64, C.POINTER(_U64)], _INT),
+    "hv_map": ([_POOL, _U64, _U64], _INT),
+    "hv_unmap": ([_POOL, _U64, C.POINTER(_U64)], _INT),
+    "hv_map_batch": ([_POOL, _P, _P, _U64, C.POINTER(_U64)], _INT),
+    "hv_unmap_batch": ([_POOL, _P, _U64, C.POINTER(_U64)], _INT),
+    "hv_check_mapped": ([_POOL, _U64, _U64], _INT),
+    "hv_copy_batch_checked": ([_POOL, _P, _P, _P, _U64, _INT, _INT, C.POINTER(_U64)], _INT),
+    "hv_copy": ([_U64, _U64, _U64], None),
+    "hv_copy_batch": ([_P, _P, _P, _U64], None),
+    "hv_host_alloc": ([_U64, C.POINTER(_U64)], _INT),
+    "hv_host_free": ([_U64, _U64], _INT),
+    "hv_bench_raw_map_unmap": ([_INT, _U64, _P, _U64, _U64, _U64], _INT),
+}
 
 
 def host_library() -> C.CDLL:
     """The loaded ``libxllm_hostvmm.so`` with every prototype declared (loaded once)."""
-    global _host
-    with _lock:
-        if _host is not None:
-            return _host
-        path = library_path(HOST_LIBRARY)
-        try:
-            lib = C.CDLL(str(path))
-        except OSError as exc:
-            raise VmmUnavailable("load native library", 0, str(exc),
-                                 f"{path} exists but could not be loaded; rebuild it with "
-                                 "`pip install -e .`") from exc
-        pool = C.c_void_p
-        _sig(lib, "hv_last_error", [], C.c_char_p)
-        _sig(lib, "hv_pool_open", [C.POINTER(C.c_void_p), _U64, _U64])
-        _sig(lib, "hv_pool_close", [pool], None)
-        _sig(lib, "hv_pool_fd", [pool])
-        _sig(lib, "hv_granule", [pool], _U64)
-        _sig(lib, "hv_stats", [pool, _P], None)
-        _sig(lib, "hv_set_limit", [pool, _U64], None)
-        _sig(lib, "hv_set_max_mappings", [pool, _U64], None)
-        _sig(lib, "hv_create", [pool, _U64, C.POINTER(_U64)])
-        _sig(lib, "hv_free", [pool, _U64])
-        _sig(lib, "hv_free_deferred", [pool, _U64])
-        _sig(lib, "hv_handle_info", [pool, _U64, C.POINTER(_U64), C.POINTER(_U64)])
-        _sig(lib, "hv_reserve", [pool, _U64, C.POINTER(_U64)])
-        _sig(lib, "hv_release", [pool, _U64, _U64])
-        _sig(lib, "hv_reservation_size", [pool, _U64, C.POINTER(_U64)])
-        _sig(lib, "hv_map", [pool, _U64, _U64])
-        _sig(lib, "hv_unmap", [pool, _U64, C.POINTER(_U64)])
-        _sig(lib, "hv_map_batch", [pool, _P, _P, _U64, C.POINTER(_U64)])
-        _sig(lib, "hv_unmap_batch", [pool, _P, _U64, C.POINTER(_U64)])
-        _sig(lib, "hv_check_mapped", [pool, _U64, _U64])
-        _sig(lib, "hv_copy_batch_checked", [pool, _P, _P, _P, _U64, C.c_int, C.c_int, C.POINTER(_U64)])
-        _sig(lib, "hv_copy", [_U64, _U64, _U64], None)
-        _sig(lib, "hv_copy_batch", [_P, _P, _P, _U64], None)
-        _sig(lib, "hv_host_alloc", [_U64, C.POINTER(_U64)])
-        _sig(lib, "hv_host_free", [_U64, _U64])
-        _sig(lib, "hv_bench_raw_map_unmap", [C.c_int, _U64, _P, _U64, _U64, _U64])
-        _host = lib
-        return lib
+    return load_ctypes_library(
+        str(library_path(HOST_LIBRARY)), _HOST_PROTOTYPES, op="load native library",
+        unloadable="{path} exists but could not be loaded; rebuild it with `pip install -e .`",
+        missing_symbol="{path} lacks {name}: it was built from older sources; rebuild it with "
+                       "`pip install -e .` (or `python setup.py build_ext --inplace`)")
