@@ -27,15 +27,19 @@ OPTIONS = [
     ("--show-config", "Also print the explicitly set and derived values with their sources."),
     ("--write-resolved FILE", "Write the resolved configuration (set and derived values) as TOML."),
     ("--explain ID", "Print a rule and the specification sentence it comes from, then exit."),
-    ("--device-memory SIZE", "Total memory of one device (e.g. 64GiB): decides EL-08."),
-    ("--host-memory SIZE", "Available host RAM (e.g. 512GiB): decides HK-07."),
+    ("--device PROFILE", "Device profile for the device memory: ascend-910b-64g, "
+                         "ascend-910b-32g, h200, h100-80g, a100-80g, a100-40g, host."),
+    ("--device-memory SIZE", "Total memory of one device (e.g. 64GiB; wins over --device). "
+                             "With it (or --device), EL-08 and HK-07 are decided."),
+    ("--host-memory SIZE", "Host RAM available for the host KV pools (e.g. 512GiB) for HK-07; "
+                           "default: this host's available memory."),
     ("--no-env", "Ignore XLLM_VMM_* environment variables."),
     ("-h, --help", "Show this help (flags grouped as in `xllm-vmm flags`)."),
 ]
 
 _VALUE_OPTS = {"--config", "--cmd", "--cmd-file", "--cmd_file", "--format", "--write-resolved",
                "--write_resolved", "--explain", "--device-memory", "--device_memory",
-               "--host-memory", "--host_memory"}
+               "--host-memory", "--host_memory", "--device"}
 _BOOL_OPTS = {"--strict", "--show-config", "--show_config", "--no-env", "--no_env",
               "-h", "--help"}
 
@@ -50,12 +54,12 @@ def parse_argv(argv: list[str]) -> dict:
     Catalogue flags keep their order. A token that follows a non-bool catalogue flag written
     without ``=`` is that flag's value, not a file.
     """
-    from xllm_vmm.config.catalogue import FLAGS
+    from xllm_vmm.config.inputs import takes_value
 
     opts: dict = {"config": [], "cmd": [], "cmd_file": [], "files": [], "flags": [],
                   "format": "text", "strict": False, "show_config": False,
                   "write_resolved": None, "explain": None, "device_memory": None,
-                  "host_memory": None, "no_env": False, "help": False}
+                  "host_memory": None, "device": None, "no_env": False, "help": False}
     i = 0
     while i < len(argv):
         tok = argv[i]
@@ -81,8 +85,7 @@ def parse_argv(argv: list[str]) -> dict:
             continue
         if tok.startswith("-") and tok != "-":
             opts["flags"].append(tok)
-            flag = FLAGS.get(name.lstrip("-").replace("-", "_"))
-            if not eq and flag is not None and not flag.is_bool and i < len(argv):
+            if takes_value(tok) and i < len(argv):
                 opts["flags"].append(argv[i])
                 i += 1
             continue
@@ -175,8 +178,18 @@ def run(argv: list[str], out: TextIO | None = None, err: TextIO | None = None,
 
     from xllm_vmm.config.inputs import resolve_inputs
     from xllm_vmm.config.render import Result, exit_code, render_github, render_json, render_text
-    from xllm_vmm.config.rules import check_all
+    from xllm_vmm.config.rules import check, find_model
 
+    device = None
+    if opts["device"] is not None or opts["device_memory"] is not None:
+        from xllm_vmm.planner.checks import device_memory
+        from xllm_vmm.planner.devices import DeviceError
+
+        try:
+            device = device_memory(opts["device_memory"], opts["device"])
+        except DeviceError as e:
+            err.write(f"error: {e}\nusage: {USAGE}  (see --help)\n")
+            return 2
     environ = {} if opts["no_env"] else (os.environ if env is None else env)
     resolved = resolve_inputs(opts["flags"], config=opts["config"], cmd=opts["cmd"],
                               cmd_file=opts["cmd_file"], files=opts["files"], env=environ)
@@ -188,8 +201,15 @@ def run(argv: list[str], out: TextIO | None = None, err: TextIO | None = None,
         if r.config is None:
             results.append(Result(r.label, None, list(r.findings)))
             continue
-        report = check_all(r.config, device_memory=opts["device_memory"],
-                           host_memory=opts["host_memory"])
+        spec, why = find_model(r.config)
+        report = check(r.config, spec, model_reason=why,
+                       device_memory=device.bytes if device else None)
+        if "HK-07" in report.not_checked:
+            # Sizing rules need the planner (imported only here: start-up time).
+            from xllm_vmm.planner.checks import decide_sizing, host_memory
+
+            decide_sizing(report, r.config, spec, why, device=device,
+                          host=host_memory(opts["host_memory"]))
         results.append(Result(r.label, report, list(r.findings) + report.findings))
     fmt = opts["format"]
     if fmt == "json":

@@ -1,18 +1,21 @@
-"""``xllm-vmm plan``: dry-run sizing of a serving configuration.
+"""``xllm-vmm plan``: dry-run sizing of serving configurations.
 
-Takes the same inputs as ``check-config`` (``--FLAG=VALUE`` in gflags syntax, ``--config`` TOML
-files, ``--config_json_file``, ``XLLM_VMM_*`` environment variables), checks every rule first,
-then prints the sizing plan (:mod:`xllm_vmm.planner`). Exit codes: 0 fits, 1 does not fit (or the
-configuration has errors), 2 usage error, unreadable input or unknown model/device.
-Nothing here imports torch.
+Takes the same inputs as ``check-config``: ``--FLAG=VALUE`` in gflags syntax, positional TOML
+(``.toml``), engine JSON (``.json``) and launch-script files, ``--cmd`` / ``--cmd-file`` launch
+commands, ``--config`` TOML files layered under every input, ``--config_json_file``,
+``XLLM_VMM_*`` environment variables (:func:`xllm_vmm.config.inputs.resolve_inputs`). Each input
+is one configuration: every rule is checked (HK-07 with the plan, :mod:`xllm_vmm.planner.checks`),
+then its sizing plan is printed (:mod:`xllm_vmm.planner`). Exit codes, per input and the worst of
+them for the run: 0 fits, 1 does not fit (or the configuration has errors), 2 usage error,
+unreadable input or unknown model/device. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import os
-
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import typer
 
@@ -67,75 +70,194 @@ def _list_models(fmt: PlanFormat) -> None:
     Console().print(t)
 
 
+@dataclass
+class _Outcome:
+    """One input's result: its plan, or why none could be made (exit code 2)."""
+
+    label: str
+    code: int
+    plan: Any = None
+    error: str = ""
+    findings: list = field(default_factory=list)
+
+
+def _plan_one(r, *, device, host, name: str, options: dict) -> _Outcome:
+    from xllm_vmm.models import ModelConfigError, catalogue_names, load_model_spec
+    from xllm_vmm.planner.checks import check_sizing
+    from xllm_vmm.planner.sizing import Reason
+
+    if r.config is None:
+        lines = [f"[{f.id}] {f.message}" + (f" ({f.hint})" if f.hint else "") for f in r.findings]
+        if r.label.lower() in {n.lower() for n in catalogue_names()}:
+            lines.append(f"to size the catalogue model, pass --model={r.label}")
+        return _Outcome(r.label, 2, error="; ".join(lines),
+                        findings=[f.to_dict() for f in r.findings])
+    cfg = r.config
+    ref = str(cfg["model"] or "")
+    if not ref:
+        return _Outcome(r.label, 2, error="no model given: pass --model=NAME_OR_DIR (a catalogue "
+                        "name such as Qwen/Qwen3-8B, see --list-models, or a model directory)")
+    try:
+        spec = load_model_spec(ref)
+    except ModelConfigError as err:
+        return _Outcome(r.label, 2, error=f"{err} [model from {cfg.provenance('model')}]")
+    try:
+        checked = check_sizing(cfg, device=device, host=host, spec=spec, always_plan=True,
+                               device_name=name, **options)
+    except ModelConfigError as err:
+        return _Outcome(r.label, 2, error=str(err))
+    plan = checked.plan
+    # HK-07 is a configuration finding (the same text as the plan's reason): list it once.
+    plan.reasons = [x for x in plan.reasons if x.code != "HK-07"]
+    findings = list(r.findings) + list(checked.report.findings)
+    plan.config_findings = [f.to_dict() for f in findings]
+    errors = [f for f in findings if f.severity == "error"]
+    if errors:
+        plan.reasons.insert(0, Reason(
+            "error", "CONFIG", f"the configuration has {len(errors)} error(s): "
+            + ", ".join(sorted({f.id for f in errors})),
+            "fix them (each is listed below); `xllm-vmm check-config --explain ID` explains "
+            "a rule"))
+    return _Outcome(r.label, 0 if plan.fits else 1, plan)
+
+
+def _outcome_dict(o: _Outcome) -> dict:
+    from xllm_vmm.planner.report import plan_to_dict
+
+    return {"input": o.label, "exit_code": o.code, "verdict": o.plan.verdict if o.plan else None,
+            "error": o.error or None, "input_findings": o.findings,
+            "plan": plan_to_dict(o.plan) if o.plan else None}
+
+
+def _render(outcomes: list[_Outcome], fmt: PlanFormat, explain: bool, code: int) -> None:
+    from xllm_vmm.planner.report import drop_none, plan_to_dict, plan_to_toml, render_table
+    from xllm_vmm.planner.sizing import SCHEMA_VERSION
+
+    if len(outcomes) == 1:
+        o = outcomes[0]
+        if o.plan is None:
+            typer.echo(f"error: {o.error}", err=True)
+        elif fmt is PlanFormat.json:
+            import json
+
+            typer.echo(json.dumps(plan_to_dict(o.plan), indent=2))
+        elif fmt is PlanFormat.toml:
+            typer.echo(plan_to_toml(o.plan), nl=False)
+        else:
+            render_table(o.plan, explain=explain)
+        return
+    if fmt is not PlanFormat.table:
+        doc = {"schema_version": SCHEMA_VERSION, "tool": "xllm-vmm plan", "exit_code": code,
+               "inputs": [_outcome_dict(o) for o in outcomes]}
+        if fmt is PlanFormat.json:
+            import json
+
+            typer.echo(json.dumps(doc, indent=2))
+        else:
+            import tomli_w
+
+            typer.echo(tomli_w.dumps(drop_none(doc)), nl=False)
+        return
+    from rich.console import Console
+    from rich.markup import escape
+
+    console = Console(highlight=False)
+    for o in outcomes:
+        console.rule(f"[bold]{escape(o.label)}[/] (exit {o.code})", align="left")
+        if o.plan is None:
+            typer.echo(f"error: {o.label}: {o.error}", err=True)
+        else:
+            render_table(o.plan, explain=explain)
+    fits = sum(1 for o in outcomes if o.code == 0)
+    console.print(f"{len(outcomes)} input(s): {fits} fit, {len(outcomes) - fits} do not fit or "
+                  f"could not be planned → exit {code}")
+
+
+_IN = "Inputs"
+_DEV = "Device and host"
+_SIZE = "Sizing"
+_OUT = "Output"
+
+
 @app.command(
     "plan",
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    options_metavar="[OPTIONS] [FILES]... [--FLAG=VALUE]...",
+    short_help="Size configurations before anything is loaded: memory per worker, capacity, "
+               "concurrency, verdict.",
 )
 def plan_command(
     ctx: typer.Context,
-    list_models: bool = typer.Option(False, "--list-models", help="List the model catalogue."),
-    device: Optional[str] = typer.Option(
-        None, "--device", help="Device profile: ascend-910b-64g (default), ascend-910b-32g, "
-        "h200, h100-80g, a100-80g, a100-40g, host."),
-    device_memory: Optional[str] = typer.Option(
-        None, "--device-memory", help="Total memory of one device (e.g. 64GiB); overrides the "
-        "profile's total."),
-    host_memory: Optional[str] = typer.Option(
-        None, "--host-memory", help="Host RAM available for the host KV pool (HK-07); default: "
-        "this machine's MemAvailable."),
-    context_len: Optional[int] = typer.Option(
-        None, "--context-len", help="Tokens of one request (default: the model's "
-        "max_position_embeddings)."),
-    workers: Optional[int] = typer.Option(
-        None, "--workers", help="Workers (devices) in tensor parallel; default tp_size, or the "
-        "number of --devices."),
-    execution_peak: Optional[str] = typer.Option(
-        None, "--execution-peak", help="Execution peak per worker (e.g. 2GiB) instead of the "
-        "default estimate (docs/sizing.md)."),
-    runtime_overhead: Optional[str] = typer.Option(
-        None, "--runtime-overhead", help="Memory in use before the pool is sized, per worker, "
-        "in elastic mode (default 1GiB)."),
-    fmt: PlanFormat = typer.Option(PlanFormat.table, "--format", "-f", help="Output format."),
-    explain: bool = typer.Option(False, "--explain", help="Print the formula of every figure."),
-    config: List[str] = typer.Option([], "--config", help="TOML file (repeatable; later wins)."),
+    config: List[str] = typer.Option(
+        [], "--config", metavar="FILE", rich_help_panel=_IN,
+        help="TOML file layered under every input (repeatable; later files win)."),
     config_json_file: Optional[str] = typer.Option(
-        None, "--config_json_file", help="The engine's JSON config file (overrides flags)."),
-    no_env: bool = typer.Option(False, "--no-env", help="Ignore XLLM_VMM_* variables."),
+        None, "--config_json_file", metavar="FILE", rich_help_panel=_IN,
+        help="The engine's JSON config file; its values override the command line."),
+    cmd: List[str] = typer.Option(
+        [], "--cmd", metavar="'COMMAND'", rich_help_panel=_IN,
+        help="Plan an existing launch command line (repeatable; one report each)."),
+    cmd_file: List[str] = typer.Option(
+        [], "--cmd-file", metavar="FILE", rich_help_panel=_IN,
+        help="Plan the launch command of a shell script (repeatable; one report each)."),
+    no_env: bool = typer.Option(False, "--no-env", metavar="", rich_help_panel=_IN,
+                                help="Ignore XLLM_VMM_* environment variables."),
+    device: Optional[str] = typer.Option(
+        None, "--device", metavar="PROFILE", rich_help_panel=_DEV,
+        help="Device profile: ascend-910b-64g (default), ascend-910b-32g, h200, h100-80g, "
+             "a100-80g, a100-40g, host."),
+    device_memory: Optional[str] = typer.Option(
+        None, "--device-memory", metavar="SIZE", rich_help_panel=_DEV,
+        help="Total memory of one device (e.g. 64GiB); overrides the profile's total."),
+    host_memory: Optional[str] = typer.Option(
+        None, "--host-memory", metavar="SIZE", rich_help_panel=_DEV,
+        help="Host RAM available for the host KV pools of all workers (HK-07); default: this "
+             "host's available memory."),
+    workers: Optional[int] = typer.Option(
+        None, "--workers", metavar="N", rich_help_panel=_DEV,
+        help="Workers (devices) in tensor parallel; default tp_size, or the number of "
+             "--devices."),
+    context_len: Optional[int] = typer.Option(
+        None, "--context-len", metavar="TOKENS", rich_help_panel=_SIZE,
+        help="Tokens of one request (default: the model's max_position_embeddings)."),
+    execution_peak: Optional[str] = typer.Option(
+        None, "--execution-peak", metavar="SIZE", rich_help_panel=_SIZE,
+        help="Execution peak per worker (e.g. 2GiB) instead of the default estimate "
+             "(docs/sizing.md)."),
+    runtime_overhead: Optional[str] = typer.Option(
+        None, "--runtime-overhead", metavar="SIZE", rich_help_panel=_SIZE,
+        help="Memory in use before the pool is sized, per worker, in elastic mode "
+             "(default 1GiB)."),
+    fmt: PlanFormat = typer.Option(PlanFormat.table, "--format", "-f", rich_help_panel=_OUT,
+                                   help="Output format."),
+    explain: bool = typer.Option(False, "--explain", metavar="", rich_help_panel=_OUT,
+                                 help="Print the formula of every figure with its numbers."),
+    list_models: bool = typer.Option(False, "--list-models", metavar="", rich_help_panel=_OUT,
+                                     help="List the model catalogue and exit."),
 ) -> None:
-    """Size a configuration before anything is loaded: weights, KV bytes per token/block/page,
-    arena, physical budget per mode, host pool, capacity and concurrency at a context length,
-    and a verdict. Engine flags are given as --FLAG=VALUE (e.g. --model=Qwen/Qwen3-8B
-    --tp_size=2 --enable_vmm_kvcache=true)."""
+    """Size serving configurations before anything is loaded: weights, KV bytes per token,
+    block and page, the arena, the physical budget of the mode, the host pool, capacity and
+    concurrency at a context length, and a verdict with what to change.
+
+    Inputs are check-config's: engine flags as --FLAG=VALUE (e.g. --model=Qwen/Qwen3-8B
+    --tp_size=2 --enable_vmm_kvcache=true), and FILES (.toml, engine .json, launch scripts),
+    --cmd and --cmd-file, each one configuration with its own report. Exit codes: 0 fits,
+    1 does not fit or has rule errors, 2 unreadable input or unknown model; with several
+    inputs, the worst.
+    """
     if list_models:
         _list_models(fmt)
         return
-    from xllm_vmm.config.inputs import resolve_inputs
-    from xllm_vmm.config.rules import check
-    from xllm_vmm.models import ModelConfigError, load_model_spec
-    from xllm_vmm.planner import get_profile, make_plan, parse_bytes
-    from xllm_vmm.planner.devices import DeviceError, mem_available
-    from xllm_vmm.planner.from_config import inputs_from_config
-    from xllm_vmm.planner.report import plan_to_dict, plan_to_toml, render_table
-    from xllm_vmm.planner.sizing import Reason
+    from xllm_vmm.config.inputs import resolve_inputs, split_args
+    from xllm_vmm.planner import parse_bytes
+    from xllm_vmm.planner.checks import device_memory as device_memory_of, host_memory as host_of
+    from xllm_vmm.planner.devices import DeviceError
 
-    stray = [a for a in ctx.args if not a.startswith("-")]
-    resolved = resolve_inputs(list(ctx.args), config=config, config_json_file=config_json_file,
-                              env={} if no_env else os.environ)
-    r = resolved[0]
-    if r.config is None:
-        for f in r.findings:
-            typer.echo(f"error: [{f.id}] {f.message}" + (f" ({f.hint})" if f.hint else ""),
-                       err=True)
-        raise typer.Exit(2)
-    cfg = r.config
     try:
-        profile = get_profile(device or "ascend-910b-64g")
-        total = parse_bytes(device_memory, what="--device-memory") if device_memory else \
-            profile.total_bytes
-        if total <= 0:
-            raise DeviceError(f"--device-memory must be positive, got {device_memory!r}",
-                              hint="give the total memory of one device, e.g. 64GiB")
-        host = parse_bytes(host_memory, what="--host-memory") if host_memory else mem_available()
+        dev = device_memory_of(
+            parse_bytes(device_memory, what="--device-memory") if device_memory else None,
+            device or "ascend-910b-64g")
+        host = host_of(parse_bytes(host_memory, what="--host-memory") if host_memory else None)
         peak = parse_bytes(execution_peak, what="--execution-peak") if execution_peak else None
         overhead = parse_bytes(runtime_overhead, what="--runtime-overhead") \
             if runtime_overhead else None
@@ -145,47 +267,14 @@ def plan_command(
         raise _fail(f"--context-len must be at least 1 token, got {context_len}")
     if workers is not None and workers < 1:
         raise _fail(f"--workers must be at least 1, got {workers}")
-    ref = str(cfg["model"] or "")
-    if not ref:
-        if stray:
-            raise _fail(f"unexpected argument {stray[0]!r}; give the model as --model={stray[0]}")
-        raise _fail("no model given: pass --model=NAME_OR_DIR (a catalogue name such as "
-                    "Qwen/Qwen3-8B, see --list-models, or a model directory)")
-    try:
-        spec = load_model_spec(ref)
-    except ModelConfigError as err:
-        src = cfg.provenance("model")
-        raise _fail(f"{err} [model from {src}]")
-    report = check(cfg, spec, device_memory=total, host_memory=host)
-    name = device.lower() if device else ("custom" if device_memory else profile.name)
-    try:
-        inputs = inputs_from_config(
-            report.resolved, workers=workers, device_memory_bytes=total, device_name=name,
-            host_memory_bytes=host, context_len=context_len, execution_peak_bytes=peak,
-            runtime_overhead_bytes=overhead)
-        plan = make_plan(spec, inputs)
-    except ModelConfigError as err:
-        raise _fail(str(err))
-    findings = list(r.findings) + list(report.findings)
-    if any(x.code == "HK-07" for x in plan.reasons):
-        # The plan's HK-07 counts every worker's host pool; keep one message.
-        findings = [f for f in findings if f.id != "HK-07"]
-    plan.config_findings = [f.to_dict() for f in findings]
-    errors = [f for f in findings if f.severity == "error"]
-    if errors:
-        plan.reasons.insert(0, Reason(
-            "error", "CONFIG", f"the configuration has {len(errors)} error(s): "
-            + ", ".join(sorted({f.id for f in errors})),
-            "fix them (each is listed below); `xllm-vmm check-config --explain ID` explains "
-            "a rule"))
-    if fmt is PlanFormat.json:
-        import json
-
-        typer.echo(json.dumps(plan_to_dict(plan), indent=2))
-    elif fmt is PlanFormat.toml:
-        typer.echo(plan_to_toml(plan), nl=False)
-    else:
-        render_table(plan, explain=explain)
-    raise typer.Exit(0 if plan.fits else 1)
-
-
+    name = device.lower() if device else ("custom" if device_memory else "ascend-910b-64g")
+    flags, files = split_args(ctx.args)
+    resolved = resolve_inputs(flags, config=config, config_json_file=config_json_file, cmd=cmd,
+                              cmd_file=cmd_file, files=files, env={} if no_env else os.environ)
+    options = {"workers": workers, "context_len": context_len, "execution_peak_bytes": peak,
+               "runtime_overhead_bytes": overhead}
+    outcomes = [_plan_one(r, device=dev, host=host, name=name, options=options)
+                for r in resolved]
+    code = max(o.code for o in outcomes)
+    _render(outcomes, fmt, explain, code)
+    raise typer.Exit(code)

@@ -41,6 +41,36 @@ class Resolved:
         return any(f.unreadable for f in self.findings)
 
 
+def takes_value(token: str) -> bool:
+    """True when ``token`` is a non-bool catalogue flag written without ``=`` (``--tp_size``),
+    so that the next token is its value, not a file."""
+    from xllm_vmm.config.catalogue import FLAGS
+
+    name, eq, _ = token.partition("=")
+    flag = FLAGS.get(name.lstrip("-").replace("-", "_"))
+    return not eq and flag is not None and not flag.is_bool
+
+
+def split_args(tokens: Iterable[str]) -> tuple[list[str], list[str]]:
+    """Split command-line ``tokens`` into catalogue flags in gflags syntax (in order, each with
+    its value where the value is the next token) and positional files (inputs)."""
+    tokens = list(tokens)
+    flags: list[str] = []
+    files: list[str] = []
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        i += 1
+        if tok.startswith("-") and tok != "-":
+            flags.append(tok)
+            if takes_value(tok) and i < len(tokens):
+                flags.append(tokens[i])
+                i += 1
+        else:
+            files.append(tok)
+    return flags, files
+
+
 def _resolve(label: str, *, cli: list, config_files: list, json_file, env, env_tokens=(),
              overrides=()) -> Resolved:
     try:
@@ -76,6 +106,7 @@ def resolve_inputs(
         kind = "toml" if low.endswith(".toml") else "json" if low.endswith(".json") else "script"
         targets.append((kind, p))
     targets += [("cmd", c) for c in cmd]
+    cmd_file_set = {os.fspath(p) for p in cmd_file}
     targets += [("script", os.fspath(p)) for p in cmd_file]
     if not targets:
         label = shared_files[-1] if len(shared_files) == 1 and not args else "command line"
@@ -102,7 +133,10 @@ def resolve_inputs(
                     msg = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
                     out.append(Resolved(label, None, [Finding(
                         "CFG-READ", "error", f"cannot read {value}: {msg}",
-                        hint="check the path given to --cmd-file", where=Source("cli", value),
+                        hint="check the path (a positional input is a .toml file, an engine "
+                             ".json file or a launch script)" if kind == "script" and
+                             value not in cmd_file_set else "check the path given to --cmd-file",
+                        where=Source("cli", value),
                         input=label)]))
                     continue
             shell, errs = parse_shell(text, file)

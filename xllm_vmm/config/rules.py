@@ -238,13 +238,12 @@ class Report:
 
 class _Ctx:
     def __init__(self, cfg: ResolvedConfig, model, model_reason: str | None,
-                 device_memory: int | None, host_memory: int | None):
+                 device_memory: int | None):
         self.cfg = cfg
         self.model = model
         self.model_reason = model_reason or (
             "no --model given" if not cfg["model"] else f"the model {cfg['model']!r} was not read")
         self.device_memory = device_memory
-        self.host_memory = host_memory
         c = cfg
         self.kv = bool(c["enable_vmm_kvcache"])
         self.w = bool(c["enable_vmm_weights"])
@@ -284,6 +283,11 @@ def _rule(*ids: str):
         _CHECKS.append((ids[0], fn))
         return fn
     return deco
+
+
+#: The not-checked reason of a sizing rule that applies until the planner decides it.
+SIZING_PENDING = ("needs the sizing plan: the model, the device memory and the host memory "
+                  "(check-config decides it when all three are known; `xllm-vmm plan` always)")
 
 
 def _not_checked(rule_id: str, reason: str) -> tuple[str, str]:
@@ -519,26 +523,10 @@ def _hk05(x: _Ctx) -> _Out:
 
 @_rule("HK-07")
 def _hk07(x: _Ctx) -> _Out:
-    if not x.host_offload:
-        return
-    quota = x.cfg["max_cache_size"]
-    if x.host_memory is None:
-        yield _not_checked("HK-07", "the host's available RAM is not known: size it with "
-                                    "`xllm-vmm plan` (or pass --host-memory)")
-        return
-    if quota <= 0:
-        yield _not_checked("HK-07", "max_cache_size=0: the device KV capacity depends on the "
-                                    "device; size it with `xllm-vmm plan`")
-        return
-    need = int(quota * x.cfg["host_blocks_factor"])
-    if need > x.host_memory:
-        yield x.finding(
-            "HK-07", f"HK-07: the host KV tier needs {format_size(need)} ({need} bytes = "
-            f"{x.d('max_cache_size')} × {x.d('host_blocks_factor')}) but the host has "
-            f"{format_size(x.host_memory)} available",
-            ("max_cache_size", "host_blocks_factor"),
-            f"lower host_blocks_factor to at most {x.host_memory / quota:.2f} or lower "
-            "max_cache_size")
+    # Decided by the sizing plan (xllm_vmm.planner.checks.check_sizing): it needs the model, the
+    # device memory and the host memory. Here it is only marked as applying.
+    if x.host_offload:
+        yield _not_checked("HK-07", SIZING_PENDING)
 
 
 # ----------------------------------------------------------------------------- speculative, hybrid
@@ -696,7 +684,8 @@ def _el08(x: _Ctx) -> _Out:
     if not (x.elastic and r > 0):
         return
     if x.device_memory is None:
-        yield _not_checked("EL-08", "the device's total memory is not known (pass --device-memory)")
+        yield _not_checked("EL-08", "the device's total memory is not known (pass "
+                                    "--device-memory or --device PROFILE)")
     elif r > x.device_memory:
         yield x.finding(
             "EL-08", f"EL-08: {x.d('vmm_memory_reserve_bytes')} is more than the device's "
@@ -737,14 +726,16 @@ def find_model(cfg: ResolvedConfig):
 
 
 def check(cfg: ResolvedConfig, model=None, *, model_reason: str | None = None,
-          device_memory: int | None = None, host_memory: int | None = None) -> Report:
+          device_memory: int | None = None) -> Report:
     """Run every rule on ``cfg``.
 
     ``model``: the :class:`~xllm_vmm.models.spec.ModelSpec` for model rules, or None (model
     rules that apply are then listed in ``not_checked`` with ``model_reason``).
-    ``device_memory`` (bytes, one device) decides EL-08; ``host_memory`` (bytes available) HK-07.
+    ``device_memory`` (bytes, one device) decides EL-08. HK-07 needs the sizing plan: it is
+    listed in ``not_checked`` when it applies; :func:`xllm_vmm.planner.checks.check_sizing`
+    decides it.
     """
-    x = _Ctx(cfg, model, model_reason, device_memory, host_memory)
+    x = _Ctx(cfg, model, model_reason, device_memory)
     report = Report(resolved=cfg, model=getattr(model, "name", None))
     resolved = cfg
     for _, fn in _CHECKS:

@@ -59,3 +59,29 @@ def inputs_from_config(cfg: Any, **plan_options: Any) -> PlanInputs:
         values["page_bytes"] = int(cfg["phy_page_granularity_size"])
     values.update({k: v for k, v in plan_options.items() if v is not None})
     return PlanInputs(**values)
+
+
+def draft_from_config(cfg: Any):
+    """The separate draft model of ``cfg``: a :class:`~xllm_vmm.models.ModelSpec` read from
+    ``draft_model`` when speculative decoding is on (``num_speculative_tokens > 0``) and
+    ``draft_model`` is a local directory with a ``config.json`` (or that file); else None (an MTP
+    draft is then estimated from the target's MTP layers). Raises
+    :class:`~xllm_vmm.models.ModelConfigError` naming ``draft_model`` and where it was set when
+    that config.json cannot be read."""
+    from pathlib import Path
+
+    from xllm_vmm.models import ModelConfigError, load_model_spec
+
+    ref = str(cfg.get("draft_model", "") or "").strip()
+    if not ref or int(cfg["num_speculative_tokens"]) <= 0:
+        return None
+    path = Path(ref).expanduser()
+    if not ((path.is_dir() and (path / "config.json").is_file())
+            or (path.is_file() and path.suffix == ".json")):
+        return None
+    try:
+        return load_model_spec(str(path))
+    except ModelConfigError as err:
+        where = cfg.provenance("draft_model") if hasattr(cfg, "provenance") else "draft_model"
+        raise ModelConfigError(f"draft_model (from {where}): {err.message}",
+                               source=err.source, hint=err.hint) from err

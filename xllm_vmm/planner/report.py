@@ -109,11 +109,12 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     }
 
 
-def _drop_none(x: Any) -> Any:
+def drop_none(x: Any) -> Any:
+    """``x`` without None values (TOML has no null)."""
     if isinstance(x, dict):
-        return {k: _drop_none(v) for k, v in x.items() if v is not None}
+        return {k: drop_none(v) for k, v in x.items() if v is not None}
     if isinstance(x, list):
-        return [_drop_none(v) for v in x]
+        return [drop_none(v) for v in x]
     return x
 
 
@@ -121,7 +122,7 @@ def plan_to_toml(plan: Plan) -> str:
     """The JSON document as TOML (null fields left out: TOML has no null)."""
     import tomli_w
 
-    return tomli_w.dumps(_drop_none(plan_to_dict(plan)))
+    return tomli_w.dumps(drop_none(plan_to_dict(plan)))
 
 
 def human(n: int | None) -> str:

@@ -2,7 +2,8 @@
 
 Per worker (one worker per device; ``W`` workers in tensor parallel), in bytes:
 
-- weights ``Wt = ceil(weights_total / W)`` (+ ``ceil(mtp_weights / W)`` with an MTP draft);
+- weights ``Wt = ceil(weights_total / W)`` (+ ``ceil(mtp_weights / W)`` with an MTP draft, or
+  ``ceil(draft_weights / W)`` with a separate draft model read from its ``config.json``);
 - execution peak ``P`` (default, unless overridden)::
 
       P = max_tokens_per_batch x e x (4 x hidden + 2 x ceil(I / W)) + max_seqs_per_batch x vocab x 4
@@ -27,7 +28,9 @@ Per worker (one worker per device; ``W`` workers in tensor parallel), in bytes:
   (``<= S`` for hybrid models, ``<= max_seqs_per_batch``);
 - arena: physical 0; fixed VMM the mapped KV pool; elastic VMM the pool sized for
   ``min(T - Wt, Q)`` (the most it could ever hold); plus ``Wt`` when weights share the pool;
-- host pool (HK-06): ``floor(arena_kv x host_blocks_factor)`` when host offload is on.
+- host pool (HK-06): ``floor(arena_kv x host_blocks_factor / host_block) x host_block`` when host
+  offload is on, ``host_block`` = one block of every group (as the serving host pool,
+  :func:`xllm_vmm.kvcache.host_pool.host_pool_size`).
 
 ``T`` is the device total, ``O`` the runtime overhead (default 1 GiB).
 """
@@ -45,6 +48,10 @@ SCHEMA_VERSION = 1
 
 def _n(x: int | float) -> str:
     return f"{x:,}" if isinstance(x, int) else f"{x:g}"
+
+
+def _gib(x: int) -> str:
+    return f"{x / (1 << 30):,.2f} GiB"
 
 
 @dataclass(frozen=True)
@@ -112,6 +119,7 @@ class Plan:
     formulas: list[Formula] = field(default_factory=list)
     max_context_len: int | None = None  # largest that fits one request; None = unbounded
     suggested_workers: int | None = None
+    draft: ModelSpec | None = None  # a separate draft model, sized from its own config.json
     config_findings: list = field(default_factory=list)  # from the config rules, if checked
 
     @property
@@ -128,7 +136,14 @@ class Plan:
 
     @property
     def weights_bytes_total(self) -> int:
-        return self.spec.served_weight_bytes + (self.spec.mtp_weight_bytes if self._mtp else 0)
+        return self.spec.served_weight_bytes + self.draft_weight_bytes_total
+
+    @property
+    def draft_weight_bytes_total(self) -> int:
+        """Weights of the draft: the separate draft model's, or the target's MTP layers'."""
+        if self.draft is not None:
+            return self.draft.served_weight_bytes
+        return self.spec.mtp_weight_bytes if self._mtp else 0
 
     @property
     def _mtp(self) -> bool:
@@ -204,8 +219,34 @@ def _split(units: list[Unit], budget: int, window_seqs: int,
     return n, per_group, used
 
 
-def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True) -> Plan:
-    """Size ``spec`` under ``inp``. Never raises for memory that does not fit: the plan's
+def host_pool_reason(host_pool: int, device_kv: int, workers: int,
+                     inp: PlanInputs) -> Reason | None:
+    """HK-07: the warning when ``workers`` host pools of ``host_pool`` bytes (each sized from
+    ``device_kv`` bytes of device KV capacity) exceed ``inp.host_memory_bytes``; None when they
+    fit or the host memory is not known. Shared by ``plan`` and ``check-config``."""
+    have = inp.host_memory_bytes
+    need = host_pool * workers
+    if have is None or need <= have:
+        return None
+    factor_ok = have / max(1, device_kv * workers)
+    cap = int(have / (inp.host_blocks_factor * workers))
+    per = f"{_n(host_pool)} x {workers} workers, each" if workers > 1 else "1 worker:"
+    lower = (f"lower host_blocks_factor to at most {factor_ok:.2f}, or " if factor_ok > 1 else
+             "turn host offload off (host_blocks_factor=0), or ")
+    return Reason(
+        "warning", "HK-07", f"the host KV pool needs {_n(need)} bytes ({_gib(need)}; {per} "
+        f"device KV capacity {_n(device_kv)} x host_blocks_factor "
+        f"{inp.host_blocks_factor:g}), more than the {_n(have)} bytes ({_gib(have)}) of host "
+        f"memory available ({inp.host_memory_source})",
+        lower + f"cap each worker's device KV capacity at {_n(cap)} bytes ({_gib(cap)}) with "
+        "max_cache_size; serving refuses this configuration")
+
+
+def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
+              draft: ModelSpec | None = None) -> Plan:
+    """Size ``spec`` under ``inp``. ``draft``: a separate draft model (its own ``config.json``),
+    sized instead of the target's MTP layers when speculative decoding is on
+    (``num_speculative_tokens > 0``). Never raises for memory that does not fit: the plan's
     ``reasons`` say why and what to change. Raises :class:`~xllm_vmm.models.LayoutError` (or
     :class:`~xllm_vmm.planner.devices.DeviceError`) only for inputs that cannot be planned at
     all (non-positive sizes, unknown dtypes)."""
@@ -218,15 +259,19 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True) -> Plan
                           hint="pass --context-len")
     plan = Plan(spec=spec, inputs=inp, layout=None, context_len=L)
     f = plan.formulas.append
-    mtp = inp.mtp and spec.mtp_layers > 0
-    if inp.mtp and not spec.mtp_layers:
+    if inp.num_speculative_tokens <= 0:
+        draft = None
+    plan.draft = draft
+    mtp = inp.mtp and spec.mtp_layers > 0 and draft is None
+    if inp.mtp and not spec.mtp_layers and draft is None:
         plan.reasons.append(Reason(
             "warning", "SD-01", f"MTP speculative decoding is on but {spec.name} has no MTP "
             "layers (num_nextn_predict_layers); no draft cache group is planned",
             "plan the draft model separately, or set num_speculative_tokens=0"))
     try:
         layout = cache_layout(spec, workers=inp.workers, block_size=inp.block_size,
-                              kv_dtype=inp.kv_cache_dtype, draft=mtp)
+                              kv_dtype=inp.kv_cache_dtype, draft=mtp or draft is not None,
+                              draft_spec=draft)
     except LayoutError as exc:
         plan.reasons.append(Reason("error", "LAYOUT", exc.message, exc.hint))
         return plan
@@ -245,6 +290,14 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True) -> Plan
         f(Formula("MTP draft weights per worker", "ceil(mtp_weights / workers)",
                   f"ceil({_n(spec.mtp_weight_bytes)} / {W})", mw))
         wt += mw
+    if draft is not None:
+        dw = ceil_div(draft.served_weight_bytes, W)
+        f(Formula(f"draft model weights per worker ({draft.name})",
+                  "ceil(draft_weights / workers)",
+                  f"ceil({_n(draft.served_weight_bytes)} / {W}) ("
+                  + ("safetensors headers" if draft.weight_bytes_exact
+                     else "estimated from the architecture") + ")", dw))
+        wt += dw
 
     # Groups.
     groups: list[GroupPlan] = []
@@ -388,18 +441,15 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True) -> Plan
     host_pool = 0
     if inp.host_offload:
         base = arena_kv if not physical else used
-        host_pool = int(base * inp.host_blocks_factor)
-        f(Formula("host pool (HK-06)", "device KV tensor capacity x host_blocks_factor",
-                  f"{_n(base)} x {inp.host_blocks_factor:g}", host_pool))
-        total_host = host_pool * W
-        if inp.host_memory_bytes is not None and total_host > inp.host_memory_bytes:
-            factor_ok = inp.host_memory_bytes / max(1, base * W)
-            plan.reasons.append(Reason(
-                "warning", "HK-07", f"the host pool needs {_n(total_host)} bytes "
-                f"({_n(host_pool)} x {W} workers), more than the {_n(inp.host_memory_bytes)} "
-                f"bytes of host memory available",
-                f"lower host_blocks_factor to at most {factor_ok:.2f}, or set max_cache_size so "
-                f"that max_cache_size x host_blocks_factor x workers fits host memory"))
+        host_block = sum(g.block_bytes for g in layout.groups)
+        host_pool = int(base * inp.host_blocks_factor) // host_block * host_block
+        f(Formula("host pool (HK-06)", "floor(device KV tensor capacity x host_blocks_factor / "
+                  "host block) x host block (a host block: one block of every group)",
+                  f"floor({_n(base)} x {inp.host_blocks_factor:g} / {_n(host_block)}) x "
+                  f"{_n(host_block)}", host_pool))
+        hk07 = host_pool_reason(host_pool, base, W, inp)
+        if hk07 is not None:
+            plan.reasons.append(hk07)
 
     for i in range(W):
         plan.workers.append(WorkerPlan(
@@ -449,7 +499,7 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True) -> Plan
             f"max_position_embeddings {_n(spec.max_position_embeddings)}",
             "the model was not trained for it; lower --context-len"))
     if suggest and not plan.fits and any(x.code in ("MEMORY", "CONTEXT") for x in plan.reasons):
-        plan.suggested_workers = _suggest_workers(spec, inp)
+        plan.suggested_workers = _suggest_workers(spec, inp, draft)
         if plan.suggested_workers:
             plan.reasons.append(Reason(
                 "info", "WORKERS", f"{plan.suggested_workers} workers would fit "
@@ -457,7 +507,7 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True) -> Plan
     return plan
 
 
-def _suggest_workers(spec: ModelSpec, inp: PlanInputs) -> int | None:
+def _suggest_workers(spec: ModelSpec, inp: PlanInputs, draft: ModelSpec | None) -> int | None:
     import dataclasses
 
     for w in range(inp.workers + 1, 129):
@@ -465,7 +515,8 @@ def _suggest_workers(spec: ModelSpec, inp: PlanInputs) -> int | None:
             cache_layout(spec, workers=w, block_size=inp.block_size, kv_dtype=inp.kv_cache_dtype)
         except LayoutError:
             continue
-        if make_plan(spec, dataclasses.replace(inp, workers=w), suggest=False).fits:
+        if make_plan(spec, dataclasses.replace(inp, workers=w), suggest=False,
+                     draft=draft).fits:
             return w
     return None
 
