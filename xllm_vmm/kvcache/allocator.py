@@ -1,4 +1,5 @@
-"""Page-aware block allocation over slots, with reference counts and a retention hook.
+"""Page-aware block allocation over slots, with reference counts, a retention hook and
+compaction.
 
 Terms (per cache group): a *slot* is one page offset across every tensor of the group; slot
 ``s`` holds blocks ``[s × B, (s + 1) × B)`` where ``B`` is the group's blocks per slot (a block
@@ -12,6 +13,14 @@ Allocation is page-aware: a new block comes from the *fullest* partially used ac
 activated slots (lowest slot id first); inside a slot the lowest free block id comes first for
 a fresh slot, and the most recently freed block is reused first after that. Decode growth, one
 block at a time for many sequences, therefore packs into few slots instead of scattering.
+
+Bookkeeping (what makes that O(1) amortised per block, with no per-block objects): every
+active slot has a free *stack* (a list of its free block ids, top = next one handed out);
+``buckets[k]`` is an insertion-ordered set of the active slots with exactly ``k`` free blocks
+(``1 ≤ k < B``), so "fullest partial slot" is the first slot of the first non-empty bucket (at
+most ``B − 1`` probes). A call moves a slot between buckets once per run of blocks it takes
+from or returns to that slot, not once per block. Occupancy and the live count are derived
+(``B − len(stack)``, ``active × B − free − cached``), not stored.
 
 Invariants (checked by the tests after every step):
 
@@ -43,23 +52,43 @@ reaches 0 the allocator asks the optional retention policy (:class:`RetentionPol
   blocks.
 - :meth:`BlockAllocator.release_cached` lets the policy drop cached blocks on its own (a cap,
   host offload finished): they are freed without another ``on_zero_ref``.
+- Compaction hooks (needed only by a policy set on an allocator that is compacted):
+  ``policy.can_move(group, block) -> bool`` (optional; ``False`` for a block a transfer has
+  pinned) and ``policy.on_move(group, moves)`` with ``moves`` a dict old block → new block,
+  called after the allocator moved them, so the policy's index follows (see
+  :meth:`BlockAllocator.compact`).
 - Introspection for page-aware eviction: :meth:`block_info` (group, slot, ref count, cached),
   :meth:`slot_info` (live / cached / free counts of a slot), :meth:`slot_live`,
   :meth:`slot_cached`, :meth:`slot_of`, :meth:`blocks_of_slot`.
 - ``free`` also takes the one-group form ``free(group, blocks)``, so a
   :class:`BlockAllocator` is the prefix cache's ``BlockBackend`` as it is.
+
+Compaction
+----------
+
+Placement is decided before lifetimes are known: a long-running sequence's decode blocks land
+in slots shared with short sequences, and when those finish their slots stay mapped for one or
+two blocks. :meth:`BlockAllocator.compact` undoes that when the caller chooses (idle or lightly
+loaded, between engine steps): it moves every live and cached block out of the sparsest slots
+into free blocks of the densest ones and releases the emptied slots at once. It never activates
+a slot (the budget cannot be exceeded), never moves a block the policy says is pinned or the
+caller excludes, and returns the old → new mapping per group: the caller rewrites its block
+tables with it. The data is copied by the backing's ``move(moves) -> bool`` (the virtual KV
+cache: one batched device-to-device copy across every tensor of the group); ``False`` (a copy
+failed) changes nothing.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 __all__ = [
     "BlockAllocator",
     "BlockInfo",
+    "Compaction",
     "GroupShape",
     "RetentionPolicy",
     "SlotBacking",
@@ -69,7 +98,8 @@ __all__ = [
 
 @runtime_checkable
 class RetentionPolicy(Protocol):
-    """What the prefix cache implements (see the module docstring)."""
+    """What the prefix cache implements (see the module docstring; ``can_move`` and
+    ``on_move`` are optional and only needed for :meth:`BlockAllocator.compact`)."""
 
     def on_zero_ref(self, group: str, block: int) -> bool: ...
 
@@ -82,7 +112,9 @@ class RetentionPolicy(Protocol):
 
 class SlotBacking(Protocol):
     """Puts memory under slots. ``activate`` is all-or-nothing over every group it is given
-    (one batched map) and returns ``False`` for "not now"; ``deactivate`` releases at once."""
+    (one batched map) and returns ``False`` for "not now"; ``deactivate`` releases at once.
+    Optional, for :meth:`BlockAllocator.compact`: ``move(moves) -> bool`` copies the contents
+    of every ``(old, new)`` block pair per group (all or nothing; ``False`` = nothing moved)."""
 
     def activate(self, slots: Mapping[str, Sequence[int]]) -> bool: ...
 
@@ -121,11 +153,35 @@ class SlotInfo:
     free: int  # free blocks (0 for an inactive slot: it has no memory)
 
 
-class _Group:
-    """Mutable state of one group (internal)."""
+@dataclass(frozen=True)
+class Compaction:
+    """What one compaction did. ``moves[g]``: old block → new block in group ``g`` (rewrite
+    block tables with it); ``released_slots[g]``: slots emptied and released; bytes are filled
+    in by :meth:`VirtualKVCache.compact` (every tensor of the group: ``bytes_copied`` moved by
+    device-to-device copies, ``bytes_released`` unmapped). ``error``: why nothing moved (a
+    failed copy), else empty."""
 
-    __slots__ = ("name", "num_slots", "bps", "ref", "cached", "stacks", "occ", "ncached",
-                 "buckets", "inactive", "free_active", "n_live", "n_cached", "n_active")
+    moves: Mapping[str, Mapping[int, int]] = field(default_factory=dict)
+    released_slots: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    bytes_copied: int = 0
+    bytes_released: int = 0
+    error: str = ""
+
+    @property
+    def blocks_moved(self) -> int:
+        return sum(len(m) for m in self.moves.values())
+
+    @property
+    def slots_released(self) -> int:
+        return sum(len(s) for s in self.released_slots.values())
+
+
+class _Group:
+    """Mutable state of one group (internal). ``stacks[s]`` is slot ``s``'s free stack, or
+    ``None`` while the slot is inactive."""
+
+    __slots__ = ("name", "num_slots", "bps", "nblocks", "ref", "cached", "stacks", "ncached",
+                 "buckets", "inactive", "free_active", "n_cached", "n_active")
 
     def __init__(self, shape: GroupShape) -> None:
         if shape.num_slots < 0 or shape.blocks_per_slot < 1:
@@ -135,18 +191,26 @@ class _Group:
         self.num_slots = shape.num_slots
         self.bps = shape.blocks_per_slot
         n = shape.num_blocks
+        self.nblocks = n
         self.ref = [0] * n
         self.cached = bytearray(n)
         self.stacks: list[list[int] | None] = [None] * shape.num_slots
-        self.occ = [0] * shape.num_slots  # live + cached blocks per slot
         self.ncached = [0] * shape.num_slots
         # buckets[k]: active slots with exactly k free blocks, 1 <= k < bps (ordered sets)
         self.buckets: list[dict[int, None]] = [{} for _ in range(self.bps)]
         self.inactive = list(range(shape.num_slots))  # a heap (sorted list is a valid heap)
         self.free_active = 0
-        self.n_live = 0
         self.n_cached = 0
         self.n_active = 0
+
+    @property
+    def n_live(self) -> int:
+        return self.n_active * self.bps - self.free_active - self.n_cached
+
+    def used(self, slot: int) -> int:
+        """Live + cached blocks of ``slot``."""
+        stack = self.stacks[slot]
+        return 0 if stack is None else self.bps - len(stack)
 
 
 class BlockAllocator:
@@ -198,19 +262,72 @@ class BlockAllocator:
         Returns the new block ids per group (each with ref count 1), or ``None`` when the
         memory is not there now (after evicting what the retention policy gave up).
         """
-        groups = self._groups
-        # fast path: one group, enough free blocks in active slots
         if len(counts) == 1:
-            (name, n), = counts.items()
-            g = groups.get(name) or self._g(name)
-            if n <= g.free_active:
-                if n < 0:
-                    raise ValueError(f"negative block count {n} for group {name!r}")
-                out: list[int] = []
-                if near and name in near:
-                    n = self._take_near(g, near[name], n, out)
+            for name, n in counts.items():
+                pass
+            got = self.allocate_group(name, n, near.get(name, -1) if near else -1)
+            return None if got is None else {name: got}
+        return self._allocate_groups(counts, near)
+
+    def allocate_group(self, group: str, n: int, near: int = -1) -> list[int] | None:
+        """``allocate({group: n}, {group: near})`` for a model with one cache group (or a
+        caller that allocates one group at a time): the new block ids, or ``None`` for "not
+        now". ``near`` < 0: no hint. The same placement, eviction and errors."""
+        g = self._groups.get(group)
+        if g is None:
+            return self._allocate_groups({group: n}, None)  # raises: unknown group
+        if 0 <= n <= g.free_active:
+            if n == 1:  # decode growth: one block from an active slot, no call below
+                stack = g.stacks[near // g.bps] if 0 <= near < g.nblocks else None
+                buckets = g.buckets
+                if stack:
+                    slot = near // g.bps
+                    k = len(stack)
+                    bucket = buckets[k]
+                else:
+                    for k in range(1, g.bps):
+                        bucket = buckets[k]
+                        if bucket:
+                            break
+                    for slot in bucket:
+                        break
+                    stack = g.stacks[slot]
+                b = stack.pop()  # type: ignore[union-attr]
+                g.ref[b] = 1
+                del bucket[slot]
+                if k > 1:
+                    buckets[k - 1][slot] = None
+                g.free_active -= 1
+                return [b]
+            out: list[int] = []
+            if near >= 0:
+                n = self._take_near(g, near, n, out)
+            if n:
                 self._take_partial(g, n, out)
-                return {name: out}
+            return out
+        if n > 0:  # new slots needed (a prompt): first try without eviction
+            k = -(-(n - g.free_active) // g.bps)
+            inactive = g.inactive
+            if k <= len(inactive):
+                chosen = [heapq.heappop(inactive)] if k == 1 else \
+                    [heapq.heappop(inactive) for _ in range(k)]
+                if self.backing.activate({group: chosen}):
+                    out = []
+                    if near >= 0:
+                        n = self._take_near(g, near, n, out)
+                    if n:
+                        n = self._take_partial(g, n, out)
+                    for slot in chosen:
+                        n = self._take_new_slot(g, slot, n, out)
+                    return out
+                for slot in chosen:
+                    heapq.heappush(inactive, slot)
+        got = self._allocate_groups({group: n}, {group: near} if near >= 0 else None)
+        return None if got is None else got[group]
+
+    def _allocate_groups(self, counts: Mapping[str, int],
+                         near: Mapping[str, int] | None) -> dict[str, list[int]] | None:
+        groups = self._groups
         for name, n in counts.items():
             if n < 0:
                 raise ValueError(f"negative block count {n} for group {name!r}")
@@ -231,9 +348,26 @@ class BlockAllocator:
             result[name] = out
         return result
 
+    @staticmethod
+    def _take_from(g: _Group, slot: int, stack: list[int], k: int, take: int,
+                   out: list[int]) -> None:
+        """Move the top ``take`` of the ``k`` free blocks of active ``slot`` to ``out`` (top
+        first, ref 1) and move the slot to its new bucket."""
+        got = stack[-take:]
+        del stack[-take:]
+        got.reverse()
+        ref = g.ref
+        for blk in got:
+            ref[blk] = 1
+        out.extend(got)
+        del g.buckets[k][slot]
+        if k - take:
+            g.buckets[k - take][slot] = None
+        g.free_active -= take
+
     def _take_near(self, g: _Group, block: int, n: int, out: list[int]) -> int:
         """Take up to ``n`` free blocks from the slot of ``block``; returns what is left."""
-        if not n or not 0 <= block < len(g.ref):
+        if not n or not 0 <= block < g.nblocks:
             return n
         slot = block // g.bps
         stack = g.stacks[slot]
@@ -241,17 +375,7 @@ class BlockAllocator:
             return n
         k = len(stack)
         take = k if n >= k else n
-        ref = g.ref
-        for _ in range(take):
-            blk = stack.pop()
-            ref[blk] = 1
-            out.append(blk)
-        del g.buckets[k][slot]
-        if k - take:
-            g.buckets[k - take][slot] = None
-        g.occ[slot] += take
-        g.free_active -= take
-        g.n_live += take
+        self._take_from(g, slot, stack, k, take, out)
         return n - take
 
     def _plan(self, counts: Mapping[str, int]) -> dict[str, int] | None:
@@ -316,8 +440,9 @@ class BlockAllocator:
     def _take_partial(self, g: _Group, n: int, out: list[int]) -> int:
         """Take up to ``n`` blocks from active slots, fullest first; returns what is left."""
         buckets = g.buckets
+        stacks = g.stacks
         bps = g.bps
-        ref = g.ref
+        take_from = self._take_from
         while n:
             for k in range(1, bps):
                 b = buckets[k]
@@ -325,34 +450,21 @@ class BlockAllocator:
                     break
             else:
                 return n
-            slot = next(iter(b))
+            for slot in b:
+                break
             take = k if n >= k else n
-            stack = g.stacks[slot]
-            for _ in range(take):
-                blk = stack.pop()  # type: ignore[union-attr]
-                ref[blk] = 1
-                out.append(blk)
-            del b[slot]
-            if k - take:
-                buckets[k - take][slot] = None
-            g.occ[slot] += take
-            g.free_active -= take
-            g.n_live += take
+            take_from(g, slot, stacks[slot], k, take, out)  # type: ignore[arg-type]
             n -= take
         return 0
 
     def _take_new_slot(self, g: _Group, slot: int, n: int, out: list[int]) -> int:
         bps = g.bps
         base = slot * bps
-        take = min(n, bps)
-        ref = g.ref
-        for blk in range(base, base + take):
-            ref[blk] = 1
-            out.append(blk)
+        take = n if n < bps else bps
+        g.ref[base:base + take] = [1] * take
+        out.extend(range(base, base + take))
         g.stacks[slot] = list(range(base + bps - 1, base + take - 1, -1))
-        g.occ[slot] = take
         g.n_active += 1
-        g.n_live += take
         left = bps - take
         g.free_active += left
         if left:
@@ -369,59 +481,112 @@ class BlockAllocator:
 
         Two call forms: ``free({group: blocks, ...})`` (several groups together, SD-01) and
         ``free(group, blocks)`` (one group; the prefix cache's ``BlockBackend`` form)."""
-        if isinstance(blocks, str):
-            blocks = {blocks: group_blocks if group_blocks is not None else ()}
-        for name, blks in blocks.items():
-            g = self._g(name)
-            ref = g.ref
-            if len(blks) == 1 or len(set(blks)) == len(blks):
-                for b in blks:
-                    if ref[b] <= 0:
-                        raise ValueError(f"free of block {b} in group {name!r} that holds no "
-                                         "reference (double free)")
-            else:
-                for b, c in Counter(blks).items():
-                    if ref[b] < c:
-                        raise ValueError(f"free of block {b} in group {name!r}: {c} frees, "
-                                         f"{ref[b]} references (double free)")
         emptied: dict[str, list[int]] = {}
-        policy = self.retention
-        for name, blks in blocks.items():
-            g = self._groups[name]
-            ref = g.ref
-            for b in blks:
-                r = ref[b] - 1
-                ref[b] = r
-                if r:
-                    continue
-                g.n_live -= 1
-                if policy is not None and policy.on_zero_ref(name, b):
-                    g.cached[b] = 1
-                    g.ncached[b // g.bps] += 1
-                    g.n_cached += 1
-                    continue
-                self._put_free(g, b, emptied)
+        if isinstance(blocks, str):  # one group: no dict on the way
+            g = self._groups.get(blocks) or self._g(blocks)
+            blks = group_blocks if group_blocks is not None else ()
+            self._check_free(g, blks)
+            self._free_blocks(g, blks, emptied)
+        else:
+            groups = self._groups
+            for name, blks in blocks.items():
+                self._check_free(groups.get(name) or self._g(name), blks)
+            for name, blks in blocks.items():
+                self._free_blocks(groups[name], blks, emptied)
         if emptied:
             self.backing.deactivate(emptied)
 
-    def _put_free(self, g: _Group, b: int, emptied: dict[str, list[int]]) -> None:
-        slot = b // g.bps
-        stack = g.stacks[slot]
-        k = len(stack)  # type: ignore[arg-type]
-        if k:
-            del g.buckets[k][slot]
-        occ = g.occ[slot] - 1
-        g.occ[slot] = occ
-        if occ == 0:  # the slot empties: release it at once (EL-01)
-            g.stacks[slot] = None
-            g.free_active -= k
-            g.n_active -= 1
-            heapq.heappush(g.inactive, slot)
-            emptied.setdefault(g.name, []).append(slot)
+    @staticmethod
+    def _check_free(g: _Group, blks: Sequence[int]) -> None:
+        """Refuse (``ValueError``, nothing changed) a free of a block without a reference."""
+        ref = g.ref
+        if len(blks) == 1 or len(set(blks)) == len(blks):
+            if blks and min(map(ref.__getitem__, blks)) <= 0:
+                b = next(b for b in blks if ref[b] <= 0)
+                raise ValueError(f"free of block {b} in group {g.name!r} that holds no "
+                                 "reference (double free)")
+        else:
+            for b, c in Counter(blks).items():
+                if ref[b] < c:
+                    raise ValueError(f"free of block {b} in group {g.name!r}: {c} frees, "
+                                     f"{ref[b]} references (double free)")
+
+    def _free_blocks(self, g: _Group, blks: Sequence[int],
+                     emptied: dict[str, list[int]]) -> None:
+        """Drop one reference from each of ``blks`` (checked) in order; at 0 ask the policy."""
+        policy = self.retention
+        ref = g.ref
+        bps = g.bps
+        stacks = g.stacks
+        buckets = g.buckets
+        name = g.name
+        # blocks freed in a row from one slot are pushed on its stack one by one; the slot
+        # changes bucket once per run (the same end state as block by block)
+        cur = -1
+        run = 0
+        fa = 0  # change of free blocks in active slots, written back once
+        stack: list[int] = []
+        for b in blks:
+            r = ref[b] - 1
+            ref[b] = r
+            if r:
+                continue
+            if policy is not None:
+                if run:
+                    g.free_active += fa
+                    fa = 0
+                    self._flush(g, cur, run, emptied)
+                    run = 0
+                    cur = -1
+                if policy.on_zero_ref(name, b):
+                    g.cached[b] = 1
+                    g.ncached[b // bps] += 1
+                    g.n_cached += 1
+                    continue
+            s = b // bps
+            if s != cur:
+                if run:  # inline _flush of the previous run
+                    k = len(stack)
+                    if k - run:
+                        del buckets[k - run][cur]
+                    if k == bps:
+                        fa -= k - run
+                        self._release(g, cur, 0, emptied)
+                    else:
+                        buckets[k][cur] = None
+                        fa += run
+                    run = 0
+                cur = s
+                stack = stacks[s]  # type: ignore[assignment]
+            stack.append(b)
+            run += 1
+        g.free_active += fa
+        if run:
+            self._flush(g, cur, run, emptied)
+
+    @staticmethod
+    def _flush(g: _Group, slot: int, m: int, emptied: dict[str, list[int]]) -> None:
+        """``m`` blocks of ``slot`` were just pushed on its free stack: move the slot to its
+        bucket, or release it when it emptied (EL-01)."""
+        k = len(g.stacks[slot])  # type: ignore[arg-type]
+        old = k - m
+        if old:
+            del g.buckets[old][slot]
+        if k == g.bps:
+            BlockAllocator._release(g, slot, old, emptied)
             return
-        stack.append(b)  # type: ignore[union-attr]
-        g.buckets[k + 1][slot] = None
-        g.free_active += 1
+        g.buckets[k][slot] = None
+        g.free_active += m
+
+    @staticmethod
+    def _release(g: _Group, slot: int, old_free: int, emptied: dict[str, list[int]]) -> None:
+        """``slot`` (which had ``old_free`` free blocks before this call) emptied: it becomes
+        inactive and is released with the rest of the call's emptied slots (EL-01)."""
+        g.stacks[slot] = None
+        g.free_active -= old_free
+        g.n_active -= 1
+        heapq.heappush(g.inactive, slot)
+        emptied.setdefault(g.name, []).append(slot)
 
     def touch(self, group: str, block: int) -> None:
         """Add a reference to ``block``: a cached block is revived (ref 0 → 1,
@@ -437,7 +602,6 @@ class BlockAllocator:
         g.cached[block] = 0
         g.ncached[block // g.bps] -= 1
         g.n_cached -= 1
-        g.n_live += 1
         g.ref[block] = 1
         if self.retention is not None:
             self.retention.on_revive(group, block)
@@ -455,13 +619,156 @@ class BlockAllocator:
                 raise ValueError(f"release_cached: block {b} in group {group!r} is {state}, "
                                  "not cached (a pinned block is never evicted)")
         emptied: dict[str, list[int]] = {}
+        bps = g.bps
         for b in blocks:
             g.cached[b] = 0
-            g.ncached[b // g.bps] -= 1
+            s = b // bps
+            g.ncached[s] -= 1
             g.n_cached -= 1
-            self._put_free(g, b, emptied)
+            g.stacks[s].append(b)  # type: ignore[union-attr]
+            self._flush(g, s, 1, emptied)
         if emptied:
             self.backing.deactivate(emptied)
+
+    # -- compaction ----------------------------------------------------------------------
+    def compact(self, groups: Iterable[str] | None = None, *, max_blocks: int | None = None,
+                exclude: Mapping[str, Iterable[int]] | None = None) -> Compaction:
+        """Move live and cached blocks out of the sparsest active slots into free blocks of
+        the densest ones, and release the slots this empties at once.
+
+        Per group, ``⌊free blocks in active slots / B⌋`` slots can be emptied; the sparsest
+        slots whose every used block may move are chosen (fewest blocks copied; among equals
+        the highest slot id), their blocks go to the free blocks of the fullest remaining
+        slots, lowest source block first. Nothing new is mapped. A block does not move when
+        the retention policy's ``can_move`` says no (pinned by a transfer) or it is in
+        ``exclude[group]``; its slot is then kept. ``max_blocks`` caps the blocks moved over
+        all groups (whole slots only). ``groups``: the groups to compact (default: all).
+
+        The backing copies the data first (``backing.move``); then the allocator moves ref
+        counts and cached flags, the policy's ``on_move(group, {old: new})`` follows, and the
+        emptied slots are released in one call. Returns the :class:`Compaction` (old → new per
+        group: rewrite block tables with it). A failed copy changes nothing (``error`` says
+        why). The caller must not touch the moved blocks' old ids afterwards, and must not
+        compact while a kernel reads or writes blocks that may move.
+        """
+        names = list(self._groups) if groups is None else list(groups)
+        for name in names:
+            self._g(name)
+        if max_blocks is not None and max_blocks < 0:
+            raise ValueError(f"compact: max_blocks must be >= 0, got {max_blocks}")
+        policy = self.retention
+        on_move = getattr(policy, "on_move", None) if policy is not None else None
+        if policy is not None and on_move is None:
+            raise TypeError(f"compact: the retention policy {type(policy).__name__} has no "
+                            "on_move(group, moves); moving blocks would leave its block index "
+                            "stale. Implement on_move or compact without a policy")
+        move = getattr(self.backing, "move", None)
+        if move is None:
+            raise TypeError(f"compact: the slot backing {type(self.backing).__name__} has no "
+                            "move(moves) to copy block contents")
+        can_move = getattr(policy, "can_move", None) if policy is not None else None
+        budget = max_blocks
+        plans: dict[str, tuple[list[int], dict[int, int], dict[int, int]]] = {}
+        for name in names:
+            g = self._groups[name]
+            k_max = g.free_active // g.bps
+            if k_max == 0 or (budget is not None and budget <= 0):
+                continue
+            excl = set(exclude.get(name, ())) if exclude else set()
+            ref = g.ref
+            cached = g.cached
+            bps = g.bps
+            cands: list[tuple[int, int]] = []
+            for s, stack in enumerate(g.stacks):
+                if stack is None or len(stack) == 0:
+                    continue
+                ok = True
+                for b in range(s * bps, (s + 1) * bps):
+                    if ref[b] or cached[b]:
+                        if b in excl or (can_move is not None and not can_move(name, b)):
+                            ok = False
+                            break
+                if ok:
+                    cands.append((bps - len(stack), -s))
+            cands.sort()
+            sources: list[int] = []
+            for used, neg in cands[:k_max]:
+                if budget is not None:
+                    if used > budget:
+                        break
+                    budget -= used
+                sources.append(-neg)
+            if not sources:
+                continue
+            src_set = set(sources)
+            n_moves = sum(g.used(s) for s in sources)
+            # destinations: fullest remaining slots first, each stack from its top
+            dests: list[int] = []
+            taken: dict[int, int] = {}  # dest slot -> blocks taken from its stack
+            for kk in range(1, bps):
+                for s in g.buckets[kk]:
+                    if s in src_set:
+                        continue
+                    stack = g.stacks[s]
+                    t = min(kk, n_moves - len(dests))
+                    dests.extend(stack[-1:-t - 1:-1])  # type: ignore[index]
+                    taken[s] = t
+                    if len(dests) == n_moves:
+                        break
+                if len(dests) == n_moves:
+                    break
+            assert len(dests) == n_moves, "compaction planned more moves than free blocks"
+            mapping: dict[int, int] = {}
+            it = iter(dests)
+            for s in sources:
+                for b in range(s * bps, (s + 1) * bps):
+                    if ref[b] or cached[b]:
+                        mapping[b] = next(it)
+            plans[name] = (sources, mapping, taken)
+        if not plans:
+            return Compaction({n: {} for n in names}, {n: () for n in names})
+        ok = move({name: list(p[1].items()) for name, p in plans.items()})
+        if not ok:
+            return Compaction({n: {} for n in names}, {n: () for n in names},
+                              error=getattr(self.backing, "last_move_error", "") or
+                              "the backing could not copy the blocks; nothing moved")
+        emptied: dict[str, list[int]] = {}
+        for name, (sources, mapping, taken) in plans.items():
+            g = self._groups[name]
+            ref = g.ref
+            cached = g.cached
+            ncached = g.ncached
+            bps = g.bps
+            for s, t in taken.items():  # destination stacks give up their top t blocks
+                stack = g.stacks[s]
+                k = len(stack)  # type: ignore[arg-type]
+                del stack[k - t:]  # type: ignore[index]
+                del g.buckets[k][s]
+                if k - t:
+                    g.buckets[k - t][s] = None
+                g.free_active -= t
+            for old, new in mapping.items():
+                ref[new] = ref[old]
+                ref[old] = 0
+                if cached[old]:
+                    cached[old] = 0
+                    cached[new] = 1
+                    ncached[old // bps] -= 1
+                    ncached[new // bps] += 1
+            for s in sources:  # every block of a source is free now: release it
+                k = len(g.stacks[s])  # type: ignore[arg-type]
+                del g.buckets[k][s]
+                g.stacks[s] = None
+                g.free_active -= k
+                g.n_active -= 1
+                heapq.heappush(g.inactive, s)
+            emptied[name] = sorted(sources)
+        if on_move is not None:
+            for name, p in plans.items():
+                on_move(name, dict(p[1]))
+        self.backing.deactivate(emptied)
+        return Compaction({n: (plans[n][1] if n in plans else {}) for n in names},
+                          {n: tuple(emptied.get(n, ())) for n in names})
 
     # -- introspection -------------------------------------------------------------------
     def ref_count(self, group: str, block: int) -> int:
@@ -480,7 +787,7 @@ class BlockAllocator:
     def slot_live(self, group: str, slot: int) -> int:
         """Blocks of ``slot`` with ref ≥ 1."""
         g = self._g(group)
-        return g.occ[slot] - g.ncached[slot]
+        return g.used(slot) - g.ncached[slot]
 
     def slot_cached(self, group: str, slot: int) -> int:
         """Cached (ref 0, retained) blocks of ``slot``."""
@@ -496,7 +803,7 @@ class BlockAllocator:
         g = self._g(group)
         stack = g.stacks[slot]
         active = stack is not None
-        return SlotInfo(group, slot, active, g.occ[slot] - g.ncached[slot], g.ncached[slot],
+        return SlotInfo(group, slot, active, g.used(slot) - g.ncached[slot], g.ncached[slot],
                         len(stack) if active else 0)  # type: ignore[arg-type]
 
     def active_slots(self, group: str) -> list[int]:
@@ -542,11 +849,11 @@ class BlockAllocator:
                 if stack is None:
                     assert live == cached == 0, f"{g.name}: slot {s} inactive but holds blocks"
                     assert s in inactive, f"{g.name}: slot {s} neither active nor inactive"
-                    assert g.occ[s] == 0 and g.ncached[s] == 0
+                    assert g.ncached[s] == 0
                     continue
                 assert s not in inactive, f"{g.name}: active slot {s} is in the inactive heap"
                 assert live + cached >= 1, f"{g.name}: active slot {s} holds no block"
-                assert g.occ[s] == live + cached and g.ncached[s] == cached
+                assert g.ncached[s] == cached
                 free = [b for b in blocks if not g.ref[b] and not g.cached[b]]
                 assert sorted(stack) == free, f"{g.name}: slot {s} free list {stack} != {free}"
                 k = len(stack)
