@@ -157,3 +157,67 @@ def test_flags_and_schema_commands():
     assert CliRunner().invoke(app, ["flags", "--group", "vm"]).exit_code == 2
     r = CliRunner().invoke(app, ["schema"])
     assert json.loads(r.output)["title"] == "xllm-vmm configuration"
+
+
+def test_text_marks_warnings_apart_from_errors_and_github_levels():
+    args = ("--enable_vmm_kvcache", "--vmm_elastic", "--max_memory_utilization=0.7",
+            "--kv_cache_dtype=fp8")
+    code, out, _ = check(*args)
+    assert code == 1
+    assert "    ✗ QK-01: " in out and "    ! EL-02: " in out and "✗ EL-02" not in out
+    code, out, _ = check(*args, "--strict")
+    assert "    ✗ EL-02: " in out and "errors (1)" in out
+    code, out, _ = check(*args, "--format", "github")
+    levels = {line.split(" ", 1)[0] + line.split("title=")[1].split("::")[0]
+              for line in out.splitlines() if line.startswith("::")}
+    assert levels == {"::errorQK-01", "::warningEL-02"}
+    code, out, _ = check(*args, "--format", "github", "--strict")
+    assert out.count("::error ") == 2 and "::warning" not in out
+
+
+HOST_OFFLOAD = ("--enable_vmm_kvcache", "--host_blocks_factor=4", "--max_cache_size=16GiB",
+                "--model=Qwen/Qwen3-8B", "--tp_size=2")
+
+
+def test_hk07_with_the_planner_counts_every_worker():
+    # 113 slots of 150,994,944 bytes under the 16 GiB quota per worker; x4 = 68,249,714,688
+    # bytes of host pool per worker; 2 workers need 136,499,429,376 > 120 GiB (the old
+    # max_cache_size x factor = 64 GiB ignored the workers and fitted).
+    code, out, _ = check(*HOST_OFFLOAD, "--device-memory=64GiB", "--host-memory=120GiB",
+                         "--format", "json")
+    f = next(f for f in json.loads(out)["inputs"][0]["findings"] if f["id"] == "HK-07")
+    assert f["severity"] == "warning" and code == 0
+    assert f["message"].startswith("HK-07: the host KV pool needs 136,499,429,376 bytes "
+                                   "(127.12 GiB; 68,249,714,688 x 2 workers, each device KV "
+                                   "capacity 17,062,428,672 x host_blocks_factor 4)")
+    assert "(--host-memory)" in f["message"]
+    assert f["flags"]["tp_size"] == 2
+    # one worker fits the same host memory
+    code, out, _ = check(*HOST_OFFLOAD[:-1], "--device-memory=64GiB", "--host-memory=120GiB",
+                         "--format", "json")
+    entry = json.loads(out)["inputs"][0]
+    assert "HK-07" not in {f["id"] for f in entry["findings"]}
+    assert "HK-07" not in {n["rule"] for n in entry["not_checked"]}
+
+
+def test_hk07_default_host_memory_is_named_and_unknown_inputs_are_listed():
+    code, out, _ = check(*HOST_OFFLOAD, "--host_blocks_factor=100000", "--device", "h200")
+    assert code == 1  # CFG-DUP: the factor is given twice on one command line
+    code, out, _ = check("--enable_vmm_kvcache", "--host_blocks_factor=100000",
+                         "--max_cache_size=16GiB", "--model=Qwen/Qwen3-8B", "--device", "h200")
+    assert code == 0 and "    ! HK-07: " in out
+    assert "of host memory available (this host's available memory" in out
+    code, out, _ = check("--enable_vmm_kvcache", "--host_blocks_factor=4", "--model=Qwen/Qwen3-8B")
+    assert "? HK-07: the device memory is not known: pass --device-memory or --device PROFILE" \
+        in out
+    code, out, _ = check("--enable_vmm_kvcache", "--host_blocks_factor=4", "--device", "h200")
+    assert "? HK-07: no --model given" in out
+
+
+def test_el08_device_memory_from_a_profile():
+    args = ("--enable_vmm_kvcache", "--vmm_elastic", "--vmm_memory_reserve_bytes=40GiB")
+    assert "! EL-08: " in check(*args, "--device", "ascend-910b-32g")[1]
+    assert "EL-08" not in check(*args, "--device", "ascend-910b-64g")[1]
+    assert "? EL-08" in check(*args)[1]
+    code, _, err = check(*args, "--device", "h300")
+    assert code == 2 and "unknown device profile 'h300'" in err and "Traceback" not in err

@@ -20,6 +20,10 @@ from xllm_vmm.config.findings import Finding, Implied, Source
 
 JSON_SCHEMA_VERSION = 1
 
+#: Text-output marks: an error (or a warning under ``--strict``) ✗, a warning !, an implied
+#: value •, a rule not checked ?.
+MARKS = {"error": "✗", "warning": "!", "implied": "•", "not_checked": "?"}
+
 
 @dataclass
 class Result:
@@ -170,10 +174,11 @@ def render_text(results: list[Result], out: TextIO, *, strict: bool = False,
             if not items:
                 continue
             shown_sev = "error" if strict and sev == "warning" else sev
+            mark = MARKS[shown_sev]
             console.print(f"  [{style}]{shown_sev}s ({len(items)})[/]")
             for f in items:
                 head, hint = _finding_lines(f)
-                console.print(f"    [{style}]✗[/] {escape(head)}")
+                console.print(f"    [{style}]{mark}[/] {escape(head)}")
                 if hint:
                     console.print(f"      [dim]→ {escape(hint)}[/]")
         rep = r.report
@@ -181,12 +186,12 @@ def render_text(results: list[Result], out: TextIO, *, strict: bool = False,
             if rep.implied:
                 console.print(f"  [cyan]implied ({len(rep.implied)})[/]")
                 for i in rep.implied:
-                    console.print(f"    [cyan]•[/] {i.rule}: {escape(i.key)} = "
+                    console.print(f"    [cyan]{MARKS['implied']}[/] {i.rule}: {escape(i.key)} = "
                                   f"{escape(str(i.value))} [dim]({escape(i.text)})[/]")
             if rep.not_checked:
                 console.print(f"  [magenta]not checked ({len(rep.not_checked)})[/]")
                 for rid, why in rep.not_checked.items():
-                    console.print(f"    [magenta]?[/] {rid}: {escape(why)}")
+                    console.print(f"    [magenta]{MARKS['not_checked']}[/] {rid}: {escape(why)}")
             if show_config:
                 from rich.table import Table
 

@@ -73,6 +73,11 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
             "backend": spec.backend, "max_position_embeddings": spec.max_position_embeddings,
             "params": spec.param_count, "weights_bytes": spec.served_weight_bytes,
             "weights_exact": spec.weight_bytes_exact, "quantization": spec.quantization,
+            "draft": None if plan.draft is None else {
+                "name": plan.draft.name, "source": plan.draft.source,
+                "layers": plan.draft.num_layers,
+                "weights_bytes": plan.draft.served_weight_bytes,
+                "weights_exact": plan.draft.weight_bytes_exact},
         },
         "workers": inp.workers,
         "mode": plan.mode,
@@ -96,6 +101,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
             "host_blocks_factor": inp.host_blocks_factor,
             "max_seqs_per_batch": inp.max_seqs_per_batch,
             "max_tokens_per_batch": inp.max_tokens_per_batch,
+            "enable_chunked_prefill": inp.enable_chunked_prefill,
             "num_speculative_tokens": inp.num_speculative_tokens,
             "speculative_algorithm": inp.speculative_algorithm,
             "execution_peak_bytes": inp.execution_peak_bytes,
@@ -170,6 +176,11 @@ def render_table(plan: Plan, out: TextIO | None = None, *, explain: bool = False
     s.add_row("model", f"{spec.num_layers} layers, {spec.dtype}, {spec.param_count / 1e9:,.2f}B "
               f"params, weights {human(spec.served_weight_bytes)} "
               f"({'exact' if spec.weight_bytes_exact else 'estimated'})")
+    if plan.draft is not None:
+        d = plan.draft
+        s.add_row("draft model", f"{escape(d.name)}: {d.num_layers} layers, weights "
+                  f"{human(d.served_weight_bytes)} "
+                  f"({'exact' if d.weight_bytes_exact else 'estimated'})")
     s.add_row("context length", f"{plan.context_len:,} tokens")
     fits = "[green]fits[/]" if plan.fits else "[red]does not fit[/]"
     s.add_row("verdict", fits)
@@ -222,8 +233,8 @@ def render_table(plan: Plan, out: TextIO | None = None, *, explain: bool = False
         for w in plan.workers:
             console.print(f"worker {w.index} |{_bar(w)}| {human(w.device_total_bytes)}")
         console.print("[dim]  [magenta]W[/] weights  [yellow]P[/] execution peak  "
-                      "[red]O[/] runtime overhead  [cyan]S[/] resident state  [green]K[/] KV "
-                      "pool  . rest[/]")
+                      "[red]O[/] runtime overhead  [cyan]S[/] resident state[/]\n"
+                      "[dim]  [green]K[/] KV pool  . free[/]")
     for r in plan.reasons:
         colour = {"error": "red", "warning": "yellow"}.get(r.severity, "blue")
         console.print(f"[{colour}]{r.severity}[/] [{escape(r.code)}] {escape(r.message)}"
