@@ -5,7 +5,8 @@ Public API (stable; other packages import these names from here):
 - :class:`VirtualKVCache` — groups of a ``CacheLayout`` over a ``VmmPool`` tenant region.
 - :class:`BlockAllocator` — reference-counted, page-aware allocation; the retention extension
   point for the prefix cache (:class:`RetentionPolicy`, documented in
-  :mod:`xllm_vmm.kvcache.allocator`).
+  :mod:`xllm_vmm.kvcache.allocator`); :class:`Compaction`, what
+  :meth:`VirtualKVCache.compact` did (old → new block ids per group, slots released, bytes).
 - :class:`Admission`, :class:`AdmissionDecision` — AD-01…AD-04 across workers.
 - :class:`SequenceSlots` — resident per-sequence slots (HY-01, AD-03).
 """
@@ -14,6 +15,7 @@ from xllm_vmm.kvcache.admission import Admission, AdmissionDecision, CapacitySou
 from xllm_vmm.kvcache.allocator import (
     BlockAllocator,
     BlockInfo,
+    Compaction,
     GroupShape,
     RetentionPolicy,
     SlotBacking,
@@ -39,6 +41,7 @@ __all__ = [
     "CacheCapacity",
     "CacheLayoutError",
     "CapacitySource",
+    "Compaction",
     "GroupCapacity",
     "GroupGeometry",
     "GroupShape",

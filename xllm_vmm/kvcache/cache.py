@@ -24,10 +24,11 @@ and an active slot has every page under it mapped (:meth:`VirtualKVCache.check_m
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
-from xllm_vmm.kvcache.allocator import BlockAllocator, GroupShape, RetentionPolicy
+from xllm_vmm.kvcache.allocator import BlockAllocator, Compaction, GroupShape, RetentionPolicy
 from xllm_vmm.models.spec import CacheGroup, CacheLayout
 from xllm_vmm.pool.pool import Region, VmmPool
 
@@ -219,6 +220,7 @@ class VirtualKVCache:
             g.name: GroupGeometry(g, n, bps, first, self.region.page_va(first), page)
             for g, n, bps, first in specs
         }
+        self.last_move_error = ""
         self.allocator = BlockAllocator(
             [GroupShape(name, geo.num_slots, geo.blocks_per_slot)
              for name, geo in self.geometry.items()], backing=self, retention=retention)
@@ -266,6 +268,61 @@ class VirtualKVCache:
             for s in ss:
                 pages.extend(geo.slot_pages(s))
         self.pool.unmap_pages(self.region, pages)
+
+    def move(self, moves: Mapping[str, Sequence[tuple[int, int]]]) -> bool:
+        """Copy block ``old`` to block ``new`` for every pair, in every tensor of its group, in
+        one batched device-to-device copy (runs of consecutive blocks are merged into one
+        segment per tensor). Both blocks' slots are active (mapped). ``False`` when the driver
+        refused the copy (its message is in :attr:`last_move_error`); nothing was freed."""
+        from xllm_vmm.vmm.driver import CopyKind, VmmError
+
+        dsts: list[int] = []
+        srcs: list[int] = []
+        sizes: list[int] = []
+        for name, pairs in moves.items():
+            geo = self.geometry[name]
+            bps = geo.blocks_per_slot
+            nb = geo.group.tensor_block_bytes
+            runs: list[tuple[int, int, int]] = []  # (old, new, blocks)
+            for old, new in pairs:
+                if runs:
+                    o, n, c = runs[-1]
+                    if (old == o + c and new == n + c and old // bps == o // bps
+                            and new // bps == n // bps):
+                        runs[-1] = (o, n, c + 1)
+                        continue
+                runs.append((old, new, 1))
+            for t in range(geo.num_tensors):
+                for old, new, c in runs:
+                    dsts.append(geo.block_va(t, new))
+                    srcs.append(geo.block_va(t, old))
+                    sizes.append(c * nb)
+        self.last_move_error = ""
+        if not sizes:
+            return True
+        try:
+            self.pool.driver.copy_batch(dsts, srcs, sizes, CopyKind.D2D)
+            self.pool.driver.synchronize()
+        except VmmError as e:
+            self.last_move_error = f"device-to-device copy failed: {e}"
+            return False
+        return True
+
+    def compact(self, groups: Iterable[str] | None = None, *, max_blocks: int | None = None,
+                exclude: Mapping[str, Iterable[int]] | None = None) -> Compaction:
+        """Move live and cached blocks out of sparsely used slots into free blocks of denser
+        ones and release the emptied slots at once (see
+        :meth:`~xllm_vmm.kvcache.allocator.BlockAllocator.compact` for the choice of slots,
+        pins, ``max_blocks`` and ``exclude``). Call it when the cache is idle or lightly
+        loaded, between engine steps; rewrite every block table with the returned
+        ``moves[group]`` (old → new). Never maps a slot. ``bytes_copied``: device-to-device
+        bytes (every tensor of a group); ``bytes_released``: bytes unmapped."""
+        c = self.allocator.compact(groups, max_blocks=max_blocks, exclude=exclude)
+        copied = sum(len(m) * self.geometry[n].group.tensor_block_bytes
+                     * self.geometry[n].num_tensors for n, m in c.moves.items())
+        released = sum(len(s) * self.geometry[n].slot_bytes
+                       for n, s in c.released_slots.items())
+        return dataclasses.replace(c, bytes_copied=copied, bytes_released=released)
 
     # -- blocks --------------------------------------------------------------------------
     def allocate(self, counts: Mapping[str, int],

@@ -234,6 +234,56 @@ class PrefixCache:
             return
         self._uncache(g, block)
 
+    def can_move(self, group: str, block: int) -> bool:
+        """Compaction may move ``block`` unless a transfer has it pinned (invariant 4: a copy
+        in flight reads or writes it)."""
+        return self._g(group).pins.get(block, 0) == 0
+
+    def on_move(self, group: str, moves: Mapping[int, int]) -> None:
+        """The allocator's compaction moved blocks of ``group`` (``moves``: old → new, contents
+        copied, ref counts and cached flags moved): the index, the LRU (same order and ticks),
+        the per-slot counts and the orphan set follow. Pinned blocks are never moved."""
+        g = self._g(group)
+        if not moves:
+            return
+        backend = self._backend()
+        for old, new in moves.items():
+            if g.pins.get(old, 0):
+                raise PrefixCacheError(f"on_move: block {old} of group {group!r} is pinned by "
+                                       "a transfer and must not move")
+        hashes = [(new, g.block_hash.pop(old)) for old, new in moves.items()
+                  if old in g.block_hash]
+        for new, h in hashes:
+            g.block_hash[new] = h
+            g.hash_to_block[h] = new
+        moved_cached = [(old, new) for old, new in moves.items() if old in g.cached]
+        for old, new in moved_cached:
+            g.cached.discard(old)
+            slot = g.block_slot.pop(old)
+            c = g.slot_cached[slot] - 1
+            if c:
+                g.slot_cached[slot] = c
+            else:
+                del g.slot_cached[slot]
+            if old in g.lru:
+                ev = g.slot_evictable[slot]
+                ev.discard(old)
+                if not ev:
+                    del g.slot_evictable[slot]
+        for old, new in moved_cached:
+            g.cached.add(new)
+            slot = backend.slot_of(group, new)
+            g.block_slot[new] = slot
+            g.slot_cached[slot] = g.slot_cached.get(slot, 0) + 1
+            if old in g.lru:
+                g.slot_evictable.setdefault(slot, set()).add(new)
+        if any(old in g.lru for old in moves):
+            g.lru = OrderedDict((moves.get(b, b), t) for b, t in g.lru.items())
+        for old, new in moves.items():
+            if (group, old) in self._orphans:
+                self._orphans.discard((group, old))
+                self._orphans.add((group, new))
+
     def num_evictable(self, group: str) -> int:
         """Blocks of ``group`` that :meth:`evict` could give up now (cached and not pinned)."""
         return len(self._g(group).lru)
