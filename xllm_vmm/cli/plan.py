@@ -173,6 +173,16 @@ def _render(outcomes: list[_Outcome], fmt: PlanFormat, explain: bool, code: int)
                   f"could not be planned → exit {code}")
 
 
+def _value(flag: str, metavar: str, panel: str, help: str, default=None):
+    """A plan option that takes a value, shown in the help panel ``panel``."""
+    return typer.Option(default, flag, metavar=metavar, rich_help_panel=panel, help=help)
+
+
+def _switch(flag: str, panel: str, help: str):
+    """A plan on/off option (no value), shown in the help panel ``panel``."""
+    return typer.Option(False, flag, metavar="", rich_help_panel=panel, help=help)
+
+
 _IN = "Inputs"
 _DEV = "Device and host"
 _SIZE = "Sizing"
@@ -188,52 +198,45 @@ _OUT = "Output"
 )
 def plan_command(
     ctx: typer.Context,
-    config: List[str] = typer.Option(
-        [], "--config", metavar="FILE", rich_help_panel=_IN,
-        help="TOML file layered under every input (repeatable; later files win)."),
-    config_json_file: Optional[str] = typer.Option(
-        None, "--config_json_file", metavar="FILE", rich_help_panel=_IN,
-        help="The engine's JSON config file; its values override the command line."),
-    cmd: List[str] = typer.Option(
-        [], "--cmd", metavar="'COMMAND'", rich_help_panel=_IN,
-        help="Plan an existing launch command line (repeatable; one report each)."),
-    cmd_file: List[str] = typer.Option(
-        [], "--cmd-file", metavar="FILE", rich_help_panel=_IN,
-        help="Plan the launch command of a shell script (repeatable; one report each)."),
-    no_env: bool = typer.Option(False, "--no-env", metavar="", rich_help_panel=_IN,
-                                help="Ignore XLLM_VMM_* environment variables."),
-    device: Optional[str] = typer.Option(
-        None, "--device", metavar="PROFILE", rich_help_panel=_DEV,
-        help="Device profile: ascend-910b-64g (default), ascend-910b-32g, h200, h100-80g, "
-             "a100-80g, a100-40g, host."),
-    device_memory: Optional[str] = typer.Option(
-        None, "--device-memory", metavar="SIZE", rich_help_panel=_DEV,
-        help="Total memory of one device (e.g. 64GiB); overrides the profile's total."),
-    host_memory: Optional[str] = typer.Option(
-        None, "--host-memory", metavar="SIZE", rich_help_panel=_DEV,
-        help="Host RAM available for the host KV pools of all workers (HK-07); default: this "
-             "host's available memory."),
-    workers: Optional[int] = typer.Option(
-        None, "--workers", metavar="N", rich_help_panel=_DEV,
-        help="Workers (devices) in tensor parallel; default tp_size, or the number of "
-             "--devices."),
-    context_len: Optional[int] = typer.Option(
-        None, "--context-len", metavar="TOKENS", rich_help_panel=_SIZE,
-        help="Tokens of one request (default: the model's max_position_embeddings)."),
-    execution_peak: Optional[str] = typer.Option(
-        None, "--execution-peak", metavar="SIZE", rich_help_panel=_SIZE,
-        help="Execution peak per worker (e.g. 2GiB) instead of the default estimate "
-             "(docs/sizing.md)."),
-    runtime_overhead: Optional[str] = typer.Option(
-        None, "--runtime-overhead", metavar="SIZE", rich_help_panel=_SIZE,
-        help="Memory in use before the pool is sized, per worker, in elastic mode "
-             "(default 1GiB)."),
+    config: List[str] = _value(
+        "--config", "FILE", _IN, "TOML file layered under every input (repeatable; later "
+        "files win).", []),
+    config_json_file: Optional[str] = _value(
+        "--config_json_file", "FILE", _IN, "The engine's JSON config file; its values override "
+        "the command line."),
+    cmd: List[str] = _value(
+        "--cmd", "'COMMAND'", _IN, "Plan an existing launch command line (repeatable; one "
+        "report each).", []),
+    cmd_file: List[str] = _value(
+        "--cmd-file", "FILE", _IN, "Plan the launch command of a shell script (repeatable; one "
+        "report each).", []),
+    no_env: bool = _switch("--no-env", _IN, "Ignore XLLM_VMM_* environment variables."),
+    device: Optional[str] = _value(
+        "--device", "PROFILE", _DEV, "Device profile: ascend-910b-64g (default), "
+        "ascend-910b-32g, h200, h100-80g, a100-80g, a100-40g, host."),
+    device_memory: Optional[str] = _value(
+        "--device-memory", "SIZE", _DEV, "Total memory of one device (e.g. 64GiB); overrides "
+        "the profile's total."),
+    host_memory: Optional[str] = _value(
+        "--host-memory", "SIZE", _DEV, "Host RAM available for the host KV pools of all "
+        "workers (HK-07); default: this host's available memory."),
+    workers: Optional[int] = _value(
+        "--workers", "N", _DEV, "Workers (devices) in tensor parallel; default tp_size, or the "
+        "number of --devices."),
+    context_len: Optional[int] = _value(
+        "--context-len", "TOKENS", _SIZE, "Tokens of one request (default: the model's "
+        "max_position_embeddings)."),
+    execution_peak: Optional[str] = _value(
+        "--execution-peak", "SIZE", _SIZE, "Execution peak per worker (e.g. 2GiB) instead of "
+        "the default estimate (docs/sizing.md)."),
+    runtime_overhead: Optional[str] = _value(
+        "--runtime-overhead", "SIZE", _SIZE, "Memory in use before the pool is sized, per "
+        "worker, in elastic mode (default 1GiB)."),
     fmt: PlanFormat = typer.Option(PlanFormat.table, "--format", "-f", rich_help_panel=_OUT,
                                    help="Output format."),
-    explain: bool = typer.Option(False, "--explain", metavar="", rich_help_panel=_OUT,
-                                 help="Print the formula of every figure with its numbers."),
-    list_models: bool = typer.Option(False, "--list-models", metavar="", rich_help_panel=_OUT,
-                                     help="List the model catalogue and exit."),
+    explain: bool = _switch("--explain", _OUT, "Print the formula of every figure with its "
+                            "numbers."),
+    list_models: bool = _switch("--list-models", _OUT, "List the model catalogue and exit."),
 ) -> None:
     """Size serving configurations before anything is loaded: weights, KV bytes per token,
     block and page, the arena, the physical budget of the mode, the host pool, capacity and

@@ -111,6 +111,20 @@ class Finding:
         return out
 
 
+class HasFindings:
+    """Mixin for anything with a ``findings`` list: its errors and warnings."""
+
+    findings: list[Finding]
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "error"]
+
+    @property
+    def warnings(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "warning"]
+
+
 @dataclass(frozen=True)
 class Implied:
     """A value set by an implied rule. ``key`` is a flag name (the value then appears in the

@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from xllm_vmm.config.findings import Finding, Implied, Source
+from xllm_vmm.config.findings import Finding, HasFindings, Implied, Source
 
 JSON_SCHEMA_VERSION = 1
 
@@ -26,20 +26,12 @@ MARKS = {"error": "✗", "warning": "!", "implied": "•", "not_checked": "?"}
 
 
 @dataclass
-class Result:
+class Result(HasFindings):
     """One checked input."""
 
     label: str
     report: object | None  # rules.Report
     findings: list[Finding] = field(default_factory=list)  # input findings + report findings
-
-    @property
-    def errors(self) -> list[Finding]:
-        return [f for f in self.findings if f.severity == "error"]
-
-    @property
-    def warnings(self) -> list[Finding]:
-        return [f for f in self.findings if f.severity == "warning"]
 
     @property
     def unreadable(self) -> bool:

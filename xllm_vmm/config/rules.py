@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from xllm_vmm.config.catalogue import FLAGS, format_value
-from xllm_vmm.config.findings import Finding, Implied
+from xllm_vmm.config.findings import Finding, HasFindings, Implied
 from xllm_vmm.config.loader import ResolvedConfig
 from xllm_vmm.config.values import format_size, parse_devices
 
@@ -205,7 +205,7 @@ RULES: dict[str, Rule] = {r.id: r for r in [
 
 
 @dataclass
-class Report:
+class Report(HasFindings):
     """The outcome of :func:`check`.
 
     ``findings``: errors and warnings, each with rule id, flags (name → value) and sources
@@ -219,14 +219,6 @@ class Report:
     implied: list[Implied] = field(default_factory=list)
     not_checked: dict[str, str] = field(default_factory=dict)
     model: str | None = None  # the model the model rules were checked against
-
-    @property
-    def errors(self) -> list[Finding]:
-        return [f for f in self.findings if f.severity == "error"]
-
-    @property
-    def warnings(self) -> list[Finding]:
-        return [f for f in self.findings if f.severity == "warning"]
 
     def exit_code(self, strict: bool = False) -> int:
         """0 valid, 1 errors (or warnings with ``strict``)."""
@@ -264,9 +256,11 @@ class _Ctx:
 
     def finding(self, rule_id: str, message: str, names: tuple[str, ...], hint: str,
                 severity: str | None = None) -> Finding:
+        """A finding of ``rule_id`` (its message prefixed with the id) naming ``names`` with
+        their values and provenance."""
         rule = RULES[rule_id]
         sev = severity or ("error" if rule.severity == "error" else "warning")
-        return Finding(rule_id, sev, message,
+        return Finding(rule_id, sev, f"{rule_id}: {message}",
                        flags={n: self.cfg[n] for n in names},
                        sources={n: self.cfg.provenance(n) for n in names}, hint=hint,
                        input=self.cfg.label)
@@ -294,6 +288,32 @@ def _not_checked(rule_id: str, reason: str) -> tuple[str, str]:
     return (rule_id, reason)
 
 
+def _model_rule(rule_id: str, applies: Callable[[_Ctx], bool]):
+    """A model rule: when ``applies(x)``, the decorated ``fn(x, model)`` runs with the model,
+    or the rule is listed as not checked (with why the model is unknown)."""
+    def deco(fn: Callable[[_Ctx, object], _Out]):
+        def run(x: _Ctx) -> _Out:
+            if not applies(x):
+                return
+            if x.model is None:
+                yield _not_checked(rule_id, x.model_reason)
+                return
+            yield from fn(x, x.model)
+        _rule(rule_id)(run)
+        return fn
+    return deco
+
+
+def _flag_rule(rule_id: str, applies: Callable[[_Ctx], bool], names: tuple[str, ...],
+               message: str, hint: str) -> None:
+    """A rule decided by flags alone: when ``applies(x)``, a finding ``message`` followed by
+    the flags ``names`` with their values and sources."""
+    def run(x: _Ctx) -> _Out:
+        if applies(x):
+            yield x.finding(rule_id, f"{message} ({x.d(*names)})", names, hint)
+    _rule(rule_id)(run)
+
+
 # ----------------------------------------------------------------------------- enabling VMM
 
 
@@ -314,7 +334,7 @@ def _vmm01(x: _Ctx) -> _Out:
     if bad:
         on = [n for n in ("enable_vmm_kvcache", "enable_vmm_weights") if x.cfg[n]]
         yield x.finding(
-            "VMM-01", f"VMM-01: {x.d(*on)} needs a device kind with a VMM driver, but "
+            "VMM-01", f"{x.d(*on)} needs a device kind with a VMM driver, but "
             f"{x.d('devices')} uses {', '.join(bad)}",
             ("devices", *on),
             f"serve on {', '.join(VMM_DEVICE_KINDS)} devices, or turn VMM off "
@@ -333,7 +353,7 @@ def _vmm_impl(x: _Ctx) -> _Out:
         loader = x.cfg.provenance("enable_manual_loader")
         if x.cfg.explicit("enable_manual_loader") and not x.cfg["enable_manual_loader"]:
             yield x.finding(
-                "VMM-04", f"VMM-04: {x.d('enable_manual_loader')} is overridden: "
+                "VMM-04", f"{x.d('enable_manual_loader')} is overridden: "
                 f"{x.d('enable_vmm_weights')} always uses the manual loader",
                 ("enable_manual_loader", "enable_vmm_weights"),
                 "remove enable_manual_loader=false", severity="warning")
@@ -360,7 +380,7 @@ def _vmm06(x: _Ctx) -> _Out:
         names.append("max_cache_size")
         note = "; max_cache_size then limits the physical KV cache, not a VMM pool"
     yield x.finding(
-        "VMM-06", f"VMM-06: {x.d(*names)} has no effect: neither enable_vmm_kvcache nor "
+        "VMM-06", f"{x.d(*names)} has no effect: neither enable_vmm_kvcache nor "
         f"enable_vmm_weights is on{note}", tuple(names),
         "turn on --enable_vmm_kvcache=true (or --enable_vmm_weights=true), or remove "
         + ", ".join(n for n in names if n != "max_cache_size"))
@@ -389,7 +409,7 @@ def _w01(x: _Ctx) -> _Out:
         return
     if backend != "llm":
         yield x.finding(
-            "W-01", f"W-01: {x.d('enable_vmm_weights')} supports only the llm backend, but the "
+            "W-01", f"{x.d('enable_vmm_weights')} supports only the llm backend, but the "
             f"backend is {backend} ({how})", ("enable_vmm_weights", "backend"),
             "turn weight VMM off (--enable_vmm_weights=false); KV VMM alone "
             "(--enable_vmm_kvcache=true) works with other backends")
@@ -399,23 +419,19 @@ def _w01(x: _Ctx) -> _Out:
 def _w03(x: _Ctx) -> _Out:
     if x.w and not x.kv and not x.cfg["vmm_elastic"]:
         yield x.finding(
-            "W-03", f"W-03: weight-only VMM ({x.d('enable_vmm_weights', 'enable_vmm_kvcache')}) "
+            "W-03", f"weight-only VMM ({x.d('enable_vmm_weights', 'enable_vmm_kvcache')}) "
             f"needs an elastic pool, but {x.d('vmm_elastic')}: a fixed weight pool would take "
             "memory the physical KV cache needs",
             ("enable_vmm_weights", "enable_vmm_kvcache", "vmm_elastic"),
             "add --vmm_elastic=true, or also enable --enable_vmm_kvcache=true")
 
 
-@_rule("W-04")
-def _w04(x: _Ctx) -> _Out:
-    if not x.w:
-        return
-    if x.model is None:
-        yield _not_checked("W-04", x.model_reason)
-    elif x.model.is_hybrid:
+@_model_rule("W-04", lambda x: x.w)
+def _w04(x: _Ctx, model) -> _Out:
+    if model.is_hybrid:
         yield x.finding(
-            "W-04", f"W-04: {x.d('enable_vmm_weights')} is not supported for the hybrid model "
-            f"{x.model.name} (linear-attention / SSM layers)", ("enable_vmm_weights", "model"),
+            "W-04", f"{x.d('enable_vmm_weights')} is not supported for the hybrid model "
+            f"{model.name} (linear-attention / SSM layers)", ("enable_vmm_weights", "model"),
             "turn weight VMM off (--enable_vmm_weights=false)")
 
 
@@ -425,7 +441,7 @@ def _w05(x: _Ctx) -> _Out:
         names = ("enable_vmm_weights", "speculative_algorithm", "draft_model",
                  "num_speculative_tokens")
         yield x.finding(
-            "W-05", f"W-05: {x.d('enable_vmm_weights')} is not supported with an external draft "
+            "W-05", f"{x.d('enable_vmm_weights')} is not supported with an external draft "
             f"model ({x.d(*names[1:])})", names,
             "turn weight VMM off (--enable_vmm_weights=false), or use MTP")
 
@@ -448,7 +464,7 @@ def _pc(x: _Ctx) -> _Out:
                       "exists")
     if x.cfg["enable_service_routing"]:
         yield x.finding(
-            "PC-03", f"PC-03: {x.d('enable_service_routing')} expects KV cache events, but they "
+            "PC-03", f"{x.d('enable_service_routing')} expects KV cache events, but they "
             f"are not published for VMM blocks ({x.d('enable_vmm_kvcache', 'enable_prefix_cache')})",
             ("enable_service_routing", "enable_vmm_kvcache", "enable_prefix_cache"),
             "route without cache events, or use the physical KV cache for cache-aware routing")
@@ -461,18 +477,18 @@ def _pc(x: _Ctx) -> _Out:
 def _hk(x: _Ctx) -> _Out:
     f = x.cfg["host_blocks_factor"]
     if f < 0:
-        yield x.finding("HK-08", f"HK-08: {x.d('host_blocks_factor')} is negative",
+        yield x.finding("HK-08", f"{x.d('host_blocks_factor')} is negative",
                         ("host_blocks_factor",),
                         "set host_blocks_factor to 0 (off) or above 1 (host tier on)")
         return
     if 0 < f <= 1:
         yield x.finding(
-            "HK-03", f"HK-03: {x.d('host_blocks_factor')} keeps no blocks in host memory: host "
+            "HK-03", f"{x.d('host_blocks_factor')} keeps no blocks in host memory: host "
             "retention needs a factor above 1", ("host_blocks_factor",),
             "set host_blocks_factor above 1 (e.g. 2) to retain blocks, or 0 to say it is off")
     if f > 1 and not x.prefix:
         yield x.finding(
-            "HK-02", f"HK-02: {x.d('host_blocks_factor')} has no effect with "
+            "HK-02", f"{x.d('host_blocks_factor')} has no effect with "
             f"{x.d('enable_prefix_cache')}: no blocks are retained in host memory",
             ("host_blocks_factor", "enable_prefix_cache"),
             "add --enable_prefix_cache=true, or remove host_blocks_factor")
@@ -483,7 +499,7 @@ def _hk(x: _Ctx) -> _Out:
                   "VMM blocks")
     if x.cfg["kv_cache_dtype"] != "auto":
         yield x.finding(
-            "HK-04", f"HK-04: host KV offload ({x.d('host_blocks_factor')}) needs "
+            "HK-04", f"host KV offload ({x.d('host_blocks_factor')}) needs "
             f"kv_cache_dtype=auto, but {x.d('kv_cache_dtype')}",
             ("host_blocks_factor", "kv_cache_dtype"),
             "set --kv_cache_dtype=auto, or turn host offload off (--host_blocks_factor=0)")
@@ -514,7 +530,7 @@ def _hk05(x: _Ctx) -> _Out:
             reasons.append(f"the conv/SSM caches of the hybrid model {x.model.name}")
     if reasons:
         yield x.finding(
-            "HK-05", f"HK-05: host KV offload ({x.d('host_blocks_factor')}) does not support "
+            "HK-05", f"host KV offload ({x.d('host_blocks_factor')}) does not support "
             + " and ".join(reasons), ("host_blocks_factor", "enable_vmm_kvcache", "model"),
             "turn host offload off (--host_blocks_factor=0)")
     elif x.model is None:
@@ -543,61 +559,39 @@ def _sd01(x: _Ctx) -> _Out:
 def _sd02(x: _Ctx) -> _Out:
     if x.kv and x.eagle3:
         yield x.finding(
-            "SD-02", f"SD-02: an embedded Eagle3 draft ({x.d('speculative_algorithm')}) is not "
+            "SD-02", f"an embedded Eagle3 draft ({x.d('speculative_algorithm')}) is not "
             f"supported with {x.d('enable_vmm_kvcache')}",
             ("speculative_algorithm", "enable_vmm_kvcache"),
             "turn KV VMM off (--enable_vmm_kvcache=false) or use another algorithm (e.g. MTP)")
 
 
-@_rule("SD-03")
-def _sd03(x: _Ctx) -> _Out:
-    if x.kv and x.spec and x.cfg["enable_disagg_pd"]:
-        names = ("num_speculative_tokens", "enable_disagg_pd", "enable_vmm_kvcache")
-        yield x.finding(
-            "SD-03", f"SD-03: speculative decoding with PD disaggregation is not supported with "
-            f"virtual KV cache ({x.d(*names)})", names,
-            "set --num_speculative_tokens=0, or --enable_vmm_kvcache=false")
+_flag_rule("SD-03", lambda x: x.kv and x.spec and x.cfg["enable_disagg_pd"],
+           ("num_speculative_tokens", "enable_disagg_pd", "enable_vmm_kvcache"),
+           "speculative decoding with PD disaggregation is not supported with virtual KV cache",
+           "set --num_speculative_tokens=0, or --enable_vmm_kvcache=false")
+_flag_rule("SD-04", lambda x: x.kv and x.cfg["enable_task_pipeline"],
+           ("enable_task_pipeline", "enable_vmm_kvcache"),
+           "the task pipeline does not support virtual KV cache",
+           "set --enable_task_pipeline=false (or --noenable_task_pipeline)")
+_flag_rule("SD-05", lambda x: x.spec and not x.cfg["draft_model"]
+           and str(x.cfg["speculative_algorithm"]).strip().lower() == "mtp",
+           ("num_speculative_tokens", "speculative_algorithm", "draft_model"),
+           "MTP speculative decoding needs the draft model path",
+           "add --draft_model=/path/to/mtp, or set --num_speculative_tokens=0")
 
 
-@_rule("SD-04")
-def _sd04(x: _Ctx) -> _Out:
-    if x.kv and x.cfg["enable_task_pipeline"]:
-        names = ("enable_task_pipeline", "enable_vmm_kvcache")
-        yield x.finding(
-            "SD-04", f"SD-04: the task pipeline does not support virtual KV cache ({x.d(*names)})",
-            names, "set --enable_task_pipeline=false (or --noenable_task_pipeline)")
-
-
-@_rule("SD-05")
-def _sd05(x: _Ctx) -> _Out:
-    c = x.cfg
-    if x.spec and str(c["speculative_algorithm"]).strip().lower() == "mtp" and not c["draft_model"]:
-        names = ("num_speculative_tokens", "speculative_algorithm", "draft_model")
-        yield x.finding(
-            "SD-05", f"SD-05: MTP speculative decoding needs the draft model path "
-            f"({x.d(*names)})", names,
-            "add --draft_model=/path/to/mtp, or set --num_speculative_tokens=0")
-
-
-@_rule("HY-01")
-def _hy01(x: _Ctx) -> _Out:
-    if not x.kv:
-        return
-    if x.model is None:
-        yield _not_checked("HY-01", x.model_reason)
-    elif x.model.is_hybrid:
+@_model_rule("HY-01", lambda x: x.kv)
+def _hy01(x: _Ctx, model) -> _Out:
+    if model.is_hybrid:
         yield Implied("HY-01", "linear_state", "resident",
                       "only full-attention KV tensors use VMM; conv and recurrent states stay "
                       "resident, reserved outside the KV page pool")
 
 
-@_rule("QK-01")
-def _qk01(x: _Ctx) -> _Out:
-    if x.kv and x.cfg["kv_cache_dtype"] != "auto":
-        names = ("kv_cache_dtype", "enable_vmm_kvcache")
-        yield x.finding(
-            "QK-01", f"QK-01: quantized KV cache is not supported with KV VMM ({x.d(*names)})",
-            names, "set --kv_cache_dtype=auto, or --enable_vmm_kvcache=false")
+_flag_rule("QK-01", lambda x: x.kv and x.cfg["kv_cache_dtype"] != "auto",
+           ("kv_cache_dtype", "enable_vmm_kvcache"),
+           "quantized KV cache is not supported with KV VMM",
+           "set --kv_cache_dtype=auto, or --enable_vmm_kvcache=false")
 
 
 # ----------------------------------------------------------------------------- elastic, budget
@@ -623,20 +617,20 @@ def _el_ratio(x: _Ctx) -> _Out:
     if x.kv_elastic:
         if not 0 <= u <= 1:
             yield x.finding(
-                "EL-04", f"EL-04: {x.d('max_memory_utilization')} is not a ratio in [0, 1] "
+                "EL-04", f"{x.d('max_memory_utilization')} is not a ratio in [0, 1] "
                 "(it is ignored by the elastic pool, but must still be a ratio)",
                 ("max_memory_utilization", "vmm_elastic"),
                 "remove max_memory_utilization (max_cache_size is the elastic pool's quota)")
         elif x.cfg.explicit("max_memory_utilization"):
             yield x.finding(
-                "EL-02", f"EL-02: {x.d('max_memory_utilization')} has no effect with "
+                "EL-02", f"{x.d('max_memory_utilization')} has no effect with "
                 f"{x.d('vmm_elastic')}: the elastic pool ignores the ratio",
                 ("max_memory_utilization", "vmm_elastic"),
                 "remove max_memory_utilization; use max_cache_size as the byte quota")
     elif not 0 < u <= 1:
         mode = "fixed VMM pool" if x.kv else "physical KV cache"
         yield x.finding(
-            "EL-03", f"EL-03: the {mode} is sized by max_memory_utilization, which must be in "
+            "EL-03", f"the {mode} is sized by max_memory_utilization, which must be in "
             f"(0, 1], but {x.d('max_memory_utilization')}",
             ("max_memory_utilization",), "set max_memory_utilization to e.g. 0.8")
 
@@ -645,22 +639,17 @@ def _el_ratio(x: _Ctx) -> _Out:
 def _el05(x: _Ctx) -> _Out:
     for n in ("max_cache_size", "vmm_memory_reserve_bytes"):
         if x.cfg[n] < 0:
-            yield x.finding("EL-05", f"EL-05: {x.d(n)} is negative", (n,),
+            yield x.finding("EL-05", f"{x.d(n)} is negative", (n,),
                             f"set {n} to 0 or a positive number of bytes")
 
 
-@_rule("EL-06")
-def _el06(x: _Ctx) -> _Out:
+@_model_rule("EL-06", lambda x: x.kv and x.cfg["max_cache_size"] > 0)
+def _el06(x: _Ctx, model) -> _Out:
     quota = x.cfg["max_cache_size"]
-    if not (x.kv and quota > 0):
-        return
-    if x.model is None:
-        yield _not_checked("EL-06", x.model_reason)
-        return
     from xllm_vmm.models import ModelConfigError, cache_layout
 
     try:
-        layout = cache_layout(x.model, workers=int(x.cfg["tp_size"]),
+        layout = cache_layout(model, workers=int(x.cfg["tp_size"]),
                               block_size=int(x.cfg["block_size"]),
                               kv_dtype=str(x.cfg["kv_cache_dtype"]), draft=x.mtp)
     except ModelConfigError as err:
@@ -671,8 +660,8 @@ def _el06(x: _Ctx) -> _Out:
     least = tensors * page
     if quota < least:
         yield x.finding(
-            "EL-06", f"EL-06: {x.d('max_cache_size')} is below the least the pool can map for "
-            f"{x.model.name}: one {format_size(page)} page for each of its {tensors} VMM tensors "
+            "EL-06", f"{x.d('max_cache_size')} is below the least the pool can map for "
+            f"{model.name}: one {format_size(page)} page for each of its {tensors} VMM tensors "
             f"per worker = {format_size(least)} ({least} bytes)",
             ("max_cache_size", "phy_page_granularity_size", "tp_size"),
             f"set --max_cache_size to at least {least} ({format_size(least)}), or 0 for no quota")
@@ -688,7 +677,7 @@ def _el08(x: _Ctx) -> _Out:
                                     "--device-memory or --device PROFILE)")
     elif r > x.device_memory:
         yield x.finding(
-            "EL-08", f"EL-08: {x.d('vmm_memory_reserve_bytes')} is more than the device's "
+            "EL-08", f"{x.d('vmm_memory_reserve_bytes')} is more than the device's "
             f"{format_size(x.device_memory)}: the pool could never grow",
             ("vmm_memory_reserve_bytes",),
             f"lower vmm_memory_reserve_bytes well below {x.device_memory}")
@@ -701,7 +690,7 @@ def _pd01(x: _Ctx) -> _Out:
             and str(c["kv_cache_transfer_type"]).strip().lower() == "mooncake"):
         names = ("kv_cache_transfer_type", "enable_disagg_pd", "vmm_elastic")
         yield x.finding(
-            "PD-01", f"PD-01: PD KV transfer over Mooncake needs a fully resident pool, but "
+            "PD-01", f"PD KV transfer over Mooncake needs a fully resident pool, but "
             f"{x.d(*names)}", names,
             "set --vmm_elastic=false and a positive --max_memory_utilization (e.g. 0.8)")
 
