@@ -54,6 +54,15 @@ class FakeBacking:
             for s in ss:
                 self.active.remove((g, s))
 
+    move_ok = True  # False: the copy "fails" (compaction must change nothing)
+    last_move_error = ""
+
+    def move(self, moves):
+        self.calls.append(("move", {k: list(v) for k, v in moves.items()}))
+        if not self.move_ok:
+            self.last_move_error = "injected copy failure"
+        return self.move_ok
+
 
 class KeepAllPolicy:
     """Keeps every block whose ref drops to 0 (unless ``keep`` is False); evicts in release
@@ -77,6 +86,15 @@ class KeepAllPolicy:
 
     def num_evictable(self, group):
         return sum(1 for g, _ in self.lru if g == group)
+
+    pinned: set = frozenset()  # (group, block) a "transfer" holds: compaction must not move
+
+    def can_move(self, group, block):
+        return (group, block) not in self.pinned
+
+    def on_move(self, group, moves):
+        self.calls.append(("move", group, dict(moves)))
+        self.lru = {(g, moves.get(b, b) if g == group else b): None for g, b in self.lru}
 
     def evict(self, group, n_blocks, prefer_slot_emptying=True):
         self.calls.append(("evict", group, n_blocks, prefer_slot_emptying))

@@ -165,6 +165,24 @@ def _replay_freelist(ops: list[_Op], pool: FreeListBlockPool) -> float:
 
 
 def _replay_allocator(ops: list[_Op], alloc: Any) -> float:
+    """The allocator on the trace through its one-group API (``allocate_group`` /
+    ``free(group, blocks)``: lists in, lists out, like the free list's)."""
+    held: dict[int, list[int]] = {}
+    t0 = time.perf_counter()
+    for op in ops:
+        if op.kind == "alloc":
+            mine = held.get(op.seq)
+            got = alloc.allocate_group("attn", op.n, mine[-1] if mine else -1)
+            if got is None:
+                raise RuntimeError("allocator ran out of blocks on the benchmark trace")
+            held.setdefault(op.seq, []).extend(got)
+        elif op.kind == "free":
+            alloc.free("attn", held.pop(op.seq))
+    return time.perf_counter() - t0
+
+
+def _replay_allocator_groups(ops: list[_Op], alloc: Any) -> float:
+    """The same through the several-groups API (``allocate({group: n}, near)``, dicts)."""
     held: dict[int, list[int]] = {}
     t0 = time.perf_counter()
     for op in ops:
@@ -223,6 +241,8 @@ def _fragmentation(ops: list[_Op], cfg: KvBenchConfig, num_slots: int, generated
     live = 0
     peak_mapped = peak_floor = fl_peak = 0
     idle = fl_idle = None
+    compaction = None
+    t_compact = 0.0
     t_cache = 0.0
     for op in ops:
         if op.kind == "alloc":
@@ -258,7 +278,18 @@ def _fragmentation(ops: list[_Op], cfg: KvBenchConfig, num_slots: int, generated
         floor = -(-live // bps) * slot_bytes
         mapped = pool.mapped_bytes
         if op.kind == "idle":
-            idle = (mapped, floor, fl_touched * slot_bytes)
+            before = mapped
+            # the scheduler compacts the idle cache and rewrites its block tables
+            t0 = time.perf_counter()
+            comp = cache.compact()
+            t_compact = time.perf_counter() - t0
+            moves = comp.moves["attn"]
+            if moves:
+                for blocks in held.values():
+                    blocks[:] = [moves.get(b, b) for b in blocks]
+            compaction = comp
+            mapped = pool.mapped_bytes
+            idle = (mapped, floor, fl_touched * slot_bytes, before)
         peak_mapped = max(peak_mapped, mapped)
         peak_floor = max(peak_floor, floor)
         fl_peak = max(fl_peak, fl_touched * slot_bytes)
@@ -266,11 +297,12 @@ def _fragmentation(ops: list[_Op], cfg: KvBenchConfig, num_slots: int, generated
     pool.close()
     driver.close()
     if idle is None or idle[1] == 0:
-        idle_ratio = fl_idle_ratio = 1.0
-        idle_mapped = idle_floor = 0
+        idle_ratio = fl_idle_ratio = before_ratio = 1.0
+        idle_mapped = idle_floor = before_mapped = 0
     else:
-        idle_mapped, idle_floor, fl_idle = idle
+        idle_mapped, idle_floor, fl_idle, before_mapped = idle
         idle_ratio = idle_mapped / idle_floor
+        before_ratio = before_mapped / idle_floor
         fl_idle_ratio = fl_idle / idle_floor
     return {
         "model_layers": cfg.layers,
@@ -283,6 +315,12 @@ def _fragmentation(ops: list[_Op], cfg: KvBenchConfig, num_slots: int, generated
         "idle_mapped_bytes": idle_mapped,
         "idle_packed_floor_bytes": idle_floor,
         "idle_footprint_ratio": idle_ratio,
+        "idle_footprint_ratio_before_compaction": before_ratio,
+        "idle_mapped_bytes_before_compaction": before_mapped,
+        "compaction_bytes_copied": compaction.bytes_copied if compaction else 0,
+        "compaction_blocks_moved": compaction.blocks_moved if compaction else 0,
+        "compaction_bytes_released": compaction.bytes_released if compaction else 0,
+        "compaction_ms": t_compact * 1e3,
         "freelist_peak_footprint_ratio": fl_peak / peak_floor if peak_floor else 1.0,
         "freelist_idle_footprint_ratio": fl_idle_ratio,
         "map_calls": stats.map_calls,
@@ -304,11 +342,13 @@ def run_kvcache_bench(cfg: KvBenchConfig = KvBenchConfig()) -> dict[str, Any]:
     n_alloc = sum(1 for op in ops if op.kind != "idle")
 
     # throughput: best of `repeats` on fresh pools (bookkeeping only)
-    fl_best = al_best = float("inf")
+    fl_best = al_best = gr_best = float("inf")
     for _ in range(max(1, cfg.repeats)):
         fl_best = min(fl_best, _replay_freelist(ops, FreeListBlockPool(num_slots * bps)))
         alloc = BlockAllocator([GroupShape("attn", num_slots, bps)], _NullBacking())
         al_best = min(al_best, _replay_allocator(ops, alloc))
+        alloc = BlockAllocator([GroupShape("attn", num_slots, bps)], _NullBacking())
+        gr_best = min(gr_best, _replay_allocator_groups(ops, alloc))
 
     frag = _fragmentation(ops, cfg, num_slots, generated)
 
@@ -340,6 +380,7 @@ def run_kvcache_bench(cfg: KvBenchConfig = KvBenchConfig()) -> dict[str, Any]:
         "freelist_ops_per_s": n_alloc / fl_best,
         "alloc_ops_per_s": n_alloc / al_best,
         "alloc_vs_freelist_ratio": fl_best / al_best,
+        "alloc_groups_api_vs_freelist_ratio": fl_best / gr_best,
         "cache_ops_per_s": n_alloc / frag["cache_seconds"],
         "cache_vs_freelist_ratio": fl_best / frag["cache_seconds"],
         "admission_us": adm_s * 1e6,
