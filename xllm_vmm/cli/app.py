@@ -28,7 +28,8 @@ def _version(value: bool) -> None:
 @app.callback()
 def _root(
     version: Optional[bool] = typer.Option(
-        None, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+        None, "--version", callback=_version, is_eager=True, metavar="",
+        help="Print the version and exit."
     ),
 ) -> None:
     """xllm-vmm: KV cache and weights in a virtual-memory pool."""
@@ -39,6 +40,8 @@ def _root(
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
                       "help_option_names": []},
     add_help_option=False,
+    short_help="Check configurations (TOML, engine JSON, launch commands, --FLAG=VALUE) against "
+               "every rule of the VMM specification.",
 )
 def _check_config(ctx: typer.Context) -> None:
     """Check serving configurations (TOML, engine JSON, launch commands, --FLAG=VALUE) against

@@ -200,7 +200,7 @@ def render_table(plan: Plan, out: TextIO | None = None, *, explain: bool = False
                       f"{gp.blocks_per_page:,}", f"{gp.slot_bytes:,}", f"{gp.blocks:,}")
         console.print(g)
         W = len(plan.workers)
-        m = Table(title=f"Memory (per worker; total over {W} workers)")
+        m = Table(title=f"Memory (per worker; total over {W} worker{'s' if W != 1 else ''})")
         m.add_column("figure")
         m.add_column("per worker", justify="right")
         m.add_column("total", justify="right")
@@ -234,7 +234,7 @@ def render_table(plan: Plan, out: TextIO | None = None, *, explain: bool = False
             console.print(f"worker {w.index} |{_bar(w)}| {human(w.device_total_bytes)}")
         console.print("[dim]  [magenta]W[/] weights  [yellow]P[/] execution peak  "
                       "[red]O[/] runtime overhead  [cyan]S[/] resident state[/]\n"
-                      "[dim]  [green]K[/] KV pool  . free[/]")
+                      "[dim]  [green]K[/] KV pool  . rest[/]")
     for r in plan.reasons:
         colour = {"error": "red", "warning": "yellow"}.get(r.severity, "blue")
         console.print(f"[{colour}]{r.severity}[/] [{escape(r.code)}] {escape(r.message)}"
