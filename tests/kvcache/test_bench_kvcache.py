@@ -24,6 +24,23 @@ def test_bench_kvcache_json_reports_the_named_fields():
     assert out["peak_mapped_bytes"] >= out["peak_packed_floor_bytes"] > 0
     assert out["blocks_per_slot"] == 8 and out["slot_bytes"] == 4 * (2 << 20)
     assert out["map_calls"] >= 1 and out["generated_tokens"] > 0
+    assert isinstance(out["alloc_groups_api_vs_freelist_ratio"], float)
+    # compaction at the idle point never leaves more than the packed floor plus one slot
+    assert out["idle_footprint_ratio_before_compaction"] >= out["idle_footprint_ratio"]
+    assert out["idle_mapped_bytes"] - out["idle_packed_floor_bytes"] < out["slot_bytes"]
+    assert out["compaction_bytes_copied"] == out["compaction_blocks_moved"] * 2 * 2 * (1 << 18)
+    assert (out["idle_mapped_bytes_before_compaction"] - out["idle_mapped_bytes"]
+            == out["compaction_bytes_released"])
+
+
+def test_default_trace_meets_the_footprint_targets_after_compaction():
+    from xllm_vmm.bench.kvcache import run_kvcache_bench
+
+    out = run_kvcache_bench(KvBenchConfig(repeats=1))
+    assert out["idle_footprint_ratio"] == 1.0 and out["peak_footprint_ratio"] == 1.0
+    assert round(out["idle_footprint_ratio_before_compaction"], 4) == 2.3958
+    assert out["compaction_blocks_moved"] == 97
+    assert out["compaction_bytes_copied"] == 97 * 36 * 2 * 128 * 8 * 128 * 2
 
 
 def test_bench_kvcache_refuses_bad_options_by_name():

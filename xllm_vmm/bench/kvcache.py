@@ -5,7 +5,9 @@ measured in the same run (absolute times move from run to run on shared machines
 
 - ``alloc_vs_freelist_ratio``: operations per second of the page-aware
   :class:`~xllm_vmm.kvcache.BlockAllocator` (bookkeeping only: a backing that maps nothing)
-  over those of :class:`FreeListBlockPool` on the same allocate/free trace. Target ≥ 0.5.
+  over those of :class:`FreeListBlockPool` on the same allocate/free trace, both called with
+  lists (the allocator's one-group ``allocate_group`` / ``free(group, blocks)``). Target ≥ 0.5.
+  ``alloc_groups_api_vs_freelist_ratio`` is the same through the several-groups dict API.
   ``cache_vs_freelist_ratio`` is the same for the whole stack (cache + pool + driver, mapping
   slots on the selected driver).
 - ``admission_us``: the cost of one admission decision (:meth:`Admission.check_prefill`), and
@@ -16,7 +18,12 @@ measured in the same run (absolute times move from run to run on shared machines
   times; a fraction are long-running and outlive the burst.
   ``peak_footprint_ratio`` = peak mapped bytes / peak packed floor, and
   ``idle_footprint_ratio`` = mapped bytes / packed floor once every short sequence has finished
-  (only the long tail left). The packed floor is the live blocks of each group rounded up to
+  (only the long tail left), after the scheduler compacted the cache at that point
+  (:meth:`~xllm_vmm.kvcache.VirtualKVCache.compact`; it rewrites its block tables with the
+  moves and the long tail keeps decoding in the moved blocks);
+  ``idle_footprint_ratio_before_compaction`` is the figure before, and
+  ``compaction_bytes_copied`` / ``compaction_blocks_moved`` / ``compaction_bytes_released`` /
+  ``compaction_ms`` what the compaction cost and gave back. The packed floor is the live blocks of each group rounded up to
   whole slots. Targets: idle ≤ 1.15 (the best published system reports 1.4), peak ≤ 1.1.
   ``freelist_idle_footprint_ratio`` / ``freelist_peak_footprint_ratio`` are what mapping the
   slots a FIFO free list touches would hold on the same trace.
