@@ -23,6 +23,10 @@
 
 #define HV_START_BIT 1ull /* page-table entry: this page is the first page of its mapping */
 #define HV_PENDING_FREE 1u
+#define HV_USED 2u /* the handle has been mapped before: its pages are no longer fresh */
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux >= 5.14 */
+#endif
 
 typedef struct {
     uint64_t va, size, npages, mapped_pages;
@@ -38,6 +42,8 @@ struct hv_pool {
     int fd;
     uint64_t granule, limit, committed, nhandles, mapped, nmappings, reserved;
     uint64_t max_mappings; /* 0 = no cap; keeps the process under vm.max_map_count */
+    int populate;          /* fill the page tables of new mappings (hv_set_populate) */
+    int no_populate_write; /* MADV_POPULATE_WRITE is not supported by this kernel */
     /* handle table, indexed by slot = offset / granule */
     uint64_t cap_slots, end_slot;
     uint32_t *hpages; /* pages of the handle starting at this slot, 0 = none */
@@ -120,6 +126,12 @@ void hv_stats(hv_pool *p, uint64_t *out) {
 void hv_set_max_mappings(hv_pool *p, uint64_t max_mappings) {
     pthread_mutex_lock(&p->mu);
     p->max_mappings = max_mappings;
+    pthread_mutex_unlock(&p->mu);
+}
+
+void hv_set_populate(hv_pool *p, int on) {
+    pthread_mutex_lock(&p->mu);
+    p->populate = on != 0;
     pthread_mutex_unlock(&p->mu);
 }
 
@@ -440,8 +452,13 @@ static int map_locked(hv_pool *p, uint64_t va, uint64_t handle) {
         return fail(ENOMEM, "mapping limit of %llu mappings reached (it keeps the process under "
                     "vm.max_map_count); use larger handles or raise the limit",
                     (unsigned long long)p->max_mappings);
-    void *got = mmap((void *)va, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, p->fd,
-                     (off_t)handle);
+    /* Populating: the first map of a handle writes-faults its fresh (fallocated, not yet
+     * zeroed) pages with MADV_POPULATE_WRITE; later maps read-populate (MAP_POPULATE), which
+     * maps 16 already-initialised pages per fault (fault-around). MADV_POPULATE_WRITE needs
+     * Linux 5.14; without it every populated map uses MAP_POPULATE. */
+    int write_populate = p->populate && !(p->hflags[slot] & HV_USED) && !p->no_populate_write;
+    int flags = MAP_SHARED | MAP_FIXED | (p->populate && !write_populate ? MAP_POPULATE : 0);
+    void *got = mmap((void *)va, size, PROT_READ | PROT_WRITE, flags, p->fd, (off_t)handle);
     if (got == MAP_FAILED) {
         int e = errno;
         /* A failed MAP_FIXED may have removed the old mapping: put the reservation back. */
@@ -450,6 +467,9 @@ static int map_locked(hv_pool *p, uint64_t va, uint64_t handle) {
                     (unsigned long long)va, strerror(e),
                     e == ENOMEM ? " (too many mappings? check vm.max_map_count)" : "");
     }
+    if (write_populate && madvise((void *)va, size, MADV_POPULATE_WRITE) != 0 && errno == EINVAL)
+        p->no_populate_write = 1; /* older kernel; other errors: best effort, pages fault later */
+    p->hflags[slot] |= HV_USED;
     r->ent[first] = handle | HV_START_BIT;
     for (uint64_t i = 1; i < pages; i++) r->ent[first + i] = handle;
     r->mapped_pages += pages;
@@ -630,10 +650,11 @@ int hv_host_free(uint64_t ptr, uint64_t size) {
 }
 
 int hv_bench_raw_map_unmap(int fd, uint64_t va, const uint64_t *offs, uint64_t n, uint64_t page,
-                           uint64_t rounds) {
+                           uint64_t rounds, int populate) {
+    int flags = MAP_SHARED | MAP_FIXED | (populate ? MAP_POPULATE : 0);
     for (uint64_t k = 0; k < rounds; k++) {
         for (uint64_t i = 0; i < n; i++)
-            if (mmap((void *)(va + i * page), page, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd,
+            if (mmap((void *)(va + i * page), page, PROT_READ | PROT_WRITE, flags, fd,
                      (off_t)offs[i]) == MAP_FAILED)
                 return fail(errno, "raw mmap failed: %s", strerror(errno));
         for (uint64_t i = 0; i < n; i++)

@@ -57,6 +57,12 @@ void hv_stats(hv_pool *p, uint64_t *out);
 void hv_set_limit(hv_pool *p, uint64_t limit);
 /* Cap on live mappings (ENOMEM beyond it), 0 = none. */
 void hv_set_max_mappings(hv_pool *p, uint64_t max_mappings);
+/* Populate new mappings: 1 = on, 0 = off (the default). The page tables of a mapped handle are
+ * filled at map time, so the first writes into a freshly mapped page take no page faults: the
+ * first map of a handle uses madvise(MADV_POPULATE_WRITE) (Linux >= 5.14; it also zeroes the
+ * fallocated pages), later maps MAP_POPULATE (read fault-around, 16 pages per fault; on older
+ * kernels every map). Best effort: a page that could not be populated faults later as usual. */
+void hv_set_populate(hv_pool *p, int on);
 
 int hv_create(hv_pool *p, uint64_t size, uint64_t *handle_out);
 int hv_free(hv_pool *p, uint64_t handle);
@@ -93,9 +99,10 @@ int hv_host_alloc(uint64_t size, uint64_t *ptr_out);
 int hv_host_free(uint64_t ptr, uint64_t size);
 
 /* Benchmark baseline: the same system calls as hv_map/hv_unmap with no bookkeeping.
- * Maps offs[i] at va + i*page then unmaps, for every i, `rounds` times. */
+ * Maps offs[i] at va + i*page then unmaps, for every i, `rounds` times; `populate` adds
+ * MAP_POPULATE to the maps, as hv_set_populate does for the pool. */
 int hv_bench_raw_map_unmap(int fd, uint64_t va, const uint64_t *offs, uint64_t n, uint64_t page,
-                           uint64_t rounds);
+                           uint64_t rounds, int populate);
 
 #ifdef __cplusplus
 }

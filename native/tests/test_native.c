@@ -50,6 +50,23 @@ int main(void) {
     for (int i = 0; i < 8; i++) CHECK(hv_free(p, h[i]) == 0);
     CHECK(hv_free(p, h[0]) == EBADF);
     CHECK(hv_release(p, va, 16 * G) == 0);
+    /* populated maps: same data through the handle, same rollback */
+    hv_set_populate(p, 1);
+    uint64_t pv, ph[2];
+    CHECK(hv_reserve(p, 2 * G, &pv) == 0);
+    CHECK(hv_create(p, G, &ph[0]) == 0 && hv_create(p, G, &ph[1]) == 0);
+    uint64_t pvas[2] = {pv, pv + G};
+    CHECK(hv_map_batch(p, pvas, ph, 2, &failed) == 0);
+    memset((void *)pv, 0x5c, G);
+    CHECK(hv_unmap(p, pv, NULL) == 0 && hv_map(p, pv + G, ph[0]) == EEXIST);
+    CHECK(hv_unmap(p, pv + G, NULL) == 0 && hv_map(p, pv + G, ph[0]) == 0);
+    CHECK(((unsigned char *)(pv + G))[G - 1] == 0x5c);
+    uint64_t pbad[2] = {pv, pv};
+    CHECK(hv_map_batch(p, pbad, ph, 2, &failed) == EEXIST && failed == 1);
+    CHECK(hv_check_mapped(p, pv, 1) == ENOENT); /* the first entry was rolled back */
+    CHECK(hv_unmap(p, pv + G, NULL) == 0);
+    CHECK(hv_free(p, ph[0]) == 0 && hv_free(p, ph[1]) == 0 && hv_release(p, pv, 2 * G) == 0);
+    hv_set_populate(p, 0);
     hv_set_max_mappings(p, 1);
     CHECK(hv_create(p, G, &h[0]) == 0 && hv_create(p, G, &h[1]) == 0);
     uint64_t v2[2] = {vas[0], vas[1]};

@@ -30,10 +30,25 @@ def test_bench_prefix_json_has_every_named_field():
     assert res["workload_device_budget_blocks"] < res["workload_working_set_blocks"]
     assert res["host_restores"] > 0 and res["host_hit_rate_gain"] > 0
     assert res["restore_vs_memcpy_ratio"] > 0
+    # restores into populated mappings, and the same workload without populating, both also
+    # counted with the allocation that maps their blocks
+    assert res["restore_populated"] is True
+    for f in ("restore_with_map_vs_memcpy_ratio", "restore_unpopulated_vs_memcpy_ratio",
+              "restore_unpopulated_with_map_vs_memcpy_ratio"):
+        assert res[f] > 0, f
+    assert res["restore_with_map_vs_memcpy_ratio"] < res["restore_vs_memcpy_ratio"]
     # one slot = 8 blocks of 2 x 256 KiB: slot-emptying frees a whole slot per 8 blocks
     assert res["bytes_freed_per_eviction_slot_emptying"] == 2 * 2 * 1024 * 1024 / 8
     assert res["bytes_freed_per_eviction_ratio"] > 1
     assert res["lookup_1m_measured_at_blocks"] == 2048
+
+
+def test_bench_prefix_without_populate_runs_the_workload_once():
+    r = CliRunner().invoke(app, TINY + ["--no-populate"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.output)
+    assert res["restore_populated"] is False and res["restore_vs_memcpy_ratio"] > 0
+    assert not any(k.startswith("restore_unpopulated") for k in res)
 
 
 @pytest.mark.parametrize("args,msg", [

@@ -24,6 +24,20 @@ def test_bench_map_json_fields(device, monkeypatch):
         assert isinstance(out[key], float), key
     assert out["batched_us_per_page"] > 0 and out["raw_us_per_page"] > 0
     assert out["batched_vs_raw_ratio"] == pytest.approx(out["batched_us_per_page"] / out["raw_us_per_page"])
+    populated = ("populated_batched_us_per_page", "populated_raw_us_per_page",
+                 "populated_batched_vs_raw_ratio", "map_write_us_per_page",
+                 "populated_map_write_us_per_page", "fresh_map_write_us_per_page",
+                 "populated_fresh_map_write_us_per_page", "populate_map_write_speedup",
+                 "populate_fresh_map_write_speedup")
+    if device == "cpu":  # populated maps on both sides (MAP_POPULATE in the raw loop too)
+        for key in populated:
+            assert isinstance(out[key], float) and out[key] > 0, key
+        assert out["populated_batched_vs_raw_ratio"] == pytest.approx(
+            out["populated_batched_us_per_page"] / out["populated_raw_us_per_page"])
+        assert out["populate_map_write_speedup"] == pytest.approx(
+            out["map_write_us_per_page"] / out["populated_map_write_us_per_page"])
+    else:  # device memory has no page faults to populate
+        assert out["populated_batched_us_per_page"] is None and "map_write_us_per_page" not in out
 
 
 @pytest.mark.parametrize("device", ["cpu", "npu"])

@@ -11,6 +11,19 @@ Three ways of doing the same map+unmap of ``pages`` pages, ``rounds`` times, in 
 Per-page costs are microseconds for one map plus one unmap. ``batched_vs_raw_ratio`` =
 batched / raw; ``python_overhead_us_per_page`` = batched − raw per page (what the driver adds
 above the system calls). Targets: ratio ≤ 1.2 and overhead ≤ 1 µs/page for batches of 64 or more.
+These fields are measured with plain maps (populate off) on both sides.
+
+On the host driver the batched and raw ways run a second time with mappings *populated*
+(``MAP_POPULATE`` on both sides, like with like): ``populated_batched_us_per_page``,
+``populated_raw_us_per_page`` and ``populated_batched_vs_raw_ratio``. Populating costs page-table
+work at map time that a plain map leaves to the first writes (page faults), so these are not
+comparable with the plain figures. What populating is for — the first writes into a freshly
+mapped page — is measured as map + write of every byte + unmap, per page, with and without
+populating: ``map_write_us_per_page`` / ``populated_map_write_us_per_page`` on handles mapped
+before (their pages initialised, as with a pool that keeps ready handles), and
+``fresh_map_write_us_per_page`` / ``populated_fresh_map_write_us_per_page`` on handles created
+for the round (create + map + write + unmap + free: the elastic pool's path, where creating
+the handle and zeroing its pages cost the same either way).
 """
 
 from __future__ import annotations
@@ -36,9 +49,10 @@ def _raw_fn(driver, vas: list[int], handles: list[int], rounds: int):
         lib = driver._lib
         offs = array.array("Q", handles)
         fd, g, va0, n = driver.memfd, driver.granularity, vas[0], len(vas)
+        populate = int(driver.populate)  # the same mmap flags as the driver's maps
 
         def raw() -> None:
-            rc = lib.hv_bench_raw_map_unmap(fd, va0, offs.buffer_info()[0], n, g, rounds)
+            rc = lib.hv_bench_raw_map_unmap(fd, va0, offs.buffer_info()[0], n, g, rounds, populate)
             if rc:
                 raise RuntimeError((lib.hv_last_error() or b"").decode())
 
@@ -77,6 +91,8 @@ def run(driver, pages: int = 64, rounds: int = 20, repeats: int = 3) -> dict[str
     va = driver.reserve(pages * g)
     handles = driver.create_handles(pages, g)
     vas = [va + i * g for i in range(pages)]
+    can_populate = driver.name == "host"
+    was = driver.populate if can_populate else False
     try:
         def batched() -> None:
             for _ in range(rounds):
@@ -90,13 +106,26 @@ def run(driver, pages: int = 64, rounds: int = 20, repeats: int = 3) -> dict[str
                 for v in vas:
                     driver.unmap(v)
 
+        per = pages * rounds
+        if can_populate:
+            driver.populate = False
         raw = _raw_fn(driver, vas, handles, rounds)
         batched()  # warm-up
-        per = pages * rounds
         t_batched = _best(batched, repeats) / per * 1e6
         t_call = _best(per_call, repeats) / per * 1e6
         t_raw = _best(raw, repeats) / per * 1e6 if raw else None
+        p_batched = p_raw = None
+        writes: dict[str, float] = {}
+        if can_populate:
+            driver.populate = True
+            p_raw_fn = _raw_fn(driver, vas, handles, rounds)
+            batched()  # warm-up (the first population of a fallocated page also zeroes it)
+            p_batched = _best(batched, repeats) / per * 1e6
+            p_raw = _best(p_raw_fn, repeats) / per * 1e6
+            writes = _map_write(driver, va, vas, handles, repeats)
     finally:
+        if can_populate:
+            driver.populate = was
         for v in vas:
             if getattr(driver, "is_mapped", None) and driver.is_mapped(v, g):
                 driver.unmap(v)
@@ -117,4 +146,42 @@ def run(driver, pages: int = 64, rounds: int = 20, repeats: int = 3) -> dict[str
         "per_call_vs_raw_ratio": t_call / t_raw if t_raw else None,
         "python_overhead_us_per_page": t_batched - t_raw if t_raw is not None else None,
         "batched_speedup_over_per_call": t_call / t_batched,
+        "populated_batched_us_per_page": p_batched,
+        "populated_raw_us_per_page": p_raw,
+        "populated_batched_vs_raw_ratio": p_batched / p_raw if p_raw else None,
+        **writes,
     }
+
+
+def _map_write(driver, va: int, vas: list[int], handles: list[int], repeats: int
+               ) -> dict[str, float]:
+    """Map + write every byte + unmap, µs per page, plain and populated, on these handles and
+    on handles created for each round (host driver)."""
+    g, n = driver.granularity, len(vas)
+
+    def reused() -> None:
+        driver.map_batch(vas, handles)
+        C.memset(va, 0x5A, n * g)
+        driver.unmap_batch(vas)
+
+    def fresh() -> None:
+        hs = driver.create_handles(n, g)
+        try:
+            driver.map_batch(vas, hs)
+            C.memset(va, 0x5A, n * g)
+            driver.unmap_batch(vas)
+        finally:
+            for h in hs:
+                driver.free_handle(h)
+
+    out: dict[str, float] = {}
+    for populate, prefix in ((False, ""), (True, "populated_")):
+        driver.populate = populate
+        reused()  # warm-up
+        out[f"{prefix}map_write_us_per_page"] = _best(reused, repeats) / n * 1e6
+        out[f"{prefix}fresh_map_write_us_per_page"] = _best(fresh, repeats) / n * 1e6
+    out["populate_map_write_speedup"] = (out["map_write_us_per_page"]
+                                         / out["populated_map_write_us_per_page"])
+    out["populate_fresh_map_write_speedup"] = (out["fresh_map_write_us_per_page"]
+                                               / out["populated_fresh_map_write_us_per_page"])
+    return out

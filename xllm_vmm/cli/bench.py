@@ -77,7 +77,8 @@ def bench_map(
     fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
 ) -> None:
     """Map+unmap cost per 2 MiB page: batched native call vs one call per page vs the raw
-    system-call loop (fields batched_vs_raw_ratio, python_overhead_us_per_page)."""
+    system-call loop (fields batched_vs_raw_ratio, python_overhead_us_per_page); on the host
+    driver also with populated mappings, and map + first write with and without populating."""
     from xllm_vmm.bench import map as map_bench
 
     driver = _open_bench_driver(device, device_index, acl_library)
@@ -160,6 +161,9 @@ def bench_prefix(
     host_blocks_factor: float = typer.Option(4.0, help="host_blocks_factor of the host tier "
                                                        "run (> 1)."),
     seed: int = typer.Option(0, help="Seed of the workload."),
+    populate: bool = typer.Option(True, "--populate/--no-populate",
+                                  help="Host driver: populate KV slot mappings at map time "
+                                       "(and run the workload once more without, to compare)."),
     fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
 ) -> None:
     """Prefix cache and host KV tier: XXH3-128 vs SHA-256 hash chain, lookup cost at 1k and 1M
@@ -184,7 +188,8 @@ def bench_prefix(
     cfg = PrefixBenchConfig(driver=driver, block_size=block_size, hash_tokens=hash_tokens,
                             lookup_blocks=lookup_blocks, requests=requests,
                             system_prompts=system_prompts,
-                            host_blocks_factor=host_blocks_factor, seed=seed)
+                            host_blocks_factor=host_blocks_factor, seed=seed,
+                            populate=populate)
     try:
         results = run_prefix_bench(cfg)
     except Exception as exc:  # a driver that cannot be opened here, a layout that does not fit

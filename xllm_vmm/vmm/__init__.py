@@ -27,7 +27,7 @@ DRIVER_KINDS = {"host": "host", "cpu": "host", "acl": "acl", "npu": "acl", "cuda
 
 
 def open_driver(kind: str = "host", *, device_index: int = 0, device_memory: int | None = None,
-                library: str | None = None) -> Driver:
+                library: str | None = None, populate: bool = False) -> Driver:
     """Opens the VMM driver for a device kind.
 
     ``kind``: ``"host"``/``"cpu"`` (memfd + mmap), ``"acl"``/``"npu"`` (libascendcl through
@@ -35,6 +35,9 @@ def open_driver(kind: str = "host", *, device_index: int = 0, device_memory: int
     bundled ACL emulation), ``"cuda"`` (libcuda.so.1). ``device_memory`` (bytes) emulates a
     device of that size: ``mem_info().total`` reports it and creating handles beyond it raises
     :class:`VmmOutOfMemory` (host driver; for ACL it caps what the driver will allocate).
+    ``populate`` (host driver) fills the page tables of each new mapping at map time, so the
+    first writes into freshly mapped pages (KV slots) take no page faults; device memory has no
+    such faults and the ACL and CUDA drivers ignore it.
     Raises :class:`VmmUnavailable` when the device or its library is missing.
     """
     resolved = DRIVER_KINDS.get(str(kind).lower())
@@ -45,7 +48,7 @@ def open_driver(kind: str = "host", *, device_index: int = 0, device_memory: int
     if resolved == "host":
         from xllm_vmm.vmm.host import HostDriver
 
-        return HostDriver(device_index=device_index, device_memory=device_memory)
+        return HostDriver(device_index=device_index, device_memory=device_memory, populate=populate)
     if resolved == "acl":
         from xllm_vmm.vmm.acl import AclDriver
 

@@ -88,6 +88,7 @@ _HOST_PROTOTYPES: dict[str, tuple[list, Any]] = {
     "hv_stats": ([_POOL, _P], None),
     "hv_set_limit": ([_POOL, _U64], None),
     "hv_set_max_mappings": ([_POOL, _U64], None),
+    "hv_set_populate": ([_POOL, _INT], None),
     "hv_create": ([_POOL, _U64, C.POINTER(_U64)], _INT),
     "hv_free": ([_POOL, _U64], _INT),
     "hv_free_deferred": ([_POOL, _U64], _INT),
@@ -105,7 +106,7 @@ _HOST_PROTOTYPES: dict[str, tuple[list, Any]] = {
     "hv_copy_batch": ([_P, _P, _P, _U64], None),
     "hv_host_alloc": ([_U64, C.POINTER(_U64)], _INT),
     "hv_host_free": ([_U64, _U64], _INT),
-    "hv_bench_raw_map_unmap": ([_INT, _U64, _P, _U64, _U64, _U64], _INT),
+    "hv_bench_raw_map_unmap": ([_INT, _U64, _P, _U64, _U64, _U64, _INT], _INT),
 }
 
 
