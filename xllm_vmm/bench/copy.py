@@ -14,19 +14,10 @@ from __future__ import annotations
 import ctypes as C
 import platform
 import random
-import time
 from typing import Any
 
+from xllm_vmm.bench.map import best_seconds
 from xllm_vmm.vmm.driver import CopyKind
-
-
-def _best(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def block_sizes(blocks: int, min_block: int, max_block: int) -> list[int]:
@@ -85,8 +76,8 @@ def run(driver, blocks: int = 128, min_block: int = 64 * 1024, max_block: int = 
                 driver.copy(host, va, total, CopyKind.D2H)
 
         scatter(), gather(), base_h2d(), base_d2h()  # warm-up: every page faulted in
-        t_s, t_g = _best(scatter, repeats), _best(gather, repeats)
-        t_bh, t_bd = _best(base_h2d, repeats), _best(base_d2h, repeats)
+        t_s, t_g = best_seconds(scatter, repeats), best_seconds(gather, repeats)
+        t_bh, t_bd = best_seconds(base_h2d, repeats), best_seconds(base_d2h, repeats)
         ok = True
         if driver.device_kind == "cpu" or getattr(driver, "emulated", False):
             C.memset(host, 0x11, total)

@@ -35,7 +35,8 @@ import time
 from typing import Any
 
 
-def _best(fn, repeats: int) -> float:
+def best_seconds(fn, repeats: int) -> float:
+    """The shortest of ``repeats`` timed calls of ``fn()``, in seconds (the benchmarks' rule)."""
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -111,17 +112,17 @@ def run(driver, pages: int = 64, rounds: int = 20, repeats: int = 3) -> dict[str
             driver.populate = False
         raw = _raw_fn(driver, vas, handles, rounds)
         batched()  # warm-up
-        t_batched = _best(batched, repeats) / per * 1e6
-        t_call = _best(per_call, repeats) / per * 1e6
-        t_raw = _best(raw, repeats) / per * 1e6 if raw else None
+        t_batched = best_seconds(batched, repeats) / per * 1e6
+        t_call = best_seconds(per_call, repeats) / per * 1e6
+        t_raw = best_seconds(raw, repeats) / per * 1e6 if raw else None
         p_batched = p_raw = None
         writes: dict[str, float] = {}
         if can_populate:
             driver.populate = True
             p_raw_fn = _raw_fn(driver, vas, handles, rounds)
             batched()  # warm-up (the first population of a fallocated page also zeroes it)
-            p_batched = _best(batched, repeats) / per * 1e6
-            p_raw = _best(p_raw_fn, repeats) / per * 1e6
+            p_batched = best_seconds(batched, repeats) / per * 1e6
+            p_raw = best_seconds(p_raw_fn, repeats) / per * 1e6
             writes = _map_write(driver, va, vas, handles, repeats)
     finally:
         if can_populate:
@@ -178,8 +179,8 @@ def _map_write(driver, va: int, vas: list[int], handles: list[int], repeats: int
     for populate, prefix in ((False, ""), (True, "populated_")):
         driver.populate = populate
         reused()  # warm-up
-        out[f"{prefix}map_write_us_per_page"] = _best(reused, repeats) / n * 1e6
-        out[f"{prefix}fresh_map_write_us_per_page"] = _best(fresh, repeats) / n * 1e6
+        out[f"{prefix}map_write_us_per_page"] = best_seconds(reused, repeats) / n * 1e6
+        out[f"{prefix}fresh_map_write_us_per_page"] = best_seconds(fresh, repeats) / n * 1e6
     out["populate_map_write_speedup"] = (out["map_write_us_per_page"]
                                          / out["populated_map_write_us_per_page"])
     out["populate_fresh_map_write_speedup"] = (out["fresh_map_write_us_per_page"]

@@ -51,6 +51,7 @@ from xllm_vmm.kvcache.hashing import (
     sha256_block_hashes,
     sha256_chain_digests,
 )
+from xllm_vmm.bench.map import best_seconds
 from xllm_vmm.kvcache.prefix import PrefixCache
 
 __all__ = ["PrefixBenchConfig", "run_prefix_bench"]
@@ -86,12 +87,7 @@ class PrefixBenchConfig:
 
 def _rate(f, *args) -> float:
     """Best-of-3 seconds for one call."""
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        f(*args)
-        best = min(best, time.perf_counter() - t)
-    return best
+    return best_seconds(lambda: f(*args), 3)
 
 
 def _hash_bench(cfg: PrefixBenchConfig, rng: random.Random) -> dict[str, Any]:

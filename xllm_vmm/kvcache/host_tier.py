@@ -186,6 +186,17 @@ class HostTier:
             segs.extend(self.addresses.block_segments(name, blocks[name]))
         return segs
 
+    def _add_copies(self, dsts: list[int], srcs: list[int], sizes: list[int],
+                    blocks: Mapping[str, int], hb: int, *, to_host: bool) -> None:
+        """Append the copies of one block between its device segments (every group, every
+        tensor) and host block ``hb``, laid out back to back there."""
+        off = self.pool.address(hb)
+        for addr, nb in self._segments(blocks):
+            dsts.append(off if to_host else addr)
+            srcs.append(addr if to_host else off)
+            sizes.append(nb)
+            off += nb
+
     def step(self) -> None:
         """Submit queued offloads as one batched device→host copy, then reap finished copies."""
         self.poll()
@@ -210,12 +221,7 @@ class HostTier:
             for n, b in blocks.items():
                 self.prefix.pin(n, b)
                 device[n].append(b)
-            off = self.pool.address(hb)
-            for addr, nb in self._segments(blocks):
-                dsts.append(off)
-                srcs.append(addr)
-                sizes.append(nb)
-                off += nb
+            self._add_copies(dsts, srcs, sizes, blocks, hb, to_host=True)
             hashes.append(h)
             host.append(hb)
             self._offloading.add(h)
@@ -310,12 +316,7 @@ class HostTier:
             ids = {g: device[g][k] for g in groups}
             for g, b in ids.items():
                 self.prefix.pin(g, b)
-            off = self.pool.address(hb)
-            for addr, nb in self._segments(ids):
-                dsts.append(addr)
-                srcs.append(off)
-                sizes.append(nb)
-                off += nb
+            self._add_copies(dsts, srcs, sizes, ids, hb, to_host=False)
         t = _InFlight(CopyKind.H2D, None, chs, device, host, restores=[r], nbytes=sum(sizes))
         for k, h in enumerate(chs):
             self._restoring[h] = (t, {g: device[g][k] for g in groups})
