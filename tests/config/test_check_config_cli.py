@@ -221,3 +221,22 @@ def test_el08_device_memory_from_a_profile():
     assert "? EL-08" in check(*args)[1]
     code, _, err = check(*args, "--device", "h300")
     assert code == 2 and "unknown device profile 'h300'" in err and "Traceback" not in err
+
+
+def _model_dir_with_garbage_shard(tmp_path):
+    from xllm_vmm.models.catalogue import read_catalogue_config
+
+    d = tmp_path / "m1"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(read_catalogue_config("Qwen/Qwen3-8B")))
+    (d / "model.safetensors").write_bytes(b"garbage")
+    return d
+
+
+def test_a_damaged_safetensors_shard_does_not_disable_model_rules(tmp_path):
+    d = _model_dir_with_garbage_shard(tmp_path)
+    code, out, _ = check(f"--model={d}", "--enable_vmm_kvcache", "--vmm_elastic",
+                         "--max_cache_size=1MiB", "--format=json")
+    doc = json.loads(out)["inputs"][0]
+    assert code == 1 and [f["id"] for f in doc["findings"]] == ["EL-06"]
+    assert not doc["not_checked"]

@@ -84,12 +84,22 @@ def test_bad_fields_are_named(qwen_dir, patch, message):
     assert str(qwen_dir / "config.json") in str(err.value)
 
 
-def test_truncated_safetensors_is_reported(qwen_dir):
+def test_truncated_safetensors_keeps_the_estimate_and_says_why(qwen_dir):
     (qwen_dir / "model.safetensors").write_bytes(struct.pack("<Q", 10_000) + b"{}")
-    with pytest.raises(ModelConfigError) as err:
-        load_model_spec(str(qwen_dir))
-    assert "header length 10000 does not fit the file" in str(err.value)
-    assert "model.safetensors" in str(err.value)
+    s = load_model_spec(str(qwen_dir))
+    assert s.weight_bytes is None and s.served_weight_bytes == s.estimated_weight_bytes
+    assert s.num_layers == 36
+    assert "header length 10000 does not fit the file (10 bytes)" in s.weights_warning
+    assert str(qwen_dir / "model.safetensors") in s.weights_warning
+
+
+def test_read_weights_false_reads_only_config_json(qwen_dir):
+    _write_safetensors(qwen_dir / "model.safetensors", {"w": ("BF16", [4, 4], 32)})
+    assert load_model_spec(str(qwen_dir)).weight_bytes == 32
+    s = load_model_spec(str(qwen_dir), read_weights=False)
+    assert s.weight_bytes is None and s.weights_warning is None
+    (qwen_dir / "model.safetensors").write_bytes(b"garbage")
+    assert load_model_spec(str(qwen_dir), read_weights=False).weights_warning is None
 
 
 def test_nested_text_config_and_sliding_window_keys(tmp_path):

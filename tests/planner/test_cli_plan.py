@@ -84,3 +84,21 @@ def test_bad_inputs_are_clear_errors(tmp_path):
     assert r.exit_code == 2 and "no model given" in r.stderr
     r = run("--model=Qwen/Qwen3-8B", "--tp_size=3")
     assert r.exit_code == 1 and "3 workers cannot split" in r.stdout
+
+
+def test_damaged_safetensors_shard_is_a_warning_and_the_estimate_is_used(tmp_path):
+    from xllm_vmm.models import load_model_spec
+    from xllm_vmm.models.catalogue import read_catalogue_config
+
+    (tmp_path / "config.json").write_text(json.dumps(read_catalogue_config("Qwen/Qwen3-8B")))
+    (tmp_path / "model.safetensors").write_bytes(b"garbage")
+    r = run(f"--model={tmp_path}", "--format=json", "--host-memory=256GiB")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["verdict"] == "fits"
+    assert d["per_worker"][0]["weights_bytes"] == \
+        load_model_spec("Qwen/Qwen3-8B").estimated_weight_bytes
+    weights = [x for x in d["reasons"] if x["code"] == "WEIGHTS"]
+    assert len(weights) == 1 and weights[0]["severity"] == "warning"
+    assert "safetensors file is shorter than its 8-byte header length" in weights[0]["message"]
+    assert str(tmp_path / "model.safetensors") in weights[0]["message"]

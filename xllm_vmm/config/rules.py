@@ -700,7 +700,8 @@ def _pd01(x: _Ctx) -> _Out:
 
 def find_model(cfg: ResolvedConfig):
     """The :class:`ModelSpec` named by ``cfg["model"]`` (a local directory: only its config.json
-    is read; or a catalogue name), or ``(None, reason)`` when it cannot be read."""
+    is read, never a safetensors file; or a catalogue name), or ``(None, reason)`` when it
+    cannot be read."""
     ref = cfg["model"]
     if not ref:
         return None, "no --model given"
@@ -709,7 +710,7 @@ def find_model(cfg: ResolvedConfig):
     except ImportError as err:  # pragma: no cover - the model reader ships with the package
         return None, f"the model reader is unavailable ({err})"
     try:
-        return load_model_spec(str(ref)), None
+        return load_model_spec(str(ref), read_weights=False), None
     except ModelConfigError as err:
         return None, f"the model config could not be read: {err}"
 

@@ -1,7 +1,11 @@
 """``load_model_spec``: a model directory or a catalogue name -> :class:`ModelSpec`.
 
-From a directory only ``config.json`` and the headers of ``*.safetensors`` files are read (never
-tensor data), so sizing works before any weight is loaded and on machines without the weights.
+From a directory only ``config.json`` and (for sizing, ``read_weights=True``) the headers of
+``*.safetensors`` files are read, never tensor data, so sizing works before any weight is loaded
+and on machines without the weights. ``check-config`` reads ``config.json`` alone
+(``read_weights=False``): its model rules need the architecture, not the weight bytes. A shard
+whose header cannot be read never makes the model unreadable: the spec keeps the architecture's
+estimate and says what was wrong (:attr:`ModelSpec.weights_warning`).
 """
 
 from __future__ import annotations
@@ -44,8 +48,11 @@ def _read_config_file(path: Path) -> dict:
                                hint="fix the JSON or re-download the model's config") from exc
 
 
-def load_from_directory(directory: Path, *, name: str | None = None) -> ModelSpec:
-    """Read ``directory/config.json`` and, when present, ``directory/*.safetensors`` headers."""
+def load_from_directory(directory: Path, *, name: str | None = None,
+                        read_weights: bool = True) -> ModelSpec:
+    """Read ``directory/config.json`` and, with ``read_weights`` and when present,
+    ``directory/*.safetensors`` headers (a bad header: the estimate stays, with the error in
+    ``spec.extra["safetensors_error"]``)."""
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise ModelConfigError("no config.json in the model directory", source=str(directory),
@@ -54,21 +61,26 @@ def load_from_directory(directory: Path, *, name: str | None = None) -> ModelSpe
     spec = spec_from_config(_read_config_file(config_path), name=name or str(directory),
                             source=str(config_path))
     spec = with_estimate(spec)
-    shards = sorted(directory.glob("*.safetensors"))
+    shards = sorted(directory.glob("*.safetensors")) if read_weights else []
     if shards:
-        t = totals(shards)
+        try:
+            t = totals(shards)
+        except ModelConfigError as err:
+            return dataclasses.replace(spec, extra={**spec.extra, "safetensors_error": err})
         spec = dataclasses.replace(spec, weight_bytes=t.bytes,
                                    extra={**spec.extra, "safetensors": t})
     return spec
 
 
-def load_model_spec(ref: str) -> ModelSpec:
+def load_model_spec(ref: str, *, read_weights: bool = True) -> ModelSpec:
     """The :class:`ModelSpec` of ``ref``: a local model directory (or its ``config.json``) or a
     catalogue name (``Qwen/Qwen3-8B``; case-insensitive; ``Qwen__Qwen3-8B`` also works).
 
-    ``spec.weight_bytes`` is exact (sum of tensor bytes in the safetensors headers) when the
-    directory has ``*.safetensors`` files, else None; ``spec.estimated_weight_bytes`` is always
-    the architecture's estimate. Raises :class:`ModelConfigError` saying what was wrong, where,
+    ``spec.weight_bytes`` is exact (sum of tensor bytes in the safetensors headers) when
+    ``read_weights`` is true and the directory has readable ``*.safetensors`` files, else None;
+    ``spec.estimated_weight_bytes`` is always the architecture's estimate. With
+    ``read_weights=False`` nothing but ``config.json`` is read (``check-config``). A damaged
+    shard does not raise: :attr:`ModelSpec.weights_warning` names the file and the problem. Raises :class:`ModelConfigError` saying what was wrong, where,
     and what to do (for an unknown name: the closest catalogue names).
     """
     ref = str(ref).strip()
@@ -77,7 +89,7 @@ def load_model_spec(ref: str) -> ModelSpec:
                                                       "name; " + _LIST_HINT)
     path = Path(ref).expanduser()
     if path.is_dir():
-        return load_from_directory(path)
+        return load_from_directory(path, read_weights=read_weights)
     if path.is_file():
         if path.suffix == ".json":
             spec = spec_from_config(_read_config_file(path), name=str(path), source=str(path))

@@ -130,6 +130,13 @@ class ModelSpec:
     def weight_bytes_exact(self) -> bool:
         return self.weight_bytes is not None
 
+    @property
+    def weights_warning(self) -> str | None:
+        """Why the safetensors headers were not used (the file and what is wrong with it), or
+        None. The weight bytes are then the architecture's estimate."""
+        err = self.extra.get("safetensors_error")
+        return None if err is None else str(err)
+
     def count(self, kind: "LayerKind") -> int:
         """Number of layers of ``kind`` (MTP layers not included)."""
         return sum(1 for k in self.layer_kinds if k == kind)

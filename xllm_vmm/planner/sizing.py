@@ -283,6 +283,13 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
     wt_total = spec.served_weight_bytes
     wt = ceil_div(wt_total, W)
     src = "safetensors headers" if spec.weight_bytes_exact else "estimated from the architecture"
+    for m in (spec, draft):
+        if m is not None and m.weights_warning:
+            plan.reasons.append(Reason(
+                "warning", "WEIGHTS", f"the safetensors headers of {m.name} were not used: "
+                f"{m.extra['safetensors_error'].message} "
+                f"({m.extra['safetensors_error'].source}); the weights are estimated from the "
+                "architecture", "re-download or remove the damaged file for exact weight bytes"))
     f(Formula("weights per worker", "ceil(weights / workers)",
               f"ceil({_n(wt_total)} / {W}) ({src})", wt))
     if mtp:
