@@ -22,8 +22,10 @@
 #endif
 
 #define HV_START_BIT 1ull /* page-table entry: this page is the first page of its mapping */
+#define HV_CLAIM_BIT 2ull /* page-table entry, only inside hv_unmap_batch's check: listed already */
 #define HV_PENDING_FREE 1u
-#define HV_USED 2u /* the handle has been mapped before: its pages are no longer fresh */
+#define HV_USED 2u  /* the handle has been mapped before: its pages are no longer fresh */
+#define HV_STUCK 4u /* pending-free, unmapped, its hole punch failed: on the stuck list */
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23 /* Linux >= 5.14 */
 #endif
@@ -53,6 +55,10 @@ struct hv_pool {
     uint64_t nfree, cap_free;
     hv_resv *resv;
     uint64_t nresv, cap_resv, last_resv;
+    /* slots of deferred-freed handles whose hole punch failed when their last mapping went:
+     * unmapped, still committed; retried by retry_stuck() (create, free, unmap, stats) */
+    uint64_t *stuck;
+    uint64_t nstuck, cap_stuck;
 };
 
 static __thread char hv_err[512];
@@ -101,6 +107,7 @@ void hv_pool_close(hv_pool *p) {
     free(p->hmaps);
     free(p->hflags);
     free(p->freelist);
+    free(p->stuck);
     close(p->fd);
     pthread_mutex_destroy(&p->mu);
     free(p);
@@ -120,6 +127,7 @@ void hv_stats(hv_pool *p, uint64_t *out) {
     out[HV_STAT_LIMIT] = p->limit;
     out[HV_STAT_FILE_END] = p->end_slot * p->granule;
     out[HV_STAT_MAX_MAPPINGS] = p->max_mappings;
+    out[HV_STAT_RELEASE_PENDING] = p->nstuck;
     pthread_mutex_unlock(&p->mu);
 }
 
@@ -185,6 +193,8 @@ static uint64_t handle_slot(hv_pool *p, uint64_t handle) {
     return slot;
 }
 
+static void retry_stuck(hv_pool *p);
+
 int hv_create(hv_pool *p, uint64_t size, uint64_t *handle_out) {
     if (size == 0 || size % p->granule)
         return fail(EINVAL, "handle size %llu is not a positive multiple of the granularity %llu",
@@ -192,6 +202,7 @@ int hv_create(hv_pool *p, uint64_t size, uint64_t *handle_out) {
     uint64_t pages = size / p->granule;
     if (pages > UINT32_MAX) return fail(EINVAL, "handle size %llu is too large", (unsigned long long)size);
     pthread_mutex_lock(&p->mu);
+    retry_stuck(p);
     int rc = 0;
     if (p->limit && p->committed + size > p->limit) {
         rc = fail(ENOMEM,
@@ -265,8 +276,45 @@ static int release_slot(hv_pool *p, uint64_t slot) {
     return 0;
 }
 
+/* Caller holds the lock. Releases a deferred-freed handle whose last mapping just went. When
+ * punching its hole fails, the handle goes on the stuck list (still committed and counted) and
+ * retry_stuck() tries again later; nobody can use it meanwhile (it stays pending-free). */
+static void release_unmapped(hv_pool *p, uint64_t slot) {
+    if (p->hmaps[slot] != 0 || !(p->hflags[slot] & HV_PENDING_FREE) || (p->hflags[slot] & HV_STUCK))
+        return;
+    char saved[sizeof hv_err];
+    memcpy(saved, hv_err, sizeof saved);
+    int rc = release_slot(p, slot);
+    memcpy(hv_err, saved, sizeof saved);
+    if (rc == 0) return;
+    if (p->nstuck == p->cap_stuck) {
+        uint64_t cap = p->cap_stuck ? p->cap_stuck * 2 : 16;
+        uint64_t *s = realloc(p->stuck, cap * sizeof *s);
+        if (!s) return; /* no room to remember it: its memory is released at hv_pool_close */
+        p->stuck = s;
+        p->cap_stuck = cap;
+    }
+    p->hflags[slot] |= HV_STUCK;
+    p->stuck[p->nstuck++] = slot;
+}
+
+/* Caller holds the lock. Retries the releases that failed before (see release_unmapped). */
+static void retry_stuck(hv_pool *p) {
+    if (!p->nstuck) return;
+    char saved[sizeof hv_err];
+    memcpy(saved, hv_err, sizeof saved);
+    uint64_t keep = 0;
+    for (uint64_t i = 0; i < p->nstuck; i++) {
+        uint64_t slot = p->stuck[i];
+        if (release_slot(p, slot) != 0) p->stuck[keep++] = slot; /* flags kept: still stuck */
+    }
+    p->nstuck = keep;
+    memcpy(hv_err, saved, sizeof saved);
+}
+
 static int free_impl(hv_pool *p, uint64_t handle, int deferred) {
     pthread_mutex_lock(&p->mu);
+    retry_stuck(p);
     int rc = 0;
     uint64_t slot = handle_slot(p, handle);
     if (slot == UINT64_MAX || (p->hflags[slot] & HV_PENDING_FREE)) {
@@ -428,12 +476,14 @@ out:
 
 /* ---- mappings ----------------------------------------------------------------------------- */
 
-static int map_locked(hv_pool *p, uint64_t va, uint64_t handle) {
+/* Caller holds the lock. ``restore``: hv_unmap_batch putting back a mapping it just removed,
+ * which may belong to a deferred-freed handle (its release waits for the batch to finish). */
+static int map_locked(hv_pool *p, uint64_t va, uint64_t handle, int restore) {
     if (va % p->granule)
         return fail(EINVAL, "map address %#llx is not aligned to the granularity %llu",
                     (unsigned long long)va, (unsigned long long)p->granule);
     uint64_t slot = handle_slot(p, handle);
-    if (slot == UINT64_MAX || (p->hflags[slot] & HV_PENDING_FREE))
+    if (slot == UINT64_MAX || ((p->hflags[slot] & HV_PENDING_FREE) && !restore))
         return fail(EBADF, "unknown handle %#llx (never created, or already freed)",
                     (unsigned long long)handle);
     uint64_t pages = p->hpages[slot], size = pages * p->granule;
@@ -479,7 +529,9 @@ static int map_locked(hv_pool *p, uint64_t va, uint64_t handle) {
     return 0;
 }
 
-static int unmap_locked(hv_pool *p, uint64_t va, uint64_t *handle_out) {
+/* Caller holds the lock. ``keep``: do not release a deferred-freed handle whose last mapping
+ * this was (hv_unmap_batch releases them once the whole batch is done). */
+static int unmap_locked(hv_pool *p, uint64_t va, uint64_t *handle_out, int keep) {
     hv_resv *r = find_resv(p, va);
     if (!r) return fail(EFAULT, "unmap address %#llx is not inside a reservation", (unsigned long long)va);
     if ((va - r->va) % p->granule)
@@ -507,20 +559,20 @@ static int unmap_locked(hv_pool *p, uint64_t va, uint64_t *handle_out) {
     p->mapped -= size;
     p->nmappings--;
     if (handle_out) *handle_out = handle;
-    if (p->hmaps[slot] == 0 && (p->hflags[slot] & HV_PENDING_FREE)) release_slot(p, slot);
+    if (!keep) release_unmapped(p, slot);
     return 0;
 }
 
 int hv_map(hv_pool *p, uint64_t va, uint64_t handle) {
     pthread_mutex_lock(&p->mu);
-    int rc = map_locked(p, va, handle);
+    int rc = map_locked(p, va, handle, 0);
     pthread_mutex_unlock(&p->mu);
     return rc;
 }
 
 int hv_unmap(hv_pool *p, uint64_t va, uint64_t *handle_out) {
     pthread_mutex_lock(&p->mu);
-    int rc = unmap_locked(p, va, handle_out);
+    int rc = unmap_locked(p, va, handle_out, 0);
     pthread_mutex_unlock(&p->mu);
     return rc;
 }
@@ -530,13 +582,15 @@ int hv_map_batch(hv_pool *p, const uint64_t *vas, const uint64_t *handles, uint6
     pthread_mutex_lock(&p->mu);
     int rc = 0;
     for (uint64_t i = 0; i < n; i++) {
-        rc = map_locked(p, vas[i], handles[i]);
+        rc = map_locked(p, vas[i], handles[i], 0);
         if (rc) {
             char saved[sizeof hv_err];
             memcpy(saved, hv_err, sizeof saved);
-            for (uint64_t j = i; j-- > 0;) unmap_locked(p, vas[j], NULL);
-            snprintf(hv_err, sizeof hv_err, "batch entry %llu of %llu: %s", (unsigned long long)i,
-                     (unsigned long long)n, saved);
+            uint64_t left = 0; /* entries the kernel would not unmap again (ENOMEM on a VMA split) */
+            for (uint64_t j = i; j-- > 0;) left += unmap_locked(p, vas[j], NULL, 0) != 0;
+            snprintf(hv_err, sizeof hv_err, "batch entry %llu of %llu: %s%s", (unsigned long long)i,
+                     (unsigned long long)n, saved,
+                     left ? " (and the rollback could not unmap every earlier entry)" : "");
             if (failed) *failed = i;
             break;
         }
@@ -545,27 +599,72 @@ int hv_map_batch(hv_pool *p, const uint64_t *vas, const uint64_t *handles, uint6
     return rc;
 }
 
+/* Caller holds the lock. Checks that va is the start of a mapping not yet claimed by this
+ * batch; returns its first page-table entry through *ent. */
+static int check_unmap_locked(hv_pool *p, uint64_t va, uint64_t **ent) {
+    hv_resv *r = find_resv(p, va);
+    if (!r) return fail(EFAULT, "unmap address %#llx is not inside a reservation", (unsigned long long)va);
+    if ((va - r->va) % p->granule)
+        return fail(EINVAL, "unmap address %#llx is not aligned to the granularity %llu",
+                    (unsigned long long)va, (unsigned long long)p->granule);
+    uint64_t *e = &r->ent[(va - r->va) / p->granule];
+    if (*e & HV_CLAIM_BIT)
+        return fail(ENOENT, "address %#llx is listed twice in the batch", (unsigned long long)va);
+    if (!(*e & HV_START_BIT))
+        return fail(ENOENT, *e ? "address %#llx is inside a mapping but not its start"
+                               : "address %#llx is not mapped",
+                    (unsigned long long)va);
+    *ent = e;
+    return 0;
+}
+
+/* All or nothing: every entry is checked (each must start a mapping, none listed twice) before
+ * anything is unmapped, so misuse changes nothing. Only the kernel can fail after that (ENOMEM
+ * splitting a VMA); then the entries already unmapped are mapped back. Deferred-freed handles
+ * whose last mapping goes are released once the batch has succeeded, so the rollback can map
+ * them back. */
 int hv_unmap_batch(hv_pool *p, const uint64_t *vas, uint64_t n, uint64_t *failed) {
     if (n == 0) return 0;
-    uint64_t *undone = malloc(n * sizeof *undone); /* handles unmapped so far, for rollback */
+    uint64_t *undone = malloc(n * sizeof *undone); /* claimed entries, then unmapped handles */
     if (!undone) {
         if (failed) *failed = 0;
         return fail(ENOMEM, "out of host memory for the batch rollback record");
     }
     pthread_mutex_lock(&p->mu);
     int rc = 0;
-    for (uint64_t i = 0; i < n; i++) {
-        rc = unmap_locked(p, vas[i], &undone[i]);
+    uint64_t i = 0;
+    char saved[sizeof hv_err];
+    for (; i < n; i++) {
+        uint64_t *e;
+        rc = check_unmap_locked(p, vas[i], &e);
+        if (rc) break;
+        *e |= HV_CLAIM_BIT;
+        undone[i] = (uint64_t)(uintptr_t)e;
+    }
+    for (uint64_t j = 0; j < i; j++) *(uint64_t *)(uintptr_t)undone[j] &= ~HV_CLAIM_BIT;
+    if (rc) {
+        memcpy(saved, hv_err, sizeof saved);
+        snprintf(hv_err, sizeof hv_err, "batch entry %llu of %llu: %s (nothing was unmapped)",
+                 (unsigned long long)i, (unsigned long long)n, saved);
+        if (failed) *failed = i;
+        goto out;
+    }
+    for (i = 0; i < n; i++) {
+        rc = unmap_locked(p, vas[i], &undone[i], 1);
         if (rc) {
-            char saved[sizeof hv_err];
             memcpy(saved, hv_err, sizeof saved);
-            for (uint64_t j = i; j-- > 0;) map_locked(p, vas[j], undone[j]);
-            snprintf(hv_err, sizeof hv_err, "batch entry %llu of %llu: %s", (unsigned long long)i,
-                     (unsigned long long)n, saved);
+            uint64_t left = 0; /* entries the kernel would not map back */
+            for (uint64_t j = i; j-- > 0;) left += map_locked(p, vas[j], undone[j], 1) != 0;
+            snprintf(hv_err, sizeof hv_err, "batch entry %llu of %llu: %s%s", (unsigned long long)i,
+                     (unsigned long long)n, saved,
+                     left ? " (and the rollback could not map every earlier entry back)" : "");
             if (failed) *failed = i;
             break;
         }
     }
+    /* deferred-freed handles left with no mapping (all of them on success) are released now */
+    for (uint64_t j = 0; j < i; j++) release_unmapped(p, undone[j] / p->granule);
+out:
     pthread_mutex_unlock(&p->mu);
     free(undone);
     return rc;

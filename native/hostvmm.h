@@ -44,6 +44,7 @@ enum {
     HV_STAT_LIMIT,           /* configured limit on committed bytes, 0 = none */
     HV_STAT_FILE_END,        /* end of the used offset range of the memfd */
     HV_STAT_MAX_MAPPINGS,    /* cap on live mappings, 0 = none */
+    HV_STAT_RELEASE_PENDING, /* deferred-freed handles whose release failed, retried later */
     HV_STAT_COUNT
 };
 
@@ -80,7 +81,9 @@ int hv_unmap(hv_pool *p, uint64_t va, uint64_t *handle_out);
 /* All or nothing: on failure every mapping this call made is undone; *failed = index. */
 int hv_map_batch(hv_pool *p, const uint64_t *vas, const uint64_t *handles, uint64_t n,
                  uint64_t *failed);
-/* All or nothing for misuse: on failure every unmap this call did is re-mapped. */
+/* All or nothing: every entry is checked first (a start of a mapping, none listed twice), so
+ * misuse unmaps nothing; a kernel failure after that re-maps what this call unmapped. A handle
+ * freed with hv_free_deferred is released only once the batch has succeeded. */
 int hv_unmap_batch(hv_pool *p, const uint64_t *vas, uint64_t n, uint64_t *failed);
 /* 0 when every byte of [va, va+len) lies in mapped pages of this pool, else ENOENT/EFAULT. */
 int hv_check_mapped(hv_pool *p, uint64_t va, uint64_t len);

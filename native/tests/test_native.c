@@ -76,6 +76,28 @@ int main(void) {
     CHECK(hv_map_batch(p, v2, h, 2, &failed) == ENOMEM && failed == 1);
     CHECK(hv_check_mapped(p, r2, 1) == ENOENT);
     CHECK(hv_free_deferred(p, h[1]) == 0);
+    /* unmap_batch with a bad second entry after a deferred-freed handle: nothing unmapped,
+     * the handle stays mapped and pending; the good batch then releases it */
+    hv_set_max_mappings(p, 0);
+    uint64_t stats[HV_STAT_COUNT];
+    CHECK(hv_map(p, r2, h[0]) == 0 && hv_free_deferred(p, h[0]) == 0);
+    hv_stats(p, stats);
+    uint64_t committed = stats[HV_STAT_COMMITTED];
+    uint64_t ub[2] = {r2, r2 + G};
+    CHECK(hv_unmap_batch(p, ub, 2, &failed) == ENOENT && failed == 1);
+    CHECK(strstr(hv_last_error(), "nothing was unmapped") != NULL);
+    CHECK(hv_check_mapped(p, r2, G) == 0);
+    ((unsigned char *)r2)[7] = 0x42; /* still mapped, still writable */
+    hv_stats(p, stats);
+    CHECK(stats[HV_STAT_COMMITTED] == committed && stats[HV_STAT_MAPPINGS] == 1);
+    uint64_t dup[2] = {r2, r2};
+    CHECK(hv_unmap_batch(p, dup, 2, &failed) == ENOENT && failed == 1);
+    CHECK(strstr(hv_last_error(), "listed twice") != NULL && hv_check_mapped(p, r2, G) == 0);
+    CHECK(hv_unmap_batch(p, ub, 1, &failed) == 0 && hv_check_mapped(p, r2, 1) == ENOENT);
+    hv_stats(p, stats);
+    CHECK(stats[HV_STAT_COMMITTED] == committed - G && stats[HV_STAT_MAPPINGS] == 0);
+    CHECK(stats[HV_STAT_RELEASE_PENDING] == 0);
+    CHECK(hv_free(p, h[0]) == EBADF);
     hv_pool_close(p); /* with live handles and a reservation: close releases them */
 
     CHECK(aclInit(NULL) == 0 && aclInit(NULL) == 100002);

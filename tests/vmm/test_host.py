@@ -217,3 +217,30 @@ def test_populate_can_be_switched_and_keeps_the_batch_rollback():
         d.release(va, 2 * g)
     finally:
         d.close()
+
+
+def test_unmap_batch_with_a_bad_entry_unmaps_nothing_even_for_a_deferred_freed_handle():
+    """The whole batch is checked before anything is unmapped: a deferred-freed handle stays
+    mapped (and its memory committed) when a later entry is bad, and is released once a good
+    batch unmaps it (the reviewer's reproduction of the old rollback bug)."""
+    from xllm_vmm.vmm import VmmError
+
+    d = open_driver("host", device_memory=16 * MiB)
+    g = d.granularity
+    va = d.reserve(4 * g)
+    h = d.create_handle(g)
+    d.map(va, h)
+    C.memset(va, 0x42, 64)
+    assert d._lib.hv_free_deferred(d._pool, h) == 0
+    for bad in ([va, va + g], [va, va]):
+        with pytest.raises(VmmError) as err:
+            d.unmap_batch(bad)
+        assert err.value.code == 2  # ENOENT
+        assert "batch entry 1 of 2" in str(err.value) and "nothing was unmapped" in str(err.value)
+        assert d.is_mapped(va, g) and C.string_at(va, 64) == b"\x42" * 64
+        assert d.stats()["committed_bytes"] == g and d.stats()["mappings"] == 1
+    d.unmap_batch([va])
+    assert d.stats()["committed_bytes"] == 0 and d.stats()["handles"] == 0
+    assert d.stats()["release_pending"] == 0 and not d.is_mapped(va, 1)
+    d.release(va, 4 * g)
+    d.close()

@@ -48,7 +48,7 @@ from xllm_vmm.vmm.views import ViewRegistry
 GRANULARITY = 2 * 1024 * 1024
 
 _STAT_NAMES = ("committed_bytes", "handles", "reservations", "reserved_bytes", "mapped_bytes",
-               "mappings", "limit_bytes", "file_end_bytes", "max_mappings")
+               "mappings", "limit_bytes", "file_end_bytes", "max_mappings", "release_pending")
 
 
 def _u64s(values: Sequence[int]) -> array.array:
