@@ -166,7 +166,7 @@ def test_text_marks_warnings_apart_from_errors_and_github_levels():
     assert code == 1
     assert "    ✗ QK-01: " in out and "    ! EL-02: " in out and "✗ EL-02" not in out
     code, out, _ = check(*args, "--strict")
-    assert "    ✗ EL-02: " in out and "errors (1)" in out
+    assert "    ✗ EL-02: " in out and out.count("errors (") == 1 and "errors (2)" in out
     code, out, _ = check(*args, "--format", "github")
     levels = {line.split(" ", 1)[0] + line.split("title=")[1].split("::")[0]
               for line in out.splitlines() if line.startswith("::")}
@@ -240,3 +240,23 @@ def test_a_damaged_safetensors_shard_does_not_disable_model_rules(tmp_path):
     doc = json.loads(out)["inputs"][0]
     assert code == 1 and [f["id"] for f in doc["findings"]] == ["EL-06"]
     assert not doc["not_checked"]
+
+
+def test_cmd_file_checks_the_engine_command_and_says_which(tmp_path):
+    p = tmp_path / "l6.sh"
+    p.write_text("/opt/xllm/bin/xllm --model=/m --enable_vmm_kvcache=true "
+                 "--enable_task_pipeline=true &\nsleep 30\n"
+                 "curl --retry 5 --fail http://localhost:8010/health\n")
+    code, out, _ = check("--cmd-file", str(p), "--format=json")
+    doc = json.loads(out)["inputs"][0]
+    assert code == 1 and [f["id"] for f in doc["findings"]] == ["SD-04"]
+    assert doc["launch_command"] == f"{p}:1 (/opt/xllm/bin/xllm: the engine)"
+    code, out, _ = check("--cmd-file", str(p))
+    assert f"launch command checked: {p}:1" in out
+
+
+def test_strict_lists_errors_and_warnings_under_one_heading():
+    code, out, _ = check("--strict", "--enable_vmm_kvcache", "--vmm_elastic",
+                         "--max_memory_utilization=0.5", "--enable_task_pipeline")
+    assert code == 1 and out.count("errors (") == 1 and "errors (2)" in out
+    assert "warnings (" not in out.split("implied")[0]

@@ -168,3 +168,56 @@ def test_shell_without_flags_and_bad_quotes():
 def test_positional_argument_is_reported():
     _, findings = parse_args(["--port=1", "stray"])
     assert [f.id for f in findings] == ["CFG-ARG"]
+
+
+def test_cmd_file_picks_the_engine_command_not_the_last_with_dashes(tmp_path):
+    text = ("/opt/xllm/bin/xllm --model=/m --enable_vmm_kvcache=true "
+            "--enable_task_pipeline=true &\nsleep 30\n"
+            "curl --retry 5 --fail http://localhost:8010/health\n")
+    shell, findings = parse_shell(text, "l6.sh")
+    assert findings == []
+    assert shell.binary == "/opt/xllm/bin/xllm" and shell.line == 1
+    assert [t.text for t in shell.tokens] == [
+        "--model=/m", "--enable_vmm_kvcache=true", "--enable_task_pipeline=true"]
+    assert shell.describe("l6.sh") == "l6.sh:1 (/opt/xllm/bin/xllm: the engine)"
+
+
+def test_without_an_engine_program_the_command_with_most_known_flags_wins():
+    text = ("python serve.py --model=/m --tp_size=2 --port 9000\n"
+            "curl --retry 5 --fail --max-time 3 http://localhost:9000/health\n")
+    shell, findings = parse_shell(text)
+    assert findings == [] and shell.binary == "python" and shell.line == 1
+    assert "most known flags (3)" in shell.why
+
+
+def test_a_comment_line_ends_the_continuation_as_in_bash(tmp_path):
+    text = ("xllm --model=Qwen/Qwen3-8B \\\n  --enable_vmm_kvcache=true \\\n# a comment\n"
+            "  --vmm_elastic=true --max_memory_utilization=0.5\n")
+    shell, findings = parse_shell(text, "l7.sh")
+    assert [t.text for t in shell.tokens] == ["--model=Qwen/Qwen3-8B",
+                                              "--enable_vmm_kvcache=true"]
+    assert [f.id for f in findings] == ["CFG-SHELL"]
+    assert findings[0].severity == "error" and findings[0].where.location() == "l7.sh:4:3"
+    assert "broken by the comment line at l7.sh:3" in findings[0].message
+
+
+@pytest.mark.parametrize("between,cause", [
+    ("\n", "the blank line at line 2"),
+    ("", "the missing backslash at the end of line 1"),
+])
+def test_stray_flag_lines_name_the_cause(between, cause):
+    text = "xllm --model=/m" + (" \\\n" if between else "\n") + between + "  --port=1\n"
+    shell, findings = parse_shell(text)
+    assert [t.text for t in shell.tokens] == ["--model=/m"]
+    assert [f.id for f in findings] == ["CFG-SHELL"] and cause in findings[0].message
+
+
+def test_shell_words_follow_bash():
+    # '#' inside a word is not a comment; a backslash at the end of a comment continues
+    # nothing; a quoted newline stays in the word; "a"\<newline>b joins without a space.
+    shell, findings = parse_shell("xllm --model=/m#x --port=1 # note \\\n"
+                                  "xllm --model='/a\nb' --host=h\\\nost\n")
+    assert findings == []
+    assert [t.text for t in shell.tokens] == ["--model=/a\nb", "--host=host"]
+    first, _ = parse_shell("xllm --model=/m#x --port=1 # note --tp_size=2\n")
+    assert [t.text for t in first.tokens] == ["--model=/m#x", "--port=1"]

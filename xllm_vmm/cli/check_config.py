@@ -199,7 +199,8 @@ def run(argv: list[str], out: TextIO | None = None, err: TextIO | None = None,
     results = []
     for r in resolved:
         if r.config is None:
-            results.append(Result(r.label, None, list(r.findings)))
+            results.append(Result(r.label, None, list(r.findings),
+                                  launch_command=r.launch_command))
             continue
         spec, why = find_model(r.config)
         report = check(r.config, spec, model_reason=why,
@@ -210,7 +211,8 @@ def run(argv: list[str], out: TextIO | None = None, err: TextIO | None = None,
 
             decide_sizing(report, r.config, spec, why, device=device,
                           host=host_memory(opts["host_memory"]))
-        results.append(Result(r.label, report, list(r.findings) + report.findings))
+        results.append(Result(r.label, report, list(r.findings) + report.findings,
+                              launch_command=r.launch_command))
     fmt = opts["format"]
     if fmt == "json":
         render_json(results, out, strict=opts["strict"])

@@ -35,6 +35,9 @@ class Resolved:
     label: str
     config: ResolvedConfig | None
     findings: list[Finding] = field(default_factory=list)
+    #: for a launch script or ``--cmd``: which command was checked (``launch.sh:3 (xllm: the
+    #: engine)``); "" otherwise.
+    launch_command: str = ""
 
     @property
     def unreadable(self) -> bool:
@@ -145,7 +148,12 @@ def resolve_inputs(
                     f.input = label
                 out.append(Resolved(label, None, errs))
                 continue
-            out.append(_resolve(label, cli=list(shell.tokens), config_files=shared_files,
-                                json_file=config_json_file, env=env, env_tokens=shell.env,
-                                overrides=args))
+            res = _resolve(label, cli=list(shell.tokens), config_files=shared_files,
+                           json_file=config_json_file, env=env, env_tokens=shell.env,
+                           overrides=args)
+            for f in errs:
+                f.input = label
+            res.findings = errs + res.findings
+            res.launch_command = shell.describe(file)
+            out.append(res)
     return out

@@ -32,6 +32,7 @@ class Result(HasFindings):
     label: str
     report: object | None  # rules.Report
     findings: list[Finding] = field(default_factory=list)  # input findings + report findings
+    launch_command: str = ""  # the command checked in a launch script or --cmd, if any
 
     @property
     def unreadable(self) -> bool:
@@ -69,6 +70,8 @@ def to_json(results: list[Result], *, strict: bool = False, full_config: bool = 
                                                         "warnings" if r.warnings else "ok"),
             "findings": [f.to_dict() for f in r.findings],
         }
+        if r.launch_command:
+            entry["launch_command"] = r.launch_command
         if rep is not None:
             entry["model"] = rep.model
             entry["implied"] = [i.to_dict() for i in rep.implied]
@@ -161,11 +164,15 @@ def render_text(results: list[Result], out: TextIO, *, strict: bool = False,
                   ("[bold red]warnings (strict)[/]" if strict else "[yellow]warnings[/]")
                   if r.warnings else "[green]ok[/]")
         console.print(f"[bold]{escape(r.label)}[/]: {status}")
-        for sev, style in (("error", "red"), ("warning", "yellow")):
-            items = [f for f in r.findings if f.severity == sev]
+        if r.launch_command:
+            console.print(f"  [dim]launch command checked: {escape(r.launch_command)}[/]")
+        # Under --strict warnings are errors: one "errors" heading lists both.
+        groups = ((("error", "warning"), "error", "red"),) if strict else \
+            ((("error",), "error", "red"), (("warning",), "warning", "yellow"))
+        for sevs, shown_sev, style in groups:
+            items = [f for f in r.findings if f.severity in sevs]
             if not items:
                 continue
-            shown_sev = "error" if strict and sev == "warning" else sev
             mark = MARKS[shown_sev]
             console.print(f"  [{style}]{shown_sev}s ({len(items)})[/]")
             for f in items:

@@ -154,88 +154,191 @@ _STOP = {"|", "||", "&&", ";", "&", "|&"}
 
 @dataclass
 class ShellCommand:
-    """The launch command found in shell text: its flag tokens and its environment."""
+    """The launch command found in shell text: its flag tokens, its environment, and which
+    command of the text it is (``line``: the physical line of its program; ``why``: how it
+    was chosen)."""
 
     tokens: list[Token]
     env: list[Token]  # NAME=value tokens (assignments before the binary, export lines)
     binary: str | None
+    line: int | None = None
+    why: str = ""
+
+    def describe(self, file: str | None = None) -> str:
+        """``launch.sh:3 (/opt/xllm/bin/xllm: the engine)``, for reports."""
+        where = f"{file}:{self.line}" if file and self.line else \
+            f"line {self.line}" if self.line else "the command"
+        return f"{where} ({self.binary or '?'}: {self.why})" if self.why else where
 
 
-def _logical_lines(text: str) -> list[tuple[str, list[tuple[int, int]]]]:
-    """Join backslash-continued lines. Returns (logical text, [(offset, physical line no)])."""
-    out = []
+_WORD_BREAK = " \t;&|()<>"
+
+
+def _scan_line(line: str, quote: str | None, prev: str | None):
+    """Read one physical line the way bash does. Returns ``(kept, end, quote, prev)``: the text
+    bash keeps (a comment and a continuation backslash removed), how the line ends (``"end"``,
+    ``"backslash"``: continued; ``"quote"``: a quote is still open, the newline is part of the
+    word; ``"comment"``: a comment ended it), the quote still open and the last character kept.
+    ``#`` starts a comment only at the start of a word outside quotes; a backslash at the end of
+    a comment is part of the comment and continues nothing."""
+    i = 0
+    n = len(line)
+    while i < n:
+        c = line[i]
+        if quote == "'":
+            if c == "'":
+                quote = None
+        elif c == "\\":
+            if i == n - 1:
+                return line[:i], "backslash", quote, prev
+            i += 1
+        elif quote == '"':
+            if c == '"':
+                quote = None
+        elif c in "'\"":
+            quote = c
+        elif c == "#" and (prev is None or prev in _WORD_BREAK):
+            return line[:i], "comment", None, prev
+        prev = line[i]
+        i += 1
+    return line, ("quote" if quote is not None else "end"), quote, prev
+
+
+@dataclass
+class _Logical:
+    text: str
+    marks: list[tuple[int, int]]  # (offset in text, physical line number)
+
+
+def _logical_lines(text: str) -> list[_Logical]:
+    """Join lines as bash does: a trailing unquoted backslash removes itself and the newline; a
+    newline inside quotes is kept; a comment ends the line, and so a continuation: a comment
+    line inside a backslash-continued command ends that command, as in bash."""
+    out: list[_Logical] = []
     buf: list[str] = []
     marks: list[tuple[int, int]] = []
     length = 0
+    quote: str | None = None
+    prev: str | None = None
     for lineno, raw in enumerate(text.split("\n"), start=1):
-        line = raw.rstrip("\r")
-        cont = line.endswith("\\") and not line.endswith("\\\\")
-        piece = line[:-1] + " " if cont else line
+        kept, end, quote, prev = _scan_line(raw.rstrip("\r"), quote, prev)
+        if end == "quote":
+            kept += "\n"
         marks.append((length, lineno))
-        buf.append(piece)
-        length += len(piece)
-        if not cont:
-            out.append(("".join(buf), marks))
-            buf, marks, length = [], [], 0
+        buf.append(kept)
+        length += len(kept)
+        if end in ("end", "comment"):
+            out.append(_Logical("".join(buf), marks))
+            buf, marks, length, quote, prev = [], [], 0, None, None
     if buf:
-        out.append(("".join(buf), marks))
+        out.append(_Logical("".join(buf), marks))
     return out
 
 
-def _tokens_of(logical: str, marks, file: str | None, raw_lines: list[str]) -> list[Token]:
-    lex = shlex.shlex(logical, posix=True, punctuation_chars=";&|")
+def _tokens_of(logical: _Logical, file: str | None,
+               raw_lines: list[str]) -> list[tuple[Token, int]]:
+    """The words of one logical line, each with the physical line that holds its end."""
+    lex = shlex.shlex(logical.text, posix=True, punctuation_chars=";&|")
     lex.whitespace_split = True
-    lex.commenters = "#"
-    tokens = []
+    lex.commenters = ""  # comments were removed by _logical_lines
+    out = []
     while True:
         start = lex.instream.tell()
         tok = lex.get_token()
         if tok is None or tok == lex.eof:
             break
-        end = lex.instream.tell()
-        line = None
+        pos = max(start, lex.instream.tell() - 1)
+        line = logical.marks[0][1]
+        for off, no in logical.marks:
+            if off <= pos:
+                line = no
         col = None
         if file is not None:
-            # the physical line holding the end of the token
-            pos = max(start, end - 1)
-            for off, no in marks:
-                if off <= pos:
-                    line = no
-            if line is not None:
-                key = tok.split("=", 1)[0]
-                idx = raw_lines[line - 1].find(key) if key else -1
-                col = idx + 1 if idx >= 0 else None
-        tokens.append(Token(tok, file, line, col))
-    return tokens
+            key = tok.split("=", 1)[0]
+            idx = raw_lines[line - 1].find(key) if key else -1
+            col = idx + 1 if idx >= 0 else None
+        out.append((Token(tok, file, line if file is not None else None, col), line))
+    return out
+
+
+def _known_flags(tokens: list[Token]) -> int:
+    """How many of ``tokens`` are flags of the catalogue (``--noNAME`` for a bool included)."""
+    count = 0
+    for t in tokens:
+        if not t.text.startswith("-"):
+            continue
+        name = _norm(t.text.lstrip("-").split("=", 1)[0])
+        if name in FLAGS or (name.startswith("no") and name[2:] in FLAGS
+                             and FLAGS[name[2:]].is_bool):
+            count += 1
+    return count
+
+
+def _is_engine(binary: str | None) -> bool:
+    """True when ``binary`` is the serving engine: its file name contains ``xllm``."""
+    return bool(binary) and "xllm" in binary.replace("\\", "/").rsplit("/", 1)[-1].lower()
+
+
+def _broken_continuation(file: str | None, line: int, raw_lines: list[str],
+                         tok: Token) -> Finding:
+    """A command that starts with ``--``: a flag line cut off from its command."""
+    before = line - 1
+    prev = raw_lines[before - 1].rstrip("\r") if before >= 1 else ""
+    where = f"{file}:{before}" if file else f"line {before}"
+    if not prev.strip():
+        cause, fix = f"the blank line at {where}", "remove the blank line"
+    elif prev.lstrip().startswith("#"):
+        cause, fix = f"the comment line at {where}", "move the comment out of the command"
+    elif re.search(r"\\[ \t]+$", prev):
+        cause, fix = (f"whitespace after the backslash at the end of {where}",
+                      "remove the whitespace after the backslash")
+    else:
+        cause, fix = (f"the missing backslash at the end of {where}",
+                      "end the line with a backslash")
+    src = Source("cli", file, line if file else None, tok.col, text=tok.text)
+    return Finding(
+        "CFG-SHELL", "error",
+        f"line {line} starts with {tok.text!r}: it looks like a continuation of the launch "
+        f"command broken by {cause}; the shell runs it as a separate command, so its flags "
+        f"never reach the engine", hint=f"{fix}: every line of a command but the last ends with a "
+        "backslash, with nothing after it",
+        where=src)
 
 
 def parse_shell(text: str, file: str | None = None) -> tuple[ShellCommand | None, list[Finding]]:
     """Find the launch command in shell text (a ``--cmd`` string or a script).
 
-    The launch command is the last command with ``--`` flags. Returns ``(None, findings)`` when
-    the text cannot be tokenized or holds no command with flags.
+    Lines are joined and split into words and commands as bash does (:func:`_logical_lines`).
+    The launch command is the last command whose program is the engine (its file name contains
+    ``xllm``); when none is, the command with the most catalogue flags (the last of equals).
+    A command that starts with ``--`` is a flag line cut off from its command: a ``CFG-SHELL``
+    error. Returns ``(None, findings)`` when the text cannot be split into words or holds no
+    command with flags.
     """
     raw_lines = text.split("\n")
     env: list[Token] = []
-    commands: list[tuple[list[Token], list[Token], str | None]] = []
-    for logical, marks in _logical_lines(text):
+    findings: list[Finding] = []
+    commands: list[ShellCommand] = []
+    for logical in _logical_lines(text):
         try:
-            toks = _tokens_of(logical, marks, file, raw_lines)
+            toks = _tokens_of(logical, file, raw_lines)
         except ValueError as err:  # unbalanced quotes
-            where = Source("cli", file, marks[0][1] if file else None, text=logical.strip()[:80])
+            first = logical.marks[0][1]
+            where = Source("cli", file, first if file else None, text=logical.text.strip()[:80])
             return None, [Finding("CFG-SYNTAX", "error",
                                   f"cannot split the command into words: {err} ({where})",
                                   hint="check the quotes", where=where)]
         # split on ; && || | &
-        segments: list[list[Token]] = [[]]
+        segments: list[list[tuple[Token, int]]] = [[]]
         for t in toks:
-            if t.text in _STOP:
+            if t[0].text in _STOP:
                 segments.append([])
             else:
                 segments[-1].append(t)
-        for seg in segments:
-            if not seg:
+        for seg_lines in segments:
+            if not seg_lines:
                 continue
+            seg = [t for t, _ in seg_lines]
             if seg[0].text == "export":
                 env.extend(t for t in seg[1:] if _ASSIGN_RE.match(t.text))
                 continue
@@ -253,8 +356,15 @@ def parse_shell(text: str, file: str | None = None) -> tuple[ShellCommand | None
                     if _ASSIGN_RE.match(seg[i].text):
                         pre_env.append(seg[i])
                     i += 1
+            if i < len(seg) and seg[i].text.startswith("--"):
+                findings.append(_broken_continuation(file, seg_lines[i][1], raw_lines, seg[i]))
+                continue
             binary = seg[i].text if i < len(seg) else None
+            line = seg_lines[i][1] if i < len(seg) else seg_lines[0][1]
             rest = seg[i + 1:]
+            if _is_engine(binary) and rest and rest[0].text == "serve" \
+                    and "xllm-vmm" in (binary or "").lower():
+                rest = rest[1:]  # xllm-vmm serve --flags
             # drop redirections (>, 2>, >>, <, 2>&1)
             args = []
             skip = False
@@ -269,15 +379,28 @@ def parse_shell(text: str, file: str | None = None) -> tuple[ShellCommand | None
                     continue
                 args.append(t)
             if any(t.text.startswith("--") for t in args):
-                commands.append((args, pre_env, binary))
+                commands.append(ShellCommand(args, pre_env, binary, line))
     if not commands:
+        if findings:
+            return None, findings
         where = Source("cli", file, text=(text.strip().splitlines() or [""])[0][:80])
         return None, [Finding("CFG-SYNTAX", "error",
                               f"no launch command with --flags found ({where.file or 'command'})",
                               hint="give the serving command, e.g. xllm --model=/m --enable_vmm_kvcache=true",
                               where=where)]
-    args, pre_env, binary = commands[-1]
-    return ShellCommand(args, env + pre_env, binary), []
+    engines = [c for c in commands if _is_engine(c.binary)]
+    if engines:
+        chosen = engines[-1]
+        chosen.why = "the engine" if len(engines) == 1 else \
+            f"the last of {len(engines)} engine commands"
+    else:
+        best = max(_known_flags(c.tokens) for c in commands)
+        chosen = [c for c in commands if _known_flags(c.tokens) == best][-1]
+        chosen.why = (f"no program named like the engine (xllm); the command with the most "
+                      f"known flags ({best})") if len(commands) > 1 else \
+            "the only command with --flags"
+    chosen.env = env + chosen.env
+    return chosen, findings
 
 
 # ----------------------------------------------------------------------------- environment
