@@ -21,3 +21,31 @@ def test_unknown_command_is_a_usage_error():
     out = subprocess.run([sys.executable, "-m", "xllm_vmm.cli", "no-such-command"],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "Traceback" not in out.stderr
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("argv", [
+    ["flags", "--format=json"],
+    ["schema"],
+    ["plan", "--model=Qwen/Qwen3-8B", "--enable_vmm_kvcache", "--host_blocks_factor=2",
+     "--format=json"],  # host memory read from this host (xllm_vmm.vmm.sysmem)
+    ["plan", "--list-models"],
+], ids=["flags", "schema", "plan", "plan-list-models"])
+def test_commands_do_not_import_torch(argv):
+    code = ("import sys\n"
+            f"sys.argv = ['xllm-vmm', *{argv!r}]\n"
+            "from xllm_vmm.cli import main\n"
+            "try:\n    main()\nexcept SystemExit as e:\n"
+            "    sys.stderr.write(f'EXIT={e.code} TORCH={\"torch\" in sys.modules}')\n    raise\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.stderr.strip().endswith("TORCH=False"), p.stderr[-2000:]
+    assert "EXIT=0" in p.stderr or "EXIT=None" in p.stderr
+
+
+def test_flags_search_without_match_says_so_and_exits_1():
+    out = subprocess.run([sys.executable, "-m", "xllm_vmm.cli", "flags", "--search", "zzzz"],
+                         capture_output=True, text=True)
+    assert out.returncode == 1 and out.stdout == ""
+    assert "no flag has 'zzzz' in its name or help" in out.stderr

@@ -79,3 +79,33 @@ def test_shipped_schema_is_fresh_and_validates_configs():
     assert props["kv_cache"]["properties"]["block_size"]["default"] == 128
     assert "anyOf" in props["model"]  # the flag `model` and the table [model]
     assert shipped["additionalProperties"] is False
+
+
+CHOICES = {
+    "speculative_algorithm": ("MTP", "Eagle3", "Suffix", "DFlash"),
+    "instance_role": ("DEFAULT", "PREFILL", "DECODE", "MIX"),
+    "kv_cache_transfer_mode": ("PUSH", "PULL"),
+    "kv_cache_transfer_type": ("LlmDataDist", "Mooncake", "HCCL"),
+    "backend": ("llm", "vlm", "rec", "dit"),
+}
+
+
+def test_fixed_value_sets_in_catalogue_help_and_schema():
+    for name, values in CHOICES.items():
+        assert FLAGS[name].choices == values
+        assert FLAGS[name].help.endswith(
+            "Values: " + ", ".join(values)
+            + (" (case-insensitive; empty too)." if FLAGS[name].default == "" else
+               " (case-insensitive)."))
+        assert FLAGS[name].choice(FLAGS[name].default) or FLAGS[name].default == ""
+    schema = toml_schema()
+    assert schema["properties"]["speculative_algorithm"]["enum"] == list(CHOICES[
+        "speculative_algorithm"])
+    assert schema["properties"]["backend"]["enum"] == ["llm", "vlm", "rec", "dit", ""]
+    assert {n for n, f in FLAGS.items() if f.choices} == set(CHOICES) | {"kv_cache_dtype"}
+
+
+def test_kv_cache_dtype_values_are_the_planners():
+    from xllm_vmm.models.dtypes import _CANONICAL
+
+    assert set(FLAGS["kv_cache_dtype"].choices) == {"auto"} | set(_CANONICAL)

@@ -221,3 +221,42 @@ def test_shell_words_follow_bash():
     assert [t.text for t in shell.tokens] == ["--model=/a\nb", "--host=host"]
     first, _ = parse_shell("xllm --model=/m#x --port=1 # note --tp_size=2\n")
     assert [t.text for t in first.tokens] == ["--model=/m#x", "--port=1"]
+
+
+@pytest.mark.parametrize("argv,message,hint", [
+    (["--kv_cache_dtype=bogus"], "'bogus' is not a value of kv_cache_dtype",
+     "set kv_cache_dtype to one of auto, bfloat16, bf16,"),
+    (["--speculative_algorithm=bogus"], "'bogus' is not a value of speculative_algorithm",
+     "set speculative_algorithm to one of MTP, Eagle3, Suffix, DFlash"),
+    (["--speculative_algorithm=mpt"], "(did you mean MTP?)", "one of MTP,"),
+    (["--instance_role", "PREFIL"], "(did you mean PREFILL?)", "DEFAULT, PREFILL, DECODE, MIX"),
+])
+def test_fixed_value_flags_reject_other_values(argv, message, hint):
+    _, findings = parse_args(argv)
+    assert [f.id for f in findings] == ["CFG-TYPE"]
+    assert message in findings[0].message and hint in findings[0].hint
+
+
+def test_fixed_value_flags_accept_any_case_and_empty_backend(tmp_path):
+    assigned, findings = parse_args(["--speculative_algorithm=eagle3", "--backend=",
+                                     "--kv_cache_dtype=BF16", "--kv_cache_transfer_type=mooncake"])
+    assert findings == [] and [a.value for a in assigned] == ["eagle3", "", "BF16", "mooncake"]
+    p = tmp_path / "c.toml"
+    p.write_text('kv_cache_dtype = "bogus"\n')
+    with pytest.raises(ConfigError) as e:
+        load(config_files=[p])
+    assert e.value.findings[0].id == "CFG-TYPE"
+    assert "'bogus' is not a value of kv_cache_dtype" in e.value.findings[0].message
+
+
+def test_toml_dates_are_shown_as_written_not_as_python_reprs(tmp_path):
+    p = tmp_path / "d.toml"
+    p.write_text("port = 1979-05-27T07:32:00Z\nmodel = 2024-01-01\n")
+    with pytest.raises(ConfigError) as e:
+        load(config_files=[p])
+    msgs = [f.message for f in e.value.findings]
+    assert "datetime" not in " ".join(msgs)
+    assert msgs[0] == (f"{p}:1:1: the date-time 1979-05-27T07:32:00Z is not valid for port: "
+                       "expected an integer (int32, 0..65535): port = 1979-05-27T07:32:00Z")
+    assert msgs[1] == (f"{p}:2:1: the date 2024-01-01 is not valid for model: expected a "
+                       "string: model = 2024-01-01")

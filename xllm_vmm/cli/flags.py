@@ -1,5 +1,6 @@
 """``xllm-vmm flags``: every flag of the catalogue as a table (panels by group), markdown (the
-body of docs/cli-reference.md) or JSON."""
+body of docs/cli-reference.md) or JSON. Exit codes: 0 listed, 1 nothing matched ``--search``,
+2 unknown group."""
 
 from __future__ import annotations
 
@@ -38,6 +39,11 @@ def flags_command(
                       f"; groups: {', '.join(GROUPS)}"), err=True)
         raise typer.Exit(2)
     selected = select_flags(group, search)
+    if not selected:
+        where = f" in group {group!r}" if group else ""
+        typer.echo(f"no flag{where} has {search!r} in its name or help; `xllm-vmm flags` lists "
+                   "them all", err=True)
+        raise typer.Exit(1)
     if fmt is FlagsFormat.json:
         typer.echo(json.dumps(flags_json(selected), indent=2))
         return

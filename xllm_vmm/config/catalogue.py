@@ -86,6 +86,18 @@ class FlagDef:
     platform_default: str | None = None
     origin: str = "engine"  # "engine" (reference flag list), "spec" (added by the spec)
     aliases: tuple[str, ...] = field(default=())
+    #: The values a string flag takes, where the engine defines a fixed set (matched without
+    #: regard to case; an empty value is accepted too when the default is empty). () = any.
+    choices: tuple[str, ...] = field(default=())
+
+    def choice(self, text: str) -> str | None:
+        """The value of :attr:`choices` that ``text`` names (case-insensitive), or None."""
+        key = text.strip().lower()
+        return next((c for c in self.choices if c.lower() == key), None)
+
+    def choices_text(self) -> str:
+        """``MTP, Eagle3, Suffix, DFlash`` (and ``or empty`` where empty is accepted)."""
+        return ", ".join(self.choices) + (" (or empty)" if self.default == "" else "")
 
     @property
     def is_bool(self) -> bool:
@@ -125,7 +137,8 @@ def format_value(flag: FlagDef, value: object) -> str:
 
 
 # name | type | default | group | attrs | help
-# attrs: comma list of  bytes, impl, min=N, max=N, plat=<other default>, spec
+# attrs: comma list of  bytes, impl, min=N, max=N, plat=<other default>, spec,
+#        values=a/b/c (the fixed set of a string flag's values; appended to the help)
 # Defaults use Python/TOML literals: true/false, integers, floats, "strings".
 _TABLE = r"""
 enable_vmm_kvcache|bool|false|vmm|impl,spec|Use VMM for the KV cache: a stable virtual arena whose physical pages are mapped as blocks are needed. Off: the physical (preallocated) KV cache.
@@ -138,7 +151,7 @@ enable_in_batch_prefix_cache|bool|false|kv_cache||Share prefixes between request
 enable_prefix_cache|bool|true|kv_cache|impl,plat=false|Reuse complete KV blocks across requests (XXH3-128 hash chain). With KV VMM, cached blocks keep their pages until evicted in LRU order (PC-01). Platform default true (false on some builds).
 enable_xtensor|bool|false|kv_cache||The engine's xtensor KV cache implementation.
 indexer_cache_dtype|string|"auto"|kv_cache||Data type of the MLA index (indexer) cache; auto follows the model.
-kv_cache_dtype|string|"auto"|kv_cache|impl|KV cache data type; auto follows the model dtype. Anything else is a quantized KV cache, unsupported with KV VMM (QK-01) and host offload (HK-04).
+kv_cache_dtype|string|"auto"|kv_cache|impl,values=auto/bfloat16/bf16/float16/fp16/half/float32/fp32/float/float64/int8/uint8/fp8/fp8_e4m3/fp8_e4m3fn/float8_e4m3fn/fp8_e5m2/float8_e5m2|KV cache data type; auto follows the model dtype. Anything else is a quantized KV cache, unsupported with KV VMM (QK-01) and host offload (HK-04). The dtype names the planner sizes.
 max_cache_size|int64|0|kv_cache|impl,bytes,plat=1000000|Byte quota of the KV cache; with VMM, of the shared KV/weight pool. 0: no quota (sized from max_memory_utilization, or from live free memory in elastic mode).
 max_linear_state_cache_slots|int64|0|kv_cache||Sequence slots reserved for linear-attention / SSM state of hybrid models; 0: derived from max_seqs_per_batch.
 max_memory_utilization|double|0.8|kv_cache|impl,plat=0.55|Fraction of device memory the physical KV cache or a fixed VMM pool may use, in (0, 1]. Ignored by an elastic pool (EL-02). Platform default 0.8 (0.55 on some builds).
@@ -154,7 +167,7 @@ store_local_hostname|string|""|kv_cache_store||Local host name announced to the 
 store_master_server_address|string|""|kv_cache_store||Address of the KV cache store's master server.
 store_metadata_server|string|""|kv_cache_store||Address of the KV cache store's metadata server.
 store_protocol|string|"tcp"|kv_cache_store||Transport of the KV cache store (tcp, rdma).
-backend|string|""|model|impl,plat="rec"|Engine backend (llm, vlm, rec, dit, ...). Empty: inferred from the model (vlm when it has a vision tower, else llm).
+backend|string|""|model|impl,plat="rec",values=llm/vlm/rec/dit|Engine backend: llm (text), vlm (multimodal), rec (recommendation), dit (diffusion). Empty: inferred from the model (vlm when it has a vision tower, else llm).
 device_id|int32|-1|model||Single device index (older engines); prefer devices.
 devices|string|""|model|impl|Devices to serve on: npu:0,npu:1 / cuda:0 / cpu / auto. Empty means auto. VMM needs a kind with a VMM driver: npu, cuda or cpu (VMM-01).
 enable_qwen3_reranker|bool|false|model||Serve a Qwen3 reranker model.
@@ -202,7 +215,7 @@ enable_atb_spec_kernel|bool|false|speculative||Use the ATB speculative decoding 
 enable_mtp_draft_body_tp1|bool|false|speculative||Run the MTP draft body with tensor parallelism 1.
 enable_opt_validate_probs|bool|false|speculative||Optimized validation of draft probabilities.
 num_speculative_tokens|int32|0|speculative|impl,min=0|Draft tokens per step; above 0 enables speculative decoding.
-speculative_algorithm|string|"MTP"|speculative|impl|Speculative decoding algorithm: MTP (co-located draft_model), Eagle3 (embedded draft), suffix, or another with an external draft_model.
+speculative_algorithm|string|"MTP"|speculative|impl,values=MTP/Eagle3/Suffix/DFlash|Speculative decoding algorithm (the engine's options): MTP (co-located draft_model), Eagle3 (embedded draft), Suffix (suffix tree, no draft model), DFlash (external draft_model).
 speculative_suffix_cache_max_depth|int32|64|speculative||Suffix decoding: deepest suffix tree.
 speculative_suffix_max_cached_requests|int32|-1|speculative||Suffix decoding: requests kept in the cache; -1: unlimited.
 speculative_suffix_max_spec_factor|double|1.0|speculative||Suffix decoding: speculation length as a factor of the match length.
@@ -228,9 +241,9 @@ vae_size|int64|1|parallel||VAE parallel size.
 disagg_pd_port|int32|7777|disagg_pd||Port of the prefill/decode disaggregation service.
 enable_disagg_pd|bool|false|disagg_pd|impl|Prefill/decode disaggregation. With KV VMM: no speculative decoding (SD-03); Mooncake KV transfer needs a fixed pool (PD-01).
 enable_pd_ooc|bool|false|disagg_pd||Online/offline co-location with PD disaggregation.
-instance_role|string|"DEFAULT"|disagg_pd||Role of this instance: DEFAULT, PREFILL, DECODE or MIX.
-kv_cache_transfer_mode|string|"PUSH"|disagg_pd||KV transfer mode: PUSH or PULL.
-kv_cache_transfer_type|string|"LlmDataDist"|disagg_pd|impl|KV transfer implementation (LlmDataDist, Mooncake, ...). Mooncake with KV VMM needs vmm_elastic=false (PD-01).
+instance_role|string|"DEFAULT"|disagg_pd|values=DEFAULT/PREFILL/DECODE/MIX|Role of this instance in PD disaggregation.
+kv_cache_transfer_mode|string|"PUSH"|disagg_pd|values=PUSH/PULL|KV transfer mode.
+kv_cache_transfer_type|string|"LlmDataDist"|disagg_pd|impl,values=LlmDataDist/Mooncake/HCCL|KV transfer implementation. Mooncake with KV VMM needs vmm_elastic=false (PD-01).
 kv_push_dst_rotate|bool|false|disagg_pd||Rotate destinations when pushing KV blocks.
 transfer_listen_port|int32|26000|disagg_pd||Port for KV transfer.
 enable_service_routing|bool|false|distributed|impl|Register with a router that routes by cache. KV cache events are not published for VMM blocks (PC-03).
@@ -395,6 +408,11 @@ def _build() -> dict[str, FlagDef]:
                 opts["maximum"] = float(val) if "." in val else int(val)
             elif key == "plat":
                 opts["platform_default"] = val.strip('"')
+            elif key == "values":
+                opts["choices"] = tuple(val.split("/"))
+        if opts.get("choices"):
+            help_text += " Values: " + ", ".join(opts["choices"]) + \
+                (" (case-insensitive; empty too)." if default == '""' else " (case-insensitive).")
         flags[name] = FlagDef(name, ftype, _literal(default, ftype), group, help_text, **opts)
     return flags
 

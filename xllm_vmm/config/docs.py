@@ -28,7 +28,8 @@ def flags_json(selected: dict[str, list[FlagDef]]) -> list[dict]:
     return [{"name": f.name, "type": f.type, "default": f.default, "group": f.group,
              "unit": f.unit, "help": f.help, "implemented": f.implemented,
              "platform_default": f.platform_default, "origin": f.origin,
-             "env": f.env_var} for flags in selected.values() for f in flags]
+             "env": f.env_var, "values": list(f.choices) or None}
+            for flags in selected.values() for f in flags]
 
 
 def _cell(text: str) -> str:
@@ -55,13 +56,14 @@ def reference_markdown() -> str:
     head = f"""# CLI reference: every flag
 
 <!-- Generated from xllm_vmm/config/catalogue.py by `python -m xllm_vmm.config.docs`.
-     Do not edit by hand: tests/config/test_docs.py fails when this file is stale. -->
+     Do not edit by hand: tests/config/test_catalogue.py fails when this file is stale. -->
 
 xllm-vmm accepts the {n} flags below, on the command line in the engine's gflags syntax
 (`--name=value`, `--name value`, `--name` / `--noname` for bools, dashes or underscores), in TOML
 files (flat keys or tables named after the group), in the engine's JSON file
 (`--config_json_file`) and as environment variables `XLLM_VMM_<NAME>`. Byte-sized flags (type
-`(bytes)`) also take sizes such as `512MiB` or `1GiB`. Where the engine's default differs by
+`(bytes)`) also take sizes such as `512MiB` or `1GiB`. String flags whose help ends in *Values:*
+take only those values (any case); another value is a `CFG-TYPE` error. Where the engine's default differs by
 build or platform, the first default is used and the help says so. Flags marked *accepted, no
 effect* are type-checked but not used by the xllm-vmm engine. See `docs/configuration.md` for
 sources, precedence and the rules; `xllm-vmm flags` prints the same table.

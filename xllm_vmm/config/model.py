@@ -37,6 +37,12 @@ def _field(flag: FlagDef):
             tp = Union[tp, Annotated[str, Field(pattern=r"^\s*[0-9]+(\.[0-9]+)?\s*([KMGTkmgt](i?[Bb])?|[Bb])?\s*$")]]
     elif flag.type == "double":
         tp = Annotated[float, Field(ge=flag.minimum, le=flag.maximum, allow_inf_nan=False)]
+    elif flag.choices:
+        from typing import Literal
+
+        # The editor schema lists the values as the engine spells them (an `enum`); the
+        # checker also accepts them in any case.
+        tp = Literal[tuple(flag.choices) + (("",) if flag.default == "" else ())]  # type: ignore[misc]
     else:
         tp = str
     return tp, Field(**kw)

@@ -63,7 +63,23 @@ def expected(flag: FlagDef) -> str:
         if flag.minimum is not None or flag.maximum is not None:
             return f"a number ({flag.minimum}..{flag.maximum})"
         return "a number"
+    if flag.choices:
+        return f"one of {flag.choices_text()}"
     return "a string"
+
+
+def _check_choice(flag: FlagDef, text: str) -> str:
+    """``text`` when ``flag`` takes any string or ``text`` is one of its values; else a
+    ValueError listing the values, with the closest as "did you mean"."""
+    if not flag.choices or flag.choice(text) is not None or (flag.default == "" and text == ""):
+        return text
+    import difflib
+
+    lower = {c.lower(): c for c in flag.choices}
+    close = [lower[c] for c in difflib.get_close_matches(text.strip().lower(), lower, n=1,
+                                                         cutoff=0.5)]
+    raise ValueError(f"{text!r} is not a value of {flag.name}"
+                     + (f" (did you mean {close[0]}?)" if close else ""))
 
 
 def _bounds(flag: FlagDef) -> tuple[int, int]:
@@ -97,7 +113,7 @@ def _bad(flag: FlagDef, shown: str) -> ValueError:
 def parse_text(flag: FlagDef, text: str):
     """A value written as text (command line, environment, shell script) → the flag's type."""
     if flag.type == "string":
-        return text
+        return _check_choice(flag, text)
     raw = text.strip()
     if flag.is_bool:
         low = raw.lower()
@@ -127,6 +143,27 @@ def parse_text(flag: FlagDef, text: str):
     return _check_range(flag, value)
 
 
+def _shown(value) -> str:
+    """A TOML / JSON value as its file wrote it, for messages (never a Python repr of a date)."""
+    import datetime as dt
+
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dt.datetime):
+        return f"the date-time {value.isoformat().replace('+00:00', 'Z')}"
+    if isinstance(value, dt.date):
+        return f"the date {value.isoformat()}"
+    if isinstance(value, dt.time):
+        return f"the time {value.isoformat()}"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if isinstance(value, dict):
+        return "a table"
+    if value is None:
+        return "null"
+    return repr(value)
+
+
 def coerce_native(flag: FlagDef, value, *, lenient_text: bool = False):
     """A TOML or JSON value → the flag's type.
 
@@ -134,7 +171,7 @@ def coerce_native(flag: FlagDef, value, *, lenient_text: bool = False):
     a float for a double, a string for a string); byte-sized flags also take a size string. With
     ``lenient_text`` (the engine's JSON file) a string is parsed as command-line text.
     """
-    shown = repr(value) if not isinstance(value, bool) else ("true" if value else "false")
+    shown = _shown(value)
     if isinstance(value, str) and (lenient_text or (flag.is_bytes and flag.type != "string")):
         return parse_text(flag, value)
     if flag.is_bool:
@@ -143,7 +180,7 @@ def coerce_native(flag: FlagDef, value, *, lenient_text: bool = False):
         raise _bad(flag, shown)
     if flag.type == "string":
         if isinstance(value, str):
-            return value
+            return _check_choice(flag, value)
         raise _bad(flag, shown)
     if isinstance(value, bool):
         raise _bad(flag, shown)
