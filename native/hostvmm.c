@@ -730,7 +730,9 @@ void hv_copy_batch(const uint64_t *dsts, const uint64_t *srcs, const uint64_t *s
 
 int hv_host_alloc(uint64_t size, uint64_t *ptr_out) {
     if (size == 0) return fail(EINVAL, "host buffer size must be positive");
-    void *m = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    /* populated: the buffer's memory is committed now (the driver checked it fits) */
+    void *m = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE,
+                   -1, 0);
     if (m == MAP_FAILED) {
         int e = errno;
         return fail(e == ENOMEM ? ENOMEM : e, "allocating a host buffer of %llu bytes failed: %s",

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from typer.testing import CliRunner
 
 from xllm_vmm.bench.kvcache import FreeListBlockPool, KvBenchConfig, make_trace
@@ -43,9 +45,51 @@ def test_default_trace_meets_the_footprint_targets_after_compaction():
     assert out["compaction_bytes_copied"] == 97 * 36 * 2 * 128 * 8 * 128 * 2
 
 
-def test_bench_kvcache_refuses_bad_options_by_name():
-    r = CliRunner().invoke(app, ["bench", "kvcache", "--sequences", "0"])
-    assert r.exit_code == 2 and "--sequences must be >= 1, got 0" in r.output
+@pytest.mark.parametrize("args,msg", [
+    (["--sequences", "0"], "--sequences must be an integer in [1, 16384], got 0"),
+    (["--layers", "0"], "--layers must be an integer in [1, 512], got 0"),
+    (["--block-size", "100000"], "--block-size must be an integer in [1, 1024], got 100000"),
+    (["--repeats", "1000"], "--repeats must be an integer in [1, 100], got 1000"),
+    (["--long-fraction", "nan"], "--long-fraction must be in (0, 1), got nan"),
+    (["--long-fraction", "inf"], "--long-fraction must be in (0, 1), got inf"),
+    (["--driver", "cuda"], "--driver must be 'sim' or 'host', got 'cuda'"),
+])
+def test_bench_kvcache_refuses_bad_options_by_name(args, msg):
+    r = CliRunner().invoke(app, ["bench", "kvcache"] + args)
+    assert r.exit_code == 2, r.output
+    assert r.output.strip() == f"error: {msg}"
+
+
+def test_bench_kvcache_block_size_limit_is_checked_by_the_library_too():
+    from xllm_vmm.bench.kvcache import MAX_BLOCK_SIZE, run_kvcache_bench
+
+    assert MAX_BLOCK_SIZE == 1024  # 1024 tokens x 2 KiB per layer's K = one 2 MiB page
+    with pytest.raises(ValueError, match=r"--block-size must be in \[1, 1024\]"):
+        run_kvcache_bench(KvBenchConfig(block_size=1025))
+
+
+def test_bench_kvcache_on_the_host_refuses_a_trace_that_does_not_fit(monkeypatch):
+    import xllm_vmm.bench.limits as limits
+
+    monkeypatch.setattr(limits, "host_headroom", lambda: 64 << 20)  # a 64 MiB host
+    r = CliRunner().invoke(app, ["bench", "kvcache", "--driver", "host", "--sequences", "8"])
+    assert r.exit_code == 2, r.output
+    assert r.output.startswith("error: bench kvcache --driver host: --sequences 8 needs ")
+    assert "but this host can commit 67108864 bytes (0.06 GiB) now" in r.output
+    assert len(r.output.strip().splitlines()) == 1
+
+
+def test_bench_kvcache_run_failure_is_one_line_exit_1(monkeypatch):
+    import xllm_vmm.bench.kvcache as kb
+
+    def boom(cfg):
+        raise RuntimeError("virtual KV cache ran out of memory on the benchmark trace")
+
+    monkeypatch.setattr(kb, "run_kvcache_bench", boom)
+    r = CliRunner().invoke(app, ["bench", "kvcache"])
+    assert r.exit_code == 1
+    assert r.output.strip() == ("error: bench kvcache --driver sim failed: virtual KV cache ran "
+                                "out of memory on the benchmark trace")
 
 
 def test_trace_frees_every_sequence_and_marks_the_idle_point():

@@ -57,3 +57,82 @@ def test_bench_rejects_bad_device_and_block_sizes():
     assert r.exit_code == 2 and "--device 'tpu'" in r.output
     r = CliRunner().invoke(app, ["bench", "copy", "--max-block", str(4 << 20)])
     assert r.exit_code == 2 and "--max-block" in r.output
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["map", "--pages", "0"], "--pages must be an integer in [1, 1073741824], got 0"),
+    (["map", "--rounds", "0"], "--rounds must be an integer in [1, 100000], got 0"),
+    (["map", "--repeats", "101"], "--repeats must be an integer in [1, 100], got 101"),
+    (["copy", "--blocks", "0"], "--blocks must be an integer in [1, 1073741824], got 0"),
+    (["copy", "--repeats", "0"], "--repeats must be an integer in [1, 100], got 0"),
+])
+def test_bench_map_and_copy_option_ranges(args, msg):
+    r = CliRunner().invoke(app, ["bench"] + args)
+    assert r.exit_code == 2, r.output
+    assert r.output.strip() == f"error: {msg}"
+
+
+def _tiny_host(monkeypatch, free: int) -> None:
+    """Every host driver the CLI opens sees a host with ``free`` bytes available (MemAvailable
+    dropping as the driver commits) and a 4 MiB margin: refusals computed, nothing allocated."""
+    from xllm_vmm.vmm import MemInfo
+    from xllm_vmm.vmm import host as host_mod
+
+    real = host_mod.HostDriver.__init__
+
+    def init(self, *a, **kw):
+        def reader():
+            held = 0
+            if hasattr(self, "_hb_bytes") and not self._closed:
+                held = self.stats()["committed_bytes"] + self._hb_bytes
+            return MemInfo(free=free - held, total=1 << 30)
+
+        kw.setdefault("host_margin", 4 << 20)
+        kw.setdefault("host_memory_reader", reader)
+        real(self, *a, **kw)
+
+    monkeypatch.setattr(host_mod.HostDriver, "__init__", init)
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["map", "--pages", "100000000"],
+     "error: bench map: --pages 100000000 needs 419430400000000 bytes (390625.00 GiB: 2 x "
+     "100000000 pages of 2097152 bytes) but the host driver can commit 62914560 bytes "
+     "(0.06 GiB) now; use --pages 15 or less"),
+    (["map", "--pages", "16"],
+     "error: bench map: --pages 16 needs 67108864 bytes (0.06 GiB: 2 x 16 pages of 2097152 "
+     "bytes) but the host driver can commit 62914560 bytes (0.06 GiB) now; use --pages 15 or "
+     "less"),
+    (["copy", "--blocks", "100000000"], "error: bench copy: --blocks 100000000 needs "),
+    (["copy", "--blocks", "30"], "error: bench copy: --blocks 30 needs 83558400 bytes (0.08 GiB: 30 pages of 2097152 "
+     "bytes + a host buffer of 20643840 bytes) but the host driver can commit 62914560 bytes "
+     "(0.06 GiB) now; use --blocks 22 or less"),
+])
+def test_bench_map_and_copy_refuse_sizes_that_do_not_fit_with_the_numbers(monkeypatch, args,
+                                                                          expect):
+    _tiny_host(monkeypatch, 64 << 20)  # 60 MiB can be committed
+    r = CliRunner().invoke(app, ["bench"] + args)
+    assert r.exit_code == 2, r.output
+    assert r.output.startswith(expect) and len(r.output.strip().splitlines()) == 1
+
+
+def test_bench_map_fits_at_the_largest_size_it_suggests(monkeypatch):
+    _tiny_host(monkeypatch, 64 << 20)
+    r = CliRunner().invoke(app, ["bench", "map", "--pages", "15", "--rounds", "1", "--repeats",
+                                 "1", "--format", "json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["pages"] == 15
+
+
+def test_bench_driver_errors_are_one_line_exit_1(monkeypatch):
+    from xllm_vmm.bench import map as map_bench
+    from xllm_vmm.vmm import VmmOutOfMemory
+
+    def boom(driver, **kw):
+        raise VmmOutOfMemory("create_handle", 12, "out of host memory: 2097152 bytes requested")
+
+    monkeypatch.setattr(map_bench, "run", boom)
+    r = CliRunner().invoke(app, ["bench", "map"])
+    assert r.exit_code == 1
+    assert r.output.strip() == ("error: bench map failed: create_handle failed with code 12: "
+                                "out of host memory: 2097152 bytes requested")

@@ -244,3 +244,86 @@ def test_unmap_batch_with_a_bad_entry_unmaps_nothing_even_for_a_deferred_freed_h
     assert d.stats()["release_pending"] == 0 and not d.is_mapped(va, 1)
     d.release(va, 4 * g)
     d.close()
+
+
+class _FakeHost:
+    """A host of ``free`` bytes available besides what the driver holds (MemAvailable drops
+    as the driver commits, as on a real host)."""
+
+    def __init__(self, free: int, total: int = 1024 * MiB) -> None:
+        self.free, self.total, self.driver = free, total, None
+
+    def __call__(self):
+        from xllm_vmm.vmm import MemInfo
+
+        held = 0
+        if self.driver is not None:
+            held = self.driver.stats()["committed_bytes"] + self.driver._hb_bytes
+        return MemInfo(free=self.free - held, total=self.total)
+
+
+def _fake_host_driver(free: int, margin: int = 4 * MiB, **kw):
+    from xllm_vmm.vmm.host import HostDriver
+
+    host = _FakeHost(free)
+    d = HostDriver(host_margin=margin, host_memory_reader=host, **kw)
+    host.driver = d
+    return d, host
+
+
+def test_without_device_memory_handles_are_bounded_by_host_memory_less_the_margin():
+    d, host = _fake_host_driver(16 * MiB)
+    g = d.granularity
+    assert (d.mem_info().free, d.mem_info().total) == (12 * MiB, 1024 * MiB)
+    hs = d.create_handles(6, g)  # 12 MiB: all the host can give above the 4 MiB margin
+    assert d.mem_info().free == 0
+    with pytest.raises(VmmOutOfMemory) as err:
+        d.create_handle(g)
+    msg = str(err.value)
+    assert "out of host memory: 2097152 bytes" in msg and "0 bytes (0.00 GiB) can be committed" in msg
+    assert "safety margin" in msg
+    assert d.stats()["committed_bytes"] == 6 * g  # the refused handle took nothing
+    with pytest.raises(VmmOutOfMemory):
+        d.create_handles(2, g)
+    host.free += 4 * MiB  # memory freed elsewhere becomes usable (re-read on demand)
+    hs += d.create_handles(2, g)
+    assert d.mem_info().free == 0
+    for h in hs:
+        d.free_handle(h)
+    assert d.mem_info().free == 16 * MiB
+    d.close()
+
+
+def test_host_buffers_count_against_the_host_capacity():
+    d, _ = _fake_host_driver(16 * MiB)
+    with pytest.raises(VmmOutOfMemory, match="alloc_host failed .*out of host memory: 16777216"):
+        d.alloc_host(16 * MiB)
+    buf = d.alloc_host(8 * MiB)
+    assert d.mem_info().free == 4 * MiB
+    with pytest.raises(VmmOutOfMemory):
+        d.create_handles(3, d.granularity)
+    d.free_host(buf)
+    assert d.mem_info().free == 12 * MiB
+    d.close()
+
+
+def test_device_memory_is_also_bounded_by_the_host():
+    d, _ = _fake_host_driver(10 * MiB, device_memory=64 * MiB)
+    assert (d.mem_info().free, d.mem_info().total) == (6 * MiB, 64 * MiB)  # the host gives less than the emulated device
+    d.create_handles(3, d.granularity)
+    with pytest.raises(VmmOutOfMemory, match="out of host memory"):
+        d.create_handle(d.granularity)
+    d.close()
+
+
+def test_a_handle_larger_than_the_host_is_refused_before_anything_is_committed():
+    d = open_driver("host")
+    g = d.granularity
+    huge = (host_memory().total // g + 1) * g
+    with pytest.raises(VmmOutOfMemory, match="out of host memory"):
+        d.create_handle(huge)
+    with pytest.raises(VmmOutOfMemory, match="out of host memory"):
+        d.alloc_host(huge)
+    assert d.stats()["committed_bytes"] == 0
+    assert 0 < d.mem_info().free <= host_memory().free - d.host_margin + 64 * MiB
+    d.close()

@@ -29,6 +29,29 @@ def block_sizes(blocks: int, min_block: int, max_block: int) -> list[int]:
     return [sizes[i % len(sizes)] for i in range(blocks)]
 
 
+def check_copy_fits(driver, blocks: int, total: int) -> None:
+    """Refuses (:class:`~xllm_vmm.bench.limits.BenchTooLarge`) a ``--blocks`` that does not
+    fit: one page per block on the device, plus a host buffer of every block's bytes (from
+    the same memory on the host driver)."""
+    from xllm_vmm.bench.limits import check_fits, host_headroom
+
+    g = driver.granularity
+    free = driver.mem_info().free
+    per_block = total / blocks
+    if driver.name == "host":
+        check_fits(blocks * g + total, free, option="--blocks", value=blocks,
+                   what=f"{blocks} pages of {g} bytes + a host buffer of {total} bytes",
+                   most=int(free // (g + per_block)), where="the host driver")
+        return
+    check_fits(blocks * g, free, option="--blocks", value=blocks,
+               what=f"{blocks} pages of {g} bytes", most=free // g,
+               where=f"the {driver.name} driver")
+    room = host_headroom()
+    check_fits(total, room, option="--blocks", value=blocks,
+               what=f"a host buffer of {total} bytes", most=int(room // per_block),
+               where="this host")
+
+
 def run(driver, blocks: int = 128, min_block: int = 64 * 1024, max_block: int = 2 * 1024 * 1024,
         repeats: int = 5, seed: int = 0) -> dict[str, Any]:
     """Measures scatter (H2D) and gather (D2H) against the baseline; frees what it made."""
@@ -41,6 +64,7 @@ def run(driver, blocks: int = 128, min_block: int = 64 * 1024, max_block: int = 
     rng = random.Random(seed)
     sizes = block_sizes(blocks, min_block, max_block)
     total = sum(sizes)
+    check_copy_fits(driver, blocks, total)
     va = driver.reserve(blocks * g)
     handles = driver.create_handles(blocks, g)
     vas = [va + i * g for i in range(blocks)]

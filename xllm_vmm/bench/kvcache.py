@@ -46,6 +46,9 @@ __all__ = ["FreeListBlockPool", "KvBenchConfig", "gqa_layout", "make_trace", "ru
 
 _MiB = 1 << 20
 _PAGE = 2 * _MiB
+_TOKEN_BYTES = 8 * 128 * 2  # one layer's K (or V) per token: 8 KV heads of 128, bf16
+#: the largest block (tokens) whose bytes in one tensor fit in a 2 MiB page
+MAX_BLOCK_SIZE = _PAGE // _TOKEN_BYTES
 
 
 class FreeListBlockPool:
@@ -337,15 +340,35 @@ def _fragmentation(ops: list[_Op], cfg: KvBenchConfig, num_slots: int, generated
     }
 
 
+def _check_host_fits(cfg: KvBenchConfig, peak_floor: int) -> None:
+    """On the host driver the trace maps real memory: at least its peak packed floor (live
+    blocks rounded up to whole slots). Refused up front when that does not fit."""
+    from xllm_vmm.bench.limits import check_fits, host_headroom
+
+    room = host_headroom()
+    check_fits(peak_floor, room, option="--sequences", value=cfg.sequences,
+               what=f"the trace's peak of live KV blocks, {cfg.layers} layers, whole slots; "
+                    "lower --sequences or --layers, or use --driver sim",
+               most=None, where="this host")
+
+
 def run_kvcache_bench(cfg: KvBenchConfig = KvBenchConfig()) -> dict[str, Any]:
     """Run every part of the benchmark and return a flat dict of results."""
     if cfg.sequences < 1:
         raise ValueError(f"--sequences must be >= 1, got {cfg.sequences}")
+    if cfg.layers < 1:
+        raise ValueError(f"--layers must be >= 1, got {cfg.layers}")
+    if not 1 <= cfg.block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"--block-size must be in [1, {MAX_BLOCK_SIZE}] (a block of one "
+                         f"layer's K, {_TOKEN_BYTES} bytes per token, must fit in a 2 MiB "
+                         f"page), got {cfg.block_size}")
     ops, generated = make_trace(cfg)
     layout = gqa_layout(layers=cfg.layers, block_size=cfg.block_size)
     bps = layout.groups[0].blocks_per_page(_PAGE)
     peak_live = _peak_live_blocks(ops)
     num_slots = -(-peak_live // bps) * 2 + 2  # room for any fragmentation
+    if cfg.driver == "host":
+        _check_host_fits(cfg, -(-peak_live // bps) * layout.groups[0].slot_bytes(_PAGE))
     n_alloc = sum(1 for op in ops if op.kind != "idle")
 
     # throughput: best of `repeats` on fresh pools (bookkeeping only)

@@ -84,11 +84,26 @@ def _raw_fn(driver, vas: list[int], handles: list[int], rounds: int):
     return None
 
 
+def check_map_fits(driver, pages: int) -> None:
+    """Refuses (:class:`~xllm_vmm.bench.limits.BenchTooLarge`) a ``--pages`` whose handles do
+    not fit in the driver's free memory: ``pages`` pages, twice on the host driver (the
+    map+write measurement creates ``pages`` fresh handles while the first ones live)."""
+    from xllm_vmm.bench.limits import check_fits
+
+    g = driver.granularity
+    copies = 2 if driver.name == "host" else 1
+    free = driver.mem_info().free
+    check_fits(copies * pages * g, free, option="--pages", value=pages,
+               what=f"{copies} x {pages} pages of {g} bytes", most=free // (copies * g),
+               where=f"the {driver.name} driver")
+
+
 def run(driver, pages: int = 64, rounds: int = 20, repeats: int = 3) -> dict[str, Any]:
     """Measures the three ways on ``driver``; leaves nothing mapped or allocated."""
     if pages <= 0 or rounds <= 0 or repeats <= 0:
         raise ValueError(f"--pages, --rounds and --repeats must be positive (got {pages}, {rounds}, {repeats})")
     g = driver.granularity
+    check_map_fits(driver, pages)
     va = driver.reserve(pages * g)
     handles = driver.create_handles(pages, g)
     vas = [va + i * g for i in range(pages)]

@@ -6,11 +6,11 @@ measured in the same run.
   over already packed uint32 token bytes; ``hash_e2e_vs_sha256_ratio`` also includes packing a
   Python token list (identical work for both, so it pulls the ratio towards 1). Target ≥ 2.
 - ``lookup_us_1k`` / ``lookup_us_1m``: the cost of one request's lookup (a 64-block prompt,
-  half of it a hit) with 1,024 and 1,048,576 blocks cached. ``--lookup-blocks`` sets the large
-  size (default 65,536, to run in seconds); when it is below 1M, ``lookup_us_1m`` is the cost
-  measured there and ``lookup_1m_measured_at_blocks`` says so: a lookup is one dict probe per
-  prompt block, independent of the cache size, so the figure extrapolates flat (the recorded
-  1M run in docs/benchmarks.md confirms it).
+  half of it a hit) with 1,024 and 1,048,576 blocks cached. The index is filled directly with
+  the state that publishing those blocks leaves (:func:`populate_index`: about a second and
+  ~200 MiB for 1M blocks, where one ``publish`` call per block would take several seconds).
+  ``--lookup-blocks`` sets the large size (default 1,048,576; the CI smoke test uses a small
+  one); ``lookup_1m_measured_at_blocks`` says what it was.
 - A shared-prefix workload under device memory pressure on the real stack (driver → elastic
   pool with a ``max_cache_size`` quota below the working set → virtual KV cache → prefix
   cache → host tier): ``hit_rate_device_only`` (prefix-cache hit tokens / prompt tokens
@@ -67,7 +67,7 @@ class PrefixBenchConfig:
     block_size: int = 128  # tokens per block (the block_size flag's default)
     hash_tokens: int = 1 << 19
     lookup_small_blocks: int = 1024
-    lookup_blocks: int = 1 << 16  # the "1M" point; 1 << 20 measures it for real
+    lookup_blocks: int = 1 << 20  # the "1M" point
     lookup_prompt_blocks: int = 64
     lookup_iterations: int = 2000
     # shared-prefix workload
@@ -105,10 +105,28 @@ def _hash_bench(cfg: PrefixBenchConfig, rng: random.Random) -> dict[str, Any]:
     }
 
 
+def populate_index(prefix: PrefixCache, hashes: list[int]) -> None:
+    """Index block ``i`` under ``hashes[i]`` in every group of an empty ``prefix``: the state
+    ``prefix.publish({g: range(n) for g}, hashes)`` leaves for distinct hashes (blocks still
+    referenced, none in the LRU), built with one dict construction per map instead of one
+    publish step per block. For the lookup benchmark only."""
+    n = len(hashes)
+    for g in prefix._groups.values():
+        if g.hash_to_block or g.block_hash:
+            raise ValueError("populate_index needs an empty prefix cache")
+        g.hash_to_block = dict(zip(hashes, range(n)))
+        g.block_hash = dict(zip(range(n), hashes))
+        if len(g.hash_to_block) != n:
+            raise ValueError("populate_index needs distinct hashes")
+    prefix.stats.published_blocks += n
+    prefix.stats.indexed_hashes += n
+
+
 def _lookup_us(n_cached: int, cfg: PrefixBenchConfig, rng: random.Random) -> float:
     prefix = PrefixCache({"attn": 1}, cfg.block_size)
-    hashes = [rng.getrandbits(128) for _ in range(n_cached)]
-    prefix.publish({"attn": range(n_cached)}, hashes)
+    hashes = list({rng.getrandbits(128): None for _ in range(n_cached)})
+    populate_index(prefix, hashes)
+    n_cached = len(hashes)
     p = cfg.lookup_prompt_blocks
     reqs = []
     for _ in range(64):
@@ -145,6 +163,49 @@ def _open_driver(kind: str, device_memory: int, populate: bool = False):
     return open_driver(kind, device_memory=device_memory, populate=populate)
 
 
+def _workload_sizes(cfg: PrefixBenchConfig) -> tuple[Any, int, int, int]:
+    """(layout, blocks per page, device budget bytes, KV capacity in tokens) of the workload."""
+    layout = _flat_layout(cfg)
+    g = layout.groups[0]
+    page = 2 * _MiB
+    bpp = page // g.tensor_block_bytes
+    budget = cfg.device_budget_slots * page * len(g.tensors)
+    return layout, bpp, budget, 4 * cfg.device_budget_slots * bpp * cfg.block_size
+
+
+def check_host_pool_fits(cfg: PrefixBenchConfig, available_bytes: int | None = None) -> int:
+    """The host pool of the workload's host-tier run (HK-06), computed on a simulated device
+    (nothing allocated); raises :class:`~xllm_vmm.bench.limits.BenchTooLarge` naming
+    ``--host-blocks-factor`` when it does not fit in ``available_bytes`` (default: host
+    memory less the host driver's safety margin, less the 64 MiB copy baseline). Returns its
+    bytes."""
+    from xllm_vmm.bench.limits import check_fits, host_headroom
+    from xllm_vmm.kvcache import VirtualKVCache
+    from xllm_vmm.kvcache.prefix_setup import plan_host_pool
+    from xllm_vmm.pool import BudgetConfig, VmmPool
+    from xllm_vmm.vmm.sim import SimDriver
+
+    layout, _, budget, max_tokens = _workload_sizes(cfg)
+    arena = VirtualKVCache.arena_bytes(layout, 2 * _MiB, max_tokens)
+    driver = SimDriver(arena + 64 * _MiB)
+    pool = VmmPool(driver, BudgetConfig(mode="elastic", max_cache_size=budget,
+                                        execution_peak_bytes=0), arena)
+    try:
+        size = plan_host_pool(VirtualKVCache.for_tokens(pool, layout, max_tokens),
+                              cfg.host_blocks_factor)
+    finally:
+        pool.close()
+        driver.close()
+    room = (host_headroom() - _RING_BYTES) if available_bytes is None else available_bytes
+    most = room / size.device_capacity_bytes if size.device_capacity_bytes else None
+    check_fits(size.bytes, room, option="--host-blocks-factor", value=cfg.host_blocks_factor,
+               what=f"a host KV pool of {size.blocks} blocks, the factor x the workload's "
+                    f"device KV capacity of {size.device_capacity_bytes} bytes",
+               most=None if most is None or most <= 1 else float(f"{most:.3g}"),
+               where="this host")
+    return size.bytes
+
+
 def _workload(cfg: PrefixBenchConfig, with_host: bool, populate: bool | None = None
               ) -> dict[str, Any]:
     """Many requests over a few long system prompts; device budget below the working set."""
@@ -152,14 +213,10 @@ def _workload(cfg: PrefixBenchConfig, with_host: bool, populate: bool | None = N
     from xllm_vmm.kvcache.prefix_setup import attach_host_tier, attach_prefix_cache
     from xllm_vmm.pool import BudgetConfig, VmmPool
 
-    layout = _flat_layout(cfg)
+    layout, bpp, budget, max_tokens = _workload_sizes(cfg)
     g = layout.groups[0]
     page = 2 * _MiB
-    bpp = page // g.tensor_block_bytes
-    slot_bytes = page * len(g.tensors)
     prompt_blocks = cfg.system_prompt_blocks + cfg.suffix_blocks
-    budget = cfg.device_budget_slots * slot_bytes
-    max_tokens = 4 * cfg.device_budget_slots * bpp * cfg.block_size
     populate = cfg.populate if populate is None else populate
     driver = _open_driver(cfg.driver, 16 * budget + 64 * _MiB, populate)
     pool = VmmPool(driver, BudgetConfig(mode="elastic", max_cache_size=budget,
@@ -406,6 +463,7 @@ def _restore_fields(run: dict[str, Any], name: str) -> dict[str, float]:
 
 def run_prefix_bench(cfg: PrefixBenchConfig = PrefixBenchConfig()) -> dict[str, Any]:
     """Run every part; returns a flat dict (see the module docstring for each field)."""
+    check_host_pool_fits(cfg)  # before anything runs
     rng = random.Random(cfg.seed)
     res: dict[str, Any] = {"driver": cfg.driver, "block_size": cfg.block_size}
     res.update(_hash_bench(cfg, rng))

@@ -43,9 +43,42 @@ def emit(title: str, results: dict[str, Any], fmt: OutputFormat) -> None:
 
 
 # Subcommands: map/copy (device layer), kvcache (virtual KV cache), prefix (prefix cache).
+# Every option is range-checked here or by the benchmark before anything is allocated; a size
+# that does not fit in memory, a driver error or a failed run is a one-line error, never a
+# traceback: exit code 2 for a bad option (or a size that does not fit), 1 for a failed run.
 
 
-from typing import Optional  # noqa: E402  (device-layer subcommands below)
+from typing import Callable, Optional, TypeVar  # noqa: E402  (subcommands below)
+
+_T = TypeVar("_T")
+
+
+def _fail(code: int, message: str) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def _check(option: str, value: float, low: float, high: float) -> None:
+    """Exit 2 unless ``low <= value <= high`` and finite (typer's own ranges let NaN pass)."""
+    from xllm_vmm.bench.limits import check_range
+
+    try:
+        check_range(option, value, low, high)
+    except ValueError as exc:
+        raise _fail(2, str(exc)) from None
+
+
+def _run(label: str, fn: Callable[[], _T]) -> _T:
+    """Runs a benchmark: an option the benchmark refuses (ValueError, incl. a size that does
+    not fit) exits 2; a driver error or a failed run exits 1; both with one line."""
+    from xllm_vmm.vmm import VmmError
+
+    try:
+        return fn()
+    except ValueError as exc:
+        raise _fail(2, f"{label}: {exc}") from None
+    except (VmmError, RuntimeError, MemoryError, OSError, ImportError) as exc:
+        raise _fail(1, f"{label} failed: {exc}") from None
 
 
 def _open_bench_driver(device: str, device_index: int, acl_library: Optional[str]):
@@ -53,26 +86,27 @@ def _open_bench_driver(device: str, device_index: int, acl_library: Optional[str
     from xllm_vmm.vmm import DRIVER_KINDS, VmmError, open_driver
 
     if device.lower() not in DRIVER_KINDS:
-        typer.echo(f"error: --device {device!r} is not one of {', '.join(sorted(DRIVER_KINDS))}", err=True)
-        raise typer.Exit(2)
+        raise _fail(2, f"--device {device!r} is not one of {', '.join(sorted(DRIVER_KINDS))}")
     try:
         return open_driver(device, device_index=device_index, library=acl_library)
     except VmmError as exc:
-        typer.echo(f"error: --device {device}: {exc}", err=True)
-        raise typer.Exit(1) from exc
+        raise _fail(1, f"--device {device}: {exc}") from None
 
 
 _DEVICE_HELP = "Driver: cpu/host (memfd+mmap), npu/acl, cuda."
 _ACL_HELP = "ACL library for --device npu ('emulation' = the bundled emulation); default $XLLM_VMM_ACL_LIBRARY or libascendcl.so."
+_MAX_REPEATS = 100
 
 
 @bench_app.command("map")
 def bench_map(
     device: str = typer.Option("cpu", "--device", help=_DEVICE_HELP),
     device_index: int = typer.Option(0, "--device-index", min=0, help="Device number."),
-    pages: int = typer.Option(64, "--pages", min=1, help="2 MiB pages mapped per batch."),
-    rounds: int = typer.Option(20, "--rounds", min=1, help="Map+unmap rounds per measurement."),
-    repeats: int = typer.Option(3, "--repeats", min=1, help="Measurements; the best is kept."),
+    pages: int = typer.Option(64, "--pages", help="2 MiB pages mapped per batch (must fit in "
+                                                  "free memory twice on the host driver)."),
+    rounds: int = typer.Option(20, "--rounds", help="Map+unmap rounds per measurement (1 to "
+                                                    "100000)."),
+    repeats: int = typer.Option(3, "--repeats", help="Measurements; the best is kept (1 to 100)."),
     acl_library: Optional[str] = typer.Option(None, "--acl-library", help=_ACL_HELP),
     fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
 ) -> None:
@@ -81,9 +115,13 @@ def bench_map(
     driver also with populated mappings, and map + first write with and without populating."""
     from xllm_vmm.bench import map as map_bench
 
+    _check("--pages", pages, 1, 1 << 30)
+    _check("--rounds", rounds, 1, 100_000)
+    _check("--repeats", repeats, 1, _MAX_REPEATS)
     driver = _open_bench_driver(device, device_index, acl_library)
     try:
-        results = map_bench.run(driver, pages=pages, rounds=rounds, repeats=repeats)
+        results = _run("bench map", lambda: map_bench.run(driver, pages=pages, rounds=rounds,
+                                                          repeats=repeats))
     finally:
         driver.close()
     emit("bench map (µs per page, map+unmap)", results, fmt)
@@ -93,10 +131,12 @@ def bench_map(
 def bench_copy(
     device: str = typer.Option("cpu", "--device", help=_DEVICE_HELP),
     device_index: int = typer.Option(0, "--device-index", min=0, help="Device number."),
-    blocks: int = typer.Option(128, "--blocks", min=1, help="Blocks per batch, one per 2 MiB page."),
-    min_block: int = typer.Option(64 * 1024, "--min-block", min=1, help="Smallest block, bytes."),
-    max_block: int = typer.Option(2 * 1024 * 1024, "--max-block", min=1, help="Largest block, bytes (≤ 2 MiB)."),
-    repeats: int = typer.Option(5, "--repeats", min=1, help="Measurements; the best is kept."),
+    blocks: int = typer.Option(128, "--blocks", help="Blocks per batch, one per 2 MiB page "
+                                                     "(pages and a host buffer must fit in "
+                                                     "free memory)."),
+    min_block: int = typer.Option(64 * 1024, "--min-block", help="Smallest block, bytes."),
+    max_block: int = typer.Option(2 * 1024 * 1024, "--max-block", help="Largest block, bytes (≤ 2 MiB)."),
+    repeats: int = typer.Option(5, "--repeats", help="Measurements; the best is kept (1 to 100)."),
     acl_library: Optional[str] = typer.Option(None, "--acl-library", help=_ACL_HELP),
     fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
 ) -> None:
@@ -104,13 +144,12 @@ def bench_copy(
     copy_vs_memcpy_ratio)."""
     from xllm_vmm.bench import copy as copy_bench
 
+    _check("--blocks", blocks, 1, 1 << 30)
+    _check("--repeats", repeats, 1, _MAX_REPEATS)
     driver = _open_bench_driver(device, device_index, acl_library)
     try:
-        results = copy_bench.run(driver, blocks=blocks, min_block=min_block, max_block=max_block,
-                                 repeats=repeats)
-    except ValueError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        results = _run("bench copy", lambda: copy_bench.run(
+            driver, blocks=blocks, min_block=min_block, max_block=max_block, repeats=repeats))
     finally:
         driver.close()
     emit("bench copy (GB/s)", results, fmt)
@@ -118,48 +157,53 @@ def bench_copy(
 
 @bench_app.command("kvcache")
 def bench_kvcache(
-    sequences: int = typer.Option(256, help="Sequences in the staggered-decode burst."),
+    sequences: int = typer.Option(256, help="Sequences in the staggered-decode burst (1 to "
+                                            "16384)."),
     layers: int = typer.Option(36, help="Layers of the modelled GQA model (8 KV heads of 128, "
-                                        "bf16)."),
-    block_size: int = typer.Option(128, help="Tokens per block."),
+                                        "bf16; 1 to 512)."),
+    block_size: int = typer.Option(128, help="Tokens per block (1 to 1024: a block of one "
+                                             "layer's K must fit in a 2 MiB page)."),
     long_fraction: float = typer.Option(0.1, help="Share of sequences that outlive the burst."),
     driver: str = typer.Option("sim", help="Driver for the fragmentation trace: sim or host."),
     seed: int = typer.Option(0, help="Seed of the trace."),
-    repeats: int = typer.Option(3, help="Throughput runs (the best one counts)."),
+    repeats: int = typer.Option(3, help="Throughput runs (the best one counts; 1 to 100)."),
     fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
 ) -> None:
     """Virtual KV cache vs. a plain free-list block pool: allocator throughput, admission cost,
     fragmentation (idle and peak footprint over the packed floor) and map calls per 1k tokens."""
-    from xllm_vmm.bench.kvcache import KvBenchConfig, run_kvcache_bench
+    from xllm_vmm.bench.kvcache import MAX_BLOCK_SIZE, KvBenchConfig, run_kvcache_bench
 
     if driver not in ("sim", "host"):
-        typer.echo(f"error: --driver must be 'sim' or 'host', got {driver!r}", err=True)
-        raise typer.Exit(2)
-    for name, value in (("--sequences", sequences), ("--layers", layers),
-                        ("--block-size", block_size), ("--repeats", repeats)):
-        if value < 1:
-            typer.echo(f"error: {name} must be >= 1, got {value}", err=True)
-            raise typer.Exit(2)
-    if not 0.0 < long_fraction < 1.0:
-        typer.echo(f"error: --long-fraction must be in (0, 1), got {long_fraction}", err=True)
-        raise typer.Exit(2)
+        raise _fail(2, f"--driver must be 'sim' or 'host', got {driver!r}")
+    _check("--sequences", sequences, 1, 16384)
+    _check("--layers", layers, 1, 512)
+    _check("--block-size", block_size, 1, MAX_BLOCK_SIZE)
+    _check("--repeats", repeats, 1, _MAX_REPEATS)
+    _check("--seed", seed, 0, 2 ** 63 - 1)
+    if not 0.0 < long_fraction < 1.0:  # NaN fails this too
+        raise _fail(2, f"--long-fraction must be in (0, 1), got {long_fraction}")
     cfg = KvBenchConfig(sequences=sequences, layers=layers, block_size=block_size,
                         long_fraction=long_fraction, driver=driver, seed=seed, repeats=repeats)
-    emit("bench kvcache", run_kvcache_bench(cfg), fmt)
+    emit("bench kvcache", _run(f"bench kvcache --driver {driver}",
+                               lambda: run_kvcache_bench(cfg)), fmt)
 
 
 @bench_app.command("prefix")
 def bench_prefix(
     driver: str = typer.Option("host", help="Driver for the shared-prefix workload: host, or "
                                             "acl-emu (the bundled ACL emulation)."),
-    block_size: int = typer.Option(128, help="Tokens per block."),
-    hash_tokens: int = typer.Option(1 << 19, help="Tokens hashed by the hash-chain comparison."),
-    lookup_blocks: int = typer.Option(1 << 16, help="Cached blocks for lookup_us_1m; 1048576 "
-                                                    "measures 1M for real (slower, ~1 GiB)."),
-    requests: int = typer.Option(120, help="Requests in the shared-prefix workload."),
-    system_prompts: int = typer.Option(6, help="Distinct system prompts in the workload."),
+    block_size: int = typer.Option(128, help="Tokens per block (1 to 1024)."),
+    hash_tokens: int = typer.Option(1 << 19, help="Tokens hashed by the hash-chain comparison "
+                                                  "(--block-size to 8388608)."),
+    lookup_blocks: int = typer.Option(1 << 20, help="Cached blocks for lookup_us_1m (1024 to "
+                                                    "4194304; ~200 MiB per 1M)."),
+    requests: int = typer.Option(120, help="Requests in the shared-prefix workload (1 to "
+                                           "100000)."),
+    system_prompts: int = typer.Option(6, help="Distinct system prompts in the workload (1 to "
+                                               "256)."),
     host_blocks_factor: float = typer.Option(4.0, help="host_blocks_factor of the host tier "
-                                                       "run (> 1)."),
+                                                       "run (> 1, up to 1024; the host pool "
+                                                       "must fit in host memory)."),
     seed: int = typer.Option(0, help="Seed of the workload."),
     populate: bool = typer.Option(True, "--populate/--no-populate",
                                   help="Host driver: populate KV slot mappings at map time "
@@ -172,31 +216,24 @@ def bench_prefix(
     from xllm_vmm.bench.prefix import PrefixBenchConfig, run_prefix_bench
 
     if driver not in ("host", "acl-emu"):
-        typer.echo(f"error: --driver must be 'host' or 'acl-emu', got {driver!r}", err=True)
-        raise typer.Exit(2)
-    for name, value, least in (("--block-size", block_size, 1), ("--hash-tokens", hash_tokens,
-                               block_size), ("--lookup-blocks", lookup_blocks, 1024),
-                               ("--requests", requests, 1), ("--system-prompts",
-                                                              system_prompts, 1)):
+        raise _fail(2, f"--driver must be 'host' or 'acl-emu', got {driver!r}")
+    _check("--block-size", block_size, 1, 1024)
+    for name, value, least, most in (("--hash-tokens", hash_tokens, block_size, 1 << 23),
+                                     ("--lookup-blocks", lookup_blocks, 1024, 1 << 22),
+                                     ("--requests", requests, 1, 100_000),
+                                     ("--system-prompts", system_prompts, 1, 256),
+                                     ("--seed", seed, 0, 2 ** 63 - 1)):
         if value < least:
-            typer.echo(f"error: {name} must be >= {least}, got {value}", err=True)
-            raise typer.Exit(2)
-    if host_blocks_factor <= 1:
-        typer.echo(f"error: --host-blocks-factor must be > 1 (the host tier is off at 1 or "
-                   f"less, HK-03), got {host_blocks_factor}", err=True)
-        raise typer.Exit(2)
+            raise _fail(2, f"{name} must be >= {least}, got {value}")
+        _check(name, value, least, most)
+    if not host_blocks_factor > 1:  # NaN fails this too
+        raise _fail(2, f"--host-blocks-factor must be > 1 (the host tier is off at 1 or "
+                       f"less, HK-03), got {host_blocks_factor}")
+    _check("--host-blocks-factor", host_blocks_factor, 1, 1024)
     cfg = PrefixBenchConfig(driver=driver, block_size=block_size, hash_tokens=hash_tokens,
                             lookup_blocks=lookup_blocks, requests=requests,
                             system_prompts=system_prompts,
                             host_blocks_factor=host_blocks_factor, seed=seed,
                             populate=populate)
-    try:
-        results = run_prefix_bench(cfg)
-    except Exception as exc:  # a driver that cannot be opened here, a layout that does not fit
-        from xllm_vmm.vmm import VmmError
-
-        if isinstance(exc, (VmmError, ImportError, ValueError)):
-            typer.echo(f"error: bench prefix --driver {driver}: {exc}", err=True)
-            raise typer.Exit(1) from exc
-        raise
-    emit("bench prefix", results, fmt)
+    emit("bench prefix", _run(f"bench prefix --driver {driver}", lambda: run_prefix_bench(cfg)),
+         fmt)

@@ -18,6 +18,7 @@ Units: bytes, host blocks.
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -73,6 +74,8 @@ def host_pool_size(device_capacity_bytes: int, host_blocks_factor: float,
     A factor of 1 or less means no host tier (HK-03): 0 blocks."""
     if host_block_bytes <= 0:
         raise ValueError(f"host_block_bytes={host_block_bytes}: must be > 0")
+    if not math.isfinite(host_blocks_factor):
+        raise ValueError(f"host_blocks_factor={host_blocks_factor}: must be a finite number")
     if host_blocks_factor < 0:
         raise ValueError(f"host_blocks_factor={host_blocks_factor}: must be >= 0 (HK-08)")
     if device_capacity_bytes < 0:

@@ -20,9 +20,19 @@ soon after mapping (KV slots). Best effort: a page that could not be populated f
 ``vm.max_map_count``; without it, the kernel's own ENOMEM from ``mmap`` is reported the same way.
 
 Memory: with ``device_memory`` set the driver emulates a device of that many bytes (``mem_info``
-total, and out-of-memory once live handles would exceed it); otherwise it reports host memory
-(cgroup limit or ``MemAvailable``) and runs out when ``fallocate`` does. Handle memory counts as
-``Shmem`` in ``/proc/meminfo``. Every mapping costs VMAs (``vm.max_map_count``, 65530 by
+total, and out-of-memory once live handles would exceed it). Either way it commits host memory
+only while the host can really give it: ``fallocate`` on a memfd does not fail when RAM runs
+out (the kernel's OOM killer fires instead), so :meth:`create_handle` and :meth:`alloc_host`
+raise :class:`VmmOutOfMemory` once the bytes this driver holds would exceed its *host
+capacity*: what the host had available at the last reading (the cgroup's limit − usage, or
+``MemAvailable``, whichever is smaller — both already count this driver's memory as used) plus
+what the driver held then, minus a safety margin left to everything else (``host_margin``;
+default :func:`default_host_margin`: 1/32 of host memory, at least 512 MiB). The reading is
+taken at open and again when it is over a second old or a request would not fit the previous
+one (memory freed elsewhere becomes usable). ``mem_info().free`` is exactly what a new handle
+may take now: the host headroom, and with ``device_memory`` the smaller of that and the device's
+own free bytes. Handle memory counts as ``Shmem`` in ``/proc/meminfo``; host buffers are
+populated (committed) at allocation. Every mapping costs VMAs (``vm.max_map_count``, 65530 by
 default); contiguous handles mapped contiguously merge into one VMA. The memfd is one file
 descriptor per driver.
 
@@ -35,17 +45,30 @@ import array
 import ctypes as C
 import errno
 import threading
+import time
 import weakref
-from typing import Sequence
+from typing import Callable, Sequence
 
 from xllm_vmm.vmm import native
 from xllm_vmm.vmm.base import DriverBase
-from xllm_vmm.vmm.driver import ERRNO_ERRORS, CopyKind, MemInfo, Transfer, VmmError, VmmInvalidArgument
+from xllm_vmm.vmm.driver import (ERRNO_ERRORS, CopyKind, MemInfo, Transfer, VmmError,
+                                  VmmInvalidArgument, VmmOutOfMemory)
 from xllm_vmm.vmm.sysmem import host_memory
 from xllm_vmm.vmm.transfer import CopyWorker
 from xllm_vmm.vmm.views import ViewRegistry
 
 GRANULARITY = 2 * 1024 * 1024
+_MiB = 1024 * 1024
+#: the smallest safety margin of host memory the driver leaves to the rest of the system
+HOST_MARGIN_MIN = 512 * _MiB
+#: seconds after which the host memory reading is taken again before the next commit
+HOST_REREAD_S = 1.0
+
+
+def default_host_margin(total: int) -> int:
+    """Host memory (bytes) the driver leaves uncommitted: 1/32 of ``total``, at least 512 MiB
+    (room for page tables, the process's own heap, other processes and the kernel)."""
+    return max(HOST_MARGIN_MIN, total // 32)
 
 _STAT_NAMES = ("committed_bytes", "handles", "reservations", "reserved_bytes", "mapped_bytes",
                "mappings", "limit_bytes", "file_end_bytes", "max_mappings", "release_pending")
@@ -75,10 +98,20 @@ class HostDriver(DriverBase):
 
     def __init__(self, *, device_index: int = 0, device_memory: int | None = None,
                  granularity: int = GRANULARITY, max_mappings: int | None = None,
-                 populate: bool = False) -> None:
+                 populate: bool = False, host_margin: int | None = None,
+                 host_memory_reader: Callable[[], MemInfo] | None = None) -> None:
+        """``host_margin``: bytes of host memory never committed (see the module);
+        ``host_memory_reader``: where host free/total bytes come from (default
+        :func:`~xllm_vmm.vmm.sysmem.host_memory`; tests pass a fake host)."""
         if device_memory is not None and device_memory <= 0:
             raise VmmInvalidArgument("open host driver", errno.EINVAL, "",
                                      f"device_memory must be a positive number of bytes, got {device_memory}")
+        if host_margin is not None and host_margin < 0:
+            raise VmmInvalidArgument("open host driver", errno.EINVAL, "",
+                                     f"host_margin must be >= 0 bytes, got {host_margin}")
+        self._read_host_memory = host_memory_reader or host_memory
+        first = self._read_host_memory()
+        self.host_margin = default_host_margin(first.total) if host_margin is None else host_margin
         self.device_index = device_index
         self.device_memory = device_memory
         self._lib = native.host_library()
@@ -94,6 +127,11 @@ class HostDriver(DriverBase):
         self._closed = False
         self._host_buffers: dict[int, int] = {}
         self._hb_lock = threading.Lock()
+        self._hb_bytes = 0
+        self._mem_lock = threading.RLock()  # host-capacity check + commit, as one step
+        self._reading = first
+        self._held_at_reading = 0
+        self._read_at = time.monotonic()
         self._worker = CopyWorker(f"xllm-vmm-host{device_index}-copy")
         self.views = ViewRegistry()
         self._finalizer = weakref.finalize(self, _close_pool, self._lib, self._pool)
@@ -132,13 +170,51 @@ class HostDriver(DriverBase):
         return self._granularity
 
     def mem_info(self) -> MemInfo:
-        """With ``device_memory``: (device_memory − live handle bytes, device_memory). Else the
-        host's free memory (cgroup or MemAvailable, which already counts live handles as
-        Shmem) and total."""
-        if self.device_memory is not None:
-            committed = self.stats()["committed_bytes"]
-            return MemInfo(free=max(0, self.device_memory - committed), total=self.device_memory)
-        return host_memory()
+        """``free``: the bytes a new handle may take now — the host headroom (see the module),
+        and with ``device_memory`` the smaller of that and device_memory − live handle bytes.
+        ``total``: device_memory, else the host's total (cgroup limit or MemTotal)."""
+        with self._mem_lock:
+            room = max(0, self._host_headroom(fresh=False))
+            if self.device_memory is not None:
+                committed = self.stats()["committed_bytes"]
+                return MemInfo(free=min(room, max(0, self.device_memory - committed)),
+                               total=self.device_memory)
+            return MemInfo(free=room, total=self._reading.total)
+
+    # ---- host capacity ------------------------------------------------------------------------
+
+    def _held_bytes(self) -> int:
+        return self.stats()["committed_bytes"] + self._hb_bytes
+
+    def _host_headroom(self, fresh: bool) -> int:
+        """Host bytes this driver may still commit (may be negative): available at the last
+        reading, less what the driver committed since, less the margin. Re-reads the host when
+        ``fresh`` or when the reading is older than :data:`HOST_REREAD_S`."""
+        held = self._held_bytes()
+        now = time.monotonic()
+        if fresh or now - self._read_at > HOST_REREAD_S:
+            self._reading = self._read_host_memory()
+            self._held_at_reading = held
+            self._read_at = now
+        return self._reading.free - (held - self._held_at_reading) - self.host_margin
+
+    def _check_host_room(self, op: str, size: int) -> None:
+        """Raises :class:`VmmOutOfMemory` when committing ``size`` more bytes would leave the
+        host less than the margin (caller holds ``_mem_lock``)."""
+        if size <= 0 or size <= self._host_headroom(fresh=False):
+            return
+        room = self._host_headroom(fresh=True)
+        if size <= room:
+            return
+        gib = 1024 ** 3
+        raise VmmOutOfMemory(
+            op, errno.ENOMEM,
+            f"out of host memory: {size} bytes ({size / gib:.2f} GiB) requested, "
+            f"{max(0, room)} bytes ({max(0, room) / gib:.2f} GiB) can be committed "
+            f"({self._reading.free / gib:.2f} GiB available on this host, a safety margin of "
+            f"{self.host_margin / gib:.2f} GiB left to the system, "
+            f"{self._held_bytes() / gib:.2f} GiB held by this driver)",
+            "free host memory or ask for less")
 
     def stats(self) -> dict[str, int]:
         """Counters of the native pool: committed/reserved/mapped bytes, handles, mappings."""
@@ -165,10 +241,16 @@ class HostDriver(DriverBase):
     # ---- handles ------------------------------------------------------------------------------
 
     def create_handle(self, size: int) -> int:
-        """Commits ``size`` bytes (a multiple of the granularity); returns the handle (> 0)."""
+        """Commits ``size`` bytes (a multiple of the granularity); returns the handle (> 0).
+        :class:`VmmOutOfMemory` beyond ``device_memory`` or the host capacity (see the
+        module)."""
         h = C.c_uint64()
-        self._check("create_handle", self._lib.hv_create(self._live(), size, C.byref(h)),
-                    f"size={size}")
+        pool = self._live()
+        with self._mem_lock:
+            if size > 0 and size % self._granularity == 0:  # misuse is the native pool's to refuse
+                self._check_host_room("create_handle", size)
+            self._check("create_handle", self._lib.hv_create(pool, size, C.byref(h)),
+                        f"size={size}")
         return h.value
 
     def free_handle(self, handle: int) -> None:
@@ -256,16 +338,22 @@ class HostDriver(DriverBase):
     # ---- host buffers -------------------------------------------------------------------------
 
     def alloc_host(self, size: int) -> int:
-        """Allocates a page-aligned host buffer of ``size`` bytes (the host "pinned" buffer)."""
+        """Allocates a page-aligned host buffer of ``size`` bytes (the host "pinned" buffer),
+        committed at once; :class:`VmmOutOfMemory` beyond the host capacity (see the module)."""
         ptr = C.c_uint64()
-        self._check("alloc_host", self._lib.hv_host_alloc(size, C.byref(ptr)), f"size={size}")
-        with self._hb_lock:
-            self._host_buffers[ptr.value] = size
+        with self._mem_lock:
+            self._check_host_room("alloc_host", size)
+            self._check("alloc_host", self._lib.hv_host_alloc(size, C.byref(ptr)), f"size={size}")
+            with self._hb_lock:
+                self._host_buffers[ptr.value] = size
+                self._hb_bytes += size
         return ptr.value
 
     def free_host(self, ptr: int) -> None:
         with self._hb_lock:
             size = self._host_buffers.pop(ptr, None)
+            if size is not None:
+                self._hb_bytes -= size
         if size is None:
             raise VmmInvalidArgument("free_host", errno.EINVAL, "",
                                      f"{ptr:#x} is not a host buffer of this driver")
@@ -285,6 +373,7 @@ class HostDriver(DriverBase):
             return
         with self._hb_lock:
             buffers, self._host_buffers = self._host_buffers, {}
+            self._hb_bytes = 0
         for ptr, size in buffers.items():
             self._lib.hv_host_free(ptr, size)
         self._closed = True
