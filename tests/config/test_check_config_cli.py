@@ -260,3 +260,17 @@ def test_strict_lists_errors_and_warnings_under_one_heading():
                          "--max_memory_utilization=0.5", "--enable_task_pipeline")
     assert code == 1 and out.count("errors (") == 1 and "errors (2)" in out
     assert "warnings (" not in out.split("implied")[0]
+
+
+def test_a_device_listed_twice_is_a_finding_on_devices():
+    code, out, _ = check("--devices=npu:0,npu:1,npu:0", "--format=json")
+    f = json.loads(out)["inputs"][0]["findings"]
+    assert code == 1 and [x["id"] for x in f] == ["CFG-TYPE"]
+    assert f[0]["flags"] == {"devices": "npu:0,npu:1,npu:0"}
+    assert "device 'npu:0' is listed twice" in f[0]["message"]
+
+
+@pytest.mark.parametrize("option", ["--device-memory", "--host-memory"])
+def test_memory_above_one_pib_is_a_usage_error(option):
+    code, _, err = check(option, "2048TiB")
+    assert code == 2 and f"{option} 2048TiB is more than 1 PiB: no machine has that" in err

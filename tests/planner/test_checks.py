@@ -154,3 +154,21 @@ def test_unreadable_draft_config_is_a_clear_error(draft_dir):
              f"--draft_model={draft_dir}")
     assert r.exit_code == 2 and "Traceback" not in r.output
     assert "draft_model (from command line): config.json is not valid JSON" in r.stderr
+
+
+def test_hk07_never_recommends_a_factor_that_turns_the_tier_off():
+    c = check_sizing(load(["--model=Qwen/Qwen3-8B", "--enable_vmm_kvcache",
+                           "--host_blocks_factor=1000000"]),
+                     device=Memory(64 * GiB, "--device-memory"), host=Memory(GiB, "--host-memory"))
+    hint = next(r for r in c.plan.reasons if r.code == "HK-07").hint
+    assert "lower host_blocks_factor" not in hint
+    assert hint.startswith("no host_blocks_factor above 1 fits (at most 0.02 would, and a factor "
+                           "of 1 or less turns the host tier off, HK-03): lower max_cache_size "
+                           "so each worker's device KV capacity is at most 1,073 bytes")
+    assert "or turn the host tier off (host_blocks_factor=0)" in hint
+    # A factor above 1 that fits is still recommended, rounded down so that it fits.
+    c = check_sizing(load(OFFLOAD), device=Memory(64 * GiB, "--device-memory"),
+                     host=Memory(40 * GiB, "--host-memory"))
+    hint = next(r for r in c.plan.reasons if r.code == "HK-07").hint
+    factor = float(hint.split("at most ")[1].split(",")[0])
+    assert factor > 1 and factor * c.plan.workers[0].arena_bytes <= 40 * GiB

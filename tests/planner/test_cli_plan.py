@@ -83,7 +83,7 @@ def test_bad_inputs_are_clear_errors(tmp_path):
     r = run()
     assert r.exit_code == 2 and "no model given" in r.stderr
     r = run("--model=Qwen/Qwen3-8B", "--tp_size=3")
-    assert r.exit_code == 1 and "3 workers cannot split" in r.stdout
+    assert r.exit_code == 2 and "3 workers cannot split" in r.stderr
 
 
 def test_damaged_safetensors_shard_is_a_warning_and_the_estimate_is_used(tmp_path):
@@ -102,3 +102,27 @@ def test_damaged_safetensors_shard_is_a_warning_and_the_estimate_is_used(tmp_pat
     assert len(weights) == 1 and weights[0]["severity"] == "warning"
     assert "safetensors file is shorter than its 8-byte header length" in weights[0]["message"]
     assert str(tmp_path / "model.safetensors") in weights[0]["message"]
+
+
+def test_workers_that_cannot_split_the_heads_are_an_error_naming_valid_counts():
+    valid = "valid worker counts for Qwen/Qwen3-8B: 1, 2, 4, 8, 16, 32"
+    r = run("--model=Qwen/Qwen3-8B", "--workers", "3", "--format=json")
+    assert r.exit_code == 2 and r.stdout == ""
+    assert "3 workers cannot split the 32 attention heads of Qwen/Qwen3-8B: 3 workers come " \
+           "from --workers; " + valid in r.stderr
+    r = run("--model=Qwen/Qwen3-8B", "--tp_size=3")
+    assert r.exit_code == 2 and "come from tp_size (from command line)" in r.stderr
+    r = run("--model=Qwen/Qwen3-8B", "--devices=npu:0,npu:1,npu:2")
+    assert r.exit_code == 2 and "come from --devices=npu:0,npu:1,npu:2" in r.stderr
+    assert "unbounded" not in r.output
+
+
+def test_impossible_inputs_are_refused():
+    r = run("--model=Qwen/Qwen3-8B", "--devices=npu:0,npu:0")
+    assert r.exit_code == 2
+    assert "devices=npu:0,npu:0 (from command line): device 'npu:0' is listed twice" in r.stderr
+    r = run("--model=Qwen/Qwen3-8B", "--device-memory", "99999999999999999999999999GiB")
+    assert r.exit_code == 2 and "--device-memory" in r.stderr
+    assert "is more than 1 PiB: no machine has that" in r.stderr
+    r = run("--model=Qwen/Qwen3-8B", "--host-memory", "2PiB")
+    assert r.exit_code == 2 and "--host-memory" in r.stderr

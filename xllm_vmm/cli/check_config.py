@@ -97,10 +97,13 @@ def parse_argv(argv: list[str]) -> dict:
             from xllm_vmm.config.values import parse_size
 
             try:
-                opts[key] = parse_size(opts[key])
+                text, opts[key] = opts[key], parse_size(opts[key])
             except ValueError:
                 raise UsageError(f"--{key.replace('_', '-')} must be a size such as 64GiB, "
                                  f"not {opts[key]!r}") from None
+            if opts[key] > 1 << 50:  # xllm_vmm.planner.devices.MAX_MEMORY_BYTES
+                raise UsageError(f"--{key.replace('_', '-')} {text} is more than 1 PiB: no "
+                                 "machine has that")
     return opts
 
 
@@ -209,8 +212,12 @@ def run(argv: list[str], out: TextIO | None = None, err: TextIO | None = None,
             # Sizing rules need the planner (imported only here: start-up time).
             from xllm_vmm.planner.checks import decide_sizing, host_memory
 
-            decide_sizing(report, r.config, spec, why, device=device,
-                          host=host_memory(opts["host_memory"]))
+            try:
+                host = host_memory(opts["host_memory"])
+            except ValueError as e:  # DeviceError: an impossible --host-memory
+                err.write(f"error: {e}\nusage: {USAGE}  (see --help)\n")
+                return 2
+            decide_sizing(report, r.config, spec, why, device=device, host=host)
         results.append(Result(r.label, report, list(r.findings) + report.findings,
                               launch_command=r.launch_command))
     fmt = opts["format"]

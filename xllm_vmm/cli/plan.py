@@ -7,7 +7,8 @@ commands, ``--config`` TOML files layered under every input, ``--config_json_fil
 is one configuration: every rule is checked (HK-07 with the plan, :mod:`xllm_vmm.planner.checks`),
 then its sizing plan is printed (:mod:`xllm_vmm.planner`). Exit codes, per input and the worst of
 them for the run: 0 fits, 1 does not fit (or the configuration has errors), 2 usage error,
-unreadable input or unknown model/device. Nothing here imports torch.
+unreadable input, unknown model/device, or inputs that cannot be planned (a worker count that
+cannot split the heads, a device listed twice, memory above 1 PiB). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -107,6 +108,8 @@ def _plan_one(r, *, device, host, name: str, options: dict) -> _Outcome:
     except ModelConfigError as err:
         return _Outcome(r.label, 2, error=str(err))
     plan = checked.plan
+    if plan.layout is None:
+        return _Outcome(r.label, 2, error=_layout_error(plan, cfg, options, checked.draft))
     # HK-07 is a configuration finding (the same text as the plan's reason): list it once.
     plan.reasons = [x for x in plan.reasons if x.code != "HK-07"]
     findings = list(r.findings) + list(checked.report.findings)
@@ -119,6 +122,28 @@ def _plan_one(r, *, device, host, name: str, options: dict) -> _Outcome:
             "fix them (each is listed below); `xllm-vmm check-config --explain ID` explains "
             "a rule"))
     return _Outcome(r.label, 0 if plan.fits else 1, plan)
+
+
+def _layout_error(plan, cfg, options: dict, draft) -> str:
+    """The error for a plan whose cache layout cannot be made: the layout's reason, where the
+    worker count came from and the worker counts that would work."""
+    from xllm_vmm.planner.sizing import valid_worker_counts
+
+    reason = next(x for x in plan.reasons if x.code == "LAYOUT")
+    w = plan.inputs.workers
+    valid = valid_worker_counts(plan.spec, plan.inputs, draft)
+    if w in valid or not valid:
+        return f"cannot lay out the KV cache of {plan.spec.name}: {reason.message} " \
+               f"({reason.hint})"
+    if options.get("workers") is not None:
+        src = "--workers"
+    elif cfg.explicit("tp_size"):
+        src = f"tp_size (from {cfg.provenance('tp_size')})"
+    else:
+        src = f"--devices={cfg['devices']} (from {cfg.provenance('devices')})"
+    return (f"{reason.message}: {w} workers come from {src}; valid worker counts for "
+            f"{plan.spec.name}: {', '.join(map(str, valid))}. Set --workers, tp_size or "
+            "--devices to one of them")
 
 
 def _outcome_dict(o: _Outcome) -> dict:

@@ -319,16 +319,18 @@ def _flag_rule(rule_id: str, applies: Callable[[_Ctx], bool], names: tuple[str, 
 
 @_rule("VMM-01")
 def _vmm01(x: _Ctx) -> _Out:
-    if not x.vmm:
-        return
+    # The devices list is checked with or without VMM (a bad entry, a device listed twice).
     try:
         devices = parse_devices(x.cfg["devices"])
     except ValueError as err:
         yield Finding("CFG-TYPE", "error", f"devices: {err} ({x.cfg.provenance('devices')})",
                       flags={"devices": x.cfg["devices"]},
                       sources={"devices": x.cfg.provenance("devices")},
-                      hint="write devices as npu:0,npu:1 / cuda:0 / cpu / auto",
+                      hint="write devices as npu:0,npu:1 / cuda:0 / cpu / auto, each device "
+                           "once",
                       where=x.cfg.provenance("devices"), input=x.cfg.label)
+        return
+    if not x.vmm:
         return
     bad = sorted({k for k, _ in devices if k not in VMM_DEVICE_KINDS})
     if bad:

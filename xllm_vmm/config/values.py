@@ -200,7 +200,8 @@ def coerce_native(flag: FlagDef, value, *, lenient_text: bool = False):
 
 def parse_devices(text: str) -> list[tuple[str, int | None]]:
     """``"npu:0,npu:1"`` → ``[("npu", 0), ("npu", 1)]``; ``"cpu"`` → ``[("cpu", None)]``;
-    ``""`` and ``"auto"`` → ``[]`` (chosen at start-up). Raises ValueError naming the bad entry."""
+    ``""`` and ``"auto"`` → ``[]`` (chosen at start-up). Raises ValueError naming the bad entry
+    or a device listed twice (``npu:0,npu:0`` would count two workers on one device)."""
     text = text.strip()
     if text in ("", "auto"):
         return []
@@ -217,4 +218,6 @@ def parse_devices(text: str) -> list[tuple[str, int | None]]:
             out.append((kind, int(index)))
         else:
             out.append((kind, None))
+        if out[-1] in out[:-1]:
+            raise ValueError(f"device {part!r} is listed twice: each device serves one worker")
     return out

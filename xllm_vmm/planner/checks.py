@@ -43,11 +43,12 @@ class Memory:
 def device_memory(option: int | None = None, profile: str | None = None) -> Memory | None:
     """One device's total memory: ``option`` (``--device-memory``) wins over ``profile``
     (``--device``); None when neither is given. Raises :class:`DeviceError` for an unknown
-    profile or a non-positive size."""
+    profile, a non-positive size or one above 1 PiB."""
     if option is not None:
         if option <= 0:
             raise DeviceError(f"--device-memory must be positive, got {option}",
                               hint="give the total memory of one device, e.g. 64GiB")
+        _at_most(option, "--device-memory", "the total memory of one device, e.g. 64GiB")
         return Memory(option, "--device-memory")
     if profile:
         p = get_profile(profile)
@@ -55,11 +56,22 @@ def device_memory(option: int | None = None, profile: str | None = None) -> Memo
     return None
 
 
+def _at_most(value: int, what: str, give: str) -> None:
+    from xllm_vmm.planner.devices import MAX_MEMORY_BYTES
+
+    if value > MAX_MEMORY_BYTES:
+        raise DeviceError(f"{what} {value:,} bytes is more than 1 PiB: no machine has that",
+                          hint=f"give {give}")
+
+
 def host_memory(option: int | None = None) -> Memory | None:
     """Host memory available for the host KV pools: ``option`` (``--host-memory``), else this
     host's available memory (``MemAvailable``, capped by the cgroup limit; the figure serving
-    checks HK-07 against); None when it cannot be read."""
+    checks HK-07 against); None when it cannot be read. Raises :class:`DeviceError` for an
+    ``option`` above 1 PiB."""
     if option is not None:
+        _at_most(option, "--host-memory", "the host RAM available for the host KV pools, "
+                 "e.g. 512GiB")
         return Memory(option, "--host-memory")
     from xllm_vmm.vmm.sysmem import host_memory as read_host_memory
 

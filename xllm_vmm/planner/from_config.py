@@ -19,16 +19,24 @@ from xllm_vmm.planner.inputs import PlanInputs
 
 def workers_from_config(cfg: Any) -> int:
     """``tp_size`` when set; else the number of devices in ``devices`` (``npu:0,npu:1`` -> 2);
-    else 1."""
+    else 1. Raises :class:`~xllm_vmm.models.ModelConfigError` for a ``devices`` list that is
+    not valid (a device listed twice, a malformed entry)."""
     tp = int(cfg["tp_size"])
     explicit = getattr(cfg, "explicit", None)
     if explicit is not None and explicit("tp_size"):
         return tp
+    from xllm_vmm.config.values import parse_devices
+    from xllm_vmm.models import ModelConfigError
+
     devices = str(cfg.get("devices", "") or "").strip()
-    if devices and devices.lower() not in ("auto", "cpu"):
-        listed = [d for d in devices.split(",") if d.strip()]
-        if len(listed) > 1:
-            return len(listed)
+    try:
+        listed = parse_devices(devices)
+    except ValueError as err:
+        where = cfg.provenance("devices") if hasattr(cfg, "provenance") else "devices"
+        raise ModelConfigError(f"devices={devices} (from {where}): {err}",
+                               hint="list each device once, e.g. npu:0,npu:1") from None
+    if len(listed) > 1:
+        return len(listed)
     return tp
 
 

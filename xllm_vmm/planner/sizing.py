@@ -37,6 +37,8 @@ Per worker (one worker per device; ``W`` workers in tensor parallel), in bytes:
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from xllm_vmm.models import CacheLayout, LayoutError, ModelSpec, cache_layout, dtype_bytes
@@ -228,18 +230,26 @@ def host_pool_reason(host_pool: int, device_kv: int, workers: int,
     need = host_pool * workers
     if have is None or need <= have:
         return None
-    factor_ok = have / max(1, device_kv * workers)
+    factor_ok = math.floor(have / max(1, device_kv * workers) * 100) / 100
     cap = int(have / (inp.host_blocks_factor * workers))
     per = f"{_n(host_pool)} x {workers} workers, each" if workers > 1 else "1 worker:"
-    lower = (f"lower host_blocks_factor to at most {factor_ok:.2f}, or " if factor_ok > 1 else
-             "turn host offload off (host_blocks_factor=0), or ")
+    if factor_ok > 1:
+        hint = (f"lower host_blocks_factor to at most {factor_ok:.2f}, or cap each worker's "
+                f"device KV capacity at {_n(cap)} bytes ({_gib(cap)}) with max_cache_size")
+    else:
+        # A factor of 1 or less turns the tier off (HK-03): only a smaller device KV cache
+        # (max_cache_size) keeps the tier, or the tier goes.
+        hint = (f"no host_blocks_factor above 1 fits (at most {factor_ok:.2f} would, and a "
+                "factor of 1 or less turns the host tier off, HK-03): lower max_cache_size so "
+                f"each worker's device KV capacity is at most {_n(cap)} bytes ({_gib(cap)}) at "
+                f"host_blocks_factor {inp.host_blocks_factor:g}, or turn the host tier off "
+                "(host_blocks_factor=0)")
     return Reason(
         "warning", "HK-07", f"the host KV pool needs {_n(need)} bytes ({_gib(need)}; {per} "
         f"device KV capacity {_n(device_kv)} x host_blocks_factor "
         f"{inp.host_blocks_factor:g}), more than the {_n(have)} bytes ({_gib(have)}) of host "
         f"memory available ({inp.host_memory_source})",
-        lower + f"cap each worker's device KV capacity at {_n(cap)} bytes ({_gib(cap)}) with "
-        "max_cache_size; serving refuses this configuration")
+        hint + "; serving refuses this configuration")
 
 
 def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
@@ -512,6 +522,21 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
                 "info", "WORKERS", f"{plan.suggested_workers} workers would fit "
                 f"{_n(L)} tokens", f"set tp_size={plan.suggested_workers}"))
     return plan
+
+
+def valid_worker_counts(spec: ModelSpec, inp: PlanInputs, draft: ModelSpec | None = None,
+                        limit: int = 128) -> list[int]:
+    """Worker counts up to ``limit`` for which ``spec`` (and ``draft``) can be laid out with
+    ``inp``'s block size and KV dtype (heads split or replicated evenly)."""
+    out = []
+    for w in range(1, limit + 1):
+        try:
+            cache_layout(spec, workers=w, block_size=inp.block_size, kv_dtype=inp.kv_cache_dtype,
+                         draft=draft is not None, draft_spec=draft)
+        except LayoutError:
+            continue
+        out.append(w)
+    return out
 
 
 def _suggest_workers(spec: ModelSpec, inp: PlanInputs, draft: ModelSpec | None) -> int | None:
