@@ -11,6 +11,7 @@ from xllm_vmm.config import ConfigError, load
 from xllm_vmm.config.catalogue import FLAGS
 from xllm_vmm.config.rules import check
 from xllm_vmm.config.sources import parse_shell, read_json, read_toml
+from tests._hyp import examples
 
 NAMES = sorted(FLAGS) + ["nope", "enable_vmm_kv", "noenable_prefix_cache", "config", "cmd"]
 VALUES = st.one_of(st.sampled_from(["true", "false", "0", "-1", "1GiB", "2.5", "", "x", "nan",
@@ -22,7 +23,7 @@ TOKEN = st.one_of(
     VALUES,
     st.text(max_size=12),
 )
-SETTINGS = settings(max_examples=150, deadline=None,
+SETTINGS = settings(max_examples=examples(150), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 

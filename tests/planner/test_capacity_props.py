@@ -4,6 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from xllm_vmm.planner.capacity import Unit, demand, largest, max_blocks, max_seqs
+from tests._hyp import examples
 
 units_st = st.lists(
     st.builds(
@@ -17,7 +18,7 @@ units_st = st.lists(
     min_size=1, max_size=4)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(units=units_st, tokens=st.integers(1, 1 << 20), budget=st.integers(0, 1 << 36),
        extra=st.integers(0, 1 << 26))
 def test_max_seqs_is_the_largest_that_fits(units, tokens, budget, extra):
@@ -28,7 +29,7 @@ def test_max_seqs_is_the_largest_that_fits(units, tokens, budget, extra):
     assert demand(units, c + 1, tokens) + (c + 1) * extra > budget
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(units=units_st, budget=st.integers(0, 1 << 36))
 def test_max_blocks_is_the_largest_that_fits(units, budget):
     n = max_blocks(units, budget)
@@ -36,7 +37,7 @@ def test_max_blocks_is_the_largest_that_fits(units, budget):
     assert sum(u.bytes_for_blocks(n + 1) for u in units) > budget
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(limit=st.integers(0, 1 << 50), lo=st.integers(0, 100))
 def test_largest_finds_the_threshold(limit, lo):
     got = largest(lambda x: x <= limit, lo)

@@ -19,6 +19,7 @@ from xllm_vmm.kvcache.host_pool import HostPool, host_pool_size
 from xllm_vmm.kvcache.host_tier import HostTier
 from xllm_vmm.kvcache.prefix import PrefixCache
 from tests.prefix.fakes import FakeAllocator, FakeGroup, ManualDriver, Runner
+from tests._hyp import examples
 
 BS = 2
 TBB = 8
@@ -207,6 +208,6 @@ def _expected(alloc, g, payload):
 
 
 PrefixMachine.TestCase.settings = settings(
-    max_examples=100, stateful_step_count=60, deadline=None,
+    max_examples=examples(100), stateful_step_count=60, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestPrefixStateful = PrefixMachine.TestCase

@@ -20,6 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from xllm_vmm.vmm import CopyKind
 from tests.prefix.real import BS, MiB, Stack, flat_layout
+from tests._hyp import examples
 
 BUDGET = 8 * MiB  # two slots of 8 blocks (K and V pages of 2 MiB, 256 KiB per tensor block)
 SYSTEM_PROMPTS = [[1000 + i for i in range(3 * BS)], [2000 + i for i in range(2 * BS)],
@@ -192,6 +193,6 @@ class RealPrefixMachine(RuleBasedStateMachine):
 
 
 RealPrefixMachine.TestCase.settings = settings(
-    max_examples=40, stateful_step_count=40, deadline=None,
+    max_examples=examples(40), stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestRealPrefixStateful = RealPrefixMachine.TestCase

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from xllm_vmm.vmm import CopyKind, VmmError, open_driver
+from tests._hyp import examples
 
 PAGES, HANDLES = 8, 4
 
@@ -37,7 +38,7 @@ def _check(d, va, g, model, handles):
                 raise AssertionError(f"page {page} reads although the model says it is unmapped")
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op, max_size=12), acl=st.booleans())
 def test_driver_state_follows_the_model(ops, acl):
     d = open_driver("acl", library="emulation") if acl else open_driver("host")
