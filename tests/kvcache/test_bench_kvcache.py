@@ -40,9 +40,11 @@ def test_default_trace_meets_the_footprint_targets_after_compaction():
 
     out = run_kvcache_bench(KvBenchConfig(repeats=1))
     assert out["idle_footprint_ratio"] == 1.0 and out["peak_footprint_ratio"] == 1.0
-    assert round(out["idle_footprint_ratio_before_compaction"], 4) == 2.3958
-    assert out["compaction_blocks_moved"] == 97
-    assert out["compaction_bytes_copied"] == 97 * 36 * 2 * 128 * 8 * 128 * 2
+    # decode growth leaving a full slot goes to the roomiest partial slot (a sequence's
+    # blocks share fewer slots): 2.3958 before that placement, 2.0833 with it
+    assert round(out["idle_footprint_ratio_before_compaction"], 4) == 2.0833
+    assert out["compaction_blocks_moved"] == 98
+    assert out["compaction_bytes_copied"] == 98 * 36 * 2 * 128 * 8 * 128 * 2
 
 
 @pytest.mark.parametrize("args,msg", [

@@ -81,6 +81,7 @@ failed) changes nothing.
 from __future__ import annotations
 
 import heapq
+from heapq import heappop, heappush
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Protocol, Sequence, runtime_checkable
@@ -276,29 +277,38 @@ class BlockAllocator:
         g = self._groups.get(group)
         if g is None:
             return self._allocate_groups({group: n}, None)  # raises: unknown group
-        if 0 <= n <= g.free_active:
-            if n == 1:  # decode growth: one block from an active slot, no call below
-                stack = g.stacks[near // g.bps] if 0 <= near < g.nblocks else None
-                buckets = g.buckets
-                if stack:
-                    slot = near // g.bps
-                    k = len(stack)
+        fa = g.free_active
+        if n == 1 and fa:  # decode growth: one block from an active slot, no call below
+            stacks = g.stacks
+            buckets = g.buckets
+            stack = None
+            if near >= 0:
+                slot = near // g.bps
+                try:
+                    stack = stacks[slot]
+                except IndexError:
+                    pass
+            if stack:
+                k = len(stack)
+                bucket = buckets[k]
+            else:
+                # the sequence's slot is full: the roomiest partial slot (the sequence's next
+                # blocks follow it there); no hint: the fullest one
+                for k in (range(g.bps - 1, 0, -1) if near >= 0 else range(1, g.bps)):
                     bucket = buckets[k]
-                else:
-                    for k in range(1, g.bps):
-                        bucket = buckets[k]
-                        if bucket:
-                            break
-                    for slot in bucket:
+                    if bucket:
                         break
-                    stack = g.stacks[slot]
-                b = stack.pop()  # type: ignore[union-attr]
-                g.ref[b] = 1
-                del bucket[slot]
-                if k > 1:
-                    buckets[k - 1][slot] = None
-                g.free_active -= 1
-                return [b]
+                for slot in bucket:
+                    break
+                stack = stacks[slot]
+            b = stack.pop()  # type: ignore[union-attr]
+            g.ref[b] = 1
+            del bucket[slot]
+            if k > 1:
+                buckets[k - 1][slot] = None
+            g.free_active = fa - 1
+            return [b]
+        if 0 <= n <= fa:
             out: list[int] = []
             if near >= 0:
                 n = self._take_near(g, near, n, out)
@@ -306,22 +316,38 @@ class BlockAllocator:
                 self._take_partial(g, n, out)
             return out
         if n > 0:  # new slots needed (a prompt): first try without eviction
-            k = -(-(n - g.free_active) // g.bps)
+            bps = g.bps
+            k = -(-(n - fa) // bps)
             inactive = g.inactive
             if k <= len(inactive):
-                chosen = [heapq.heappop(inactive)] if k == 1 else \
-                    [heapq.heappop(inactive) for _ in range(k)]
+                chosen = [heappop(inactive)] if k == 1 else [heappop(inactive) for _ in range(k)]
                 if self.backing.activate({group: chosen}):
                     out = []
-                    if near >= 0:
-                        n = self._take_near(g, near, n, out)
-                    if n:
+                    if fa:  # every free block of the active slots first (n > fa)
+                        if near >= 0:
+                            n = self._take_near(g, near, n, out)
                         n = self._take_partial(g, n, out)
+                    # then the new slots: all full but the last, lowest block ids first
+                    ref = g.ref
+                    stacks = g.stacks
                     for slot in chosen:
-                        n = self._take_new_slot(g, slot, n, out)
+                        base = slot * bps
+                        if n >= bps:
+                            ref[base:base + bps] = [1] * bps
+                            out.extend(range(base, base + bps))
+                            stacks[slot] = []
+                            n -= bps
+                        else:
+                            ref[base:base + n] = [1] * n
+                            out.extend(range(base, base + n))
+                            stacks[slot] = list(range(base + bps - 1, base + n - 1, -1))
+                            left = bps - n
+                            g.free_active += left
+                            g.buckets[left][slot] = None
+                    g.n_active += k
                     return out
                 for slot in chosen:
-                    heapq.heappush(inactive, slot)
+                    heappush(inactive, slot)
         got = self._allocate_groups({group: n}, {group: near} if near >= 0 else None)
         return None if got is None else got[group]
 
@@ -481,20 +507,108 @@ class BlockAllocator:
 
         Two call forms: ``free({group: blocks, ...})`` (several groups together, SD-01) and
         ``free(group, blocks)`` (one group; the prefix cache's ``BlockBackend`` form)."""
-        emptied: dict[str, list[int]] = {}
         if isinstance(blocks, str):  # one group: no dict on the way
             g = self._groups.get(blocks) or self._g(blocks)
             blks = group_blocks if group_blocks is not None else ()
+            if self.retention is None:
+                released = self._free_plain(g, blks)
+                if released:
+                    self.backing.deactivate({g.name: released})
+                return
+            emptied: dict[str, list[int]] = {}
             self._check_free(g, blks)
             self._free_blocks(g, blks, emptied)
         else:
             groups = self._groups
+            if self.retention is None and len(blocks) == 1:
+                for name, blks in blocks.items():
+                    pass
+                g = groups.get(name) or self._g(name)
+                released = self._free_plain(g, blks)
+                if released:
+                    self.backing.deactivate({name: released})
+                return
+            emptied = {}
             for name, blks in blocks.items():
                 self._check_free(groups.get(name) or self._g(name), blks)
             for name, blks in blocks.items():
                 self._free_blocks(groups[name], blks, emptied)
         if emptied:
             self.backing.deactivate(emptied)
+
+    def _free_plain(self, g: _Group, blks: Sequence[int]) -> list[int]:
+        """``free(group, blks)`` without a retention policy, in one pass: drop one reference
+        per entry; a block reaching 0 is pushed on its slot's stack. Runs of blocks of one
+        slot are recorded and each moves its slot to its new bucket once (or releases it,
+        EL-01), in order: the same end state as block by block. A double free is found in
+        the same pass: everything done so far is undone, ``ValueError``, nothing changed.
+        Returns the slots this emptied (now inactive; the caller releases them)."""
+        if blks.__class__ is not list and blks.__class__ is not tuple:
+            blks = list(blks)
+        ref = g.ref
+        stacks = g.stacks
+        bps = g.bps
+        runs: list[tuple[int, int, int]] = []  # (slot, free before the run, free after it)
+        cur = -1
+        k0 = 0
+        stack: list[int] = []
+        it = iter(blks)
+        for b in it:
+            r = ref[b] - 1
+            ref[b] = r
+            if r > 0:
+                continue
+            if r < 0:
+                self._undo_free(g, blks, len(blks) - it.__length_hint__(), runs, cur, k0)
+            s = b // bps
+            if s != cur:
+                if cur >= 0:
+                    runs.append((cur, k0, len(stack)))
+                cur = s
+                stack = stacks[s]  # type: ignore[assignment]
+                k0 = len(stack)
+            stack.append(b)
+        if cur < 0:
+            return []
+        runs.append((cur, k0, len(stack)))
+        buckets = g.buckets
+        released: list[int] = []
+        fa = 0  # change of free blocks in active slots
+        for s, k0, k in runs:
+            if k0:
+                del buckets[k0][s]
+            if k == bps:  # emptied
+                stacks[s] = None
+                fa -= k0
+                released.append(s)
+            else:
+                buckets[k][s] = None
+                fa += k - k0
+        g.free_active += fa
+        if released:
+            g.n_active -= len(released)
+            inactive = g.inactive
+            for s in released:
+                heapq.heappush(inactive, s)
+        return released
+
+    def _undo_free(self, g: _Group, blks: Sequence[int], done: int,
+                   runs: list[tuple[int, int, int]], cur: int, k0: int) -> None:
+        """A double free found at entry ``done − 1`` (its count went below 0): give back
+        the references the first ``done`` entries dropped, cut the stacks back to where they
+        were and raise ``ValueError`` naming the block."""
+        ref = g.ref
+        for b in blks[:done]:
+            ref[b] += 1
+        first: dict[int, int] = {}
+        for s, k, _ in runs:
+            first.setdefault(s, k)
+        if cur >= 0:
+            first.setdefault(cur, k0)
+        for s, k in first.items():
+            del g.stacks[s][k:]  # type: ignore[index]
+        self._check_free(g, blks)
+        raise AssertionError("unreachable: _check_free accepted a double free")
 
     @staticmethod
     def _check_free(g: _Group, blks: Sequence[int]) -> None:
