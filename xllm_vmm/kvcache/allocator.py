@@ -293,14 +293,14 @@ class BlockAllocator:
                 bucket = buckets[k]
             else:
                 # the sequence's slot is full: the roomiest partial slot (the sequence's next
-                # blocks follow it there); no hint: the fullest one
-                for k in (range(g.bps - 1, 0, -1) if near >= 0 else range(1, g.bps)):
-                    bucket = buckets[k]
+                # blocks follow it there); no hint: the fullest one (bucket 0 stays empty)
+                for bucket in (reversed(buckets) if near >= 0 else buckets):
                     if bucket:
                         break
                 for slot in bucket:
                     break
                 stack = stacks[slot]
+                k = len(stack)  # type: ignore[arg-type]
             b = stack.pop()  # type: ignore[union-attr]
             g.ref[b] = 1
             del bucket[slot]
@@ -323,13 +323,24 @@ class BlockAllocator:
                 chosen = [heappop(inactive)] if k == 1 else [heappop(inactive) for _ in range(k)]
                 if self.backing.activate({group: chosen}):
                     out = []
-                    if fa:  # every free block of the active slots first (n > fa)
-                        if near >= 0:
-                            n = self._take_near(g, near, n, out)
-                        n = self._take_partial(g, n, out)
-                    # then the new slots: all full but the last, lowest block ids first
                     ref = g.ref
                     stacks = g.stacks
+                    if fa:  # n > fa: every free block of the active slots goes first
+                        if near >= 0:
+                            n = self._take_near(g, near, n, out)
+                        n -= g.free_active
+                        g.free_active = 0
+                        for bucket in g.buckets:  # fullest first, each stack from its top
+                            if bucket:
+                                for s in bucket:
+                                    stack = stacks[s]
+                                    stack.reverse()  # type: ignore[union-attr]
+                                    out.extend(stack)  # type: ignore[arg-type]
+                                    for b in stack:  # type: ignore[union-attr]
+                                        ref[b] = 1
+                                    stacks[s] = []
+                                bucket.clear()
+                    # then the new slots: all full but the last, lowest block ids first
                     for slot in chosen:
                         base = slot * bps
                         if n >= bps:
@@ -464,24 +475,35 @@ class BlockAllocator:
         return len(blocks)
 
     def _take_partial(self, g: _Group, n: int, out: list[int]) -> int:
-        """Take up to ``n`` blocks from active slots, fullest first; returns what is left."""
+        """Take up to ``n`` blocks from active slots, fullest first (each slot's stack from
+        its top); returns what is left."""
         buckets = g.buckets
         stacks = g.stacks
-        bps = g.bps
-        take_from = self._take_from
+        ref = g.ref
+        want = n
         while n:
-            for k in range(1, bps):
-                b = buckets[k]
-                if b:
+            for bucket in buckets:  # bucket 0 stays empty
+                if bucket:
                     break
             else:
-                return n
-            for slot in b:
                 break
+            for slot in bucket:
+                break
+            stack = stacks[slot]
+            k = len(stack)  # type: ignore[arg-type]
             take = k if n >= k else n
-            take_from(g, slot, stacks[slot], k, take, out)  # type: ignore[arg-type]
+            got = stack[-take:]  # type: ignore[index]
+            del stack[-take:]  # type: ignore[index]
+            got.reverse()
+            for b in got:
+                ref[b] = 1
+            out.extend(got)
+            del bucket[slot]
+            if k - take:
+                buckets[k - take][slot] = None
             n -= take
-        return 0
+        g.free_active -= want - n
+        return n
 
     def _take_new_slot(self, g: _Group, slot: int, n: int, out: list[int]) -> int:
         bps = g.bps
@@ -553,20 +575,24 @@ class BlockAllocator:
         k0 = 0
         stack: list[int] = []
         it = iter(blks)
+        lo = hi = 0  # blocks of slot cur
         for b in it:
             r = ref[b] - 1
             ref[b] = r
-            if r > 0:
-                continue
-            if r < 0:
+            if r:
+                if r > 0:
+                    continue
                 self._undo_free(g, blks, len(blks) - it.__length_hint__(), runs, cur, k0)
-            s = b // bps
-            if s != cur:
-                if cur >= 0:
-                    runs.append((cur, k0, len(stack)))
-                cur = s
-                stack = stacks[s]  # type: ignore[assignment]
-                k0 = len(stack)
+            if lo <= b < hi:
+                stack.append(b)
+                continue
+            if cur >= 0:
+                runs.append((cur, k0, len(stack)))
+            cur = b // bps
+            lo = cur * bps
+            hi = lo + bps
+            stack = stacks[cur]  # type: ignore[assignment]
+            k0 = len(stack)
             stack.append(b)
         if cur < 0:
             return []
