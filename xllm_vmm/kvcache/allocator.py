@@ -182,7 +182,7 @@ class _Group:
     ``None`` while the slot is inactive."""
 
     __slots__ = ("name", "num_slots", "bps", "nblocks", "ref", "cached", "stacks", "ncached",
-                 "buckets", "inactive", "free_active", "n_cached", "n_active")
+                 "buckets", "inactive", "free_active", "n_cached", "n_active", "desc")
 
     def __init__(self, shape: GroupShape) -> None:
         if shape.num_slots < 0 or shape.blocks_per_slot < 1:
@@ -194,6 +194,8 @@ class _Group:
         n = shape.num_blocks
         self.nblocks = n
         self.ref = [0] * n
+        # every block id, highest first: a fresh slot's free stack is one slice of it
+        self.desc = list(range(n - 1, -1, -1))
         self.cached = bytearray(n)
         self.stacks: list[list[int] | None] = [None] * shape.num_slots
         self.ncached = [0] * shape.num_slots
@@ -320,7 +322,10 @@ class BlockAllocator:
             k = -(-(n - fa) // bps)
             inactive = g.inactive
             if k <= len(inactive):
-                chosen = [heappop(inactive)] if k == 1 else [heappop(inactive) for _ in range(k)]
+                chosen = [heappop(inactive)]
+                if k > 1:
+                    for _ in range(k - 1):
+                        chosen.append(heappop(inactive))
                 if self.backing.activate({group: chosen}):
                     out = []
                     ref = g.ref
@@ -351,7 +356,8 @@ class BlockAllocator:
                         else:
                             ref[base:base + n] = [1] * n
                             out.extend(range(base, base + n))
-                            stacks[slot] = list(range(base + bps - 1, base + n - 1, -1))
+                            top = g.nblocks - base  # desc[top - bps] is block base + bps - 1
+                            stacks[slot] = g.desc[top - bps:top - n]
                             left = bps - n
                             g.free_active += left
                             g.buckets[left][slot] = None
@@ -511,7 +517,8 @@ class BlockAllocator:
         take = n if n < bps else bps
         g.ref[base:base + take] = [1] * take
         out.extend(range(base, base + take))
-        g.stacks[slot] = list(range(base + bps - 1, base + take - 1, -1))
+        top = g.nblocks - base
+        g.stacks[slot] = g.desc[top - bps:top - take]
         g.n_active += 1
         left = bps - take
         g.free_active += left
