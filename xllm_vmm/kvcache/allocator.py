@@ -536,42 +536,33 @@ class BlockAllocator:
 
         Two call forms: ``free({group: blocks, ...})`` (several groups together, SD-01) and
         ``free(group, blocks)`` (one group; the prefix cache's ``BlockBackend`` form)."""
-        if isinstance(blocks, str):  # one group: no dict on the way
-            g = self._groups.get(blocks) or self._g(blocks)
-            blks = group_blocks if group_blocks is not None else ()
-            if self.retention is None:
-                released = self._free_plain(g, blks)
-                if released:
-                    self.backing.deactivate({g.name: released})
-                return
-            emptied: dict[str, list[int]] = {}
-            self._check_free(g, blks)
-            self._free_blocks(g, blks, emptied)
-        else:
+        if blocks.__class__ is not str and not isinstance(blocks, str):
             groups = self._groups
             if self.retention is None and len(blocks) == 1:
                 for name, blks in blocks.items():
-                    pass
-                g = groups.get(name) or self._g(name)
-                released = self._free_plain(g, blks)
-                if released:
-                    self.backing.deactivate({name: released})
-                return
-            emptied = {}
+                    return self.free(name, blks)
+            emptied: dict[str, list[int]] = {}
             for name, blks in blocks.items():
                 self._check_free(groups.get(name) or self._g(name), blks)
             for name, blks in blocks.items():
                 self._free_blocks(groups[name], blks, emptied)
-        if emptied:
-            self.backing.deactivate(emptied)
-
-    def _free_plain(self, g: _Group, blks: Sequence[int]) -> list[int]:
-        """``free(group, blks)`` without a retention policy, in one pass: drop one reference
-        per entry; a block reaching 0 is pushed on its slot's stack. Runs of blocks of one
-        slot are recorded and each moves its slot to its new bucket once (or releases it,
-        EL-01), in order: the same end state as block by block. A double free is found in
-        the same pass: everything done so far is undone, ``ValueError``, nothing changed.
-        Returns the slots this emptied (now inactive; the caller releases them)."""
+            if emptied:
+                self.backing.deactivate(emptied)
+            return
+        g = self._groups.get(blocks) or self._g(blocks)
+        blks = group_blocks if group_blocks is not None else ()
+        if self.retention is not None:
+            emptied = {}
+            self._check_free(g, blks)
+            self._free_blocks(g, blks, emptied)
+            if emptied:
+                self.backing.deactivate(emptied)
+            return
+        # No retention policy: one pass drops the references; a block reaching 0 is pushed
+        # on its slot's stack. Runs of blocks of one slot are recorded, then each moves its
+        # slot to its new bucket once (or releases it, EL-01), in order: the same end state
+        # as block by block. A double free is found in the pass, before any bucket moved:
+        # what the pass did is undone (_undo_free), ValueError, nothing changed.
         if blks.__class__ is not list and blks.__class__ is not tuple:
             blks = list(blks)
         ref = g.ref
@@ -582,7 +573,7 @@ class BlockAllocator:
         k0 = 0
         stack: list[int] = []
         it = iter(blks)
-        lo = hi = 0  # blocks of slot cur
+        lo = hi = 0  # the blocks of slot cur
         for b in it:
             r = ref[b] - 1
             ref[b] = r
@@ -602,7 +593,7 @@ class BlockAllocator:
             k0 = len(stack)
             stack.append(b)
         if cur < 0:
-            return []
+            return
         runs.append((cur, k0, len(stack)))
         buckets = g.buckets
         released: list[int] = []
@@ -622,8 +613,8 @@ class BlockAllocator:
             g.n_active -= len(released)
             inactive = g.inactive
             for s in released:
-                heapq.heappush(inactive, s)
-        return released
+                heappush(inactive, s)
+            self.backing.deactivate({g.name: released})
 
     def _undo_free(self, g: _Group, blks: Sequence[int], done: int,
                    runs: list[tuple[int, int, int]], cur: int, k0: int) -> None:
