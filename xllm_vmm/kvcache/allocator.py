@@ -182,7 +182,7 @@ class _Group:
     ``None`` while the slot is inactive."""
 
     __slots__ = ("name", "num_slots", "bps", "nblocks", "ref", "cached", "stacks", "ncached",
-                 "buckets", "inactive", "free_active", "n_cached", "n_active", "desc")
+                 "buckets", "inactive", "free_active", "n_cached", "n_active", "desc", "asc")
 
     def __init__(self, shape: GroupShape) -> None:
         if shape.num_slots < 0 or shape.blocks_per_slot < 1:
@@ -196,6 +196,7 @@ class _Group:
         self.ref = [0] * n
         # every block id, highest first: a fresh slot's free stack is one slice of it
         self.desc = list(range(n - 1, -1, -1))
+        self.asc = self.desc[::-1]  # lowest first (the same int objects)
         self.cached = bytearray(n)
         self.stacks: list[list[int] | None] = [None] * shape.num_slots
         self.ncached = [0] * shape.num_slots
@@ -346,16 +347,17 @@ class BlockAllocator:
                                     stacks[s] = []
                                 bucket.clear()
                     # then the new slots: all full but the last, lowest block ids first
+                    asc = g.asc
                     for slot in chosen:
                         base = slot * bps
                         if n >= bps:
                             ref[base:base + bps] = [1] * bps
-                            out.extend(range(base, base + bps))
+                            out += asc[base:base + bps]
                             stacks[slot] = []
                             n -= bps
                         else:
                             ref[base:base + n] = [1] * n
-                            out.extend(range(base, base + n))
+                            out += asc[base:base + n]
                             top = g.nblocks - base  # desc[top - bps] is block base + bps - 1
                             stacks[slot] = g.desc[top - bps:top - n]
                             left = bps - n
@@ -516,7 +518,7 @@ class BlockAllocator:
         base = slot * bps
         take = n if n < bps else bps
         g.ref[base:base + take] = [1] * take
-        out.extend(range(base, base + take))
+        out += g.asc[base:base + take]
         top = g.nblocks - base
         g.stacks[slot] = g.desc[top - bps:top - take]
         g.n_active += 1
