@@ -182,7 +182,7 @@ class _Group:
     ``None`` while the slot is inactive."""
 
     __slots__ = ("name", "num_slots", "bps", "nblocks", "ref", "cached", "stacks", "ncached",
-                 "buckets", "inactive", "free_active", "n_cached", "n_active", "desc", "asc")
+                 "buckets", "inactive", "free_active", "n_cached", "n_active", "desc", "asc", "rbuckets")
 
     def __init__(self, shape: GroupShape) -> None:
         if shape.num_slots < 0 or shape.blocks_per_slot < 1:
@@ -202,6 +202,7 @@ class _Group:
         self.ncached = [0] * shape.num_slots
         # buckets[k]: active slots with exactly k free blocks, 1 <= k < bps (ordered sets)
         self.buckets: list[dict[int, None]] = [{} for _ in range(self.bps)]
+        self.rbuckets = self.buckets[::-1]  # the same dicts, emptiest slots first
         self.inactive = list(range(shape.num_slots))  # a heap (sorted list is a valid heap)
         self.free_active = 0
         self.n_cached = 0
@@ -297,7 +298,7 @@ class BlockAllocator:
             else:
                 # the sequence's slot is full: the roomiest partial slot (the sequence's next
                 # blocks follow it there); no hint: the fullest one (bucket 0 stays empty)
-                for bucket in (reversed(buckets) if near >= 0 else buckets):
+                for bucket in (g.rbuckets if near >= 0 else buckets):
                     if bucket:
                         break
                 for slot in bucket:
