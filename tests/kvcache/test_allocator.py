@@ -230,3 +230,72 @@ def test_near_keeps_a_sequences_blocks_in_its_own_slot(backing):
     assert a.allocate({"attn": 1}, near={"attn": 4}) == {"attn": [5]}
     assert a.allocate({"attn": 1}) == {"attn": [0]}
     a.check_invariants()
+
+
+def test_decode_growth_out_of_a_full_slot_goes_to_the_roomiest_partial_slot(backing):
+    a = make(backing, slots=4, bps=4)
+    seq = a.allocate({"attn": 4})["attn"]  # slot 0, full: the sequence's last block is 3
+    other = a.allocate({"attn": 8})["attn"]  # slots 1 and 2, full
+    a.free({"attn": other[:3]})  # slot 1: 3 free (blocks 4-6), one live
+    a.free({"attn": [other[4]]})  # slot 2: 1 free (block 8), three live
+    # near slot 0 is full: the roomiest partial slot (1) takes the block, most recently
+    # freed first, not the one-block hole in slot 2; the next block follows it there
+    assert a.allocate_group("attn", 1, seq[-1]) == [6]
+    assert a.allocate_group("attn", 1, 6) == [5]
+    # without a hint: the fullest partial slot (slots 1 and 2 have one free block each;
+    # slot 2 got there first)
+    assert a.allocate_group("attn", 1) == [8]
+    assert a.num_active_slots("attn") == 3
+    a.check_invariants()
+
+
+def test_decode_growth_of_two_groups_places_each_in_its_roomiest_partial_slot(backing):
+    a = make(backing, slots=4, bps=4, draft=(4, 4))
+    seq = a.allocate({"attn": 4, "draft": 4})  # slot 0 of each, full
+    other = a.allocate({"attn": 8, "draft": 8})  # slots 1 and 2 of each, full
+    a.free({"attn": other["attn"][:3], "draft": other["draft"][:3]})  # slot 1: 3 free
+    a.free({"attn": [8], "draft": [8]})  # slot 2: one free
+    assert a.allocate({"attn": 1, "draft": 1}, {"attn": 3, "draft": 3}) == \
+        {"attn": [6], "draft": [6]}
+    assert seq == {"attn": [0, 1, 2, 3], "draft": [0, 1, 2, 3]}
+    a.check_invariants()
+
+
+def _snapshot(a, group="attn"):
+    g = a._groups[group]
+    return (list(g.ref), [None if s is None else list(s) for s in g.stacks],
+            [list(b) for b in g.buckets], sorted(g.inactive), g.free_active, g.n_active)
+
+
+@pytest.mark.parametrize("form", ["one-group", "dict"])
+def test_a_double_free_late_in_the_list_undoes_what_the_pass_did(backing, form):
+    a = make(backing, slots=4, bps=4)
+    x = a.allocate({"attn": 10})["attn"]  # slots 0, 1 full, slot 2: 8, 9
+    a.free({"attn": [1, 5]})  # slots 0 and 1 in bucket 1 (slot 0 first)
+    before = _snapshot(a)
+    calls = list(backing.calls)
+    bad = [0, 2, 3, 4, 6, 7, 8, 9, 5]  # empties slots 0 and 2 ... then 5 is already free
+    with pytest.raises(ValueError, match=r"free of block 5 in group 'attn' that holds no "
+                                         r"reference \(double free\)"):
+        a.free("attn", bad) if form == "one-group" else a.free({"attn": bad})
+    assert _snapshot(a) == before and backing.calls == calls
+    # nothing moved: the fullest partial slot taken first is still slot 0, then slot 1
+    assert a.allocate_group("attn", 2) == [1, 5]
+    a.check_invariants()
+    assert x == list(range(10))
+
+
+def test_free_of_shared_blocks_frees_each_when_its_last_reference_goes(backing):
+    a = make(backing, slots=4, bps=4)
+    a.allocate({"attn": 4})
+    a.touch("attn", 1)  # block 1: two references
+    a.free("attn", (1, 0, 1))  # a tuple; block 1 reaches 0 at its second entry
+    assert [a.ref_count("attn", b) for b in range(4)] == [0, 0, 1, 1]
+    assert a.slot_info("attn", 0).free == 2
+    # most recently freed first: block 1 (freed after block 0)
+    assert a.allocate_group("attn", 2) == [1, 0]
+    with pytest.raises(ValueError, match=r"block 2 in group 'attn': 2 frees, 1 references"):
+        a.free("attn", [2, 2])
+    a.free("attn", range(2, 4))  # any sequence of ints
+    assert [a.ref_count("attn", b) for b in range(4)] == [1, 1, 0, 0]
+    a.check_invariants()

@@ -386,7 +386,20 @@ class BlockAllocator:
             g = groups[name]
             out = []
             if near and name in near:
-                n = self._take_near(g, near[name], n, out)
+                hint = near[name]
+                left = self._take_near(g, hint, n, out)
+                if n == 1 and left and hint >= 0 and g.free_active:
+                    # decode growth out of a full slot: the roomiest partial slot, as in
+                    # allocate_group
+                    for bucket in g.rbuckets:
+                        if bucket:
+                            break
+                    for slot in bucket:
+                        break
+                    stack = g.stacks[slot]
+                    self._take_from(g, slot, stack, len(stack), 1, out)  # type: ignore[arg-type]
+                    left = 0
+                n = left
             rest = self._take_partial(g, n, out)
             for slot in new_slots.get(name, ()):
                 rest = self._take_new_slot(g, slot, rest, out)
