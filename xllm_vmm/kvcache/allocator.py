@@ -13,14 +13,29 @@ Allocation is page-aware: a new block comes from the *fullest* partially used ac
 activated slots (lowest slot id first); inside a slot the lowest free block id comes first for
 a fresh slot, and the most recently freed block is reused first after that. Decode growth, one
 block at a time for many sequences, therefore packs into few slots instead of scattering.
+A ``near`` hint (the sequence's last block) puts a sequence's blocks in its own slot first;
+when that slot is full, one-block decode growth goes to the *roomiest* partial slot instead
+(most free blocks; among equals, the one that entered that state first), so that the
+sequence's next blocks follow it there rather than each landing in a different one-block hole:
+a sequence's blocks share fewer slots, and its free touches fewer (on the bench trace 1,426
+slot updates for 3,877 blocks instead of 1,883). One-block holes are still filled first by
+allocations without a hint (a new prompt), and a prompt that needs new slots takes every free
+block of the active slots first, so live blocks stay packed.
 
 Bookkeeping (what makes that O(1) amortised per block, with no per-block objects): every
 active slot has a free *stack* (a list of its free block ids, top = next one handed out);
 ``buckets[k]`` is an insertion-ordered set of the active slots with exactly ``k`` free blocks
 (``1 ≤ k < B``), so "fullest partial slot" is the first slot of the first non-empty bucket (at
-most ``B − 1`` probes). A call moves a slot between buckets once per run of blocks it takes
-from or returns to that slot, not once per block. Occupancy and the live count are derived
-(``B − len(stack)``, ``active × B − free − cached``), not stored.
+most ``B − 1`` probes; the roomiest is the first slot of the last non-empty one). A call moves
+a slot between buckets once per run of blocks it takes from or returns to that slot, not once
+per block. Occupancy and the live count are derived (``B − len(stack)``,
+``active × B − free − cached``), not stored. A fresh slot's stack is one slice of a per-group
+list of every block id, highest first. Without a retention policy, :meth:`BlockAllocator.free`
+is one pass over the blocks (drop the reference, push a block that reached 0, note where each
+run of one slot starts), then one bucket move per run; a double free found during the pass
+undoes the pass before any bucket moved, so a refused free changes nothing, bucket order
+included. With a policy, blocks are checked first and ``on_zero_ref`` is asked block by
+block, in order.
 
 Invariants (checked by the tests after every step):
 
@@ -262,7 +277,9 @@ class BlockAllocator:
 
         ``near`` (optional): per group, a block the caller already holds for the same sequence
         (its last one). Free blocks in that block's slot are taken first, so that one
-        sequence's blocks stay together and a finished sequence empties whole slots.
+        sequence's blocks stay together and a finished sequence empties whole slots; when that
+        slot is full, a one-block request (decode growth) takes the roomiest partial slot,
+        where the sequence's next blocks can follow it.
 
         Returns the new block ids per group (each with ref count 1), or ``None`` when the
         memory is not there now (after evicting what the retention policy gave up).
