@@ -299,3 +299,14 @@ def test_free_of_shared_blocks_frees_each_when_its_last_reference_goes(backing):
     a.free("attn", range(2, 4))  # any sequence of ints
     assert [a.ref_count("attn", b) for b in range(4)] == [1, 1, 0, 0]
     a.check_invariants()
+
+
+def test_a_near_hint_outside_the_group_is_no_hint(backing):
+    a = make(backing, slots=4, bps=4, draft=(4, 4))
+    a.allocate({"attn": 12, "draft": 12})  # slots 0-2 full
+    a.free({"attn": [0, 1, 2], "draft": [0, 1, 2]})  # slot 0: 3 free
+    a.free({"attn": [4], "draft": [4]})  # slot 1: 1 free (the fullest partial slot)
+    assert a.allocate_group("attn", 1, 99) == [4]
+    assert a.allocate({"attn": 1, "draft": 1}, {"attn": 99, "draft": 99}) == \
+        {"attn": [2], "draft": [4]}
+    a.check_invariants()

@@ -307,8 +307,8 @@ class BlockAllocator:
                 slot = near // g.bps
                 try:
                     stack = stacks[slot]
-                except IndexError:
-                    pass
+                except IndexError:  # not a block of this group: no hint
+                    near = -1
             if stack:
                 k = len(stack)
                 bucket = buckets[k]
@@ -405,7 +405,7 @@ class BlockAllocator:
             if near and name in near:
                 hint = near[name]
                 left = self._take_near(g, hint, n, out)
-                if n == 1 and left and hint >= 0 and g.free_active:
+                if n == 1 and left and 0 <= hint < g.nblocks and g.free_active:
                     # decode growth out of a full slot: the roomiest partial slot, as in
                     # allocate_group
                     for bucket in g.rbuckets:
