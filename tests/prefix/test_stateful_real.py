@@ -70,6 +70,11 @@ class RealPrefixMachine(RuleBasedStateMachine):
     @rule(sp=st.integers(0, len(SYSTEM_PROMPTS) - 1), suffix=st.integers(0, 2),
           restore=st.booleans())
     def start(self, sp, suffix, restore):
+        # Settle the copies in flight first: whether this request gets memory ("not now" when
+        # blocks are still pinned by a copy) must not depend on the copy thread's timing, or
+        # hypothesis cannot replay the rule sequence (the `running` preconditions would change
+        # between runs). Copies still overlap every other rule and the invariant checks.
+        self.s.host.wait_all()
         toks = list(SYSTEM_PROMPTS[sp])
         for _ in range(suffix * BS + 1):
             toks.append(self.next_tok % 3 + 1)  # few distinct suffixes: some are shared too
