@@ -19,6 +19,10 @@
  *   - every failure leaves a message for aclGetRecentErrMsg (per thread, cleared on read).
  * Configuration (read by aclInit): XLLM_VMM_ACL_EMU_DEVICE_COUNT (default 1) and
  * XLLM_VMM_ACL_EMU_DEVICE_MEMORY (bytes per device, default: the host's physical memory).
+ * Whatever the device size, the emulated devices together never commit more host memory than
+ * the host had available at aclInit less a safety margin (1/32 of the host's memory, at least
+ * 512 MiB — the host driver's margin): beyond it aclrtMallocPhysical answers 207001 like a full
+ * device, instead of letting the kernel's OOM killer end the process later.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -76,6 +80,7 @@ static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 static int g_inited;
 static uint32_t g_ndev = 1;
 static uint64_t g_devmem;
+static uint64_t g_host_cap; /* host bytes every emulated device together may commit */
 static hv_pool *g_pool[MAX_DEVICES];   /* 2 MiB pools */
 
 static __thread int t_dev = -1;
@@ -109,6 +114,19 @@ static uint64_t env_u64(const char *name, uint64_t dflt) {
     return (end && *end == 0) ? (uint64_t)x : dflt;
 }
 
+/* MemAvailable of /proc/meminfo in bytes; 0 when it cannot be read. */
+static uint64_t host_available(void) {
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (!f) return 0;
+    char line[256];
+    unsigned long long kib = 0;
+    while (fgets(line, sizeof line, f)) {
+        if (sscanf(line, "MemAvailable: %llu kB", &kib) == 1) break;
+    }
+    fclose(f);
+    return (uint64_t)kib * 1024ull;
+}
+
 EXPORT aclError aclInit(const char *configPath) {
     (void)configPath;
     pthread_mutex_lock(&g_mu);
@@ -120,6 +138,9 @@ EXPORT aclError aclInit(const char *configPath) {
     if (g_ndev == 0 || g_ndev > MAX_DEVICES) g_ndev = 1;
     uint64_t phys = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE);
     g_devmem = env_u64("XLLM_VMM_ACL_EMU_DEVICE_MEMORY", phys);
+    uint64_t avail = host_available();
+    uint64_t margin = phys / 32 > (512ull << 20) ? phys / 32 : (512ull << 20);
+    g_host_cap = avail == 0 ? phys : (avail > margin ? avail - margin : 0);
     g_inited = 1;
     pthread_mutex_unlock(&g_mu);
     return ACL_SUCCESS;
@@ -253,9 +274,12 @@ EXPORT aclError aclrtGetMemInfo(int32_t attr, size_t *freeBytes, size_t *totalBy
         return err(ACL_ERROR_RT_PARAM_INVALID, "aclrtGetMemInfo: invalid memory attribute %d", attr);
     if (!freeBytes || !totalBytes) return err(ACL_ERROR_INVALID_PARAM, "aclrtGetMemInfo: NULL output");
     pthread_mutex_lock(&g_mu);
-    uint64_t used = used_bytes(t_dev);
+    uint64_t used = used_bytes(t_dev), host_used = 0;
+    for (uint32_t i = 0; i < g_ndev; i++) host_used += used_bytes((int)i);
+    uint64_t dev_free = used >= g_devmem ? 0 : g_devmem - used;
+    uint64_t host_free = host_used >= g_host_cap ? 0 : g_host_cap - host_used;
     *totalBytes = g_devmem;
-    *freeBytes = used >= g_devmem ? 0 : g_devmem - used;
+    *freeBytes = dev_free < host_free ? dev_free : host_free; /* what a malloc may still get */
     pthread_mutex_unlock(&g_mu);
     return ACL_SUCCESS;
 }
@@ -376,15 +400,26 @@ EXPORT aclError aclrtMallocPhysical(void **handle, size_t size, const aclrtPhysi
     hv_pool *p;
     aclError rc = pool_of(dev, &p);
     if (rc) return rc;
+    /* The check and the create under one lock: two threads cannot both pass the check. */
     pthread_mutex_lock(&g_mu);
-    uint64_t used = used_bytes(dev);
-    pthread_mutex_unlock(&g_mu);
-    if (used + size > g_devmem)
+    uint64_t used = used_bytes(dev), host_used = 0;
+    for (uint32_t i = 0; i < g_ndev; i++) host_used += used_bytes((int)i);
+    if (used + size > g_devmem) {
+        pthread_mutex_unlock(&g_mu);
         return err(ACL_ERROR_RT_MEMORY_ALLOCATION,
                    "aclrtMallocPhysical: out of memory on device %d: %llu of %llu bytes in use, %zu requested",
                    dev, (unsigned long long)used, (unsigned long long)g_devmem, size);
+    }
+    if (host_used + size > g_host_cap) {
+        pthread_mutex_unlock(&g_mu);
+        return err(ACL_ERROR_RT_MEMORY_ALLOCATION,
+                   "aclrtMallocPhysical: out of host memory for the emulated devices: %llu bytes committed, "
+                   "%zu requested, the host could give %llu at aclInit (available memory less a safety margin)",
+                   (unsigned long long)host_used, size, (unsigned long long)g_host_cap);
+    }
     uint64_t off;
     int e = hv_create(p, size, &off);
+    pthread_mutex_unlock(&g_mu);
     if (e)
         return err(e == ENOMEM ? ACL_ERROR_RT_MEMORY_ALLOCATION : ACL_ERROR_RT_PARAM_INVALID,
                    "aclrtMallocPhysical: %s", hv_last_error());

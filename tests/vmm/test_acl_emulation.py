@@ -148,3 +148,25 @@ def test_missing_acl_library_is_a_clear_unavailable_error(monkeypatch):
     with pytest.raises(VmmUnavailable) as err:
         open_driver("npu", library="/nonexistent/libascendcl.so")
     assert "set_env.sh" in str(err.value) and "XLLM_VMM_ACL_LIBRARY" in str(err.value)
+
+
+def test_emulated_device_larger_than_the_host_is_bounded_by_host_memory():
+    """An emulated device configured larger than the host never offers more than the host can
+    commit (available memory at aclInit less the driver's margin), so a caller sizing by
+    mem_info().free gets a refusal code, not the kernel's OOM killer. Runs in a fresh process:
+    the emulation reads its configuration once, at aclInit. Allocates nothing."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json; from xllm_vmm.vmm import open_driver; "
+            "from xllm_vmm.vmm.sysmem import meminfo; "
+            "d = open_driver('acl', library='emulation'); m = d.mem_info(); "
+            "print(json.dumps([m.free, m.total, meminfo()['MemAvailable']]))")
+    env = dict(os.environ, XLLM_VMM_ACL_EMU_DEVICE_MEMORY=str(1 << 50))  # a 1 PiB "device"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    free, total, available = json.loads(out.stdout)
+    assert total == 1 << 50
+    assert 0 < free < available  # bounded by the host, less the margin
