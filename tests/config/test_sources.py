@@ -260,3 +260,22 @@ def test_toml_dates_are_shown_as_written_not_as_python_reprs(tmp_path):
                        "expected an integer (int32, 0..65535): port = 1979-05-27T07:32:00Z")
     assert msgs[1] == (f"{p}:2:1: the date 2024-01-01 is not valid for model: expected a "
                        "string: model = 2024-01-01")
+
+
+@pytest.mark.parametrize("wrapper", [
+    "numactl -N 0", "taskset -c 0-7", "sudo -u svc", "timeout 3600",
+    "docker run --rm --name xllm-1 -v /models:/models img",
+    "env XLLM_VMM_PORT=9 numactl --cpunodebind 0 --membind 0"])
+def test_wrappers_with_separate_option_values_find_the_engine(wrapper):
+    text = f"{wrapper} /opt/xllm/bin/xllm --model=/m --enable_vmm_kvcache --enable_task_pipeline"
+    shell, findings = parse_shell(text)
+    assert findings == []
+    assert shell.binary == "/opt/xllm/bin/xllm" and shell.why == "the engine"
+    assert [t.text for t in shell.tokens] == [
+        "--model=/m", "--enable_vmm_kvcache", "--enable_task_pipeline"]
+
+
+def test_wrapper_without_an_engine_word_is_checked_as_before():
+    shell, findings = parse_shell("numactl -N 0 python serve.py --model=/m --port 9000")
+    assert findings == [] and shell.binary == "0"
+    assert [t.text for t in shell.tokens] == ["python", "serve.py", "--model=/m", "--port", "9000"]

@@ -279,6 +279,28 @@ def _is_engine(binary: str | None) -> bool:
     return bool(binary) and "xllm" in binary.replace("\\", "/").rsplit("/", 1)[-1].lower()
 
 
+def _engine_word(seg: list[Token], start: int) -> int:
+    """Index of the engine's program in a command whose program (after wrappers) is at ``start``.
+
+    Wrappers whose options take separate values (``numactl -N 0``, ``taskset -c 0-7``,
+    ``sudo -u svc``, ``timeout 3600``, ``docker run ... image``) leave a non-engine word at
+    ``start``; the program is then the first later word whose file name contains ``xllm`` and
+    which is not an option, an assignment or an option's separate value (the word before it
+    does not start with ``-``: ``docker run --name xllm-1 img xllm`` picks the second). When no
+    word qualifies, ``start`` (the command is checked as it is, as before).
+    """
+    if start >= len(seg) or _is_engine(seg[start].text):
+        return start
+    for j in range(start + 1, len(seg)):
+        word = seg[j].text
+        if word.startswith("-") or _ASSIGN_RE.match(word) or not _is_engine(word):
+            continue
+        if seg[j - 1].text.startswith("-") and "=" not in seg[j - 1].text:
+            continue  # the value of a separate-value option: --name xllm-server
+        return j
+    return start
+
+
 def _broken_continuation(file: str | None, line: int, raw_lines: list[str],
                          tok: Token) -> Finding:
     """A command that starts with ``--``: a flag line cut off from its command."""
@@ -359,6 +381,7 @@ def parse_shell(text: str, file: str | None = None) -> tuple[ShellCommand | None
             if i < len(seg) and seg[i].text.startswith("--"):
                 findings.append(_broken_continuation(file, seg_lines[i][1], raw_lines, seg[i]))
                 continue
+            i = _engine_word(seg, i)
             binary = seg[i].text if i < len(seg) else None
             line = seg_lines[i][1] if i < len(seg) else seg_lines[0][1]
             rest = seg[i + 1:]
