@@ -327,3 +327,73 @@ def test_a_handle_larger_than_the_host_is_refused_before_anything_is_committed()
     assert d.stats()["committed_bytes"] == 0
     assert 0 < d.mem_info().free <= host_memory().free - d.host_margin + 64 * MiB
     d.close()
+
+
+class _SharedFakeHost:
+    """One fake host under several drivers of this process: MemAvailable drops by what all of
+    them hold (what the kernel would report)."""
+
+    def __init__(self, free: int, total: int = 1024 * MiB) -> None:
+        self.free, self.total, self.drivers = free, total, []
+
+    def __call__(self):
+        from xllm_vmm.vmm import MemInfo
+
+        held = sum(d.stats()["committed_bytes"] + d._hb_bytes for d in self.drivers if not d._closed)
+        return MemInfo(free=self.free - held, total=self.total)
+
+
+def test_two_host_drivers_in_one_process_cannot_together_over_commit():
+    """150 MiB host, margin 0: driver B opened before A commits 100 MiB; B's own reading (under
+    a second old) still says 150 MiB, but the process-wide ledger counts A's commit."""
+    from xllm_vmm.vmm.host import HostDriver
+
+    host = _SharedFakeHost(150 * MiB)
+    a = HostDriver(host_margin=0, host_memory_reader=host)
+    b = HostDriver(host_margin=0, host_memory_reader=host)
+    host.drivers += [a, b]
+    ha = a.create_handle(100 * MiB)
+    assert (a.mem_info().free, b.mem_info().free) == (50 * MiB, 50 * MiB)
+    with pytest.raises(VmmOutOfMemory, match="out of host memory: 104857600 bytes .*52428800 bytes"):
+        b.create_handle(100 * MiB)
+    with pytest.raises(VmmOutOfMemory, match="out of host memory"):
+        b.alloc_host(60 * MiB)
+    assert b.stats()["committed_bytes"] == 0
+    buf = b.alloc_host(50 * MiB)
+    assert (a.mem_info().free, b.mem_info().free) == (0, 0)
+    a.free_handle(ha)  # freed memory is usable by the other driver at once
+    assert b.mem_info().free == 100 * MiB
+    hb = b.create_handle(100 * MiB)
+    assert a.mem_info().free == 0
+    a.close()  # a closed driver leaves the ledger
+    b.free_host(buf)
+    assert b.mem_info().free == 50 * MiB
+    b.free_handle(hb)
+    b.close()
+
+
+def test_concurrent_commits_of_two_drivers_never_exceed_the_host():
+    import threading
+
+    from xllm_vmm.vmm.host import HostDriver
+
+    host = _SharedFakeHost(40 * MiB)
+    drivers = [HostDriver(host_margin=0, host_memory_reader=host) for _ in range(2)]
+    host.drivers += drivers
+    got = [[], []]
+
+    def grab(i):
+        for _ in range(20):
+            try:
+                got[i].append(drivers[i].create_handle(2 * MiB))
+            except VmmOutOfMemory:
+                pass
+
+    threads = [threading.Thread(target=grab, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got[0]) + len(got[1]) == 20  # exactly 40 MiB, never more
+    for d in drivers:
+        d.close()

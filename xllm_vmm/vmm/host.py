@@ -25,8 +25,10 @@ only while the host can really give it: ``fallocate`` on a memfd does not fail w
 out (the kernel's OOM killer fires instead), so :meth:`create_handle` and :meth:`alloc_host`
 raise :class:`VmmOutOfMemory` once the bytes this driver holds would exceed its *host
 capacity*: what the host had available at the last reading (the cgroup's limit − usage, or
-``MemAvailable``, whichever is smaller — both already count this driver's memory as used) plus
-what the driver held then, minus a safety margin left to everything else (``host_margin``;
+``MemAvailable``, whichever is smaller — both already count memory committed before it as
+used), less what every host driver of this process committed since (one process-wide ledger
+and lock per host-memory source: drivers of simulated workers in one process cannot together
+over-commit), minus a safety margin left to everything else (``host_margin``;
 default :func:`default_host_margin`: 1/32 of host memory, at least 512 MiB). The reading is
 taken at open and again when it is over a second old or a request would not fit the previous
 one (memory freed elsewhere becomes usable). ``mem_info().free`` is exactly what a new handle
@@ -70,6 +72,40 @@ def default_host_margin(total: int) -> int:
     (room for page tables, the process's own heap, other processes and the kernel)."""
     return max(HOST_MARGIN_MIN, total // 32)
 
+
+class _HostLedger:
+    """What the host drivers of this process that read one host-memory source hold, together.
+
+    A driver's reading of the host counts everything committed before it as used; what any
+    driver of the process commits after it is not in it. Each driver therefore subtracts what
+    *all* of them committed since its reading (process-wide ``held`` now − ``held`` then), and
+    checks and commits under the ledger's one lock: several drivers in one process (simulated
+    workers) cannot together commit beyond what the host had."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.drivers: "weakref.WeakSet[HostDriver]" = weakref.WeakSet()
+
+    def held(self) -> int:
+        """Bytes every live driver of this ledger holds now (handles + host buffers)."""
+        return sum(d._own_held() for d in list(self.drivers))
+
+
+#: one ledger per host-memory source (the default reader: every host driver of the process)
+_LEDGERS: "weakref.WeakKeyDictionary[Callable[[], MemInfo], _HostLedger]" = weakref.WeakKeyDictionary()
+_LEDGERS_LOCK = threading.Lock()
+
+
+def _ledger_for(reader: Callable[[], MemInfo]) -> _HostLedger:
+    with _LEDGERS_LOCK:
+        try:
+            return _LEDGERS[reader]
+        except TypeError:  # a reader that cannot be weakly referenced: a ledger of its own
+            return _HostLedger()
+        except KeyError:
+            ledger = _LEDGERS[reader] = _HostLedger()
+            return ledger
+
 _STAT_NAMES = ("committed_bytes", "handles", "reservations", "reserved_bytes", "mapped_bytes",
                "mappings", "limit_bytes", "file_end_bytes", "max_mappings", "release_pending")
 
@@ -110,6 +146,7 @@ class HostDriver(DriverBase):
             raise VmmInvalidArgument("open host driver", errno.EINVAL, "",
                                      f"host_margin must be >= 0 bytes, got {host_margin}")
         self._read_host_memory = host_memory_reader or host_memory
+        self._ledger = _ledger_for(self._read_host_memory)
         first = self._read_host_memory()
         self.host_margin = default_host_margin(first.total) if host_margin is None else host_margin
         self.device_index = device_index
@@ -128,10 +165,12 @@ class HostDriver(DriverBase):
         self._host_buffers: dict[int, int] = {}
         self._hb_lock = threading.Lock()
         self._hb_bytes = 0
-        self._mem_lock = threading.RLock()  # host-capacity check + commit, as one step
-        self._reading = first
-        self._held_at_reading = 0
-        self._read_at = time.monotonic()
+        self._mem_lock = self._ledger.lock  # host-capacity check + commit, one step process-wide
+        with self._mem_lock:
+            self._reading = first
+            self._held_at_reading = self._ledger.held()
+            self._read_at = time.monotonic()
+            self._ledger.drivers.add(self)
         self._worker = CopyWorker(f"xllm-vmm-host{device_index}-copy")
         self.views = ViewRegistry()
         self._finalizer = weakref.finalize(self, _close_pool, self._lib, self._pool)
@@ -183,12 +222,19 @@ class HostDriver(DriverBase):
 
     # ---- host capacity ------------------------------------------------------------------------
 
-    def _held_bytes(self) -> int:
+    def _own_held(self) -> int:
+        """Bytes this driver holds: live handles + host buffers (0 once closed)."""
+        if self._closed:
+            return 0
         return self.stats()["committed_bytes"] + self._hb_bytes
+
+    def _held_bytes(self) -> int:
+        """Bytes every host driver of this process (same host-memory source) holds."""
+        return self._ledger.held()
 
     def _host_headroom(self, fresh: bool) -> int:
         """Host bytes this driver may still commit (may be negative): available at the last
-        reading, less what the driver committed since, less the margin. Re-reads the host when
+        reading, less what the host drivers of this process committed since, less the margin. Re-reads the host when
         ``fresh`` or when the reading is older than :data:`HOST_REREAD_S`."""
         held = self._held_bytes()
         now = time.monotonic()
@@ -213,7 +259,8 @@ class HostDriver(DriverBase):
             f"{max(0, room)} bytes ({max(0, room) / gib:.2f} GiB) can be committed "
             f"({self._reading.free / gib:.2f} GiB available on this host, a safety margin of "
             f"{self.host_margin / gib:.2f} GiB left to the system, "
-            f"{self._held_bytes() / gib:.2f} GiB held by this driver)",
+            f"{self._own_held() / gib:.2f} GiB held by this driver, "
+            f"{self._held_bytes() / gib:.2f} GiB by every host driver of this process)",
             "free host memory or ask for less")
 
     def stats(self) -> dict[str, int]:
@@ -350,14 +397,13 @@ class HostDriver(DriverBase):
         return ptr.value
 
     def free_host(self, ptr: int) -> None:
-        with self._hb_lock:
+        with self._mem_lock, self._hb_lock:
             size = self._host_buffers.pop(ptr, None)
-            if size is not None:
-                self._hb_bytes -= size
-        if size is None:
-            raise VmmInvalidArgument("free_host", errno.EINVAL, "",
-                                     f"{ptr:#x} is not a host buffer of this driver")
-        self._check("free_host", self._lib.hv_host_free(ptr, size))
+            if size is None:
+                raise VmmInvalidArgument("free_host", errno.EINVAL, "",
+                                         f"{ptr:#x} is not a host buffer of this driver")
+            self._hb_bytes -= size
+            self._check("free_host", self._lib.hv_host_free(ptr, size))
 
     # ---- lifetime -----------------------------------------------------------------------------
 
@@ -371,13 +417,15 @@ class HostDriver(DriverBase):
         Idempotent. Tensor views over the arena must be dropped first."""
         if not self._begin_close():
             return
-        with self._hb_lock:
-            buffers, self._host_buffers = self._host_buffers, {}
-            self._hb_bytes = 0
-        for ptr, size in buffers.items():
-            self._lib.hv_host_free(ptr, size)
-        self._closed = True
-        self._finalizer()
+        with self._mem_lock:  # memory freed and the driver leaves the ledger in one step
+            with self._hb_lock:
+                buffers, self._host_buffers = self._host_buffers, {}
+                self._hb_bytes = 0
+            for ptr, size in buffers.items():
+                self._lib.hv_host_free(ptr, size)
+            self._closed = True
+            self._finalizer()
+            self._ledger.drivers.discard(self)
 
     def __repr__(self) -> str:
         mem = f", device_memory={self.device_memory}" if self.device_memory else ""
