@@ -49,3 +49,35 @@ def test_flags_search_without_match_says_so_and_exits_1():
                          capture_output=True, text=True)
     assert out.returncode == 1 and out.stdout == ""
     assert "no flag has 'zzzz' in its name or help" in out.stderr
+
+
+_OUTPUT_ARGV = {
+    "check-config": ["check-config", "--format", "json", "--model=/m", "--enable_vmm_kvcache"],
+    "flags": ["flags", "--format=json"],
+    "plan-list-models": ["plan", "--list-models"],
+}
+
+
+@pytest.mark.parametrize("argv", _OUTPUT_ARGV.values(), ids=_OUTPUT_ARGV.keys())
+def test_a_closed_pipe_ends_quietly_with_exit_1(argv):
+    # `xllm-vmm ... | head -1`: the reader is gone before the command writes.
+    import os
+
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        p = subprocess.run([sys.executable, "-m", "xllm_vmm.cli", *argv], stdout=w,
+                           stderr=subprocess.PIPE, text=True)
+    finally:
+        os.close(w)
+    assert p.returncode == 1 and p.stderr == ""
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("argv", _OUTPUT_ARGV.values(), ids=_OUTPUT_ARGV.keys())
+def test_a_full_output_is_one_line_and_exit_2(argv):
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([sys.executable, "-m", "xllm_vmm.cli", *argv], stdout=full,
+                           stderr=subprocess.PIPE, text=True)
+    assert p.returncode == 2
+    assert p.stderr == "error: cannot write the output: No space left on device\n"

@@ -113,3 +113,37 @@ def test_nested_text_config_and_sliding_window_keys(tmp_path):
     layout = cache_layout(s)
     assert [g.name for g in layout.groups] == ["sliding"]
     assert layout.groups[0].max_tokens_per_seq == 64
+
+
+def _raw_safetensors(path, header_text, data_bytes):
+    raw = header_text.encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * data_bytes)
+
+
+def test_deeply_nested_config_json_is_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ModelConfigError) as err:
+        load_model_spec(str(tmp_path))
+    assert "config.json is nested too deeply to read" in str(err.value)
+    assert str(tmp_path / "config.json") in str(err.value)
+
+
+@pytest.mark.parametrize("header, data, message", [
+    ('{"w": {"dtype": "BF16", "shape": [1e400], "data_offsets": [0, 2]}}', 8,
+     "entry 'w' has no valid data_offsets/shape (non-negative integers expected)"),
+    ('{"w": {"dtype": "BF16", "shape": [-4], "data_offsets": [0, 2]}}', 8,
+     "entry 'w' has no valid data_offsets/shape (non-negative integers expected)"),
+    ('{"w": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 1e308]}}', 56,
+     "entry 'w' has no valid data_offsets/shape (non-negative integers expected)"),
+    ('{"w": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 100000000]}}', 64,
+     "entry 'w' has data_offsets [0, 100000000] beyond the file's data section "
+     "(64 bytes after the header)"),
+    ('{"a": ' * 50_000 + '1' + '}' * 50_000, 0,
+     "safetensors header is nested too deeply to read"),
+])
+def test_damaged_safetensors_header_keeps_the_estimate(qwen_dir, header, data, message):
+    _raw_safetensors(qwen_dir / "model.safetensors", header, data)
+    s = load_model_spec(str(qwen_dir))
+    assert s.weight_bytes is None
+    assert s.served_weight_bytes == 2 * 8_190_735_360
+    assert message in s.weights_warning

@@ -46,6 +46,10 @@ def _read_config_file(path: Path) -> dict:
         raise ModelConfigError(f"config.json is not valid JSON: {exc.msg} at line {exc.lineno} "
                                f"column {exc.colno}", source=str(path),
                                hint="fix the JSON or re-download the model's config") from exc
+    except RecursionError as exc:
+        raise ModelConfigError("config.json is nested too deeply to read (a model config is a "
+                               "few levels of objects)", source=str(path),
+                               hint="fix the JSON or re-download the model's config") from exc
 
 
 def load_from_directory(directory: Path, *, name: str | None = None,

@@ -30,6 +30,12 @@ class SafetensorsTotals:
 
 def read_header(path: Path) -> dict:
     """The JSON header of one safetensors file (``__metadata__`` included)."""
+    return _read(path)[0]
+
+
+def _read(path: Path) -> tuple[dict, int]:
+    """The JSON header of one safetensors file and the size of its data section (bytes after
+    the header), which every tensor's ``data_offsets`` must lie within."""
     hint = "the file is not a complete safetensors file; re-download it or remove it"
     try:
         size = path.stat().st_size
@@ -51,31 +57,51 @@ def read_header(path: Path) -> dict:
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ModelConfigError(f"safetensors header is not valid JSON ({exc})",
                                source=str(path), hint=hint) from exc
+    except RecursionError as exc:
+        raise ModelConfigError("safetensors header is nested too deeply to read (a real header "
+                               "is one object of tensor entries)", source=str(path),
+                               hint=hint) from exc
     if not isinstance(header, dict):
         raise ModelConfigError("safetensors header is not a JSON object", source=str(path),
                                hint=hint)
-    return header
+    return header, size - 8 - n
+
+
+def _whole(value: object) -> int:
+    """``value`` as a non-negative integer; ValueError for anything else (floats such as
+    ``1e400``, booleans, negatives, strings)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{value!r} is not a non-negative integer")
+    return value
 
 
 def totals(paths: list[Path]) -> SafetensorsTotals:
     """Sum of tensor bytes and parameters over ``paths``."""
     tensors = params = nbytes = 0
     for path in paths:
-        for name, entry in read_header(path).items():
+        header, data_size = _read(path)
+        for name, entry in header.items():
             if name == "__metadata__":
                 continue
             try:
                 begin, end = entry["data_offsets"]
                 shape = entry["shape"]
-                count = math.prod(int(d) for d in shape)
-                begin, end = int(begin), int(end)
+                count = math.prod(_whole(d) for d in shape)
+                begin, end = _whole(begin), _whole(end)
             except (KeyError, TypeError, ValueError) as exc:
                 raise ModelConfigError(f"safetensors header entry {name!r} has no valid "
-                                       f"data_offsets/shape", source=str(path),
+                                       f"data_offsets/shape (non-negative integers expected)",
+                                       source=str(path),
                                        hint="the file is damaged; re-download it") from exc
             if end < begin:
                 raise ModelConfigError(f"safetensors entry {name!r} ends before it begins",
                                        source=str(path), hint="the file is damaged")
+            if end > data_size:
+                raise ModelConfigError(
+                    f"safetensors entry {name!r} has data_offsets [{begin}, {end}] beyond the "
+                    f"file's data section ({data_size} bytes after the header)",
+                    source=str(path),
+                    hint="the file is truncated or damaged; re-download it")
             tensors += 1
             params += count
             nbytes += end - begin
