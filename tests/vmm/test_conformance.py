@@ -239,3 +239,19 @@ def test_out_of_memory_is_typed_and_create_handles_rolls_back(driver_factory):
     for h in hs + extra:
         d.free_handle(h)
     assert d.mem_info().free == 64 * MiB
+
+
+@pytest.mark.parametrize("op,size", [
+    ("reserve", -2 * MiB), ("reserve", 0), ("reserve", 3 * MiB),
+    ("create_handle", -2 * MiB), ("create_handle", 0), ("create_handle", MiB),
+    ("alloc_host", -5), ("alloc_host", 0),
+])
+def test_negative_zero_and_unaligned_sizes_are_misuse_naming_the_size(driver, op, size):
+    """Not "out of memory" and not "too large": VmmInvalidArgument that names the argument and
+    the value, and nothing is committed or reserved."""
+    with pytest.raises(VmmInvalidArgument) as err:
+        getattr(driver, op)(size)
+    assert not isinstance(err.value, VmmOutOfMemory)
+    msg = str(err.value)
+    assert f"{op} failed" in msg and "size" in msg and str(size) in msg, msg
+    assert "too large" not in msg and "out of" not in msg

@@ -14,7 +14,8 @@ from __future__ import annotations
 import errno
 from typing import Sequence
 
-from xllm_vmm.vmm.driver import CopyKind, MemInfo, Transfer, VmmError, VmmInvalidArgument
+from xllm_vmm.vmm.driver import (CopyKind, MemInfo, Transfer, VmmError, VmmInvalidArgument,
+                                  check_size)
 from xllm_vmm.vmm.ledger import Codes, Ledger
 from xllm_vmm.vmm.transfer import CopyWorker
 from xllm_vmm.vmm.views import ViewRegistry
@@ -280,6 +281,8 @@ class LedgerDriver(DriverBase):
 
     def alloc_host(self, size: int) -> int:
         """Page-locked host memory from the device runtime; its address."""
+        self._live()
+        check_size("alloc_host", size, code=self._invalid_code)
         p = self._dev_alloc_host(size)
         with self._lock:
             self._host_buffers.add(p)

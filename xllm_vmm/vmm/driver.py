@@ -48,6 +48,19 @@ class VmmInvalidArgument(VmmError):
     range with live mappings, free of a mapped handle, unknown handle or address."""
 
 
+def check_size(op: str, size: object, *, granularity: int | None = None,
+               code: int = errno.EINVAL) -> None:
+    """Raises :class:`VmmInvalidArgument` naming the ``size`` argument unless it is a positive
+    int (and, with ``granularity``, a multiple of it): misuse, never "out of memory"."""
+    ok = isinstance(size, int) and not isinstance(size, bool) and size > 0
+    if ok and granularity is not None:
+        ok = size % granularity == 0
+    if not ok:
+        want = (f"a positive multiple of the granularity ({granularity} bytes)"
+                if granularity is not None else "a positive number of bytes")
+        raise VmmInvalidArgument(op, code, "", f"size must be {want}, got {size!r}")
+
+
 class VmmAlreadyMapped(VmmInvalidArgument):
     """Mapping onto a range that already has a mapping."""
 

@@ -54,7 +54,7 @@ from typing import Callable, Sequence
 from xllm_vmm.vmm import native
 from xllm_vmm.vmm.base import DriverBase
 from xllm_vmm.vmm.driver import (ERRNO_ERRORS, CopyKind, MemInfo, Transfer, VmmError,
-                                  VmmInvalidArgument, VmmOutOfMemory)
+                                  VmmInvalidArgument, VmmOutOfMemory, check_size)
 from xllm_vmm.vmm.sysmem import host_memory
 from xllm_vmm.vmm.transfer import CopyWorker
 from xllm_vmm.vmm.views import ViewRegistry
@@ -274,6 +274,7 @@ class HostDriver(DriverBase):
     def reserve(self, size: int) -> int:
         """Reserves ``size`` bytes (a positive multiple of the granularity) of address space,
         aligned to the granularity; returns its start."""
+        check_size("reserve", size, granularity=self._granularity)
         va = C.c_uint64()
         self._check("reserve", self._lib.hv_reserve(self._live(), size, C.byref(va)),
                     f"size={size}")
@@ -291,11 +292,11 @@ class HostDriver(DriverBase):
         """Commits ``size`` bytes (a multiple of the granularity); returns the handle (> 0).
         :class:`VmmOutOfMemory` beyond ``device_memory`` or the host capacity (see the
         module)."""
+        check_size("create_handle", size, granularity=self._granularity)
         h = C.c_uint64()
         pool = self._live()
         with self._mem_lock:
-            if size > 0 and size % self._granularity == 0:  # misuse is the native pool's to refuse
-                self._check_host_room("create_handle", size)
+            self._check_host_room("create_handle", size)
             self._check("create_handle", self._lib.hv_create(pool, size, C.byref(h)),
                         f"size={size}")
         return h.value
@@ -387,6 +388,7 @@ class HostDriver(DriverBase):
     def alloc_host(self, size: int) -> int:
         """Allocates a page-aligned host buffer of ``size`` bytes (the host "pinned" buffer),
         committed at once; :class:`VmmOutOfMemory` beyond the host capacity (see the module)."""
+        check_size("alloc_host", size)
         ptr = C.c_uint64()
         with self._mem_lock:
             self._check_host_room("alloc_host", size)
