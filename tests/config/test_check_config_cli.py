@@ -98,6 +98,15 @@ def test_write_resolved_round_trips(tmp_path):
     assert check(str(out_file), "--strict")[0] == 0
 
 
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_write_resolved_to_an_unwritable_path_prints_no_report_claiming_exit_0(tmp_path, fmt):
+    bad = tmp_path / "missing-dir" / "x.toml"
+    code, out, err = check("--enable_vmm_kvcache", "--format", fmt, "--write-resolved", str(bad))
+    assert code == 2 and out == ""
+    assert err == (f"error: cannot write --write-resolved {bad}: No such file or directory "
+                   "(no report printed; give a path in a writable directory)\n")
+
+
 def test_environment_is_a_source():
     code, out, _ = check("--format", "json", env={"XLLM_VMM_ENABLE_VMM_KVCACHE": "true",
                                                   "XLLM_VMM_ENABLE_TASK_PIPELINE": "1"})

@@ -220,6 +220,17 @@ def run(argv: list[str], out: TextIO | None = None, err: TextIO | None = None,
             decide_sizing(report, r.config, spec, why, device=device, host=host)
         results.append(Result(r.label, report, list(r.findings) + report.findings,
                               launch_command=r.launch_command))
+    if opts["write_resolved"] and results[0].report is not None:
+        # Written before the report, so that the exit code the report prints is the real one:
+        # a file that cannot be written ends the run here (exit 2) with no report.
+        path = opts["write_resolved"]
+        try:
+            with open(path, "w", encoding="utf-8") as fh:
+                fh.write(results[0].report.resolved.to_toml())
+        except OSError as e:
+            err.write(f"error: cannot write --write-resolved {path}: {e.strerror or e} "
+                      f"(no report printed; give a path in a writable directory)\n")
+            return 2
     fmt = opts["format"]
     if fmt == "json":
         render_json(results, out, strict=opts["strict"])
@@ -227,14 +238,6 @@ def run(argv: list[str], out: TextIO | None = None, err: TextIO | None = None,
         render_github(results, out, strict=opts["strict"])
     else:
         render_text(results, out, strict=opts["strict"], show_config=opts["show_config"])
-    if opts["write_resolved"] and results[0].report is not None:
-        path = opts["write_resolved"]
-        try:
-            with open(path, "w", encoding="utf-8") as fh:
-                fh.write(results[0].report.resolved.to_toml())
-        except OSError as e:
-            err.write(f"error: cannot write {path}: {e.strerror or e}\n")
-            return 2
     return exit_code(results, opts["strict"])
 
 
