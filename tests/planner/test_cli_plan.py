@@ -67,6 +67,15 @@ def test_list_models():
     assert "Qwen/Qwen3-8B" in names and len(names) == 13
 
 
+def test_list_models_table_is_not_cut_when_piped():
+    r = run("--list-models")  # CliRunner's stdout is not a terminal, like `| cat`
+    assert r.exit_code == 0 and "…" not in r.stdout
+    rows = [line for line in r.stdout.splitlines() if "deepseek-ai/DeepSeek-V3.2-Exp" in line]
+    assert [c.strip() for c in rows[0].split("│")[1:-1]] == [
+        "deepseek-ai/DeepSeek-V3.2-Exp", "61", "671.9B", "bfloat16", "163,840",
+        "MLA, MTP x1, MoE 256"]
+
+
 def test_bad_inputs_are_clear_errors(tmp_path):
     r = run("--model=Qwen/Qwen3-9B")
     assert r.exit_code == 2 and "did you mean Qwen/Qwen3-8B" in r.stderr

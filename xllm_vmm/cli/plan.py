@@ -14,6 +14,7 @@ cannot split the heads, a device listed twice, memory above 1 PiB). Nothing here
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, List, Optional
@@ -68,7 +69,9 @@ def _list_models(fmt: PlanFormat) -> None:
                                  (f"MoE {r['experts']}", r["experts"])) if on]
         t.add_row(r["name"], str(r["layers"]), f"{r['params'] / 1e9:,.1f}B", r["dtype"],
                   f"{r['max_position_embeddings']:,}", ", ".join(feats))
-    Console().print(t)
+    # On a terminal the table fits its width; piped or redirected (no terminal: rich would
+    # assume 80 columns and cut cells to "bflo…") every value is printed in full.
+    Console(width=None if sys.stdout.isatty() else 1000).print(t)
 
 
 @dataclass
