@@ -135,3 +135,22 @@ def test_impossible_inputs_are_refused():
     assert "is more than 1 PiB: no machine has that" in r.stderr
     r = run("--model=Qwen/Qwen3-8B", "--host-memory", "2PiB")
     assert r.exit_code == 2 and "--host-memory" in r.stderr
+
+
+def test_el06_is_listed_once_and_the_elastic_range_says_the_least_pool_does_not_fit(tmp_path):
+    from xllm_vmm.models.catalogue import read_catalogue_config
+
+    (tmp_path / "config.json").write_text(json.dumps(read_catalogue_config("Qwen/Qwen3-8B")))
+    args = ("--model", str(tmp_path), "--enable_vmm_kvcache", "--vmm_elastic",
+            "--max_cache_size=1MiB", "--device-memory", "64GiB", "--host-memory=256GiB")
+    r = run(*args, "--format=json")
+    assert r.exit_code == 1
+    d = json.loads(r.stdout)
+    assert [x["code"] for x in d["reasons"]] == ["CONFIG"]
+    assert [f["id"] for f in d["config_findings"]] == ["EL-06"]
+    assert d["config_findings"][0]["hint"] == ("set --max_cache_size to at least 150994944 "
+                                               "(144MiB), or 0 for no quota")
+    text = run(*args).stdout
+    assert [line.split(" max_cache_size")[0] for line in text.splitlines()
+            if "[EL-06]" in line] == ["error [EL-06] EL-06:"]
+    assert "none (the least pool, 144.00" in text and ".. 0 B" not in text

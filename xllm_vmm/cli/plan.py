@@ -116,6 +116,15 @@ def _plan_one(r, *, device, host, name: str, options: dict) -> _Outcome:
     # HK-07 is a configuration finding (the same text as the plan's reason): list it once.
     plan.reasons = [x for x in plan.reasons if x.code != "HK-07"]
     findings = list(r.findings) + list(checked.report.findings)
+    # EL-06 is both a configuration rule (with the flag's source) and a plan reason: list it
+    # once. With a shared pool (VMM-02) the plan's reason is the exact one (the quota holds the
+    # weights too, so its minimum is higher); otherwise the rule's finding says the same with
+    # the source of max_cache_size.
+    if any(x.code == "EL-06" for x in plan.reasons) and any(f.id == "EL-06" for f in findings):
+        if plan.inputs.shared_pool:
+            findings = [f for f in findings if f.id != "EL-06"]
+        else:
+            plan.reasons = [x for x in plan.reasons if x.code != "EL-06"]
     plan.config_findings = [f.to_dict() for f in findings]
     errors = [f for f in findings if f.severity == "error"]
     if errors:

@@ -221,8 +221,12 @@ def render_table(plan: Plan, out: TextIO | None = None, *, explain: bool = False
         if plan.mode != "physical":
             row("arena (virtual)", w0.arena_bytes)
         if plan.mode == "elastic_vmm":
-            m.add_row("elastic range", f"{human(w0.elastic_min_bytes)} .. "
-                      f"{human(w0.elastic_max_bytes)}", "")
+            if w0.elastic_max_bytes < w0.elastic_min_bytes:  # not even the least pool fits
+                m.add_row("elastic range", f"none (the least pool, "
+                          f"{human(w0.elastic_min_bytes)}, does not fit)", "")
+            else:
+                m.add_row("elastic range", f"{human(w0.elastic_min_bytes)} .. "
+                          f"{human(w0.elastic_max_bytes)}", "")
         if w0.host_pool_bytes:
             row("host pool (HK-06)", w0.host_pool_bytes)
         m.add_row("KV capacity", f"{w0.kv_capacity_tokens:,} tokens",
