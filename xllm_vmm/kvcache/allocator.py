@@ -247,6 +247,9 @@ class BlockAllocator:
             if s.name in self._groups:
                 raise ValueError(f"duplicate group name {s.name!r}")
             self._groups[s.name] = _Group(s)
+        # the only group when there is one (the fast paths of allocate and free use it)
+        self._sole: _Group | None = (next(iter(self._groups.values()))
+                                     if len(self._groups) == 1 else None)
         self.backing = backing
         self.retention = retention
         self.evictions = 0  # blocks given up by the policy under memory pressure
@@ -284,12 +287,57 @@ class BlockAllocator:
         Returns the new block ids per group (each with ref count 1), or ``None`` when the
         memory is not there now (after evicting what the retention policy gave up).
         """
-        if len(counts) == 1:
+        # An allocator of one group (most models; VirtualKVCache.allocate is this method):
+        # decode growth runs here, with no call below; everything else is allocate_group's
+        g = self._sole
+        if g is not None and len(counts) == 1:
+            name = g.name
+            n = counts.get(name)
+            if n is None:  # not this group's name
+                return self._allocate_groups(counts, near)  # raises: unknown group
+        elif len(counts) != 1:
+            return self._allocate_groups(counts, near)
+        else:
             for name, n in counts.items():
                 pass
-            got = self.allocate_group(name, n, near.get(name, -1) if near else -1)
-            return None if got is None else {name: got}
-        return self._allocate_groups(counts, near)
+            return self._allocate_one(name, n, near)
+        hint = near.get(name, -1) if near else -1
+        if n == 1 and g.free_active:  # the same steps as allocate_group's
+            stacks = g.stacks
+            buckets = g.buckets
+            stack = None
+            if hint >= 0:
+                slot = hint // g.bps
+                try:
+                    stack = stacks[slot]
+                except IndexError:  # not a block of this group: no hint
+                    hint = -1
+            if stack:
+                k = len(stack)
+                bucket = buckets[k]
+            else:
+                for bucket in (g.rbuckets if hint >= 0 else buckets):
+                    if bucket:
+                        break
+                for slot in bucket:
+                    break
+                stack = stacks[slot]
+                k = len(stack)  # type: ignore[arg-type]
+            b = stack.pop()  # type: ignore[union-attr]
+            g.ref[b] = 1
+            del bucket[slot]
+            if k > 1:
+                buckets[k - 1][slot] = None
+            g.free_active -= 1
+            return {name: [b]}
+        got = self.allocate_group(name, n, hint)
+        return None if got is None else {name: got}
+
+    def _allocate_one(self, name: str, n: int,
+                      near: Mapping[str, int] | None) -> dict[str, list[int]] | None:
+        """One group of an allocator of several (e.g. the target group alone)."""
+        got = self.allocate_group(name, n, near.get(name, -1) if near else -1)
+        return None if got is None else {name: got}
 
     def allocate_group(self, group: str, n: int, near: int = -1) -> list[int] | None:
         """``allocate({group: n}, {group: near})`` for a model with one cache group (or a
@@ -569,28 +617,28 @@ class BlockAllocator:
 
         Two call forms: ``free({group: blocks, ...})`` (several groups together, SD-01) and
         ``free(group, blocks)`` (one group; the prefix cache's ``BlockBackend`` form)."""
-        if blocks.__class__ is not str and not isinstance(blocks, str):
-            groups = self._groups
-            if self.retention is None and len(blocks) == 1:
-                for name, blks in blocks.items():
-                    return self.free(name, blks)
-            emptied: dict[str, list[int]] = {}
-            for name, blks in blocks.items():
-                self._check_free(groups.get(name) or self._g(name), blks)
-            for name, blks in blocks.items():
-                self._free_blocks(groups[name], blks, emptied)
-            if emptied:
-                self.backing.deactivate(emptied)
-            return
-        g = self._groups.get(blocks) or self._g(blocks)
-        blks = group_blocks if group_blocks is not None else ()
-        if self.retention is not None:
-            emptied = {}
-            self._check_free(g, blks)
-            self._free_blocks(g, blks, emptied)
-            if emptied:
-                self.backing.deactivate(emptied)
-            return
+        if blocks.__class__ is dict or (group_blocks is None and not isinstance(blocks, str)):
+            # the dict form; one group without a policy (what VirtualKVCache.free is for most
+            # models) runs the one-pass path below, with no call in between
+            if self.retention is not None or len(blocks) != 1:
+                self._free_groups(blocks)  # type: ignore[arg-type]
+                return
+            g = self._sole  # type: ignore[assignment]
+            blks = blocks.get(g.name) if g is not None else None  # type: ignore[union-attr]
+            if blks is None:
+                for name, blks in blocks.items():  # type: ignore[union-attr]
+                    pass
+                g = self._groups.get(name) or self._g(name)
+        else:
+            g = self._groups.get(blocks) or self._g(blocks)  # type: ignore[arg-type]
+            blks = group_blocks if group_blocks is not None else ()
+            if self.retention is not None:
+                emptied: dict[str, list[int]] = {}
+                self._check_free(g, blks)
+                self._free_blocks(g, blks, emptied)
+                if emptied:
+                    self.backing.deactivate(emptied)
+                return
         # No retention policy: one pass drops the references; a block reaching 0 is pushed
         # on its slot's stack. Runs of blocks of one slot are recorded, then each moves its
         # slot to its new bucket once (or releases it, EL-01), in order: the same end state
@@ -648,6 +696,18 @@ class BlockAllocator:
             for s in released:
                 heappush(inactive, s)
             self.backing.deactivate({g.name: released})
+
+    def _free_groups(self, blocks: Mapping[str, Sequence[int]]) -> None:
+        """``free({group: blocks, ...})`` with several groups or a retention policy: every
+        group is checked before any changes (a refused free changes nothing), then freed."""
+        groups = self._groups
+        emptied: dict[str, list[int]] = {}
+        for name, blks in blocks.items():
+            self._check_free(groups.get(name) or self._g(name), blks)
+        for name, blks in blocks.items():
+            self._free_blocks(groups[name], blks, emptied)
+        if emptied:
+            self.backing.deactivate(emptied)
 
     def _undo_free(self, g: _Group, blks: Sequence[int], done: int,
                    runs: list[tuple[int, int, int]], cur: int, k0: int) -> None:
