@@ -17,16 +17,24 @@
  *   - aclrtReleaseMemAddress: only when nothing in the range is mapped.
  *   - copies check that the device side is mapped memory of an emulated device.
  *   - every failure leaves a message for aclGetRecentErrMsg (per thread, cleared on read).
- * Configuration (read by aclInit): XLLM_VMM_ACL_EMU_DEVICE_COUNT (default 1) and
- * XLLM_VMM_ACL_EMU_DEVICE_MEMORY (bytes per device, default: the host's physical memory).
- * Whatever the device size, the emulated devices together never commit more host memory than
- * the host had available at aclInit less a safety margin (1/32 of the host's memory, at least
- * 512 MiB — the host driver's margin): beyond it aclrtMallocPhysical answers 207001 like a full
- * device, instead of letting the kernel's OOM killer end the process later.
+ * Configuration (read by aclInit): XLLM_VMM_ACL_EMU_DEVICE_COUNT (1 to 16, default 1) and
+ * XLLM_VMM_ACL_EMU_DEVICE_MEMORY (per device: bytes, or a number with K/M/G/T or KiB/MiB/GiB/TiB,
+ * powers of 1024; default: the host's physical memory). A value that is not one of these makes
+ * aclInit fail with ACL_ERROR_INVALID_PARAM and a message naming the variable.
+ * Host bound: whatever the device size, the emulated devices' physical memory and the buffers of
+ * aclrtMallocHost together never exceed what the host had available at the last reading — the
+ * smaller of MemAvailable and the memory cgroup's limit − usage (v2 memory.max/memory.current,
+ * v1 memory.limit_in_bytes/memory.usage_in_bytes; XLLM_VMM_ACL_EMU_CGROUP_ROOT overrides
+ * /sys/fs/cgroup, for tests) — less what they committed since, less a safety margin (1/32 of
+ * the host's memory, at least 512 MiB — the host driver's margin). The reading is taken at
+ * aclInit, again when it is over a second old, and before refusing a request that does not fit
+ * it. Beyond the bound aclrtMallocPhysical and aclrtMallocHost answer 207001 like a full
+ * device. Memory that other code commits after a reading is only seen at the next one.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
+#include <ctype.h>
 #include <errno.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -34,6 +42,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "hostvmm.h"
@@ -80,7 +90,11 @@ static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 static int g_inited;
 static uint32_t g_ndev = 1;
 static uint64_t g_devmem;
-static uint64_t g_host_cap; /* host bytes every emulated device together may commit */
+static uint64_t g_margin;      /* host bytes never committed (the host driver's margin) */
+static uint64_t g_read_avail;  /* host bytes available at the last reading */
+static uint64_t g_read_used;   /* bytes the emulation held at the last reading */
+static double g_read_at;       /* CLOCK_MONOTONIC seconds of the last reading */
+static uint64_t g_hostbuf;     /* bytes of live aclrtMallocHost buffers */
 static hv_pool *g_pool[MAX_DEVICES];   /* 2 MiB pools */
 
 static __thread int t_dev = -1;
@@ -106,25 +120,156 @@ EXPORT const char *aclGetRecentErrMsg(void) {
     return t_ret;
 }
 
-static uint64_t env_u64(const char *name, uint64_t dflt) {
-    const char *v = getenv(name);
-    if (!v || !*v) return dflt;
+/* A size: decimal bytes, or a number with K/M/G/T or KiB/MiB/GiB/TiB (powers of 1024, any case,
+ * optional B and spaces before the suffix). 0 on success, -1 when not a size or above 2^64. */
+static int parse_size(const char *v, uint64_t *out) {
+    if (!isdigit((unsigned char)v[0])) return -1;
     char *end = NULL;
-    unsigned long long x = strtoull(v, &end, 0);
-    return (end && *end == 0) ? (uint64_t)x : dflt;
+    errno = 0;
+    unsigned long long x = strtoull(v, &end, 10);
+    if (errno) return -1;
+    while (*end == ' ') end++;
+    static const struct { const char *s; int shift; } units[] = {
+        {"", 0}, {"b", 0}, {"k", 10}, {"kib", 10}, {"m", 20}, {"mib", 20},
+        {"g", 30}, {"gib", 30}, {"t", 40}, {"tib", 40},
+    };
+    for (size_t i = 0; i < sizeof units / sizeof units[0]; i++) {
+        if (strcasecmp(end, units[i].s) != 0) continue;
+        if (units[i].shift && x > (UINT64_MAX >> units[i].shift)) return -1;
+        *out = (uint64_t)x << units[i].shift;
+        return 0;
+    }
+    return -1;
 }
 
-/* MemAvailable of /proc/meminfo in bytes; 0 when it cannot be read. */
-static uint64_t host_available(void) {
-    FILE *f = fopen("/proc/meminfo", "r");
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* An unsigned number in a file ("max" or a missing file: *ok = 0). */
+static uint64_t read_u64_file(const char *path, int *ok) {
+    *ok = 0;
+    FILE *f = fopen(path, "r");
     if (!f) return 0;
-    char line[256];
-    unsigned long long kib = 0;
-    while (fgets(line, sizeof line, f)) {
-        if (sscanf(line, "MemAvailable: %llu kB", &kib) == 1) break;
-    }
+    char buf[64] = {0};
+    char *r = fgets(buf, sizeof buf, f);
     fclose(f);
-    return (uint64_t)kib * 1024ull;
+    if (!r || !isdigit((unsigned char)buf[0])) return 0;
+    unsigned long long x = strtoull(buf, NULL, 10);
+    if (x >= (1ull << 62)) return 0; /* "unlimited" in cgroup v1 */
+    *ok = 1;
+    return (uint64_t)x;
+}
+
+/* limit − usage of this process's memory cgroup (v2, else v1), in *room; 0 when unlimited. */
+static int cgroup_room(uint64_t *room) {
+    const char *root = getenv("XLLM_VMM_ACL_EMU_CGROUP_ROOT");
+    if (!root || !*root) root = "/sys/fs/cgroup";
+    char rel[512] = "", base[600];
+    snprintf(base, sizeof base, "%s", root);
+    FILE *f = fopen("/proc/self/cgroup", "r");
+    if (f) {
+        char line[1024];
+        while (fgets(line, sizeof line, f)) {
+            char *c1 = strchr(line, ':'), *c2 = c1 ? strchr(c1 + 1, ':') : NULL;
+            if (!c2) continue;
+            *c1 = 0;
+            *c2 = 0;
+            int v2 = strcmp(line, "0") == 0 && c2 == c1 + 1;
+            int v1 = strstr(c1 + 1, "memory") != NULL;
+            if (!v2 && !v1) continue;
+            char *path = c2 + 1;
+            path[strcspn(path, "\n")] = 0;
+            while (*path == '/') path++;
+            snprintf(rel, sizeof rel, "%s", path);
+            if (v1) snprintf(base, sizeof base, "%s/memory", root);
+            break;
+        }
+        fclose(f);
+    }
+    static const char *files[2][2] = {{"memory.max", "memory.current"},
+                                      {"memory.limit_in_bytes", "memory.usage_in_bytes"}};
+    for (int pass = 0; pass < 2; pass++) {
+        char dir[1200], path[1300];
+        if (pass == 0 && rel[0]) snprintf(dir, sizeof dir, "%s/%s", base, rel);
+        else if (pass == 0) continue;
+        else snprintf(dir, sizeof dir, "%s", base);
+        for (int k = 0; k < 2; k++) {
+            int ok, ok2;
+            snprintf(path, sizeof path, "%s/%s", dir, files[k][0]);
+            uint64_t limit = read_u64_file(path, &ok);
+            if (!ok) continue;
+            snprintf(path, sizeof path, "%s/%s", dir, files[k][1]);
+            uint64_t usage = read_u64_file(path, &ok2);
+            *room = limit > usage ? limit - usage : 0;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Host bytes available now: the smaller of MemAvailable and the cgroup's limit − usage;
+ * the physical memory when neither can be read. */
+static uint64_t host_available(uint64_t phys) {
+    FILE *f = fopen("/proc/meminfo", "r");
+    unsigned long long kib = 0;
+    int have = 0;
+    if (f) {
+        char line[256];
+        while (fgets(line, sizeof line, f)) {
+            if (sscanf(line, "MemAvailable: %llu kB", &kib) == 1) {
+                have = 1;
+                break;
+            }
+        }
+        fclose(f);
+    }
+    uint64_t avail = have ? (uint64_t)kib * 1024ull : phys, room;
+    if (cgroup_room(&room) && room < avail) avail = room;
+    return avail;
+}
+
+static uint64_t used_bytes(int dev);
+
+/* Everything the emulation holds: physical memory of every device + host buffers (g_mu held). */
+static uint64_t emu_used_locked(void) {
+    uint64_t total = g_hostbuf;
+    for (uint32_t i = 0; i < g_ndev; i++) total += used_bytes((int)i);
+    return total;
+}
+
+static uint64_t phys_bytes(void) {
+    return (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE);
+}
+
+/* Host bytes the emulation may still commit (may be negative; g_mu held): available at the last
+ * reading, less what the emulation committed since, less the margin. Re-reads the host when
+ * `fresh` or when the reading is over a second old. */
+static int64_t host_room_locked(int fresh) {
+    uint64_t used = emu_used_locked();
+    double t = now_s();
+    if (fresh || t - g_read_at > 1.0) {
+        g_read_avail = host_available(phys_bytes());
+        g_read_used = used;
+        g_read_at = t;
+    }
+    return (int64_t)g_read_avail - (int64_t)g_margin - ((int64_t)used - (int64_t)g_read_used);
+}
+
+/* Refuses `size` more bytes beyond the host bound (g_mu held); re-reads before refusing. */
+static aclError check_host_room_locked(const char *fn, uint64_t size) {
+    if ((int64_t)size <= host_room_locked(0)) return ACL_SUCCESS;
+    int64_t room = host_room_locked(1);
+    if ((int64_t)size <= room) return ACL_SUCCESS;
+    return err(ACL_ERROR_RT_MEMORY_ALLOCATION,
+               "%s: out of host memory for the emulation: %llu bytes requested, %llu can be committed "
+               "(%llu available on this host at the last reading, %llu kept as a safety margin, %llu held "
+               "by the emulation)",
+               fn, (unsigned long long)size, (unsigned long long)(room > 0 ? room : 0),
+               (unsigned long long)g_read_avail, (unsigned long long)g_margin,
+               (unsigned long long)emu_used_locked());
 }
 
 EXPORT aclError aclInit(const char *configPath) {
@@ -134,13 +279,32 @@ EXPORT aclError aclInit(const char *configPath) {
         pthread_mutex_unlock(&g_mu);
         return err(ACL_ERROR_REPEAT_INITIALIZE, "aclInit: repeated initialization");
     }
-    g_ndev = (uint32_t)env_u64("XLLM_VMM_ACL_EMU_DEVICE_COUNT", 1);
-    if (g_ndev == 0 || g_ndev > MAX_DEVICES) g_ndev = 1;
-    uint64_t phys = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE);
-    g_devmem = env_u64("XLLM_VMM_ACL_EMU_DEVICE_MEMORY", phys);
-    uint64_t avail = host_available();
-    uint64_t margin = phys / 32 > (512ull << 20) ? phys / 32 : (512ull << 20);
-    g_host_cap = avail == 0 ? phys : (avail > margin ? avail - margin : 0);
+    uint64_t phys = phys_bytes(), ndev = 1, devmem = phys;
+    const char *v = getenv("XLLM_VMM_ACL_EMU_DEVICE_COUNT");
+    if (v && *v) {
+        char *end = NULL;
+        errno = 0;
+        unsigned long long n = isdigit((unsigned char)v[0]) ? strtoull(v, &end, 10) : 0;
+        if (errno || !end || *end || n < 1 || n > MAX_DEVICES) {
+            pthread_mutex_unlock(&g_mu);
+            return err(ACL_ERROR_INVALID_PARAM,
+                       "aclInit: XLLM_VMM_ACL_EMU_DEVICE_COUNT='%.64s' is not a device count: use 1 to %d", v,
+                       MAX_DEVICES);
+        }
+        ndev = n;
+    }
+    v = getenv("XLLM_VMM_ACL_EMU_DEVICE_MEMORY");
+    if (v && *v && (parse_size(v, &devmem) || devmem == 0)) {
+        pthread_mutex_unlock(&g_mu);
+        return err(ACL_ERROR_INVALID_PARAM,
+                   "aclInit: XLLM_VMM_ACL_EMU_DEVICE_MEMORY='%.64s' is not a positive size: use bytes or a "
+                   "number with K/M/G/T or KiB/MiB/GiB/TiB (e.g. 16GiB), or unset it for the host's memory",
+                   v);
+    }
+    g_ndev = (uint32_t)ndev;
+    g_devmem = devmem;
+    g_margin = phys / 32 > (512ull << 20) ? phys / 32 : (512ull << 20);
+    host_room_locked(1);
     g_inited = 1;
     pthread_mutex_unlock(&g_mu);
     return ACL_SUCCESS;
@@ -274,10 +438,10 @@ EXPORT aclError aclrtGetMemInfo(int32_t attr, size_t *freeBytes, size_t *totalBy
         return err(ACL_ERROR_RT_PARAM_INVALID, "aclrtGetMemInfo: invalid memory attribute %d", attr);
     if (!freeBytes || !totalBytes) return err(ACL_ERROR_INVALID_PARAM, "aclrtGetMemInfo: NULL output");
     pthread_mutex_lock(&g_mu);
-    uint64_t used = used_bytes(t_dev), host_used = 0;
-    for (uint32_t i = 0; i < g_ndev; i++) host_used += used_bytes((int)i);
+    uint64_t used = used_bytes(t_dev);
+    int64_t room = host_room_locked(0);
     uint64_t dev_free = used >= g_devmem ? 0 : g_devmem - used;
-    uint64_t host_free = host_used >= g_host_cap ? 0 : g_host_cap - host_used;
+    uint64_t host_free = room > 0 ? (uint64_t)room : 0;
     *totalBytes = g_devmem;
     *freeBytes = dev_free < host_free ? dev_free : host_free; /* what a malloc may still get */
     pthread_mutex_unlock(&g_mu);
@@ -402,20 +566,17 @@ EXPORT aclError aclrtMallocPhysical(void **handle, size_t size, const aclrtPhysi
     if (rc) return rc;
     /* The check and the create under one lock: two threads cannot both pass the check. */
     pthread_mutex_lock(&g_mu);
-    uint64_t used = used_bytes(dev), host_used = 0;
-    for (uint32_t i = 0; i < g_ndev; i++) host_used += used_bytes((int)i);
+    uint64_t used = used_bytes(dev);
     if (used + size > g_devmem) {
         pthread_mutex_unlock(&g_mu);
         return err(ACL_ERROR_RT_MEMORY_ALLOCATION,
                    "aclrtMallocPhysical: out of memory on device %d: %llu of %llu bytes in use, %zu requested",
                    dev, (unsigned long long)used, (unsigned long long)g_devmem, size);
     }
-    if (host_used + size > g_host_cap) {
+    aclError hrc = check_host_room_locked("aclrtMallocPhysical", size);
+    if (hrc) {
         pthread_mutex_unlock(&g_mu);
-        return err(ACL_ERROR_RT_MEMORY_ALLOCATION,
-                   "aclrtMallocPhysical: out of host memory for the emulated devices: %llu bytes committed, "
-                   "%zu requested, the host could give %llu at aclInit (available memory less a safety margin)",
-                   (unsigned long long)host_used, size, (unsigned long long)g_host_cap);
+        return hrc;
     }
     uint64_t off;
     int e = hv_create(p, size, &off);
@@ -545,17 +706,44 @@ EXPORT aclError aclrtSynchronizeDevice(void) {
     return ACL_SUCCESS;
 }
 
+/* A host buffer is one page of header (magic, size) followed by the caller's bytes. */
+#define HOSTBUF_HDR 4096ull
+#define HOSTBUF_MAGIC 0x786c6c6d686f7374ull /* "xllmhost" */
+
 EXPORT aclError aclrtMallocHost(void **hostPtr, size_t size) {
     NEED_INIT();
-    if (!hostPtr || size == 0) return err(ACL_ERROR_INVALID_PARAM, "aclrtMallocHost: invalid argument");
+    if (!hostPtr) return err(ACL_ERROR_INVALID_PARAM, "aclrtMallocHost: hostPtr is NULL");
+    if (size == 0 || size > (1ull << 60))
+        return err(ACL_ERROR_INVALID_PARAM, "aclrtMallocHost: size %zu is not a positive size", size);
+    pthread_mutex_lock(&g_mu);
+    aclError rc = check_host_room_locked("aclrtMallocHost", size + HOSTBUF_HDR);
     void *p = NULL;
-    if (posix_memalign(&p, 4096, size)) return err(ACL_ERROR_RT_MEMORY_ALLOCATION, "aclrtMallocHost: out of memory");
-    *hostPtr = p;
-    return ACL_SUCCESS;
+    if (!rc && posix_memalign(&p, 4096, size + HOSTBUF_HDR))
+        rc = err(ACL_ERROR_RT_MEMORY_ALLOCATION, "aclrtMallocHost: out of memory for %zu bytes", size);
+    if (!rc) {
+        uint64_t *hdr = p;
+        hdr[0] = HOSTBUF_MAGIC;
+        hdr[1] = size + HOSTBUF_HDR;
+        g_hostbuf += size + HOSTBUF_HDR;
+        *hostPtr = (char *)p + HOSTBUF_HDR;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
 }
 
 EXPORT aclError aclrtFreeHost(void *hostPtr) {
     NEED_INIT();
-    free(hostPtr);
+    if (!hostPtr || (uintptr_t)hostPtr % 4096)
+        return err(ACL_ERROR_INVALID_PARAM, "aclrtFreeHost: %p is not a buffer from aclrtMallocHost", hostPtr);
+    uint64_t *hdr = (uint64_t *)((char *)hostPtr - HOSTBUF_HDR);
+    pthread_mutex_lock(&g_mu);
+    if (hdr[0] != HOSTBUF_MAGIC) {
+        pthread_mutex_unlock(&g_mu);
+        return err(ACL_ERROR_INVALID_PARAM, "aclrtFreeHost: %p is not a buffer from aclrtMallocHost", hostPtr);
+    }
+    hdr[0] = 0;
+    g_hostbuf -= hdr[1];
+    pthread_mutex_unlock(&g_mu);
+    free(hdr);
     return ACL_SUCCESS;
 }

@@ -170,3 +170,95 @@ def test_emulated_device_larger_than_the_host_is_bounded_by_host_memory():
     free, total, available = json.loads(out.stdout)
     assert total == 1 << 50
     assert 0 < free < available  # bounded by the host, less the margin
+
+
+def _emu_process(code: str, **env: str):
+    """Runs ``code`` in a fresh process (the emulation reads its configuration at aclInit);
+    returns the JSON it prints."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    full = dict(os.environ, **env)
+    out = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+_OPEN = ("import json, os\nfrom xllm_vmm.vmm import open_driver\n"
+         "try:\n    d = open_driver('acl', library='emulation')\n"
+         "except Exception as e:\n    print(json.dumps([type(e).__name__, str(e)])); raise SystemExit\n")
+
+
+@pytest.mark.parametrize("value,total", [("1GiB", 1 << 30), ("512MiB", 512 * MiB), ("2g", 2 << 30),
+                                         ("64 K", 64 << 10), ("1048576", 1 << 20), ("3T", 3 << 40)])
+def test_device_memory_accepts_sizes_with_suffixes(value, total):
+    out = _emu_process(_OPEN + "print(json.dumps(d.mem_info().total))",
+                       XLLM_VMM_ACL_EMU_DEVICE_MEMORY=value)
+    assert out == total
+
+
+@pytest.mark.parametrize("name,value", [("XLLM_VMM_ACL_EMU_DEVICE_MEMORY", "garbage"),
+                                        ("XLLM_VMM_ACL_EMU_DEVICE_MEMORY", "1.5GiB"),
+                                        ("XLLM_VMM_ACL_EMU_DEVICE_MEMORY", "0"),
+                                        ("XLLM_VMM_ACL_EMU_DEVICE_MEMORY", "99999999999T"),
+                                        ("XLLM_VMM_ACL_EMU_DEVICE_COUNT", "two"),
+                                        ("XLLM_VMM_ACL_EMU_DEVICE_COUNT", "17")])
+def test_bad_configuration_fails_aclinit_loudly(name, value):
+    kind, text = _emu_process(_OPEN + "print(json.dumps(['opened', '']))", **{name: value})
+    assert kind == "VmmInvalidArgument"
+    assert text.startswith("aclInit failed with code 100000: EE100000: aclInit: "
+                           f"{name}='{value}' is not a"), text
+
+
+def _margin() -> int:
+    import os
+
+    phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGESIZE")
+    return max(512 * MiB, phys // 32)
+
+
+@pytest.mark.parametrize("files", [("memory.max", "memory.current"),
+                                   ("memory.limit_in_bytes", "memory.usage_in_bytes")])
+def test_host_bound_follows_the_cgroup_limit_and_counts_host_buffers(tmp_path, files):
+    """A fake memory cgroup (v2 or v1 file names) whose usage reflects what the process commits:
+    the emulation offers limit − usage − margin, counts aclrtMallocHost buffers (size + one page
+    of header) and refuses beyond it with 207001 (VmmOutOfMemory). Allocates ~6 MiB."""
+    usages = []
+    for d in (tmp_path, tmp_path / "memory"):  # the cgroup root (v2 hosts) and the v1 memory tree
+        d.mkdir(exist_ok=True)
+        (d / files[0]).write_text(str(_margin() + 8 * MiB))
+        (d / files[1]).write_text("0")
+        usages.append(str(d / files[1]))
+    code = _OPEN + f"""
+from xllm_vmm.vmm import VmmOutOfMemory
+out = []
+def commit(n):
+    for usage in {usages!r}:
+        cur = int(open(usage).read()); open(usage, 'w').write(str(cur + n))
+out.append(d.mem_info().free)
+try:
+    d.alloc_host(16 << 20); out.append('allocated')
+except VmmOutOfMemory as e:
+    out.append(str(e))
+buf = d.alloc_host(2 << 20); commit((2 << 20) + 4096)
+out.append(d.mem_info().free)
+hs = [d.create_handle(2 << 20)]; commit(2 << 20)
+hs.append(d.create_handle(2 << 20)); commit(2 << 20)
+out.append(d.mem_info().free)
+try:
+    d.create_handle(2 << 20); out.append('created')
+except VmmOutOfMemory as e:
+    out.append(str(e))
+print(json.dumps(out))
+"""
+    out = _emu_process(code, XLLM_VMM_ACL_EMU_CGROUP_ROOT=str(tmp_path))
+    assert out[0] == 8 * MiB
+    assert out[1].startswith("aclrtMallocHost failed with code 207001: EE207001: aclrtMallocHost: out of host "
+                             f"memory for the emulation: {16 * MiB + 4096} bytes requested, {8 * MiB} can be "
+                             "committed"), out[1]
+    assert out[2] == 6 * MiB - 4096
+    assert out[3] == 2 * MiB - 4096
+    assert "aclrtMallocPhysical: out of host memory for the emulation: 2097152 bytes requested, " \
+           f"{2 * MiB - 4096} can be committed" in out[4], out[4]
