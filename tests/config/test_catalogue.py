@@ -95,8 +95,8 @@ def test_fixed_value_sets_in_catalogue_help_and_schema():
         assert FLAGS[name].choices == values
         assert FLAGS[name].help.endswith(
             "Values: " + ", ".join(values)
-            + (" (case-insensitive; empty too)." if FLAGS[name].default == "" else
-               " (case-insensitive)."))
+            + (" (exactly as written; empty too)." if FLAGS[name].default == "" else
+               " (exactly as written)."))
         assert FLAGS[name].choice(FLAGS[name].default) or FLAGS[name].default == ""
     schema = toml_schema()
     assert schema["properties"]["speculative_algorithm"]["enum"] == list(CHOICES[

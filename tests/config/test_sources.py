@@ -237,16 +237,31 @@ def test_fixed_value_flags_reject_other_values(argv, message, hint):
     assert message in findings[0].message and hint in findings[0].hint
 
 
-def test_fixed_value_flags_accept_any_case_and_empty_backend(tmp_path):
-    assigned, findings = parse_args(["--speculative_algorithm=eagle3", "--backend=",
-                                     "--kv_cache_dtype=BF16", "--kv_cache_transfer_type=mooncake"])
-    assert findings == [] and [a.value for a in assigned] == ["eagle3", "", "BF16", "mooncake"]
+def test_fixed_value_flags_take_the_engines_spelling_and_empty_backend(tmp_path):
+    assigned, findings = parse_args(["--speculative_algorithm=Eagle3", "--backend=",
+                                     "--kv_cache_dtype=bf16", "--kv_cache_transfer_type=Mooncake"])
+    assert findings == [] and [a.value for a in assigned] == ["Eagle3", "", "bf16", "Mooncake"]
     p = tmp_path / "c.toml"
     p.write_text('kv_cache_dtype = "bogus"\n')
     with pytest.raises(ConfigError) as e:
         load(config_files=[p])
     assert e.value.findings[0].id == "CFG-TYPE"
     assert "'bogus' is not a value of kv_cache_dtype" in e.value.findings[0].message
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--speculative_algorithm=mtp"], "'mtp' is not a value of speculative_algorithm: the engine "
+                                      "compares the value exactly (did you mean MTP?)"),
+    (["--kv_cache_transfer_type=mooncake"], "'mooncake' is not a value of kv_cache_transfer_type: "
+                                            "the engine compares the value exactly (did you mean "
+                                            "Mooncake?)"),
+    (["--kv_cache_dtype=BF16"], "'BF16' is not a value of kv_cache_dtype: the engine compares "
+                                "the value exactly (did you mean bf16?)"),
+])
+def test_a_case_only_mismatch_is_an_error_with_the_engines_spelling(argv, message):
+    _, findings = parse_args(argv)
+    assert [(f.id, f.severity) for f in findings] == [("CFG-TYPE", "error")]
+    assert findings[0].message.startswith(message)
 
 
 def test_toml_dates_are_shown_as_written_not_as_python_reprs(tmp_path):

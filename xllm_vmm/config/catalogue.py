@@ -91,9 +91,9 @@ class FlagDef:
     choices: tuple[str, ...] = field(default=())
 
     def choice(self, text: str) -> str | None:
-        """The value of :attr:`choices` that ``text`` names (case-insensitive), or None."""
-        key = text.strip().lower()
-        return next((c for c in self.choices if c.lower() == key), None)
+        """``text`` when it is one of :attr:`choices`, spelled exactly (the engine compares
+        these strings exactly: ``mtp`` is not ``MTP``), else None."""
+        return text if text in self.choices else None
 
     def choices_text(self) -> str:
         """``MTP, Eagle3, Suffix, DFlash`` (and ``or empty`` where empty is accepted)."""
@@ -412,7 +412,8 @@ def _build() -> dict[str, FlagDef]:
                 opts["choices"] = tuple(val.split("/"))
         if opts.get("choices"):
             help_text += " Values: " + ", ".join(opts["choices"]) + \
-                (" (case-insensitive; empty too)." if default == '""' else " (case-insensitive).")
+                (" (exactly as written; empty too)." if default == '""' else
+                 " (exactly as written).")
         flags[name] = FlagDef(name, ftype, _literal(default, ftype), group, help_text, **opts)
     return flags
 

@@ -75,6 +75,10 @@ def _check_choice(flag: FlagDef, text: str) -> str:
         return text
     import difflib
 
+    same = [c for c in flag.choices if c.lower() == text.strip().lower()]
+    if same:  # the engine compares these strings exactly
+        raise ValueError(f"{text!r} is not a value of {flag.name}: the engine compares the value "
+                         f"exactly (did you mean {same[0]}?)")
     lower = {c.lower(): c for c in flag.choices}
     close = [lower[c] for c in difflib.get_close_matches(text.strip().lower(), lower, n=1,
                                                          cutoff=0.5)]
