@@ -258,3 +258,25 @@ def test_every_rule_of_rules_md_is_in_the_catalogue_and_covered():
     assert runtime == {"W-02", "W-06", "AD-01", "AD-02", "AD-03", "AD-04", "AD-05"}
     for rid in ids - runtime:
         assert re.search(rf'"{rid}"', here), f"{rid} has no test"
+
+
+@pytest.mark.parametrize("devices, message", [
+    ("gpu:0", "device 'gpu:0': 'gpu' is not a device kind (kinds: npu, cuda, cpu, mlu, ilu, "
+              "musa, xpu); did you mean cuda?"),
+    ("npu:0,cuda:0", "devices mix kinds (npu and cuda): one engine serves on devices of one kind"),
+    ("npu:99999999999999999999", "device 'npu:99999999999999999999': index "
+                                 "99999999999999999999 is out of range (0..1023)"),
+])
+def test_devices_of_unknown_or_mixed_kinds_or_absurd_index_are_type_errors(devices, message):
+    rep = run(f"--devices={devices}")
+    assert [f.id for f in rep.findings] == ["CFG-TYPE"]
+    assert rep.findings[0].message == f"devices: {message} (command line)"
+
+
+def test_tp_size_that_contradicts_the_devices_list_is_a_conflict():
+    rep = run("--tp_size", "4", "--devices=npu:0,npu:1")
+    assert [(f.id, f.severity) for f in rep.findings] == [("CFG-CONFLICT", "error")]
+    assert rep.findings[0].hint == ("list 4 devices, or set tp_size=2 (or leave it unset: the "
+                                    "number of devices is used)")
+    assert run("--tp_size", "2", "--devices=npu:0,npu:1").findings == []
+    assert run("--tp_size", "2", "--devices=cpu").findings == []

@@ -154,3 +154,11 @@ def test_el06_is_listed_once_and_the_elastic_range_says_the_least_pool_does_not_
     assert [line.split(" max_cache_size")[0] for line in text.splitlines()
             if "[EL-06]" in line] == ["error [EL-06] EL-06:"]
     assert "none (the least pool, 144.00" in text and ".. 0 B" not in text
+
+
+def test_tp_size_that_contradicts_the_devices_list_is_refused():
+    r = run("--model=Qwen/Qwen3-8B", "--tp_size", "4", "--devices=npu:0,npu:1",
+            "--host-memory=256GiB")
+    assert r.exit_code == 2 and r.stdout == ""
+    assert "tp_size=4 (from command line) but devices=npu:0,npu:1 (from command line) lists " \
+           "2 device(s)" in r.stderr

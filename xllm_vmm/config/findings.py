@@ -17,6 +17,8 @@ INPUT_IDS = {
     "CFG-TYPE": "a value of the wrong type or out of the type's range",
     "CFG-DUP": "a flag given twice with different values in one source",
     "CFG-ARG": "a command-line token that is not a flag",
+    "CFG-CONFLICT": "flags that contradict each other: tp_size set to another number than the "
+                    "devices listed in devices",
     "CFG-SHELL": "a line of a launch script that starts with --: a continuation of the launch "
                  "command broken by a comment or blank line, which the shell runs on its own",
 }

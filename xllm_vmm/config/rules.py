@@ -330,6 +330,18 @@ def _vmm01(x: _Ctx) -> _Out:
                            "once",
                       where=x.cfg.provenance("devices"), input=x.cfg.label)
         return
+    tp = int(x.cfg["tp_size"])
+    if x.cfg.explicit("tp_size") and tp != len(devices) and (
+            len(devices) > 1 or (len(devices) == 1 and devices[0][1] is not None)):
+        srcs = {"tp_size": x.cfg.provenance("tp_size"), "devices": x.cfg.provenance("devices")}
+        yield Finding("CFG-CONFLICT", "error",
+                      f"tp_size={tp} ({srcs['tp_size']}) but devices={x.cfg['devices']} "
+                      f"({srcs['devices']}) lists {len(devices)} device(s): one worker serves on "
+                      f"each device",
+                      flags={"tp_size": tp, "devices": x.cfg["devices"]}, sources=srcs,
+                      hint=f"list {tp} devices, or set tp_size={len(devices)} (or leave it unset: "
+                           f"the number of devices is used)",
+                      where=srcs["tp_size"], input=x.cfg.label)
     if not x.vmm:
         return
     bad = sorted({k for k, _ in devices if k not in VMM_DEVICE_KINDS})

@@ -216,12 +216,30 @@ def parse_devices(text: str) -> list[tuple[str, int | None]]:
         kind = kind.strip().lower()
         if not re.fullmatch(r"[a-z][a-z0-9_]*", kind):
             raise ValueError(f"device {part!r} is not KIND or KIND:INDEX (e.g. npu:0, cuda:0, cpu)")
+        if kind not in DEVICE_KINDS:
+            alias = {"gpu": "cuda", "nvidia": "cuda", "ascend": "npu"}.get(kind)
+            raise ValueError(f"device {part!r}: {kind!r} is not a device kind (kinds: "
+                             f"{', '.join(DEVICE_KINDS)})"
+                             + (f"; did you mean {alias}?" if alias else ""))
         if sep:
             if not index.strip().isdigit():
                 raise ValueError(f"device {part!r}: the index after ':' must be a number")
+            if len(index.strip()) > 6 or int(index) > MAX_DEVICE_INDEX:
+                raise ValueError(f"device {part!r}: index {index.strip()} is out of range "
+                                 f"(0..{MAX_DEVICE_INDEX})")
             out.append((kind, int(index)))
         else:
             out.append((kind, None))
         if out[-1] in out[:-1]:
             raise ValueError(f"device {part!r} is listed twice: each device serves one worker")
+        if out[-1][0] != out[0][0]:
+            raise ValueError(f"devices mix kinds ({out[0][0]} and {kind}): one engine serves on "
+                             f"devices of one kind")
     return out
+
+
+#: Device kinds ``devices`` accepts: npu, cuda and cpu have a VMM driver (VMM-01); the others
+#: are the engine's other accelerator kinds (served without VMM).
+DEVICE_KINDS = ("npu", "cuda", "cpu", "mlu", "ilu", "musa", "xpu")
+#: Largest device index accepted (a host has far fewer devices).
+MAX_DEVICE_INDEX = 1023

@@ -23,18 +23,24 @@ def workers_from_config(cfg: Any) -> int:
     not valid (a device listed twice, a malformed entry)."""
     tp = int(cfg["tp_size"])
     explicit = getattr(cfg, "explicit", None)
-    if explicit is not None and explicit("tp_size"):
-        return tp
     from xllm_vmm.config.values import parse_devices
     from xllm_vmm.models import ModelConfigError
 
     devices = str(cfg.get("devices", "") or "").strip()
+    where = cfg.provenance("devices") if hasattr(cfg, "provenance") else "devices"
     try:
         listed = parse_devices(devices)
     except ValueError as err:
-        where = cfg.provenance("devices") if hasattr(cfg, "provenance") else "devices"
         raise ModelConfigError(f"devices={devices} (from {where}): {err}",
                                hint="list each device once, e.g. npu:0,npu:1") from None
+    if explicit is not None and explicit("tp_size"):
+        if tp != len(listed) and (len(listed) > 1
+                                  or (len(listed) == 1 and listed[0][1] is not None)):
+            raise ModelConfigError(
+                f"tp_size={tp} (from {cfg.provenance('tp_size')}) but devices={devices} (from "
+                f"{where}) lists {len(listed)} device(s): one worker serves on each device",
+                hint=f"list {tp} devices, or set tp_size={len(listed)} (or leave it unset)")
+        return tp
     if len(listed) > 1:
         return len(listed)
     return tp
