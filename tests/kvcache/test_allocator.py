@@ -310,3 +310,39 @@ def test_a_near_hint_outside_the_group_is_no_hint(backing):
     assert a.allocate({"attn": 1, "draft": 1}, {"attn": 99, "draft": 99}) == \
         {"attn": [2], "draft": [4]}
     a.check_invariants()
+
+
+@pytest.mark.parametrize("form", ["list", "dict"])
+def test_one_group_decode_growth_places_the_same_in_both_apis(backing, form):
+    """The dict API of a one-group allocator (VirtualKVCache's path, decode growth inline)
+    places exactly as allocate_group: near slot, roomiest out of a full one, out-of-group
+    hint = no hint = fullest."""
+    a = make(backing, slots=4, bps=4)
+
+    def grow(near=-1):
+        if form == "list":
+            return a.allocate_group("attn", 1, near)
+        got = a.allocate({"attn": 1}, {"attn": near} if near >= 0 else None)
+        return got["attn"]
+
+    a.allocate({"attn": 12})  # slots 0-2 full
+    a.free({"attn": [4, 5, 6]})  # slot 1: 3 free
+    a.free({"attn": [8]})  # slot 2: 1 free
+    assert grow(3) == [6]  # slot 0 full: the roomiest partial slot (1), last freed first
+    assert grow(6) == [5]  # its own slot
+    assert grow(99) == [8]  # outside the group: no hint, the fullest partial slot (2 first)
+    assert grow() == [4]
+    assert a.num_free_blocks("attn") == 0 and a.num_active_slots("attn") == 3
+    a.check_invariants()
+
+
+def test_one_group_dict_api_refuses_other_groups_by_name(backing):
+    a = make(backing, slots=4, bps=4)
+    with pytest.raises(KeyError, match="unknown cache group 'draft'; groups: attn"):
+        a.allocate({"draft": 1})
+    with pytest.raises(KeyError, match="unknown cache group 'draft'; groups: attn"):
+        a.free({"draft": [0]})
+    with pytest.raises(ValueError, match="negative block count -1 for group 'attn'"):
+        a.allocate({"attn": -1})
+    assert a.allocate({"attn": 0}) == {"attn": []}
+    a.check_invariants()

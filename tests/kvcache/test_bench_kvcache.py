@@ -26,7 +26,8 @@ def test_bench_kvcache_json_reports_the_named_fields():
     assert out["peak_mapped_bytes"] >= out["peak_packed_floor_bytes"] > 0
     assert out["blocks_per_slot"] == 8 and out["slot_bytes"] == 4 * (2 << 20)
     assert out["map_calls"] >= 1 and out["generated_tokens"] > 0
-    assert isinstance(out["alloc_groups_api_vs_freelist_ratio"], float)
+    assert isinstance(out["alloc_group_list_api_vs_freelist_ratio"], float)
+    assert "alloc_groups_api_vs_freelist_ratio" not in out  # the headline is that path now
     # compaction at the idle point never leaves more than the packed floor plus one slot
     assert out["idle_footprint_ratio_before_compaction"] >= out["idle_footprint_ratio"]
     assert out["idle_mapped_bytes"] - out["idle_packed_floor_bytes"] < out["slot_bytes"]
@@ -79,6 +80,22 @@ def test_bench_kvcache_on_the_host_refuses_a_trace_that_does_not_fit(monkeypatch
     assert r.output.startswith("error: bench kvcache --driver host: --sequences 8 needs ")
     assert "but this host can commit 67108864 bytes (0.06 GiB) now" in r.output
     assert len(r.output.strip().splitlines()) == 1
+
+
+def test_bench_kvcache_on_the_host_names_the_largest_sequences_that_fit(monkeypatch):
+    import xllm_vmm.bench.limits as limits
+    from xllm_vmm.bench.kvcache import _peak_live_blocks
+
+    # 36 layers: 144 MiB per slot of 8 blocks; a 3 GiB host takes 21 slots (168 blocks)
+    monkeypatch.setattr(limits, "host_headroom", lambda: 3 << 30)
+    peaks = {n: _peak_live_blocks(make_trace(KvBenchConfig(sequences=n))[0])
+             for n in (14, 15, 16)}
+    assert peaks == {14: 156, 15: 160, 16: 180}  # 15 sequences: 20 slots; 16: 23 slots
+    r = CliRunner().invoke(app, ["bench", "kvcache", "--driver", "host", "--sequences", "256"])
+    assert r.exit_code == 2, r.output
+    assert r.output.startswith("error: bench kvcache --driver host: --sequences 256 needs "
+                               "43335548928 bytes (40.36 GiB: ")
+    assert r.output.strip().endswith("now; use --sequences 15 or less")
 
 
 def test_bench_kvcache_run_failure_is_one_line_exit_1(monkeypatch):

@@ -182,3 +182,20 @@ def test_host_release_is_real_shared_memory_drops():
     assert dropped >= 30 * 1024, f"RssShmem dropped by {dropped} KiB, expected ~32 MiB"
     pool.close()
     d.close()
+
+
+def test_allocate_and_free_are_the_allocators_own_methods(driver_factory):
+    """The product's path is BlockAllocator.allocate/free with no call on top (what
+    `bench kvcache`'s alloc_vs_freelist_ratio measures); one group maps and releases."""
+    from xllm_vmm.kvcache import BlockAllocator
+
+    d = driver_factory(64 * MiB)
+    pool, c = make_cache(d, toy_layout(layers=1, blocks_per_page=4), 256)
+    assert c.allocate.__func__ is BlockAllocator.allocate and c.allocate.__self__ is c.allocator
+    assert c.free.__func__ is BlockAllocator.free and c.free.__self__ is c.allocator
+    seq = c.allocate({"attn": 3})["attn"]
+    assert seq == [0, 1, 2] and pool.stats().map_calls == 1
+    assert c.allocate({"attn": 1}, {"attn": seq[-1]}) == {"attn": [3]}
+    c.free({"attn": seq + [3]})
+    assert pool.mapped_bytes == 0 and pool.stats().unmap_calls == 1
+    pool.close()

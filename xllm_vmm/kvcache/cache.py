@@ -224,6 +224,11 @@ class VirtualKVCache:
         self.allocator = BlockAllocator(
             [GroupShape(name, geo.num_slots, geo.blocks_per_slot)
              for name, geo in self.geometry.items()], backing=self, retention=retention)
+        # allocate and free are the allocator's own bound methods (the class methods below
+        # document them): the product's path adds no call on top of BlockAllocator.allocate /
+        # free, and `bench kvcache`'s alloc_vs_freelist_ratio measures exactly this path
+        self.allocate = self.allocator.allocate  # type: ignore[method-assign]
+        self.free = self.allocator.free  # type: ignore[method-assign]
 
     # -- construction helpers ------------------------------------------------------------
     @classmethod
@@ -328,10 +333,15 @@ class VirtualKVCache:
     def allocate(self, counts: Mapping[str, int],
                  near: Mapping[str, int] | None = None) -> dict[str, list[int]] | None:
         """Blocks per group, all groups or none; ``None`` = "not now" (see
-        :meth:`BlockAllocator.allocate`, also for ``near``)."""
+        :meth:`BlockAllocator.allocate`, also for ``near``). An instance's ``allocate`` is
+        the allocator's bound method itself (set in ``__init__``: no extra call); with one
+        cache group, decode growth and frees run inline there."""
         return self.allocator.allocate(counts, near)
 
     def free(self, blocks: Mapping[str, Sequence[int]]) -> None:
+        """Drop one reference from each block, every group together (SD-01); see
+        :meth:`BlockAllocator.free`. Like ``allocate``, an instance's ``free`` is the
+        allocator's bound method (it also takes the one-group form ``free(group, blocks)``)."""
         self.allocator.free(blocks)
 
     def demand(self, tokens: int) -> dict[str, int]:
