@@ -162,10 +162,33 @@ def test_hk07_never_recommends_a_factor_that_turns_the_tier_off():
                      device=Memory(64 * GiB, "--device-memory"), host=Memory(GiB, "--host-memory"))
     hint = next(r for r in c.plan.reasons if r.code == "HK-07").hint
     assert "lower host_blocks_factor" not in hint
-    assert hint.startswith("no host_blocks_factor above 1 fits (at most 0.02 would, and a factor "
-                           "of 1 or less turns the host tier off, HK-03): lower max_cache_size "
-                           "so each worker's device KV capacity is at most 1,073 bytes")
-    assert "or turn the host tier off (host_blocks_factor=0)" in hint
+    # The cap would be 1,073 bytes, below one slot (150,994,944): the tier cannot fit at all.
+    assert hint == ("the host tier cannot fit at host_blocks_factor 1e+06: even the least device "
+                    "KV capacity (150,994,944 bytes per worker) would need "
+                    "150,994,944,000,000 bytes of host memory, and no factor above 1 fits at the "
+                    "current capacity (at most 0.02 would; 1 or less turns the host tier off, "
+                    "HK-03): turn the host tier off (host_blocks_factor=0) or give the host more "
+                    "memory; serving refuses this configuration")
+    # A factor above 1 fits the current capacity, but no max_cache_size cap would.
+    c = check_sizing(load(["--model=Qwen/Qwen3-8B", "--enable_vmm_kvcache",
+                           "--host_blocks_factor=1000000"]),
+                     device=Memory(64 * GiB, "--device-memory"),
+                     host=Memory(100 * GiB, "--host-memory"))
+    hint = next(r for r in c.plan.reasons if r.code == "HK-07").hint
+    assert hint.startswith("the host tier cannot fit at host_blocks_factor 1e+06: even the least "
+                           "device KV capacity (150,994,944 bytes per worker) would need ")
+    assert hint.endswith("; lower host_blocks_factor to at most 2.85 (the largest that fits at the "
+                         "current capacity), or turn the host tier off (host_blocks_factor=0); "
+                         "serving refuses this configuration")
+    # max_cache_size unset (0): "set" it, not "lower" it; the cap is above one slot.
+    c = check_sizing(load(["--model=Qwen/Qwen3-8B", "--enable_vmm_kvcache",
+                           "--host_blocks_factor=10"]),
+                     device=Memory(64 * GiB, "--device-memory"),
+                     host=Memory(20 * GiB, "--host-memory"))
+    hint = next(r for r in c.plan.reasons if r.code == "HK-07").hint
+    assert hint.startswith("no host_blocks_factor above 1 fits (at most 0.57 would, and a factor "
+                           "of 1 or less turns the host tier off, HK-03): set max_cache_size so "
+                           "each worker's device KV capacity is at most 2,147,483,648 bytes")
     # A factor above 1 that fits is still recommended, rounded down so that it fits.
     c = check_sizing(load(OFFLOAD), device=Memory(64 * GiB, "--device-memory"),
                      host=Memory(40 * GiB, "--host-memory"))

@@ -222,10 +222,12 @@ def _split(units: list[Unit], budget: int, window_seqs: int,
 
 
 def host_pool_reason(host_pool: int, device_kv: int, workers: int,
-                     inp: PlanInputs) -> Reason | None:
+                     inp: PlanInputs, least_device_kv: int = 1) -> Reason | None:
     """HK-07: the warning when ``workers`` host pools of ``host_pool`` bytes (each sized from
     ``device_kv`` bytes of device KV capacity) exceed ``inp.host_memory_bytes``; None when they
-    fit or the host memory is not known. Shared by ``plan`` and ``check-config``."""
+    fit or the host memory is not known. ``least_device_kv``: the smallest device KV capacity a
+    worker can have (one slot per group with VMM, one block per group without); a cap on the
+    device KV capacity below it is never suggested. Shared by ``plan`` and ``check-config``."""
     have = inp.host_memory_bytes
     need = host_pool * workers
     if have is None or need <= have:
@@ -233,17 +235,33 @@ def host_pool_reason(host_pool: int, device_kv: int, workers: int,
     factor_ok = math.floor(have / max(1, device_kv * workers) * 100) / 100
     cap = int(have / (inp.host_blocks_factor * workers))
     per = f"{_n(host_pool)} x {workers} workers, each" if workers > 1 else "1 worker:"
+    cap_fits = cap >= least_device_kv
+    cannot = (f"the host tier cannot fit at host_blocks_factor {inp.host_blocks_factor:g}: even "
+              f"the least device KV capacity ({_n(least_device_kv)} bytes per worker) would need "
+              f"{_n(int(least_device_kv * inp.host_blocks_factor) * workers)} bytes of host "
+              "memory")
     if factor_ok > 1:
-        hint = (f"lower host_blocks_factor to at most {factor_ok:.2f}, or cap each worker's "
-                f"device KV capacity at {_n(cap)} bytes ({_gib(cap)}) with max_cache_size")
-    else:
+        hint = f"lower host_blocks_factor to at most {factor_ok:.2f}"
+        if cap_fits:
+            hint += (f", or cap each worker's device KV capacity at {_n(cap)} bytes "
+                     f"({_gib(cap)}) with max_cache_size")
+        else:
+            hint = (f"{cannot}; lower host_blocks_factor to at most {factor_ok:.2f} (the largest "
+                    "that fits at the current capacity), or turn the host tier off "
+                    "(host_blocks_factor=0)")
+    elif cap_fits:
         # A factor of 1 or less turns the tier off (HK-03): only a smaller device KV cache
         # (max_cache_size) keeps the tier, or the tier goes.
+        verb = "lower max_cache_size" if inp.max_cache_size > 0 else "set max_cache_size"
         hint = (f"no host_blocks_factor above 1 fits (at most {factor_ok:.2f} would, and a "
-                "factor of 1 or less turns the host tier off, HK-03): lower max_cache_size so "
+                f"factor of 1 or less turns the host tier off, HK-03): {verb} so "
                 f"each worker's device KV capacity is at most {_n(cap)} bytes ({_gib(cap)}) at "
                 f"host_blocks_factor {inp.host_blocks_factor:g}, or turn the host tier off "
                 "(host_blocks_factor=0)")
+    else:
+        hint = (f"{cannot}, and no factor above 1 fits at the current capacity (at most "
+                f"{factor_ok:.2f} would; 1 or less turns the host tier off, HK-03): turn the host "
+                "tier off (host_blocks_factor=0) or give the host more memory")
     return Reason(
         "warning", "HK-07", f"the host KV pool needs {_n(need)} bytes ({_gib(need)}; {per} "
         f"device KV capacity {_n(device_kv)} x host_blocks_factor "
@@ -464,7 +482,8 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
                   "host block) x host block (a host block: one block of every group)",
                   f"floor({_n(base)} x {inp.host_blocks_factor:g} / {_n(host_block)}) x "
                   f"{_n(host_block)}", host_pool))
-        hk07 = host_pool_reason(host_pool, base, W, inp)
+        hk07 = host_pool_reason(host_pool, base, W, inp,
+                                least_device_kv=host_block if physical else min_pool)
         if hk07 is not None:
             plan.reasons.append(hk07)
 
