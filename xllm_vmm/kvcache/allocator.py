@@ -192,6 +192,9 @@ class Compaction:
         return sum(len(s) for s in self.released_slots.values())
 
 
+_NO_SLOTS: Mapping[str, list[int]] = {}  # no new slots (never written)
+
+
 class _Group:
     """Mutable state of one group (internal). ``stacks[s]`` is slot ``s``'s free stack, or
     ``None`` while the slot is inactive."""
@@ -439,13 +442,19 @@ class BlockAllocator:
     def _allocate_groups(self, counts: Mapping[str, int],
                          near: Mapping[str, int] | None) -> dict[str, list[int]] | None:
         groups = self._groups
+        short = False
         for name, n in counts.items():
             if n < 0:
                 raise ValueError(f"negative block count {n} for group {name!r}")
-            self._g(name)
-        new_slots = self._activate_for(counts)
-        if new_slots is None:
-            return None
+            g = groups.get(name) or self._g(name)
+            if n > g.free_active:
+                short = True
+        if short:  # new slots (a prompt): planned, activated in one call, evicting if need be
+            new_slots = self._activate_for(counts)
+            if new_slots is None:
+                return None
+        else:  # every group fits in its active slots (decode growth): no plan to build
+            new_slots = _NO_SLOTS
         result: dict[str, list[int]] = {}
         for name, n in counts.items():
             g = groups[name]
