@@ -14,7 +14,7 @@ from xllm_vmm.kvcache.prefix_setup import attach_host_tier, attach_prefix_cache
 from xllm_vmm.models.spec import CacheGroup, CacheLayout, CacheTensor
 from xllm_vmm.pool.budget import BudgetConfig, BudgetMode
 from xllm_vmm.pool.pool import VmmPool
-from xllm_vmm.vmm import CopyKind, VmmUnavailable, open_driver
+from xllm_vmm.vmm import CopyKind, VmmError, VmmUnavailable, open_driver
 
 MiB = 1 << 20
 BS = 4
@@ -47,6 +47,67 @@ def mla_index_layout():
     ))
 
 
+class _StepTransfer:
+    """A queued batch of :class:`StepCopies`: done once the queue ran it; ``wait`` runs the
+    queue up to it (transfers complete in order, like a stream) and re-raises its error."""
+
+    def __init__(self, owner: "StepCopies", run) -> None:
+        self._owner, self._run = owner, run
+        self.finished = False
+        self.error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self.finished
+
+    def wait(self, timeout: float | None = None) -> None:
+        while not self.finished:
+            self._owner.complete(1)
+        if self.error is not None:
+            raise self.error
+
+
+class StepCopies:
+    """A real driver whose asynchronous copies run only when told: ``copy_batch_async``
+    queues the batch; :meth:`complete` runs the oldest ``k`` for real (optionally failing the
+    first of them without copying). Everything else is the real driver's. Timing never decides
+    what a test sees."""
+
+    def __init__(self, driver) -> None:
+        self._driver = driver
+        self._queue: list[_StepTransfer] = []
+
+    def __getattr__(self, name):
+        return getattr(self._driver, name)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def copy_batch_async(self, dsts, srcs, sizes, kind):
+        args = (list(dsts), list(srcs), list(sizes), kind)
+        t = _StepTransfer(self, lambda: self._driver.copy_batch(*args))
+        self._queue.append(t)
+        return t
+
+    def complete(self, k: int, *, fail_first: bool = False) -> int:
+        """Runs the oldest ``k`` queued copies; returns how many ran."""
+        ran = 0
+        while self._queue and ran < k:
+            t = self._queue.pop(0)
+            try:
+                if fail_first and ran == 0:
+                    raise VmmError("copy_batch", 5, "injected copy failure")
+                t._run()
+            except Exception as e:  # noqa: BLE001 - the transfer carries it, like a device error
+                t.error = e
+            t.finished = True
+            ran += 1
+        return ran
+
+    def synchronize(self) -> None:
+        self.complete(len(self._queue))
+
+
 @dataclass
 class Req:
     tokens: list
@@ -61,15 +122,18 @@ class Stack:
     HostTier."""
 
     def __init__(self, kind: str, layout: CacheLayout, *, budget: int, max_tokens: int,
-                 host_factor: float = 0.0) -> None:
+                 host_factor: float = 0.0, step_copies: bool = False) -> None:
+        """``step_copies``: the host tier's asynchronous copies go through :class:`StepCopies`
+        (``self.copies``) and run only when a test completes them."""
         self.driver = open_test_driver(kind, 256 * MiB)
         self.pool = VmmPool(self.driver, BudgetConfig(mode=BudgetMode.ELASTIC,
                                                       max_cache_size=budget,
                                                       execution_peak_bytes=0), 128 * MiB)
         self.cache = VirtualKVCache.for_tokens(self.pool, layout, max_tokens)
         self.prefix = attach_prefix_cache(self.cache)
-        self.host = attach_host_tier(self.cache, self.prefix, self.driver, host_factor,
-                                     populate=False)
+        self.copies = StepCopies(self.driver) if step_copies else None
+        self.host = attach_host_tier(self.cache, self.prefix, self.copies or self.driver,
+                                     host_factor, populate=False)
         self.groups = self.prefix.group_names
         self._scratch = {}
 
