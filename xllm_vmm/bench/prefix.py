@@ -16,6 +16,8 @@ measured in the same run.
   cache → host tier): ``hit_rate_device_only`` (prefix-cache hit tokens / prompt tokens
   without the host tier), ``hit_rate_with_host`` (device hits + restored tokens, with
   ``host_blocks_factor``), ``host_hit_rate_gain`` (their difference), ``host_restores``.
+  Each request's write-through finishes before the next request allocates, so these counts
+  are the same on every run of a seed (timing moves only the bandwidth figures).
 - ``restore_vs_memcpy_ratio``: bytes per second of the tier's batched host→device restores in
   that workload (from ``restore()`` to the end of the copy) over ``memmove`` of the same bytes
   — one ``memmove`` per restore, of that restore's size — from a driver host buffer into mapped
@@ -277,7 +279,11 @@ def _workload(cfg: PrefixBenchConfig, with_host: bool, populate: bool | None = N
             prefix.publish({"attn": blocks}, hashes[first:], first_block=first)
             prefix.release({"attn": blocks})
             if host is not None:
-                host.step()
+                host.step()  # submits this request's write-through
+                # ... and lets it finish before the next request: which blocks are pinned when
+                # the next one allocates must not depend on the copy thread's timing, so the
+                # counts (restores, hit rates, refusals) are the same on every run of a seed
+                host.wait_all()
         out: dict[str, Any] = {
             "prompt_tokens": prompt_tokens,
             "hit_tokens": hit_tokens,
