@@ -15,9 +15,23 @@ MiB = 1024 * 1024
 
 
 def _maps() -> list[str]:
-    """Mappings of this process, without the heap (malloc moves its end freely)."""
+    """The mappings a VMM driver can leave behind: its memfd's mappings and PROT_NONE
+    reservations of 2 MiB or more. The rest of the address space moves on its own (Python's
+    arenas and glibc's large allocations come and go with garbage collection), so comparing it
+    would make the test flaky without checking anything about the driver."""
+    import gc
+
+    gc.collect()
+    out = []
     with open("/proc/self/maps") as f:
-        return [line for line in f.read().splitlines() if not line.endswith("[heap]")]
+        for line in f.read().splitlines():
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            path = fields[5] if len(fields) > 5 else ""
+            if "memfd:xllm-vmm" in path or (fields[1] == "---p" and not path
+                                               and hi - lo >= 2 * MiB):
+                out.append(line)
+    return out
 
 
 def _fds() -> set[str]:
@@ -55,18 +69,29 @@ def test_no_leaked_mappings_fds_or_memory_after_release(kind):
 
 
 def test_shmem_grows_with_handles_and_returns_after_free():
+    """Handles are shared memory the kernel accounts (Shmem), committed at creation and given
+    back when freed. The driver's own share is exact (its memfd's allocated blocks); the
+    system-wide Shmem figure is checked too, retried because other processes — the other test
+    worker among them — move it while this runs."""
     d = open_driver("host")
     g = d.granularity
-    shmem0 = meminfo()["Shmem"]
-    hs = d.create_handles(64, g)  # 128 MiB
-    grown = meminfo()["Shmem"] - shmem0
-    for h in hs:
-        d.free_handle(h)
-    back = meminfo()["Shmem"] - shmem0
-    d.close()
-    # other processes on the machine move Shmem a little; 128 MiB stands out
-    assert grown > 96 * MiB
-    assert back < 32 * MiB
+    try:
+        for attempt in range(3):
+            shmem0 = meminfo()["Shmem"]
+            hs = d.create_handles(64, g)  # 128 MiB
+            assert os.fstat(d.memfd).st_blocks * 512 == 64 * g
+            grown = meminfo()["Shmem"] - shmem0
+            for h in hs:
+                d.free_handle(h)
+            assert os.fstat(d.memfd).st_blocks == 0
+            back = meminfo()["Shmem"] - shmem0
+            if grown > 96 * MiB and back < 32 * MiB:
+                break
+        else:
+            pytest.fail(f"Shmem grew by {grown} bytes for 128 MiB of handles and stayed "
+                        f"{back} bytes above the start after freeing them (3 attempts)")
+    finally:
+        d.close()
 
 
 def test_mapping_cap_fails_a_batch_mid_way_with_out_of_memory_and_rolls_back():
