@@ -11,6 +11,7 @@ before the device is asked. Units: bytes; addresses are plain ints.
 
 from __future__ import annotations
 
+import abc
 import errno
 from typing import Sequence
 
@@ -21,21 +22,25 @@ from xllm_vmm.vmm.transfer import CopyWorker
 from xllm_vmm.vmm.views import ViewRegistry
 
 
-class DriverBase:
+class DriverBase(abc.ABC):
     """Methods every driver implements the same way on top of its single-item calls."""
 
-    def create_handle(self, size: int) -> int:  # pragma: no cover - every driver overrides it
-        raise NotImplementedError
+    @abc.abstractmethod
+    def create_handle(self, size: int) -> int:
+        ...
 
-    def free_handle(self, handle: int) -> None:  # pragma: no cover - every driver overrides it
-        raise NotImplementedError
+    @abc.abstractmethod
+    def free_handle(self, handle: int) -> None:
+        ...
 
+    @abc.abstractmethod
     def copy_batch(self, dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int],
-                   kind: CopyKind) -> None:  # pragma: no cover - every driver overrides it
-        raise NotImplementedError
+                   kind: CopyKind) -> None:
+        ...
 
-    def close(self) -> None:  # pragma: no cover - every driver overrides it
-        raise NotImplementedError
+    @abc.abstractmethod
+    def close(self) -> None:
+        ...
 
     def create_handles(self, count: int, size: int) -> list[int]:
         """Creates ``count`` handles of ``size`` bytes, all or nothing: on failure (typically
@@ -89,47 +94,60 @@ class LedgerDriver(DriverBase):
 
     # ---- device calls, supplied by the subclass ---------------------------------------------
 
+    @abc.abstractmethod
     def _bind(self) -> None:
         """Makes this thread able to call the device (once per thread)."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _sync_framework(self) -> None:
         """Waits for work a framework queued on the device (before unmaps and raw copies)."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _dev_mem_info(self) -> tuple[int, int]:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _dev_reserve(self, size: int) -> int:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _dev_release(self, va: int, size: int) -> None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _dev_create(self, size: int) -> int:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _dev_free(self, handle: int) -> None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _dev_map(self, va: int, size: int, handle: int) -> None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _dev_unmap(self, va: int, size: int) -> None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _dev_copy(self, dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int],
                   kind: CopyKind) -> None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _dev_synchronize(self) -> None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _dev_alloc_host(self, size: int) -> int:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _dev_free_host(self, ptr: int) -> None:
-        raise NotImplementedError
+        ...
 
     # ---- plumbing -----------------------------------------------------------------------------
 
