@@ -162,3 +162,25 @@ def test_tp_size_that_contradicts_the_devices_list_is_refused():
     assert r.exit_code == 2 and r.stdout == ""
     assert "tp_size=4 (from command line) but devices=npu:0,npu:1 (from command line) lists " \
            "2 device(s)" in r.stderr
+
+
+def test_rule_errors_el03_el05_hk08_are_findings_exit_1():
+    """A value a rule rejects and the planner cannot size with is a rule finding in the report
+    (verdict does_not_fit, exit 1), not a bare usage error (exit 2)."""
+    cases = [(["--max_memory_utilization=1.5"], "EL-03"),
+             (["--max_memory_utilization=0"], "EL-03"),
+             (["--max_memory_utilization=0", "--enable_vmm_kvcache=true"], "EL-03"),
+             (["--vmm_memory_reserve_bytes=-1"], "EL-05"),
+             (["--max_cache_size=-5"], "EL-05"),
+             (["--host_blocks_factor=-1"], "HK-08")]
+    for args, rule in cases:
+        r = run("--model=Qwen/Qwen3-8B", *args, "--format=json", "--host-memory=256GiB")
+        assert r.exit_code == 1, (args, r.output)
+        d = json.loads(r.stdout)
+        assert d["verdict"] == "does_not_fit" and d["per_worker"] == [] and d["totals"] is None
+        assert [x["code"] for x in d["reasons"]] == ["CONFIG"]
+        assert d["reasons"][0]["message"] == f"the configuration has 1 error(s): {rule}"
+        assert [f["id"] for f in d["config_findings"]] == [rule]
+    r = run("--model=Qwen/Qwen3-8B", "--vmm_memory_reserve_bytes=-1", "--host-memory=256GiB")
+    assert r.exit_code == 1 and "not sized (fix the errors below)" in r.stdout
+    assert "[EL-05] EL-05: vmm_memory_reserve_bytes=-1 (command line) is negative" in r.stdout

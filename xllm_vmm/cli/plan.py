@@ -86,9 +86,9 @@ class _Outcome:
 
 
 def _plan_one(r, *, device, host, name: str, options: dict) -> _Outcome:
+    from xllm_vmm.config.rules import check
     from xllm_vmm.models import ModelConfigError, catalogue_names, load_model_spec
-    from xllm_vmm.planner.checks import check_sizing
-    from xllm_vmm.planner.sizing import Reason
+    from xllm_vmm.planner.checks import decide_sizing
 
     if r.config is None:
         lines = [f"[{f.id}] {f.message}" + (f" ({f.hint})" if f.hint else "") for f in r.findings]
@@ -105,11 +105,18 @@ def _plan_one(r, *, device, host, name: str, options: dict) -> _Outcome:
         spec = load_model_spec(ref)
     except ModelConfigError as err:
         return _Outcome(r.label, 2, error=f"{err} [model from {cfg.provenance('model')}]")
+    report = check(cfg, spec, device_memory=device.bytes if device else None)
     try:
-        checked = check_sizing(cfg, device=device, host=host, spec=spec, always_plan=True,
-                               device_name=name, **options)
+        checked = decide_sizing(report, cfg, spec, None, device=device, host=host,
+                                always_plan=True, device_name=name, **options)
     except ModelConfigError as err:
-        return _Outcome(r.label, 2, error=str(err))
+        # A value that a configuration rule rejects (EL-03, EL-05, HK-08) cannot be sized: the
+        # rule's finding is the report, verdict does_not_fit, exit 1 (as any rule error).
+        if not any(f.severity == "error" and f.id in _UNPLANNABLE_RULES
+                   for f in report.findings):
+            return _Outcome(r.label, 2, error=str(err))
+        plan = _unsized_plan(spec, report.resolved, device, host, name, options)
+        return _finish(r, plan, list(r.findings) + list(report.findings))
     plan = checked.plan
     if plan.layout is None:
         return _Outcome(r.label, 2, error=_layout_error(plan, cfg, options, checked.draft))
@@ -125,6 +132,32 @@ def _plan_one(r, *, device, host, name: str, options: dict) -> _Outcome:
             findings = [f for f in findings if f.id != "EL-06"]
         else:
             plan.reasons = [x for x in plan.reasons if x.code != "EL-06"]
+    return _finish(r, plan, findings)
+
+
+#: Rules whose errors leave a value the planner cannot size with (EL-03: max_memory_utilization
+#: outside (0, 1] sizing physical KV or fixed VMM; EL-05: a negative max_cache_size or
+#: vmm_memory_reserve_bytes; HK-08: a negative host_blocks_factor).
+_UNPLANNABLE_RULES = frozenset({"EL-03", "EL-05", "HK-08"})
+
+
+def _unsized_plan(spec, cfg, device, host, name: str, options: dict):
+    """A plan with no figures (no workers sized): its reasons are the rule errors."""
+    from xllm_vmm.planner.from_config import inputs_from_config
+    from xllm_vmm.planner.sizing import Plan
+
+    inp = inputs_from_config(cfg, device_memory_bytes=device.bytes if device else None,
+                             host_memory_bytes=host.bytes if host else None,
+                             host_memory_source=host.source if host else None,
+                             device_name=name, **options)
+    ctx = inp.context_len if inp.context_len is not None else spec.max_position_embeddings
+    return Plan(spec=spec, inputs=inp, layout=None, context_len=ctx or 0)
+
+
+def _finish(r, plan, findings: list) -> _Outcome:
+    """``plan`` with the configuration's findings; a CONFIG error reason when any is an error."""
+    from xllm_vmm.planner.sizing import Reason
+
     plan.config_findings = [f.to_dict() for f in findings]
     errors = [f for f in findings if f.severity == "error"]
     if errors:

@@ -185,6 +185,8 @@ def render_table(plan: Plan, out: TextIO | None = None, *, explain: bool = False
     fits = "[green]fits[/]" if plan.fits else "[red]does not fit[/]"
     s.add_row("verdict", fits)
     mcl = "unbounded" if plan.max_context_len is None else f"{plan.max_context_len:,} tokens"
+    if not plan.workers:  # not sized: a rule error leaves a value the planner cannot use
+        mcl = "not sized (fix the errors below)"
     s.add_row("largest context that fits", mcl)
     console.print(s)
     if plan.workers:
