@@ -98,7 +98,12 @@ _ACL_HELP = "ACL library for --device npu ('emulation' = the bundled emulation);
 _MAX_REPEATS = 100
 
 
-@bench_app.command("map")
+@bench_app.command(
+    "map", short_help="Map+unmap cost per 2 MiB page against the raw system-call loop.",
+    help=(
+        'Map+unmap cost per 2 MiB page: batched native call vs one call per page vs the raw '
+        'system-call loop (fields batched_vs_raw_ratio, python_overhead_us_per_page); on the host'
+        ' driver also with populated mappings, and map + first write with and without populating.'))
 def bench_map(
     device: str = typer.Option("cpu", "--device", help=_DEVICE_HELP),
     device_index: int = typer.Option(0, "--device-index", min=0, help="Device number."),
@@ -110,9 +115,6 @@ def bench_map(
     acl_library: Optional[str] = typer.Option(None, "--acl-library", help=_ACL_HELP),
     fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
 ) -> None:
-    """Map+unmap cost per 2 MiB page: batched native call vs one call per page vs the raw
-    system-call loop (fields batched_vs_raw_ratio, python_overhead_us_per_page); on the host
-    driver also with populated mappings, and map + first write with and without populating."""
     from xllm_vmm.bench import map as map_bench
 
     _check("--pages", pages, 1, 1 << 30)
@@ -127,7 +129,11 @@ def bench_map(
     emit("bench map (µs per page, map+unmap)", results, fmt)
 
 
-@bench_app.command("copy")
+@bench_app.command(
+    "copy", short_help="Gather/scatter of scattered blocks against memcpy of the same bytes.",
+    help=(
+        'Gather/scatter of scattered blocks vs one plain memcpy of the same bytes (field '
+        'copy_vs_memcpy_ratio).'))
 def bench_copy(
     device: str = typer.Option("cpu", "--device", help=_DEVICE_HELP),
     device_index: int = typer.Option(0, "--device-index", min=0, help="Device number."),
@@ -140,8 +146,6 @@ def bench_copy(
     acl_library: Optional[str] = typer.Option(None, "--acl-library", help=_ACL_HELP),
     fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
 ) -> None:
-    """Gather/scatter of scattered blocks vs one plain memcpy of the same bytes (field
-    copy_vs_memcpy_ratio)."""
     from xllm_vmm.bench import copy as copy_bench
 
     _check("--blocks", blocks, 1, 1 << 30)
@@ -155,7 +159,12 @@ def bench_copy(
     emit("bench copy (GB/s)", results, fmt)
 
 
-@bench_app.command("kvcache")
+@bench_app.command(
+    "kvcache", short_help="Virtual KV cache against a plain free-list block pool: throughput, fragmentation.",
+    help=(
+        'Virtual KV cache vs. a plain free-list block pool: allocator throughput, admission cost,'
+        ' fragmentation (idle and peak footprint over the packed floor) and map calls per 1k '
+        'tokens.'))
 def bench_kvcache(
     sequences: int = typer.Option(256, help="Sequences in the staggered-decode burst (1 to "
                                             "16384)."),
@@ -166,17 +175,14 @@ def bench_kvcache(
     long_fraction: float = typer.Option(0.1, help="Share of sequences that outlive the burst."),
     driver: str = typer.Option("sim", help="Driver for the fragmentation trace: sim (maps "
                                            "nothing) or host (maps real memory: the trace's "
-                                           "peak, about 0.16 GiB per sequence at 36 layers, "
-                                           "40.4 GiB with the defaults; on a 24 GiB host use "
-                                           "--sequences 64, 12.1 GiB; a size that does not "
-                                           "fit is refused, naming the largest --sequences "
-                                           "that does)."),
+                                           "peak is 40.4 GiB with the defaults and 12.1 GiB "
+                                           "with --sequences 64 at 36 layers; a size that "
+                                           "does not fit is refused, naming the largest "
+                                           "--sequences that does)."),
     seed: int = typer.Option(0, help="Seed of the trace."),
     repeats: int = typer.Option(3, help="Throughput runs (the best one counts; 1 to 100)."),
     fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
 ) -> None:
-    """Virtual KV cache vs. a plain free-list block pool: allocator throughput, admission cost,
-    fragmentation (idle and peak footprint over the packed floor) and map calls per 1k tokens."""
     from xllm_vmm.bench.kvcache import MAX_BLOCK_SIZE, KvBenchConfig, run_kvcache_bench
 
     if driver not in ("sim", "host"):
@@ -194,7 +200,12 @@ def bench_kvcache(
                                lambda: run_kvcache_bench(cfg)), fmt)
 
 
-@bench_app.command("prefix")
+@bench_app.command(
+    "prefix", short_help="Prefix cache and host KV tier: hashing, lookup, hit rates, restore bandwidth.",
+    help=(
+        'Prefix cache and host KV tier: XXH3-128 vs SHA-256 hash chain, lookup cost at 1k and 1M '
+        'cached blocks, device-only vs host-tier hit rate under memory pressure, restore/offload '
+        'vs memcpy bandwidth, and bytes freed per evicted block (slot-emptying vs plain LRU).'))
 def bench_prefix(
     driver: str = typer.Option("host", help="Driver for the shared-prefix workload: host, or "
                                             "acl-emu (the bundled ACL emulation)."),
@@ -216,9 +227,6 @@ def bench_prefix(
                                        "(and run the workload once more without, to compare)."),
     fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
 ) -> None:
-    """Prefix cache and host KV tier: XXH3-128 vs SHA-256 hash chain, lookup cost at 1k and 1M
-    cached blocks, device-only vs host-tier hit rate under memory pressure, restore/offload vs
-    memcpy bandwidth, and bytes freed per evicted block (slot-emptying vs plain LRU)."""
     from xllm_vmm.bench.prefix import PrefixBenchConfig, run_prefix_bench
 
     if driver not in ("host", "acl-emu"):
