@@ -71,7 +71,7 @@ def test_several_inputs_one_exit_code(tmp_path):
 
 def test_cmd_file_github_annotations(tmp_path):
     script = tmp_path / "launch.sh"
-    script.write_text("#!/bin/sh\n# serve\nxllm --model=/m \\\n  --enable_vmm_kvcache=true \\\n"
+    script.write_text("#!/bin/sh\n# serve\nxllm --model=Qwen/Qwen3-8B \\\n  --enable_vmm_kvcache=true \\\n"
                       "  --kv_cache_dtype=fp8\n")
     code, out, _ = check("--cmd-file", str(script), "--format", "github")
     assert code == 1
@@ -253,7 +253,7 @@ def test_a_damaged_safetensors_shard_does_not_disable_model_rules(tmp_path):
 
 def test_cmd_file_checks_the_engine_command_and_says_which(tmp_path):
     p = tmp_path / "l6.sh"
-    p.write_text("/opt/xllm/bin/xllm --model=/m --enable_vmm_kvcache=true "
+    p.write_text("/opt/xllm/bin/xllm --model=Qwen/Qwen3-8B --enable_vmm_kvcache=true "
                  "--enable_task_pipeline=true &\nsleep 30\n"
                  "curl --retry 5 --fail http://localhost:8010/health\n")
     code, out, _ = check("--cmd-file", str(p), "--format=json")
@@ -283,3 +283,30 @@ def test_a_device_listed_twice_is_a_finding_on_devices():
 def test_memory_above_one_pib_is_a_usage_error(option):
     code, _, err = check(option, "2048TiB")
     assert code == 2 and f"{option} 2048TiB is more than 1 PiB: no machine has that" in err
+
+
+def test_model_path_that_is_not_a_model_directory_is_an_error(tmp_path):
+    """CFG-MODEL: a --model that is a local path (/ . ~, or an existing parent directory) but
+    not a readable model directory is an error (exit 1) naming model and its source, with the
+    closest catalogue names; a hub-style name not in the catalogue stays "not checked"."""
+    code, out, _ = check("--model=/nonexistent", "--enable_vmm_kvcache=true", "--format=json")
+    doc = json.loads(out)["inputs"][0]
+    assert code == 1 and [f["id"] for f in doc["findings"]] == ["CFG-MODEL"]
+    f = doc["findings"][0]
+    assert f["severity"] == "error" and f["flags"] == {"model": "/nonexistent"}
+    assert f["sources"]["model"]["kind"] == "cli"
+    assert f["message"] == ("CFG-MODEL: model=/nonexistent (command line) is a local path but "
+                            "not a readable model directory: model directory does not exist")
+    (tmp_path / "qwen3").mkdir()
+    code, out, _ = check(f"--model={tmp_path}/qwen3", "--format=json")
+    f = json.loads(out)["inputs"][0]["findings"][0]
+    assert code == 1 and f["id"] == "CFG-MODEL"
+    assert f["message"].endswith("not a readable model directory: no config.json in the model "
+                                 "directory")
+    assert "closest: Qwen/Qwen3-8B" in f["hint"]
+    code, out, _ = check("--model=Qwen/Qwen3-9B", "--enable_vmm_kvcache=true", "--format=json")
+    doc = json.loads(out)["inputs"][0]
+    assert code == 0 and doc["findings"] == []
+    assert [n["rule"] for n in doc["not_checked"]] == ["PC-02", "HY-01"]
+    code, out, _ = check("--explain", "CFG-MODEL")
+    assert code == 0 and out.startswith("CFG-MODEL (input check, error): a --model that is")

@@ -19,6 +19,8 @@ INPUT_IDS = {
     "CFG-ARG": "a command-line token that is not a flag",
     "CFG-CONFLICT": "flags that contradict each other: tp_size set to another number than the "
                     "devices listed in devices",
+    "CFG-MODEL": "a --model that is a local path (starts with / . ~, or its parent directory "
+                 "exists) but not a readable model directory",
     "CFG-SHELL": "a line of a launch script that starts with --: a continuation of the launch "
                  "command broken by a comment or blank line, which the shell runs on its own",
 }

@@ -753,7 +753,56 @@ def check(cfg: ResolvedConfig, model=None, *, model_reason: str | None = None,
             else:
                 report.not_checked[item[0]] = item[1]
     report.resolved = resolved
+    if model is None and model_reason is not None:
+        bad = model_path_finding(cfg, model_reason)
+        if bad is not None:
+            report.findings.insert(0, bad)
     return report
+
+
+def is_local_model_path(ref: str) -> bool:
+    """True when ``--model`` names a local path rather than a catalogue name or a hub id: it
+    starts with ``/``, ``.`` or ``~``, ends with ``/``, has more than one ``/``, exists, or its
+    parent directory exists (``models/qwen`` with a ``models`` directory here)."""
+    import os
+
+    ref = ref.strip()
+    if not ref:
+        return False
+    if ref.startswith(("/", ".", "~")) or ref.endswith("/") or ref.count("/") > 1:
+        return True
+    path = os.path.expanduser(ref)
+    if os.path.exists(path):
+        return True
+    parent = os.path.dirname(path)
+    return bool(parent) and os.path.isdir(parent)
+
+
+def model_path_finding(cfg: ResolvedConfig, reason: str) -> Finding | None:
+    """``CFG-MODEL`` (error): ``--model`` is a local path (:func:`is_local_model_path`) that is
+    not a readable model directory (``reason`` says why), with the closest catalogue names.
+    None for a name that is not a path (a hub id not in the catalogue stays "not checked")."""
+    ref = str(cfg["model"] or "")
+    if not is_local_model_path(ref):
+        return None
+    from xllm_vmm.models.catalogue import closest_names
+
+    close = closest_names(ref.rstrip("/").rsplit("/", 1)[-1])
+    hint = ("pass a directory that holds the model's config.json, or a catalogue name"
+            + (f" (closest: {', '.join(close)})" if close else "")
+            + "; `xllm-vmm plan --list-models` lists the catalogue")
+    from xllm_vmm.models import ModelConfigError, load_model_spec
+
+    try:
+        load_model_spec(ref, read_weights=False)
+        why = reason
+    except ModelConfigError as err:
+        why = err.message + (f" ({err.source})" if err.source and err.source != ref else "")
+    return Finding("CFG-MODEL", "error",
+                   f"CFG-MODEL: {cfg.describe('model')} is a local path but not a readable model "
+                   f"directory: {why}",
+                   flags={"model": cfg["model"]}, sources={"model": cfg.provenance("model")},
+                   hint=hint, input=getattr(cfg, "label", ""))
 
 
 def check_all(cfg: ResolvedConfig, **kwargs) -> Report:
