@@ -184,3 +184,25 @@ def test_rule_errors_el03_el05_hk08_are_findings_exit_1():
     r = run("--model=Qwen/Qwen3-8B", "--vmm_memory_reserve_bytes=-1", "--host-memory=256GiB")
     assert r.exit_code == 1 and "not sized (fix the errors below)" in r.stdout
     assert "[EL-05] EL-05: vmm_memory_reserve_bytes=-1 (command line) is negative" in r.stdout
+
+
+def test_sizes_take_pib_and_pb_up_to_the_1_pib_cap():
+    r = run("--model=Qwen/Qwen3-8B", "--host-memory", "1PiB", "--format=json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["host_memory_bytes"] == 1 << 50
+    r = run("--model=Qwen/Qwen3-8B", "--device-memory", "0.5PiB", "--format=json",
+            "--host-memory=1PB")
+    d = json.loads(r.stdout)
+    assert d["device"]["total_bytes"] == 1 << 49 and d["host_memory_bytes"] == 10**15
+    r = run("--model=Qwen/Qwen3-8B", "--host-memory", "2PiB")
+    assert r.exit_code == 2 and "--host-memory 2,251,799,813,685,248 bytes is more than 1 PiB" \
+        in r.stderr
+
+
+def test_config_sizes_take_pib():
+    from xllm_vmm.cli.check_config import run as check_config
+    from xllm_vmm.config.values import parse_size
+
+    assert parse_size("1PiB") == parse_size("1P") == 1 << 50 and parse_size("2PB") == 2 * 10**15
+    assert check_config(["--model=Qwen/Qwen3-8B", "--host-memory", "1PiB"]) == 0
+    assert check_config(["--model=Qwen/Qwen3-8B", "--host-memory", "2PiB"]) == 2

@@ -3,8 +3,8 @@ TOML / JSON values, each turned into the flag's Python type or a :class:`ValueEr
 message says what was expected.
 
 Units: byte-sized flags (``FlagDef.unit == "bytes"``) hold integers of bytes; they also accept
-sizes: ``KiB MiB GiB TiB`` (and ``K M G T``) are powers of 1024, ``KB MB GB TB`` powers of 1000,
-``B`` is bytes. ``1.5GiB`` is accepted when it is a whole number of bytes.
+sizes: ``KiB MiB GiB TiB PiB`` (and ``K M G T P``) are powers of 1024, ``KB MB GB TB PB`` powers
+of 1000, ``B`` is bytes. ``1.5GiB`` is accepted when it is a whole number of bytes.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ _UNITS = {
     "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
     "g": 1024**3, "gib": 1024**3, "gb": 1000**3,
     "t": 1024**4, "tib": 1024**4, "tb": 1000**4,
+    "p": 1024**5, "pib": 1024**5, "pb": 1000**5,
 }
 
 

@@ -95,7 +95,7 @@ def get_profile(name: str) -> DeviceProfile:
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": MiB, "gib": GiB,
-          "tib": 1024 * GiB}
+          "tib": 1024 * GiB, "p": 1000**5, "pb": 1000**5, "pib": 1024**2 * GiB}
 
 
 def parse_bytes(text: str | int, *, what: str) -> int:
