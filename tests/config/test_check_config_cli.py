@@ -310,3 +310,13 @@ def test_model_path_that_is_not_a_model_directory_is_an_error(tmp_path):
     assert [n["rule"] for n in doc["not_checked"]] == ["PC-02", "HY-01"]
     code, out, _ = check("--explain", "CFG-MODEL")
     assert code == 0 and out.startswith("CFG-MODEL (input check, error): a --model that is")
+
+
+def test_explain_unknown_id_suggests_and_lists_the_ids():
+    code, out, err = check("--explain", "XX-99")
+    lines = err.splitlines()
+    assert code == 2 and out == "" and lines[0] == "error: no rule 'XX-99'"
+    assert lines[1].startswith("Rule ids: AD-01, AD-02, ") and "EL-08" in lines[1]
+    assert "input checks: CFG-READ, " in lines[1] and "CFG-MODEL" in lines[1]
+    code, _, err = check("--explain", "EL-99")
+    assert err.splitlines()[0] == "error: no rule 'EL-99'; did you mean EL-08, EL-07, EL-06?"

@@ -206,3 +206,17 @@ def test_config_sizes_take_pib():
     assert parse_size("1PiB") == parse_size("1P") == 1 << 50 and parse_size("2PB") == 2 * 10**15
     assert check_config(["--model=Qwen/Qwen3-8B", "--host-memory", "1PiB"]) == 0
     assert check_config(["--model=Qwen/Qwen3-8B", "--host-memory", "2PiB"]) == 2
+
+
+def test_devices_error_hint_fits_the_error():
+    r = run("--model=Qwen/Qwen3-8B", "--devices", "gpu:0")
+    assert r.exit_code == 2
+    assert r.stderr.strip().endswith("(kinds: npu, cuda, cpu, mlu, ilu, musa, xpu); did you mean "
+                                     "cuda?")
+    r = run("--model=Qwen/Qwen3-8B", "--devices", "npu:0,npu:0")
+    assert r.stderr.strip().endswith("listed twice: each device serves one worker: list each "
+                                     "device once, e.g. npu:0,npu:1")
+    r = run("--model=Qwen/Qwen3-8B", "--devices", "npu:0,cuda:1")
+    assert "list each device once" not in r.stderr
+    assert r.stderr.strip().endswith("list devices of one kind as KIND:INDEX, comma-separated, "
+                                     "e.g. npu:0,npu:1")

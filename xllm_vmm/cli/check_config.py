@@ -148,9 +148,16 @@ def explain(rule_id: str, out: TextIO, err: TextIO | None = None) -> int:
             return 0
         import difflib
 
-        close = difflib.get_close_matches(key, list(RULES) + list(INPUT_IDS), n=3, cutoff=0.5)
-        (err or sys.stderr).write(f"error: no rule {rule_id!r}"
-                         + (f"; did you mean {', '.join(close)}?" if close else "") + "\n")
+        ids = list(RULES) + list(INPUT_IDS)
+        close = difflib.get_close_matches(key, ids, n=3, cutoff=0.5)
+        if not close:  # the same family (XX-NN: the XX rules), else the same number
+            prefix = key.split("-", 1)[0]
+            close = [i for i in ids if i.split("-", 1)[0] == prefix][:3]
+        (err or sys.stderr).write(
+            f"error: no rule {rule_id!r}"
+            + (f"; did you mean {', '.join(close)}?" if close else "") + "\nRule ids: "
+            f"{', '.join(sorted(RULES))}; input checks: {', '.join(INPUT_IDS)} "
+            "(RULES.md; docs/configuration.md \"The rules\")\n")
         return 2
     kind = {"model": " (model rule: needs the model's config.json)",
             "sizing": " (needs memory sizes)", "runtime": " (runtime rule: enforced while serving)",

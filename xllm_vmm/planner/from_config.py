@@ -31,8 +31,13 @@ def workers_from_config(cfg: Any) -> int:
     try:
         listed = parse_devices(devices)
     except ValueError as err:
-        raise ModelConfigError(f"devices={devices} (from {where}): {err}",
-                               hint="list each device once, e.g. npu:0,npu:1") from None
+        # The hint fits the error: a duplicate, or an entry that is not KIND[:INDEX] of one kind
+        # (the message already names the kinds, and "did you mean" for an alias such as gpu).
+        text = str(err)
+        hint = "list each device once, e.g. npu:0,npu:1" if "listed twice" in text else \
+            "" if "did you mean" in text else \
+            "list devices of one kind as KIND:INDEX, comma-separated, e.g. npu:0,npu:1"
+        raise ModelConfigError(f"devices={devices} (from {where}): {err}", hint=hint) from None
     if explicit is not None and explicit("tp_size"):
         if tp != len(listed) and (len(listed) > 1
                                   or (len(listed) == 1 and listed[0][1] is not None)):
