@@ -64,3 +64,40 @@ def test_table_and_explain_render(tmp_path):
     assert "resident state (HY-01)" in text
     assert "free - execution peak - vmm_memory_reserve_bytes" in text
     assert "elastic range" in text and "worker 3 |" in text
+
+
+def test_tables_at_80_columns_print_every_number_in_full():
+    """At 80 columns no number is cut ("127,926,2…") or wrapped: each figure of the cache-group
+    and memory tables appears whole, equal to the JSON's."""
+    import io
+    import re
+
+    from xllm_vmm.models import load_model_spec
+    from xllm_vmm.planner import PlanInputs, make_plan
+    from xllm_vmm.planner.report import human, plan_to_dict, render_table
+
+    cases = [("deepseek-ai/DeepSeek-V3.2-Exp", PlanInputs(workers=8, enable_vmm_kvcache=True)),
+             ("openai/gpt-oss-20b", PlanInputs(device_memory_bytes=150_117_449_728,
+                                               device_name="h200", enable_vmm_kvcache=True,
+                                               vmm_elastic=True))]
+    for name, inp in cases:
+        plan = make_plan(load_model_spec(name), inp)
+        buf = io.StringIO()
+        render_table(plan, buf, width=80)
+        text = buf.getvalue()
+        assert "…" not in text
+        assert max(len(line) for line in text.splitlines() if line[:1] in "┏┃┡│└┌") <= 80
+        rows = {}
+        for line in text.splitlines():
+            cells = [c.strip() for c in line.strip("│").split("│")]
+            if len(cells) == 7 and cells[1].isdigit():
+                rows.setdefault(cells[0], cells[1:])
+        w = plan_to_dict(plan)["per_worker"][0]
+        for g in w["groups"]:
+            cells = next(v for k, v in rows.items() if g["name"].startswith(k.split(" ")[0]))
+            assert cells == [f"{g['tensors']:,}", f"{g['bytes_per_token']:,}",
+                             f"{g['block_bytes']:,}", f"{g['blocks_per_page']:,}",
+                             f"{g['slot_bytes']:,}", f"{g['blocks']:,}"]
+        for figure in ("weights_bytes", "kv_pool_bytes", "arena_bytes"):
+            assert re.search(rf"│\s+{re.escape(human(w[figure]))} │", text), figure
+        assert f"{w['kv_capacity_tokens']:,} tokens" in text

@@ -58,9 +58,9 @@ def flags_command(
     for grp, flags in selected.items():
         table = Table(title=escape(f"{GROUPS[grp]} [{grp}]"), title_justify="left", expand=False)
         table.add_column("flag", style="bold cyan", no_wrap=True)
-        table.add_column("type")
-        table.add_column("default")
-        table.add_column("help")
+        table.add_column("type", overflow="fold")
+        table.add_column("default", overflow="fold")
+        table.add_column("help", overflow="fold")  # long words wrap, never cut to "…"
         for f in flags:
             table.add_row(f"--{f.name}", f.type_label, escape(f.default_text()), escape(f.help))
         console.print(table)

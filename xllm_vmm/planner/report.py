@@ -157,14 +157,18 @@ def _bar(w: WorkerPlan, width: int = 48) -> str:
     return "".join(out)
 
 
-def render_table(plan: Plan, out: TextIO | None = None, *, explain: bool = False) -> None:
+def render_table(plan: Plan, out: TextIO | None = None, *, explain: bool = False,
+                 width: int | None = None) -> None:
     """Rich tables: summary, cache groups, per-worker memory (with a bar), verdict, and with
-    ``explain`` every formula with its numbers."""
+    ``explain`` every formula with its numbers. ``width``: the console's columns (default: the
+    terminal's, or 120 when writing to ``out``); numbers are never cut or wrapped at any
+    width from 80 up."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    console = Console(file=out, highlight=False, width=None if out is None else 120)
+    console = Console(file=out, highlight=False,
+                      width=width if width is not None else (None if out is None else 120))
     spec, inp = plan.spec, plan.inputs
     s = Table(title=f"xllm-vmm plan: {escape(spec.name)}", show_header=False)
     s.add_column("", style="bold")
@@ -192,9 +196,14 @@ def render_table(plan: Plan, out: TextIO | None = None, *, explain: bool = False
     if plan.workers:
         w0 = plan.workers[0]
         g = Table(title="Cache groups (per worker)")
-        for col in ("group", "tensors", "B/token", "block bytes", "blocks/page", "slot bytes",
-                    "blocks"):
-            g.add_column(col, justify="right" if col != "group" else "left")
+        # Numbers are never cut or wrapped (no_wrap); headers wrap at spaces and the group name
+        # wraps, so the table fits 80 columns.
+        for col in ("group", "tensors", "B/token", "block\nbytes", "blocks\nper page",
+                    "slot\nbytes", "blocks"):
+            if col == "group":
+                g.add_column(col, overflow="fold")
+            else:
+                g.add_column(col, justify="right", no_wrap=True)
         for gp in w0.groups:
             name = gp.name if gp.max_tokens_per_seq is None else \
                 f"{gp.name} (<= {gp.max_tokens_per_seq:,} tokens/seq)"
@@ -204,8 +213,8 @@ def render_table(plan: Plan, out: TextIO | None = None, *, explain: bool = False
         W = len(plan.workers)
         m = Table(title=f"Memory (per worker; total over {W} worker{'s' if W != 1 else ''})")
         m.add_column("figure")
-        m.add_column("per worker", justify="right")
-        m.add_column("total", justify="right")
+        m.add_column("per worker", justify="right", no_wrap=True)
+        m.add_column("total", justify="right", no_wrap=True)
 
         def row(label: str, value: int | None, total: bool = True) -> None:
             m.add_row(label, human(value),
