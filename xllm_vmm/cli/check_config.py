@@ -143,7 +143,8 @@ def explain(rule_id: str, out: TextIO, err: TextIO | None = None) -> int:
     rule = RULES.get(key)
     if rule is None:
         if key in INPUT_IDS:
-            out.write(f"{key} (input check, error): {INPUT_IDS[key]}\n"
+            severity = "warning, an error with --strict" if key == "CFG-MODEL" else "error"
+            out.write(f"{key} (input check, {severity}): {INPUT_IDS[key]}\n"
                       "source: RULES.md \"General value checks\"\n")
             return 0
         import difflib
