@@ -140,12 +140,12 @@ def test_draft_model_directory_is_sized_from_its_config(draft_dir):
     assert groups["draft"]["tensors"] == 2 and groups["draft"]["bytes_per_token"] == 4096
     assert w["kv_bytes_per_token"] == 147_456 + 4096
     assert w["weights_bytes"] == 16_381_470_720 + draft["weights_bytes"]
-    assert not [x for x in d["reasons"] if x["code"] == "SD-01"]
+    assert not [x for x in d["reasons"] if x["code"] == "DRAFT"]
     # not a directory: the target's MTP layers (Qwen3-8B has none) -> no draft group
     d = json.loads(plan(*spec_args, "--draft_model=/models/mtp").stdout)
     assert d["model"]["draft"] is None
     assert [g["name"] for g in d["per_worker"][0]["groups"]] == ["attn"]
-    assert [x["code"] for x in d["reasons"]] == ["SD-01"]
+    assert [x["code"] for x in d["reasons"]] == ["DRAFT"]  # a sizing note, not a rule finding
 
 
 def test_unreadable_draft_config_is_a_clear_error(draft_dir):

@@ -293,9 +293,11 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
     mtp = inp.mtp and spec.mtp_layers > 0 and draft is None
     if inp.mtp and not spec.mtp_layers and draft is None:
         plan.reasons.append(Reason(
-            "warning", "SD-01", f"MTP speculative decoding is on but {spec.name} has no MTP "
-            "layers (num_nextn_predict_layers); no draft cache group is planned",
-            "plan the draft model separately, or set num_speculative_tokens=0"))
+            "warning", "DRAFT", f"MTP speculative decoding is on, but draft_model is not a "
+            f"readable local model directory and {spec.name} has no MTP layers "
+            "(num_nextn_predict_layers): the draft's cache and weights are not planned",
+            "pass --draft_model=<a local directory with the draft's config.json>, or set "
+            "num_speculative_tokens=0"))
     try:
         layout = cache_layout(spec, workers=inp.workers, block_size=inp.block_size,
                               kv_dtype=inp.kv_cache_dtype, draft=mtp or draft is not None,
