@@ -254,6 +254,16 @@ def _switch(flag: str, panel: str, help: str):
 
 
 _IN = "Inputs"
+# Paragraphs as single lines: Typer's rich help keeps the line breaks of a docstring.
+_PLAN_HELP = (
+    "Size serving configurations before anything is loaded: weights, KV bytes per token, "
+    "block and page, the arena, the physical budget of the mode, the host pool, capacity and "
+    "concurrency at a context length, and a verdict with what to change.\n\n"
+    "Inputs are check-config's: engine flags as --FLAG=VALUE (e.g. --model=Qwen/Qwen3-8B "
+    "--tp_size=2 --enable_vmm_kvcache=true), and FILES (.toml, engine .json, launch scripts), "
+    "--cmd and --cmd-file, each one configuration with its own report.\n\n"
+    "Exit codes: 0 fits, 1 does not fit or has rule errors, 2 unreadable input or unknown "
+    "model; with several inputs, the worst.")
 _DEV = "Device and host"
 _SIZE = "Sizing"
 _OUT = "Output"
@@ -263,6 +273,7 @@ _OUT = "Output"
     "plan",
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
     options_metavar="[OPTIONS] [FILES]... [--FLAG=VALUE]...",
+    help=_PLAN_HELP,
     short_help="Size configurations before anything is loaded: memory per worker, capacity, "
                "concurrency, verdict.",
 )
@@ -308,16 +319,7 @@ def plan_command(
                             "numbers."),
     list_models: bool = _switch("--list-models", _OUT, "List the model catalogue and exit."),
 ) -> None:
-    """Size serving configurations before anything is loaded: weights, KV bytes per token,
-    block and page, the arena, the physical budget of the mode, the host pool, capacity and
-    concurrency at a context length, and a verdict with what to change.
-
-    Inputs are check-config's: engine flags as --FLAG=VALUE (e.g. --model=Qwen/Qwen3-8B
-    --tp_size=2 --enable_vmm_kvcache=true), and FILES (.toml, engine .json, launch scripts),
-    --cmd and --cmd-file, each one configuration with its own report. Exit codes: 0 fits,
-    1 does not fit or has rule errors, 2 unreadable input or unknown model; with several
-    inputs, the worst.
-    """
+    """``xllm-vmm plan``: the help text is :data:`_PLAN_HELP`."""
     if list_models:
         _list_models(fmt)
         return
