@@ -195,3 +195,25 @@ def test_hk07_never_recommends_a_factor_that_turns_the_tier_off():
     hint = next(r for r in c.plan.reasons if r.code == "HK-07").hint
     factor = float(hint.split("at most ")[1].split(",")[0])
     assert factor > 1 and factor * c.plan.workers[0].arena_bytes <= 40 * GiB
+
+
+def test_verdict_says_serve_refuses_a_host_pool_that_does_not_fit():
+    """HK-07 stays a warning in plan (RULES.md), but the verdict must not read as a plain
+    "fits": JSON lists it in serve_refuses and the table says serve refuses it."""
+    base = ("--model=Qwen/Qwen3-8B", "--enable_vmm_kvcache", "--host_blocks_factor=2",
+            "--device-memory=64GiB")
+    d = json.loads(plan(*base, "--host-memory=1GiB", "--format=json").stdout)
+    assert d["verdict"] == "fits" and d["serve_refuses"] == ["HK-07"]
+    d = json.loads(plan(*base, "--host-memory=1TiB", "--format=json").stdout)
+    assert d["verdict"] == "fits" and d["serve_refuses"] == []
+    r = plan(*base, "--host-memory=1GiB")
+    assert "fits on the device, but serve refuses it (HK-07" in " ".join(r.stdout.split())
+
+
+def test_memory_hint_offers_a_higher_ratio_only_when_the_device_could_hold_the_weights():
+    def hint(mem):
+        d = json.loads(plan("--model=Qwen/Qwen3-8B", f"--device-memory={mem}",
+                            "--format=json").stdout)
+        return [r["hint"] for r in d["reasons"] if r["code"] == "MEMORY"][0]
+    assert "max_memory_utilization" not in hint("1GiB")  # 16.4 GB of weights: no ratio helps
+    assert hint("18GiB").endswith("or a higher max_memory_utilization")

@@ -86,6 +86,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "host_memory_bytes": inp.host_memory_bytes,
         "context_len": plan.context_len,
         "verdict": plan.verdict,
+        "serve_refuses": plan.serve_refuses,
         "reasons": [{"severity": r.severity, "code": r.code, "message": r.message,
                      "hint": r.hint} for r in plan.reasons],
         "max_context_len": plan.max_context_len,
@@ -187,6 +188,9 @@ def render_table(plan: Plan, out: TextIO | None = None, *, explain: bool = False
                   f"({'exact' if d.weight_bytes_exact else 'estimated'})")
     s.add_row("context length", f"{plan.context_len:,} tokens")
     fits = "[green]fits[/]" if plan.fits else "[red]does not fit[/]"
+    if plan.fits and plan.serve_refuses:
+        fits = (f"[yellow]fits on the device, but serve refuses it "
+                f"({', '.join(plan.serve_refuses)}: see below)[/]")
     s.add_row("verdict", fits)
     mcl = "unbounded" if plan.max_context_len is None else f"{plan.max_context_len:,} tokens"
     if not plan.workers:  # not sized: a rule error leaves a value the planner cannot use

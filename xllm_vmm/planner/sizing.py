@@ -110,6 +110,10 @@ class WorkerPlan:
     groups: list[GroupPlan]
 
 
+SERVE_ERROR_RULES = frozenset({"HK-07"})
+"""Rules that are warnings in check-config and plan but refuse to serve (RULES.md)."""
+
+
 @dataclass
 class Plan:
     spec: ModelSpec
@@ -135,6 +139,13 @@ class Plan:
     @property
     def verdict(self) -> str:
         return "fits" if self.fits else "does_not_fit"
+
+    @property
+    def serve_refuses(self) -> list[str]:
+        """Rule ids that are warnings in ``plan`` but errors when serving (RULES.md: HK-07):
+        the memory fits the device, but ``serve`` would refuse to start."""
+        return sorted({str(f.get("id")) for f in self.config_findings
+                       if f.get("id") in SERVE_ERROR_RULES})
 
     @property
     def weights_bytes_total(self) -> int:
@@ -522,8 +533,10 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
             + (f" + runtime overhead {_n(O)} + reserve {_n(inp.vmm_memory_reserve_bytes)}"
                if inp.mode == "elastic_vmm" else "")
             + f" = {_n(need)} bytes of {_n(have)} usable",
-            "use more workers (tp_size / devices), a device with more memory"
-            + (", or a higher max_memory_utilization" if inp.mode != "elastic_vmm" else "")))
+            "use more workers (tp_size / devices) or a device with more memory"
+            # A higher ratio helps only when the whole device would hold weights and peak.
+            + (", or a higher max_memory_utilization"
+               if inp.mode != "elastic_vmm" and wt + P < T else "")))
     elif conc < 1 and plan.fits:
         need = demand(units, 1, L) + r
         plan.reasons.append(Reason(
