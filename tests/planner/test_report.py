@@ -42,7 +42,7 @@ def test_every_catalogue_model_in_every_mode(name, mode):
 def test_json_top_level_fields_are_stable():
     d = plan_to_dict(make_plan(load_model_spec("Qwen/Qwen3-8B"), PlanInputs()))
     assert list(d) == ["schema_version", "model", "workers", "mode", "device",
-                       "host_memory_bytes", "context_len", "verdict", "reasons",
+                       "host_memory_bytes", "context_len", "verdict", "serve_refuses", "reasons",
                        "max_context_len", "suggested_workers", "inputs", "per_worker", "totals",
                        "formulas", "config_findings"]
     assert d["schema_version"] == 1 and d["workers"] == 1
