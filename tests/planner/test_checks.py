@@ -217,3 +217,16 @@ def test_memory_hint_offers_a_higher_ratio_only_when_the_device_could_hold_the_w
         return [r["hint"] for r in d["reasons"] if r["code"] == "MEMORY"][0]
     assert "max_memory_utilization" not in hint("1GiB")  # 16.4 GB of weights: no ratio helps
     assert hint("18GiB").endswith("or a higher max_memory_utilization")
+
+
+def test_plan_sizes_mean_what_flag_sizes_mean():
+    """plan's --device-memory / --host-memory use the flags' size parser: `64G` is 64 GiB in
+    both (it was 64×1000³ in plan), `80GB` is decimal in both."""
+    from xllm_vmm.config.values import parse_size
+    from xllm_vmm.planner import parse_bytes
+
+    for text in ("64G", "64GiB", "80GB", "512MiB", "1.5GiB", "1PiB", "123"):
+        assert parse_bytes(text, what="--device-memory") == parse_size(text)
+    assert parse_bytes("64G", what="--device-memory") == 64 * 1024**3
+    d = json.loads(plan("--model=Qwen/Qwen3-8B", "--device-memory=64G", "--format=json").stdout)
+    assert d["device"]["total_bytes"] == 68_719_476_736

@@ -93,27 +93,24 @@ def get_profile(name: str) -> DeviceProfile:
     raise DeviceError(f"unknown device profile {name!r}", hint=hint)
 
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
-          "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": MiB, "gib": GiB,
-          "tib": 1024 * GiB, "p": 1000**5, "pb": 1000**5, "pib": 1024**2 * GiB}
-
-
 def parse_bytes(text: str | int, *, what: str) -> int:
     """``"64GiB"``, ``"80GB"``, ``"1073741824"``, ``"1.5GiB"`` -> bytes (an int >= 0).
 
-    Decimal units (GB) are powers of 1000, binary units (GiB) powers of 1024."""
+    The same parser as byte-sized flags (:func:`xllm_vmm.config.values.parse_size`), so a size
+    means the same in ``plan``'s options and in the flags: binary units (``GiB``, and the bare
+    letters ``K``/``M``/``G``/``T``/``P`` as in gflags sizes) are powers of 1024, decimal units
+    (``GB``) powers of 1000."""
     if isinstance(text, int) and not isinstance(text, bool):
         value = text
     else:
-        import re
+        from xllm_vmm.config.values import parse_size
 
-        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text).replace("_", ""))
-        unit = m.group(2).lower() if m else None
-        if m is None or unit not in _UNITS:
+        try:
+            value = parse_size(str(text).replace("_", ""))
+        except ValueError:
             raise DeviceError(f"{what} {text!r} is not a size",
-                              hint="give bytes, or a number with a unit: 64GiB, 80GB, 512MiB")
-        value = int(float(m.group(1)) * _UNITS[unit]) if "." in m.group(1) \
-            else int(m.group(1)) * _UNITS[unit]
+                              hint="give bytes, or a number with a unit: 64GiB, 80GB, "
+                                   "512MiB") from None
     if value < 0:
         raise DeviceError(f"{what} must not be negative, got {value}", hint="give a size >= 0")
     return value
