@@ -235,6 +235,25 @@ def test_el06_minimum_is_one_page_per_vmm_tensor(model_dir):
     assert "EL-06" in run(KV, "--max_cache_size=7MiB").not_checked
 
 
+def test_el06_shared_pool_minimum_includes_the_weights(model_dir):
+    """VMM-02: with weight VMM on as well, max_cache_size is the quota of the pool KV and
+    weights share, so its least is the weights (per worker) plus one page per KV tensor — the
+    figure plan uses too."""
+    from xllm_vmm.models import load_model_spec
+
+    weights = load_model_spec(str(model_dir("dense"))).served_weight_bytes
+    least = 8 * 1024**2 + weights
+    shared = (KV, "--enable_vmm_weights=true")
+    rep = run(*shared, f"--max_cache_size={least - 1}", model=model_dir("dense"))
+    f = next(f for f in rep.findings if f.id == "EL-06")
+    assert f"of weights per worker in the pool they share (VMM-02)" in f.message
+    assert f"at least {least} " in f.hint
+    assert "EL-06" not in run(*shared, f"--max_cache_size={least}",
+                              model=model_dir("dense")).rule_ids()
+    # KV VMM alone: the weights are outside the pool, 8 MiB is enough
+    assert "EL-06" not in run(KV, "--max_cache_size=8MiB", model=model_dir("dense")).rule_ids()
+
+
 def test_el08_device_memory():
     args = (KV, EL, "--vmm_memory_reserve_bytes=80GiB")
     assert "EL-08" in warnings(run(*args, device_memory=64 * 1024**3))

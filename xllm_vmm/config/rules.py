@@ -672,13 +672,21 @@ def _el06(x: _Ctx, model) -> _Out:
     tensors = sum(len(g.tensors) for g in layout.groups)
     page = int(x.cfg["phy_page_granularity_size"])
     least = tensors * page
-    if quota < least:
+    # VMM-02: with weight VMM on too, the quota covers the shared pool, weights included (the
+    # architecture's estimate: check-config reads only config.json).
+    workers = int(x.cfg["tp_size"])
+    weights = -(-model.served_weight_bytes // workers) if x.cfg["enable_vmm_weights"] else 0
+    if quota < least + weights:
+        shared = (f" plus {format_size(weights)} ({weights} bytes) of weights per worker in the "
+                  "pool they share (VMM-02)") if weights else ""
         yield x.finding(
             "EL-06", f"{x.d('max_cache_size')} is below the least the pool can map for "
             f"{model.name}: one {format_size(page)} page for each of its {tensors} VMM tensors "
-            f"per worker = {format_size(least)} ({least} bytes)",
-            ("max_cache_size", "phy_page_granularity_size", "tp_size"),
-            f"set --max_cache_size to at least {least} ({format_size(least)}), or 0 for no quota")
+            f"per worker = {format_size(least)} ({least} bytes){shared}",
+            ("max_cache_size", "phy_page_granularity_size", "tp_size")
+            + (("enable_vmm_weights",) if weights else ()),
+            f"set --max_cache_size to at least {least + weights} "
+            f"({format_size(least + weights)}), or 0 for no quota")
 
 
 @_rule("EL-08")
