@@ -122,3 +122,17 @@ class KeepAllPolicy:
 @pytest.fixture
 def backing():
     return FakeBacking()
+
+def make(backing, slots=4, bps=4, draft=None, policy=None):
+    """A BlockAllocator over ``backing``: group "attn" of ``slots`` slots of ``bps`` blocks,
+    optionally a "draft" group (``(slots, bps)``) and a retention ``policy`` wired to it."""
+    from xllm_vmm.kvcache import BlockAllocator, GroupShape
+
+    shapes = [GroupShape("attn", slots, bps)]
+    if draft:
+        shapes.append(GroupShape("draft", *draft))
+    a = BlockAllocator(shapes, backing)
+    if policy is not None:
+        policy.allocator = a
+        a.set_retention(policy)
+    return a

@@ -5,19 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.kvcache.conftest import FakeBacking, KeepAllPolicy
-from xllm_vmm.kvcache import BlockAllocator, BlockInfo, GroupShape, SlotInfo
+from tests.kvcache.conftest import FakeBacking, KeepAllPolicy, make
+from xllm_vmm.kvcache import BlockAllocator, BlockInfo, SlotInfo
 
-
-def make(backing, slots=4, bps=4, draft=None, policy=None):
-    shapes = [GroupShape("attn", slots, bps)]
-    if draft:
-        shapes.append(GroupShape("draft", *draft))
-    a = BlockAllocator(shapes, backing)
-    if policy is not None:
-        policy.allocator = a
-        a.set_retention(policy)
-    return a
 
 
 def test_fresh_slots_give_lowest_ids_and_fill_one_slot_before_the_next(backing):

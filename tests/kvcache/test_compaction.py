@@ -5,19 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.kvcache.conftest import FakeBacking, KeepAllPolicy
-from xllm_vmm.kvcache import BlockAllocator, Compaction, GroupShape
+from tests.kvcache.conftest import FakeBacking, KeepAllPolicy, make
+from xllm_vmm.kvcache import BlockAllocator, Compaction
 
-
-def make(backing, slots=4, bps=4, draft=None, policy=None):
-    shapes = [GroupShape("attn", slots, bps)]
-    if draft:
-        shapes.append(GroupShape("draft", *draft))
-    a = BlockAllocator(shapes, backing)
-    if policy is not None:
-        policy.allocator = a
-        a.set_retention(policy)
-    return a
 
 
 def scattered(a):
