@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 
 import pytest
 
+from tests.prefix.fakes import Req  # one request record for the fake and the real stack
 from xllm_vmm.kvcache import VirtualKVCache
 from xllm_vmm.kvcache.hashing import block_hashes
 from xllm_vmm.kvcache.prefix_setup import attach_host_tier, attach_prefix_cache
@@ -106,15 +106,6 @@ class StepCopies:
 
     def synchronize(self) -> None:
         self.complete(len(self._queue))
-
-
-@dataclass
-class Req:
-    tokens: list
-    hashes: list
-    blocks: dict
-    hit: int
-    restore: object = None
 
 
 class Stack:
