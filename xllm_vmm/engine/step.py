@@ -1,0 +1,214 @@
+"""The step description: what the scheduler (driver side) hands a worker, and what comes back.
+
+Plain data, the seam between scheduling and compute (DESIGN.md, ``xllm_vmm.engine``): a worker
+never sees requests, sampling parameters or the KV cache manager, only chunks of token ids with
+their positions and block tables. Tensor-parallel workers receive the same ``StepInput`` (the
+same block tables on every worker); an MTP draft later reads ``StepOutput.hidden_states``.
+
+Units: positions and lengths are tokens; block ids index a cache group's blocks; a *slot* in
+``slot_mapping`` is the flat token slot ``block_id * block_size + pos % block_size`` of the
+group's K/V tensors viewed as ``(num_blocks * block_size, ...)``.
+
+Invariants ``StepInput.build`` checks (``ValueError`` naming the chunk otherwise):
+
+- every chunk computes at least one token; ``start_pos >= 0``;
+- every chunk's block table has the same groups, and each group's list covers
+  ``[0, start_pos + len(token_ids))`` (at least ``ceil(seq_len / block_size)`` blocks, ids >= 0);
+- request ids are unique within a step.
+
+Padding of ``block_tables``: rows are padded with ``BLOCK_TABLE_PAD`` (0, a valid block id, so a
+gather over a padded row never indexes out of range); entries past ``ceil(seq_lens[i] /
+block_size)`` are padding and must be masked by ``seq_lens``. Only the blocks covering
+``seq_lens[i]`` are copied into the tensor (lookahead blocks a request holds are left out).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch import Tensor
+
+BLOCK_TABLE_PAD = 0
+"""Value that pads ``StepInput.block_tables`` rows beyond a sequence's blocks (a valid id)."""
+
+
+@dataclass
+class SeqChunk:
+    """One request's share of a step: a prefill chunk (many tokens) or a decode (one token).
+
+    ``token_ids`` are computed this step (len >= 1) at positions ``start_pos ..
+    start_pos + len(token_ids) - 1``; ``start_pos`` = tokens whose KV is already in the cache
+    (prefix-cache hits included). ``block_table`` maps group -> block ids covering at least
+    ``[0, start_pos + len(token_ids))``. ``sample``: return logits for the chunk's last token
+    (False for a prefill chunk that does not reach the prompt's end).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: dict[str, list[int]]
+    sample: bool
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens holding KV once this chunk ran (``start_pos + len(token_ids)``)."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class StepInput:
+    """A batch of chunks plus the flat tensors a worker's kernels read.
+
+    Build with :meth:`build`; the tensors are derived from ``chunks`` once, on CPU:
+
+    - ``input_ids`` (T,) int64, ``positions`` (T,) int64: the chunks' tokens concatenated in
+      chunk order (T = total tokens of the step);
+    - ``slot_mapping``: group -> (T,) int64 flat slot of each token's new K/V;
+    - ``query_start_loc`` (B+1,) int32: chunk i's tokens are rows
+      ``query_start_loc[i]:query_start_loc[i+1]``;
+    - ``seq_lens`` (B,) int32: ``start_pos + len(token_ids)`` per chunk;
+    - ``block_tables``: group -> (B, max_blocks) int32, padded with ``BLOCK_TABLE_PAD``;
+    - ``sample_indices`` (num_sampled,) int64: rows of the token axis whose logits are returned
+      (the last token of every chunk with ``sample=True``, in chunk order).
+    """
+
+    chunks: list[SeqChunk]
+    block_size: int
+    input_ids: Tensor
+    positions: Tensor
+    slot_mapping: dict[str, Tensor]
+    query_start_loc: Tensor
+    seq_lens: Tensor
+    block_tables: dict[str, Tensor]
+    sample_indices: Tensor
+    max_query_len: int = 0
+    max_seq_len: int = 0
+    group_names: tuple[str, ...] = field(default=())
+
+    @property
+    def num_tokens(self) -> int:
+        """T, tokens computed this step."""
+        return int(self.input_ids.numel())
+
+    @property
+    def num_seqs(self) -> int:
+        """B, chunks in this step."""
+        return len(self.chunks)
+
+    @property
+    def num_sampled(self) -> int:
+        """Rows of logits the worker returns."""
+        return int(self.sample_indices.numel())
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [c.request_id for c in self.chunks]
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every chunk computes exactly one token (a pure decode step)."""
+        return all(len(c.token_ids) == 1 for c in self.chunks)
+
+    @classmethod
+    def build(cls, chunks: Sequence[SeqChunk], block_size: int) -> StepInput:
+        """Derive the flat tensors of a step from its chunks (checks the module's invariants)."""
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1 (got {block_size})")
+        chunks = list(chunks)
+        if not chunks:
+            raise ValueError("a step needs at least one chunk")
+        groups: tuple[str, ...] = tuple(chunks[0].block_table)
+        if not groups:
+            raise ValueError(f"chunk {chunks[0].request_id!r}: block_table has no groups")
+        seen: set[str] = set()
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: dict[str, list[int]] = {g: [] for g in groups}
+        qsl = [0]
+        seq_lens: list[int] = []
+        sample_idx: list[int] = []
+        tables: dict[str, list[list[int]]] = {g: [] for g in groups}
+        max_blocks = 0
+        max_q = 0
+        for c in chunks:
+            rid = c.request_id
+            if rid in seen:
+                raise ValueError(f"request {rid!r} appears twice in one step")
+            seen.add(rid)
+            n = len(c.token_ids)
+            if n < 1:
+                raise ValueError(f"chunk {rid!r}: token_ids is empty (a chunk computes >= 1 token)")
+            if c.start_pos < 0:
+                raise ValueError(f"chunk {rid!r}: start_pos {c.start_pos} < 0")
+            if set(c.block_table) != set(groups):
+                raise ValueError(
+                    f"chunk {rid!r}: block_table groups {sorted(c.block_table)} differ from "
+                    f"the step's {sorted(groups)}"
+                )
+            seq_len = c.start_pos + n
+            need = -(-seq_len // block_size)
+            rng = range(c.start_pos, seq_len)
+            for g in groups:
+                bt = c.block_table[g]
+                if len(bt) < need:
+                    raise ValueError(
+                        f"chunk {rid!r}: group {g!r} block table has {len(bt)} blocks, "
+                        f"{need} needed for {seq_len} tokens at block_size {block_size}"
+                    )
+                row = list(bt[:need])
+                if min(row) < 0:
+                    raise ValueError(f"chunk {rid!r}: group {g!r} block table holds a negative id")
+                tables[g].append(row)
+                slots[g].extend(row[p // block_size] * block_size + p % block_size for p in rng)
+            max_blocks = max(max_blocks, need)
+            max_q = max(max_q, n)
+            ids.extend(c.token_ids)
+            pos.extend(rng)
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(seq_len)
+            if c.sample:
+                sample_idx.append(qsl[-1] - 1)
+        bt_tensors: dict[str, Tensor] = {}
+        for g in groups:
+            t = torch.full((len(chunks), max_blocks), BLOCK_TABLE_PAD, dtype=torch.int32)
+            for i, row in enumerate(tables[g]):
+                t[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+            bt_tensors[g] = t
+        return cls(
+            chunks=chunks,
+            block_size=block_size,
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.tensor(pos, dtype=torch.int64),
+            slot_mapping={g: torch.tensor(slots[g], dtype=torch.int64) for g in groups},
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=bt_tensors,
+            sample_indices=torch.tensor(sample_idx, dtype=torch.int64),
+            max_query_len=max_q,
+            max_seq_len=max(seq_lens),
+            group_names=groups,
+        )
+
+
+@dataclass
+class StepOutput:
+    """What a worker returns for one ``StepInput``.
+
+    ``logits`` (num_sampled, vocab) float32: one row per chunk with ``sample=True``, in chunk
+    order (row i belongs to ``step.sample_indices[i]``). ``hidden_states`` (num_sampled, hidden)
+    or None: the last layer's hidden state of the same rows (for an MTP draft). ``execution_peak_bytes``:
+    the step's transient device memory beyond weights and KV (activations, workspace), bytes; the
+    scheduler reports it to the pool (``VmmPool.observe_execution_peak``).
+    """
+
+    logits: Tensor
+    hidden_states: Tensor | None = None
+    execution_peak_bytes: int = 0
+
+
+__all__ = ["BLOCK_TABLE_PAD", "SeqChunk", "StepInput", "StepOutput"]
