@@ -2,6 +2,10 @@
 
 Public API (stable; other packages import these names from here):
 
+- :class:`KVCacheManager` and :func:`build_kv_cache_manager` — the one entry an engine uses
+  (request-level verbs: lookup, allocate, commit, free, step; it owns the block tables);
+  :class:`PrefixMatch`, :class:`KVCapacity`, :class:`KVCacheManagerError`.
+
 - :class:`VirtualKVCache` — groups of a ``CacheLayout`` over a ``VmmPool`` tenant region.
 - :class:`BlockAllocator` — reference-counted, page-aware allocation; the retention extension
   point for the prefix cache (:class:`RetentionPolicy`, documented in
@@ -31,6 +35,13 @@ from xllm_vmm.kvcache.cache import (
     fit_tokens,
     slots_for_tokens,
 )
+from xllm_vmm.kvcache.manager import (
+    KVCacheManager,
+    KVCacheManagerError,
+    KVCapacity,
+    PrefixMatch,
+    build_kv_cache_manager,
+)
 from xllm_vmm.kvcache.resident import SequenceSlots
 
 __all__ = [
@@ -45,12 +56,17 @@ __all__ = [
     "GroupCapacity",
     "GroupGeometry",
     "GroupShape",
+    "KVCacheManager",
+    "KVCacheManagerError",
+    "KVCapacity",
+    "PrefixMatch",
     "RetentionPolicy",
     "SequenceSlots",
     "SlotBacking",
     "SlotInfo",
     "VirtualKVCache",
     "blocks_for_tokens",
+    "build_kv_cache_manager",
     "fit_tokens",
     "slots_for_tokens",
 ]

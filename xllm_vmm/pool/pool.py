@@ -221,6 +221,47 @@ class VmmPool:
     def region(self, name: str) -> Region:
         return self._regions[name]
 
+    def has_tenant(self, name: str) -> bool:
+        return name in self._regions
+
+    def remove_tenant(self, name: str) -> None:
+        """Give tenant ``name``'s region back: its pages in use are unmapped and their memory
+        freed (fixed and physical pools too), and the name may be used again. Per-tag counts
+        are not adjusted for pages still in use: take tagged pages out of use first. The arena space
+        returns to the free middle when the region is the innermost one of its end (the last
+        carved there); otherwise it stays carved but unbacked (the arena is a bump allocator
+        from both ends)."""
+        region = self._regions[name]
+        d = self.driver
+        if self.mode is BudgetMode.PHYSICAL:
+            h = self._resident.pop(name, None)
+            if h is not None:
+                d.unmap(region.base_va)
+                d.free_handle(h)
+                self._held -= region.nbytes
+        else:
+            in_use = sorted(self._in_use[name])
+            if in_use:  # elastic: unmapped and freed here; fixed: only marked
+                self.unmap_pages(region, in_use, release=True)
+            backed = [p for p in range(region.pages) if (region.first_page + p) in self._mapped]
+            if backed:  # fixed: the region was backed whole when it was added
+                d.unmap_batch([region.page_va(p) for p in backed])
+                for p in backed:
+                    d.free_handle(self._mapped.pop(region.first_page + p))
+                self._held -= len(backed) * self.page_bytes
+                self.unmap_calls += 1
+                self.pages_unmapped_total += len(backed)
+        del self._regions[name]
+        del self._in_use[name]
+        if region.first_page == self._high:
+            self._high += region.pages
+        elif region.first_page + region.pages == self._low:
+            self._low -= region.pages
+
+    def arena_bytes_left(self) -> int:
+        """Bytes of arena not yet carved into a tenant region (between the two ends)."""
+        return (self._high - self._low) * self.page_bytes
+
     # -- budget --------------------------------------------------------------------------
     def observe_execution_peak(self, nbytes: int) -> None:
         """The engine reports an observed execution memory peak (bytes); the budget keeps the
@@ -319,10 +360,12 @@ class VmmPool:
         for h in created:
             self.driver.free_handle(h)
 
-    def unmap_pages(self, region: Region, pages: Sequence[int], tag: str = "") -> None:
+    def unmap_pages(self, region: Region, pages: Sequence[int], tag: str = "", *,
+                    release: bool = False) -> None:
         """Take ``pages`` out of use. Elastic: unmap them in one batched call and free their
-        handles at once (beyond the ready set). Unmapping a page not in use raises
-        ``ValueError``."""
+        handles at once (beyond the ready set; with ``release=True`` none is kept ready: the
+        weights going to sleep give their memory back whole). Unmapping a page not in use
+        raises ``ValueError``."""
         in_use = self._in_use[region.tenant]
         for p in pages:
             if p not in in_use:
@@ -340,7 +383,7 @@ class VmmPool:
             self.pages_unmapped_total += len(pages)
             for p in pages:
                 h = self._mapped.pop(region.first_page + p)
-                if len(self._ready) < self.ready_pages:
+                if not release and len(self._ready) < self.ready_pages:
                     self._ready.append(h)
                 else:
                     self.driver.free_handle(h)

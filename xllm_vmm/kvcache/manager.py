@@ -1,0 +1,719 @@
+"""``KVCacheManager``: the one object an engine holds for its KV cache.
+
+Request-level verbs over the virtual KV cache (slots → blocks), the prefix cache (hash index +
+LRU of unreferenced blocks) and the host KV tier, in the spirit of vLLM v1's
+``KVCacheManager``. The manager owns every request's *block tables* (group → list of block
+ids; position ``p`` of the request lives in block ``table[p // block_size]``): compaction moves
+and host restores are applied to them by the manager itself, in place, so a list obtained from
+:meth:`KVCacheManager.block_tables` stays current and a caller never rewrites one.
+
+Lifecycle of a request (what the engine's scheduler does)::
+
+    hit = mgr.lookup(rid, prompt_ids)             # longest cached prefix, held (pinned)
+    tables = mgr.allocate(rid, n, hit=hit,        # fresh: admitted on its whole prompt (AD-04)
+                          num_prompt_tokens=len(prompt_ids))
+    if tables is None: ...                        # "not now": nothing changed, retry / preempt
+    while not mgr.ready(rid): mgr.step()          # a host-tier restore is in flight
+    ...run the model on the chunk...
+    mgr.commit(rid, num_computed, token_ids)      # publishes every newly complete block
+    tables = mgr.allocate(rid, 1)                 # decode growth (lookahead: speculative room)
+    mgr.free(rid)                                 # blocks cached or freed (transfer pins kept)
+    mgr.step()                                    # once per engine iteration
+
+Invariants (DESIGN.md; checked by ``tests/kvcache/test_manager*.py``):
+
+- Every block id in a request's table is referenced by that request (ref ≥ 1) until
+  :meth:`~KVCacheManager.free`; table length = ⌈(tokens covered) / block_size⌉ in every group
+  (one block size across groups; a sliding-window group keeps every block of the sequence —
+  trimming a window is not done yet).
+- A held hit's device blocks are referenced from :meth:`~KVCacheManager.lookup` until
+  :meth:`~KVCacheManager.allocate` or :meth:`~KVCacheManager.drop` / :meth:`free`; its host
+  blocks are pinned in the host pool for the same time (never evicted in between).
+- ``allocate`` returning ``None`` changed nothing a caller can see: no table grew, the held
+  hit is still held (cached blocks may have been evicted to make room, and the pool rolled
+  back every page it mapped in that call — invariant 3).
+- A block a transfer (offload / restore copy) uses stays pinned until the copy ends, also when
+  its request is freed (invariant 4).
+- Only complete blocks whose KV is written are published (PC-01: chunked prefill publishes a
+  block once all its tokens are committed; PC-02: a hybrid model's hit is cut back to the last
+  block with a linear-state checkpoint, so without checkpoints it never hits).
+
+Differences from ``contracts.md`` §1 (kept names; the nearest sound thing):
+
+- ``mm_hashes`` is a sequence of :class:`~xllm_vmm.kvcache.hashing.MediaSpan` (offset and
+  length in tokens, content hash): a bare hash cannot say which blocks it overlaps.
+- A host-tier restore can fail. :meth:`KVCacheManager.ready` then returns ``True`` and
+  :meth:`KVCacheManager.num_computed_tokens` drops back to the device hit: the engine computes
+  from there (the blocks stay allocated to the request).
+- :meth:`KVCacheManager.drop` is the verb for a looked-up request that is never allocated; on
+  an allocated one it is :meth:`free`.
+- :meth:`KVCacheManager.close` does not close the pool (the caller built it and owns it).
+
+Multi-worker (issue 14): slot activation goes through :attr:`VirtualKVCache` as the
+allocator's ``SlotBacking`` (``activate(slots)`` / ``deactivate(slots)`` / ``move(moves)``); a
+fan-out object implementing the same three calls for several workers replaces it there.
+
+Units: tokens (``num_*_tokens``), blocks (ids, counts), bytes (``*_bytes``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from xllm_vmm.kvcache.cache import CacheLayoutError, VirtualKVCache, fit_tokens
+from xllm_vmm.kvcache.hashing import DEFAULT_SEED, BlockHash, MediaSpan, block_hashes
+from xllm_vmm.kvcache.host_tier import HostTier, Restore
+from xllm_vmm.kvcache.prefix import PrefixCache
+from xllm_vmm.kvcache.prefix_setup import attach_host_tier, attach_prefix_cache
+
+__all__ = [
+    "KVCacheManager",
+    "KVCacheManagerError",
+    "KVCapacity",
+    "PrefixMatch",
+    "build_kv_cache_manager",
+]
+
+
+class KVCacheManagerError(RuntimeError):
+    """Misuse of the manager's verbs (unknown request, a hit from another request, sleep with
+    requests holding blocks, allocation while asleep); the message says what to do."""
+
+
+@dataclass(frozen=True, eq=False)
+class PrefixMatch:
+    """What :meth:`KVCacheManager.lookup` found for ``request_id``.
+
+    ``num_tokens`` = ``num_device_tokens + num_host_tokens``: the first ``num_tokens`` tokens
+    of the prompt need no compute; always a multiple of the block size and at most
+    ``len(token_ids) - 1`` (the last prompt token is always computed so that logits exist).
+    ``num_host_tokens`` come back from the host tier by a restore started in
+    :meth:`KVCacheManager.allocate`. ``checkpoint``: a hybrid model's linear-state checkpoint
+    at the end of the device hit (PC-02), else ``None``. Identity matters: ``allocate`` takes
+    only the match its request holds now."""
+
+    request_id: str
+    num_tokens: int
+    num_device_tokens: int
+    num_host_tokens: int
+    checkpoint: Any = None
+
+
+@dataclass(frozen=True)
+class KVCapacity:
+    """Live capacity snapshot (blocks per group; tokens derived with one block size).
+
+    ``total_blocks``: the virtual KV tensor capacity (every slot); ``used_blocks``: blocks
+    referenced by requests (or held hits); ``cached_blocks``: unreferenced blocks kept by the
+    prefix cache; ``available_blocks``: what one group could take now = free blocks of mapped
+    slots + evictable cached blocks + blocks of the slots the live budget can still map
+    (the budget is shared by every group: each group's figure assumes it takes it alone)."""
+
+    block_size: int
+    total_blocks: Mapping[str, int]
+    used_blocks: Mapping[str, int]
+    cached_blocks: Mapping[str, int]
+    available_blocks: Mapping[str, int]
+
+    @property
+    def available_tokens(self) -> int:
+        """Tokens one new sequence could take now (the least over groups)."""
+        return min(self.available_blocks.values()) * self.block_size
+
+    @property
+    def total_tokens(self) -> int:
+        return min(self.total_blocks.values()) * self.block_size
+
+
+@dataclass(eq=False)
+class _Request:
+    """The manager's state of one request."""
+
+    rid: str
+    tables: dict[str, list[int]]
+    num_computed: int = 0  # tokens whose KV is written (or restored / hit)
+    admitted: bool = False  # allocate() succeeded once
+    hashes: list[BlockHash] = field(default_factory=list)  # complete blocks hashed so far
+    media: tuple[MediaSpan, ...] = ()
+    published: int = 0  # request blocks [0, published) are in the index (or hit)
+    # the held hit (lookup → allocate): device blocks referenced, host blocks pinned
+    match: PrefixMatch | None = None
+    held: dict[str, list[int]] | None = None
+    held_host: list[int] = field(default_factory=list)
+    # a restore in flight (allocate → ready)
+    restore: Restore | None = None
+    restore_dev_blocks: int = 0
+
+
+_TUNING = {
+    "compact": "bool: compact in step() when whole slots can be reclaimed (elastic pools)",
+    "compact_min_slots": "int >= 1: reclaimable slots (any group) that make a compaction worth it",
+    "compact_max_blocks": "int >= 1: blocks moved by one step() at most",
+    "host_available_bytes": "int: host memory the host pool may take (HK-07; default MemAvailable)",
+    "host_populate": "bool: commit the host pool's pages at start (HK-06; default True)",
+}
+
+
+class KVCacheManager:
+    """Request-level KV cache verbs over one worker's :class:`VirtualKVCache` (see the module
+    docstring for the lifecycle and invariants). Build it with :func:`build_kv_cache_manager`.
+    """
+
+    def __init__(self, cache: VirtualKVCache, *, prefix: PrefixCache | None = None,
+                 host: HostTier | None = None, hash_seed: int = DEFAULT_SEED,
+                 compact: bool = True, compact_min_slots: int = 2,
+                 compact_max_blocks: int | None = None) -> None:
+        sizes = {geo.group.block_size for geo in cache.geometry.values()}
+        if len(sizes) != 1:
+            raise CacheLayoutError(f"the KV cache manager needs one block_size across cache "
+                                   f"groups, got {sorted(sizes)}")
+        if compact_min_slots < 1:
+            raise ValueError(f"compact_min_slots must be >= 1, got {compact_min_slots}")
+        if compact_max_blocks is not None and compact_max_blocks < 1:
+            raise ValueError(f"compact_max_blocks must be >= 1 or None, got {compact_max_blocks}")
+        self._cache = cache
+        self.block_size: int = sizes.pop()
+        self.group_names: tuple[str, ...] = tuple(cache.geometry)
+        self.prefix = prefix
+        self.host = host
+        self.hash_seed = hash_seed
+        self._alloc = cache.allocator
+        self._reqs: dict[str, _Request] = {}
+        self._asleep = False
+        self._closed = False
+        self._compact = compact
+        self._compact_min_slots = compact_min_slots
+        self._compact_max_blocks = compact_max_blocks
+        self._elastic = cache.pool.mode.value == "elastic"
+        self.compactions = 0
+        self.blocks_compacted = 0
+        self.bytes_compacted_released = 0
+        self.restore_failures = 0
+
+    # -- properties ----------------------------------------------------------------------
+    @property
+    def cache(self) -> VirtualKVCache:
+        """The worker-side cache (tensors over the arena); block ``b`` of group ``g`` is at
+        ``cache.block_address(g, tensor, b)``."""
+        return self._cache
+
+    @property
+    def enable_prefix_cache(self) -> bool:
+        return self.prefix is not None
+
+    @property
+    def num_requests(self) -> int:
+        """Requests the manager knows (looked up or allocated, not yet freed)."""
+        return len(self._reqs)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._reqs
+
+    def _req(self, request_id: str) -> _Request:
+        try:
+            return self._reqs[request_id]
+        except KeyError:
+            raise KVCacheManagerError(f"unknown request {request_id!r}: lookup() or "
+                                      "allocate() it first (or it was freed)") from None
+
+    def _new(self, request_id: str) -> _Request:
+        return _Request(request_id, {g: [] for g in self.group_names})
+
+    # -- lookup --------------------------------------------------------------------------
+    def lookup(self, request_id: str, token_ids: Sequence[int],
+               mm_hashes: Sequence[MediaSpan] = ()) -> PrefixMatch:
+        """The longest cached prefix of the prompt ``token_ids``: device blocks first, then the
+        host tier's consecutive blocks after them, by the same XXH3-128 chain (tokens and the
+        multimodal spans ``mm_hashes``). The hit is held — device blocks referenced, host
+        blocks pinned — until :meth:`allocate` of this request or :meth:`drop`. A second lookup
+        of the same (not yet allocated) request replaces the held hit. Without prefix caching
+        the match is empty (the request is still registered)."""
+        req = self._reqs.get(request_id)
+        if req is not None and req.admitted:
+            raise KVCacheManagerError(f"lookup of request {request_id!r}, which is already "
+                                      "allocated; free() it first")
+        if req is None:
+            req = self._reqs[request_id] = self._new(request_id)
+        else:
+            self._release_hold(req)
+        media = tuple(mm_hashes)
+        req.media = media
+        bs = self.block_size
+        prefix = self.prefix
+        if prefix is None:
+            m = PrefixMatch(request_id, 0, 0, 0)
+            req.match = m
+            return m
+        hashes = block_hashes(token_ids, bs, seed=self.hash_seed, media=media)
+        req.hashes = hashes
+        cap = (len(token_ids) - 1) // bs if token_ids else 0
+        hit = prefix.lookup(hashes, max_blocks=cap)
+        prefix.acquire(hit)
+        n_dev = hit.num_blocks
+        req.held = {g: list(hit.blocks[g]) for g in self.group_names}
+        n_host = 0
+        host = self.host
+        if host is not None and n_dev < cap:
+            n_host = host.match(hashes, n_dev, max_blocks=cap)
+            pool = host.pool
+            for h in hashes[n_dev:n_dev + n_host]:
+                hb = pool.lookup(h)
+                pool.pin(hb)  # type: ignore[arg-type]
+                req.held_host.append(hb)  # type: ignore[arg-type]
+        m = PrefixMatch(request_id, (n_dev + n_host) * bs, n_dev * bs, n_host * bs,
+                        hit.checkpoint)
+        req.match = m
+        return m
+
+    def _release_hold(self, req: _Request) -> None:
+        """Give back a held hit (device references, host pins)."""
+        if req.held is not None:
+            if self.prefix is not None and any(req.held.values()):
+                self.prefix.release(req.held)
+            req.held = None
+        if req.held_host:
+            pool = self.host.pool  # type: ignore[union-attr]
+            for hb in req.held_host:
+                pool.unpin(hb)
+            req.held_host = []
+        req.match = None
+
+    # -- allocate ------------------------------------------------------------------------
+    def allocate(self, request_id: str, num_new_tokens: int, *, hit: PrefixMatch | None = None,
+                 lookahead: int = 0, num_prompt_tokens: int | None = None
+                 ) -> dict[str, list[int]] | None:
+        """Make the request's block tables cover ``num_computed + num_new_tokens + lookahead``
+        tokens and return them (group → block ids; the manager's own lists).
+
+        ``num_computed``: tokens committed so far; for a fresh request, the tokens of ``hit``
+        (the match :meth:`lookup` returned for it; ``None``: no hit, a held one is given back).
+        A fresh request is admitted against its whole prompt footprint,
+        ``num_prompt_tokens`` (default: ``num_computed + num_new_tokens``) plus ``lookahead``,
+        even when this call allocates only its first chunk (AD-04); a running one takes the
+        blocks its new tokens need (decode growth: one block at a time, next to its last
+        block). A host hit starts its restore here (:meth:`ready` is ``False`` until it ends).
+
+        ``None`` = "not now": nothing changed (see the module docstring); retry later or
+        preempt something."""
+        if self._asleep:
+            raise KVCacheManagerError("allocate while the KV cache is asleep: wake_up() first")
+        if num_new_tokens < 0 or lookahead < 0:
+            raise ValueError(f"allocate({request_id!r}): num_new_tokens={num_new_tokens} and "
+                             f"lookahead={lookahead} must be >= 0 tokens")
+        req = self._reqs.get(request_id)
+        if req is not None and req.admitted:
+            if hit is not None:
+                raise KVCacheManagerError(f"allocate({request_id!r}, hit=...): the request is "
+                                          "already running; a hit applies to its first "
+                                          "allocation only")
+            return self._grow(req, req.num_computed + num_new_tokens + lookahead)
+        return self._admit(request_id, req, num_new_tokens, hit, lookahead, num_prompt_tokens)
+
+    def _grow(self, req: _Request, tokens: int) -> dict[str, list[int]] | None:
+        tables = req.tables
+        first = tables[self.group_names[0]]
+        need = -(-tokens // self.block_size) - len(first)
+        if need <= 0:
+            return tables
+        near = {g: t[-1] for g, t in tables.items()} if first else None
+        new = self._cache.allocator.allocate({g: need for g in self.group_names}, near)
+        if new is None:
+            return None
+        for g, ids in new.items():
+            tables[g].extend(ids)
+        return tables
+
+    def _admit(self, request_id: str, req: _Request | None, num_new_tokens: int,
+               hit: PrefixMatch | None, lookahead: int, num_prompt_tokens: int | None
+               ) -> dict[str, list[int]] | None:
+        if hit is not None and (req is None or req.match is not hit):
+            raise KVCacheManagerError(
+                f"allocate({request_id!r}, hit=...): that match is not the one lookup() holds "
+                "for this request (another request's, replaced by a later lookup, or dropped)")
+        bs = self.block_size
+        n_dev = hit.num_device_tokens // bs if hit is not None else 0
+        n_host = hit.num_host_tokens // bs if hit is not None else 0
+        computed = (n_dev + n_host) * bs
+        total = computed + num_new_tokens + lookahead
+        prompt = computed + num_new_tokens if num_prompt_tokens is None else num_prompt_tokens
+        if prompt < computed:
+            raise ValueError(f"allocate({request_id!r}): num_prompt_tokens={prompt} is less "
+                             f"than the {computed} tokens of its hit")
+        n_blocks = -(-total // bs)
+        groups = self.group_names
+        if prompt + lookahead > total:  # a first chunk: admit on the whole prompt (AD-04)
+            foot = -(-(prompt + lookahead) // bs) - n_dev
+            if not self._cache.capacity().fits({g: foot for g in groups}):
+                return None
+        need = n_blocks - n_dev
+        new = self._alloc.allocate({g: need for g in groups}) if need > 0 else \
+            {g: [] for g in groups}
+        if new is None:
+            return None
+        if req is None:
+            req = self._reqs[request_id] = self._new(request_id)
+        if hit is None:
+            self._release_hold(req)
+            held = {g: [] for g in groups}
+        else:
+            held = req.held or {g: [] for g in groups}
+        req.tables = {g: held[g] + new[g] for g in groups}
+        req.held = None
+        req.match = None
+        req.admitted = True
+        req.num_computed = computed
+        req.published = n_dev
+        if n_host:
+            host = self.host
+            assert host is not None
+            r = host.restore(req.hashes[n_dev:n_dev + n_host], n_dev,
+                             {g: new[g][:n_host] for g in groups})
+            r.update(req.tables)  # positions that joined another restore in flight
+            req.restore = r
+            req.restore_dev_blocks = n_dev
+        if req.held_host:  # the restore pinned what it reads; the lookup's hold ends
+            pool = self.host.pool  # type: ignore[union-attr]
+            for hb in req.held_host:
+                pool.unpin(hb)
+            req.held_host = []
+        return req.tables
+
+    # -- progress ------------------------------------------------------------------------
+    def ready(self, request_id: str) -> bool:
+        """``False`` while a host-tier restore into the request's blocks is in flight. When it
+        ends: success — the restored blocks are published and the hit stands; failure —
+        :meth:`num_computed_tokens` drops back to the device hit and the engine computes the
+        rest into the same blocks."""
+        req = self._req(request_id)
+        r = req.restore
+        if r is None:
+            return True
+        if not r.done():
+            return False
+        self._finish_restore(req, r)
+        return True
+
+    def _finish_restore(self, req: _Request, r: Restore) -> None:
+        req.restore = None
+        if r.ok:
+            req.published = max(req.published, r.first_block + r.num_blocks)
+        else:
+            self.restore_failures += 1
+            req.num_computed = req.restore_dev_blocks * self.block_size
+            req.published = min(req.published, req.restore_dev_blocks)
+
+    def num_computed_tokens(self, request_id: str) -> int:
+        """Tokens of the request whose KV is in its blocks (hit, restored or committed)."""
+        return self._req(request_id).num_computed
+
+    def commit(self, request_id: str, num_computed_tokens: int,
+               token_ids: Sequence[int]) -> None:
+        """``num_computed_tokens`` tokens of ``token_ids`` (the request's tokens so far: prompt
+        then output) now hold KV: publish every block that became complete (PC-01), hashing
+        only the new complete blocks (the chain continues from the last hash)."""
+        req = self._req(request_id)
+        if not req.admitted:
+            raise KVCacheManagerError(f"commit({request_id!r}) before allocate()")
+        if req.restore is not None:
+            raise KVCacheManagerError(f"commit({request_id!r}) while its host restore is in "
+                                      "flight: wait until ready() is True")
+        bs = self.block_size
+        covered = len(req.tables[self.group_names[0]]) * bs
+        if not 0 <= num_computed_tokens <= min(covered, len(token_ids)):
+            raise ValueError(f"commit({request_id!r}): num_computed_tokens="
+                             f"{num_computed_tokens} must be within 0..min(tokens in its "
+                             f"blocks {covered}, len(token_ids) {len(token_ids)})")
+        req.num_computed = num_computed_tokens
+        prefix = self.prefix
+        if prefix is None:
+            return
+        full = num_computed_tokens // bs
+        if full <= req.published:
+            return
+        hashes = req.hashes
+        have = len(hashes)
+        if have < full:
+            hashes.extend(block_hashes(
+                token_ids[have * bs:full * bs], bs, seed=self.hash_seed, media=req.media,
+                parent=hashes[-1] if have else None, first_block=have))
+        first = req.published
+        prefix.publish(req.tables, hashes[first:full], first_block=first)
+        req.published = full
+
+    def free(self, request_id: str) -> None:
+        """The request is finished or aborted: its blocks are given back tail first (published
+        ones stay cached, the rest are freed; blocks a copy still uses stay pinned until it
+        ends, invariant 4), and a held hit is dropped. Unknown ids are ignored (idempotent)."""
+        req = self._reqs.pop(request_id, None)
+        if req is None:
+            return
+        self._release_hold(req)
+        if req.restore is not None:
+            req.restore.cancel()
+            req.restore = None
+        if not req.admitted:
+            return
+        tables = req.tables
+        if self.prefix is not None:
+            self.prefix.release(tables)
+        elif tables[self.group_names[0]]:
+            self._alloc.free(tables)
+
+    def drop(self, request_id: str) -> None:
+        """Give back a held hit of a request that will not be allocated now (same as
+        :meth:`free`: the request is forgotten; a later :meth:`lookup` starts again)."""
+        self.free(request_id)
+
+    def step(self) -> None:
+        """Once per engine iteration, between model steps: host-tier copies progress (finished
+        copies release their pins, queued offloads are submitted as one batch), finished
+        restores are applied, and the cache is compacted when whole slots of idle backing can
+        be reclaimed (elastic pools; at most ``compact_max_blocks`` blocks moved)."""
+        if self.host is not None:
+            self.host.step()
+            for req in self._reqs.values():
+                r = req.restore
+                if r is not None and r.finished:
+                    self._finish_restore(req, r)
+        if self._compact and self._elastic and not self._asleep:
+            self._maybe_compact()
+
+    def _maybe_compact(self) -> None:
+        a = self._alloc
+        worth = False
+        for g in self.group_names:
+            if a.num_free_blocks(g) // a.shape(g).blocks_per_slot >= self._compact_min_slots:
+                worth = True
+                break
+        if worth:
+            self.compact(max_blocks=self._compact_max_blocks)
+
+    def compact(self, max_blocks: int | None = None) -> int:
+        """Compact now (see :meth:`VirtualKVCache.compact`) and apply the moves to every block
+        table and held hit. Returns the bytes released."""
+        c = self._cache.compact(max_blocks=max_blocks)
+        if c.error or not c.blocks_moved:
+            return 0
+        for g, moves in c.moves.items():
+            if not moves:
+                continue
+            get = moves.get
+            for req in self._reqs.values():
+                t = req.tables[g]
+                for i, b in enumerate(t):
+                    nb = get(b)
+                    if nb is not None:
+                        t[i] = nb
+                if req.held is not None:
+                    h = req.held[g]
+                    for i, b in enumerate(h):
+                        nb = get(b)
+                        if nb is not None:
+                            h[i] = nb
+        self.compactions += 1
+        self.blocks_compacted += c.blocks_moved
+        self.bytes_compacted_released += c.bytes_released
+        return c.bytes_released
+
+    # -- queries -------------------------------------------------------------------------
+    def block_tables(self, request_id: str) -> dict[str, list[int]]:
+        """The request's block tables (the manager's lists, updated in place by compaction
+        and restores; read them, do not modify them)."""
+        return self._req(request_id).tables
+
+    def capacity(self) -> KVCapacity:
+        """Live capacity (see :class:`KVCapacity`)."""
+        cap = self._cache.capacity()
+        a = self._alloc
+        total, used, cached, avail = {}, {}, {}, {}
+        for g, geo in self._cache.geometry.items():
+            gc = cap.groups[g]
+            total[g] = geo.num_blocks
+            used[g] = a.num_live_blocks(g)
+            cached[g] = a.num_cached_blocks(g)
+            mappable = min(gc.inactive_slots, cap.mappable_bytes // gc.slot_bytes)
+            avail[g] = gc.free_blocks + gc.evictable_blocks + mappable * gc.blocks_per_slot
+        return KVCapacity(self.block_size, total, used, cached, avail)
+
+    def usage(self) -> float:
+        """Fraction 0..1 of the KV capacity in use (``vllm:kv_cache_usage_perc``): referenced
+        blocks over referenced + available blocks, the largest over groups (cached blocks
+        count as available: they are given up on demand)."""
+        c = self.capacity()
+        best = 0.0
+        for g in self.group_names:
+            u = c.used_blocks[g]
+            d = u + c.available_blocks[g]
+            if d:
+                best = max(best, u / d)
+        return best
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and gauges: ``prefix_*`` (queries, query/hit tokens, hits, evictions,
+        cached blocks), ``host_*`` (offloaded / restored blocks and bytes, failures),
+        ``mapped_bytes`` (KV pages mapped now), blocks per state, compactions, requests."""
+        a = self._alloc
+        out: dict[str, Any] = {
+            "block_size": self.block_size,
+            "requests": len(self._reqs),
+            "live_blocks": sum(a.num_live_blocks(g) for g in self.group_names),
+            "cached_blocks": sum(a.num_cached_blocks(g) for g in self.group_names),
+            "free_blocks": sum(a.num_free_blocks(g) for g in self.group_names),
+            "mapped_bytes": self._cache.active_bytes(),
+            "packed_floor_bytes": self._cache.packed_floor_bytes(),
+            "evictions": a.evictions,
+            "compactions": self.compactions,
+            "blocks_compacted": self.blocks_compacted,
+            "compaction_released_bytes": self.bytes_compacted_released,
+            "usage": self.usage(),
+            "asleep": self._asleep,
+        }
+        p = self.prefix.stats if self.prefix is not None else None
+        out.update({
+            "prefix_enabled": p is not None,
+            "prefix_queries": p.queries if p else 0,
+            "prefix_query_tokens": p.query_tokens if p else 0,
+            "prefix_hits": p.hits if p else 0,
+            "prefix_hit_tokens": p.hit_tokens if p else 0,
+            "prefix_evictions": p.evictions if p else 0,
+            "prefix_published_blocks": p.published_blocks if p else 0,
+            "prefix_cached_bytes": p.cached_bytes if p else 0,
+        })
+        h = self.host.stats if self.host is not None else None
+        out.update({
+            "host_enabled": h is not None,
+            "host_capacity_blocks": h.host_capacity_blocks if h else 0,
+            "host_blocks_used": h.host_blocks_used if h else 0,
+            "host_hit_blocks": h.host_hit_blocks if h else 0,
+            "host_offloaded_blocks": h.offloaded_blocks if h else 0,
+            "host_offload_bytes": h.offloaded_bytes if h else 0,
+            "host_restored_blocks": h.restored_blocks if h else 0,
+            "host_restore_bytes": h.restored_bytes if h else 0,
+            "host_restore_failures": h.restore_failures if h else 0,
+            "host_offload_failures": h.offload_failures if h else 0,
+        })
+        return out
+
+    # -- operator verbs ------------------------------------------------------------------
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (device index and host tier); cached, unpinned device
+        blocks are freed now (their pages released). Blocks requests reference stay with them.
+        Returns the device blocks dropped."""
+        if self.prefix is None:
+            return 0
+        n = self.prefix.reset()
+        if self.host is not None:
+            self.host.reset()
+        return n
+
+    def sleep(self, offload: bool = True) -> int:
+        """Release every KV page. No request may hold blocks or a hit (raises
+        :class:`KVCacheManagerError` naming them otherwise). With a host tier and ``offload``
+        the write-through copies finish first, so cached prefixes survive on the host; the
+        device's cached blocks are dropped. Returns the device bytes released (0 for a fixed
+        or physical pool, whose pages stay backed)."""
+        if self._reqs:
+            names = ", ".join(sorted(self._reqs)[:5])
+            raise KVCacheManagerError(
+                f"sleep: {len(self._reqs)} request(s) still hold KV blocks or a prefix hit "
+                f"({names}{', ...' if len(self._reqs) > 5 else ''}); free or abort them first")
+        before = self._cache.pool.mapped_bytes
+        host = self.host
+        if host is not None:
+            if offload:
+                host.step()
+            host.wait_all()
+        if self.prefix is not None:
+            self.prefix.reset()
+        self._asleep = True
+        return max(0, before - self._cache.pool.mapped_bytes)
+
+    def wake_up(self) -> None:
+        """Allow mapping again (pages come back on demand). Idempotent."""
+        self._asleep = False
+
+    def is_sleeping(self) -> bool:
+        return self._asleep
+
+    def close(self) -> None:
+        """Wait for every host copy and release the host pool; requests are forgotten (their
+        blocks with them). The pool is the caller's to close. Idempotent."""
+        if self._closed:
+            return
+        for rid in list(self._reqs):
+            self.free(rid)
+        if self.host is not None:
+            self.host.close()
+        self._closed = True
+
+    def check_invariants(self) -> None:
+        """Recount the allocator and check every table block is referenced (tests, tools)."""
+        self._alloc.check_invariants()
+        refs: dict[tuple[str, int], int] = {}
+        for req in self._reqs.values():
+            for g, t in req.tables.items():
+                for b in t:
+                    refs[(g, b)] = refs.get((g, b), 0) + 1
+            for g, t in (req.held or {}).items():
+                for b in t:
+                    refs[(g, b)] = refs.get((g, b), 0) + 1
+        for (g, b), n in refs.items():
+            rc = self._alloc.ref_count(g, b)
+            assert rc >= n, f"block {b} of group {g!r}: {n} table entries, ref count {rc}"
+        n0 = None
+        for req in self._reqs.values():
+            lens = {len(t) for t in req.tables.values()}
+            assert len(lens) == 1, f"request {req.rid!r}: tables of unequal length {lens}"
+            n0 = lens.pop()
+            if req.admitted:
+                assert req.num_computed <= n0 * self.block_size
+
+
+def _kv_tokens_for_pool(pool: Any, layout: Any) -> int:
+    """KV capacity in tokens when none is given: a fixed or physical pool's budget; an
+    elastic pool's ceiling (what its budget could ever map: ``max_cache_size`` or the
+    utilisation share of the device), both capped by the arena pages left for the tenant."""
+    page = pool.page_bytes
+    cap = pool.static_capacity_bytes()
+    arena_left = pool.arena_bytes_left()
+    return fit_tokens(layout, page, min(cap, arena_left) if cap > 0 else arena_left)
+
+
+def build_kv_cache_manager(pool: Any, layout: Any, *, enable_prefix_cache: bool,
+                           host_blocks_factor: float = 0.0, max_tokens: int | None = None,
+                           driver: Any = None, vision: bool = False,
+                           hash_seed: int = DEFAULT_SEED, **tuning: Any) -> KVCacheManager:
+    """The KV cache of ``layout`` over ``pool`` (tenant ``"kv"``, low end of the arena) and the
+    manager over it.
+
+    ``max_tokens``: KV capacity in tokens per group (the virtual size of an elastic cache);
+    ``None`` sizes it from the pool's budget and arena. ``enable_prefix_cache``: PC-01 (PC-02
+    for a layout with resident linear state). ``host_blocks_factor > 1`` with prefix caching
+    adds the host tier (HK-01; sized HK-06, refused HK-05 / HK-07 with the reason); a factor
+    without prefix caching keeps no host copy (HK-02). ``driver``: the driver for host copies
+    (default the pool's). ``tuning``: see ``_TUNING`` (``compact``, ``compact_min_slots``,
+    ``compact_max_blocks``, ``host_available_bytes``, ``host_populate``)."""
+    unknown = sorted(set(tuning) - set(_TUNING))
+    if unknown:
+        raise TypeError(f"build_kv_cache_manager: unknown tuning parameter(s) "
+                        f"{', '.join(unknown)}; known: {', '.join(sorted(_TUNING))}")
+    if max_tokens is not None and max_tokens < 1:
+        raise CacheLayoutError(f"max_tokens must be >= 1 token, got {max_tokens}")
+    tokens = max_tokens if max_tokens is not None else _kv_tokens_for_pool(pool, layout)
+    if tokens < 1:
+        raise CacheLayoutError(
+            f"the pool leaves room for no KV token (budget {pool.static_capacity_bytes()} "
+            f"bytes, arena {pool.arena_bytes_left()} bytes left); raise "
+            "max_memory_utilization / max_cache_size or pass max_tokens")
+    cache = VirtualKVCache.for_tokens(pool, layout, tokens)
+    prefix = attach_prefix_cache(cache) if enable_prefix_cache else None
+    host = None
+    if prefix is not None and host_blocks_factor > 1:
+        host = attach_host_tier(cache, prefix, driver or pool.driver, host_blocks_factor,
+                                vision=vision,
+                                available_bytes=tuning.get("host_available_bytes"),
+                                populate=tuning.get("host_populate", True))
+    kw = {k: tuning[k] for k in ("compact", "compact_min_slots", "compact_max_blocks")
+          if k in tuning}
+    return KVCacheManager(cache, prefix=prefix, host=host, hash_seed=hash_seed, **kw)
