@@ -1,0 +1,115 @@
+"""Tokenizer wrapper, incremental detokenization and the OutputProcessor (stop strings)."""
+
+import pytest
+
+from tests.engine.checkpoints import build_tokenizer
+from xllm_vmm.engine.detokenizer import IncrementalDetokenizer
+from xllm_vmm.engine.output import EngineOutput, Logprob, OutputProcessor
+from xllm_vmm.engine.sampling_params import SamplingParams
+from xllm_vmm.engine.tokenizer import Tokenizer, TokenizerError
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    build_tokenizer(d)
+    return Tokenizer.from_dir(d)
+
+
+def test_tokenizer_roundtrip_and_chat_template_matches_transformers(tok, tmp_path):
+    from transformers import AutoTokenizer
+
+    d = tmp_path / "t"
+    build_tokenizer(d)
+    hf = AutoTokenizer.from_pretrained(str(d))
+    text = "héllo wörld, ünïcode ✓ 漢字"
+    assert tok.encode(text) == hf.encode(text)
+    assert tok.decode(tok.encode(text)) == text
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"},
+            {"role": "assistant", "content": "ok"}, {"role": "user", "content": "again"}]
+    for gen in (True, False):
+        assert tok.apply_chat_template(msgs, add_generation_prompt=gen) == hf.apply_chat_template(
+            msgs, add_generation_prompt=gen, tokenize=False)
+    ids = tok.apply_chat_template(msgs, tokenize=True)
+    assert ids == tok.encode(tok.apply_chat_template(msgs), add_special_tokens=False)
+    assert tok.eos_token_ids  # from tokenizer_config / generation_config
+
+
+def test_tokenizer_errors(tmp_path):
+    with pytest.raises(TokenizerError, match="no tokenizer.json"):
+        Tokenizer.from_dir(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{nope")
+    with pytest.raises(TokenizerError, match="cannot be read"):
+        Tokenizer.from_dir(tmp_path)
+
+
+def test_incremental_detokenizer_never_emits_broken_utf8(tok):
+    text = "a ✓ 漢字 é 🙂 end"
+    ids = tok.encode(text, add_special_tokens=False)
+    prompt = tok.encode("prompt ", add_special_tokens=False)
+    d = IncrementalDetokenizer(tok, prompt)
+    deltas = [d.add([t]) for t in ids]
+    d.flush()
+    assert all("\ufffd" not in x for x in deltas)
+    assert "".join(deltas) == d.text == tok.decode(ids)
+    # some multi-byte character is split over tokens (else this test would prove nothing)
+    assert any(x == "" for x in deltas)
+
+
+def test_flush_emits_an_incomplete_tail(tok):
+    ids = tok.encode("🙂", add_special_tokens=False)
+    assert len(ids) > 1
+    d = IncrementalDetokenizer(tok, [])
+    assert d.add(ids[:-1]) == ""
+    assert d.flush() == tok.decode(ids[:-1])
+
+
+def feed(proc, rid, tok, text, finish_at_end=True, reason="length"):
+    ids = tok.encode(text, add_special_tokens=False)
+    ups = []
+    aborted = []
+    for i, t in enumerate(ids):
+        last = finish_at_end and i == len(ids) - 1
+        res = proc.process([EngineOutput(rid, [t], finished=last, finish_reason=reason if last else None)])
+        ups.extend(res.updates)
+        aborted.extend(res.to_abort)
+        if ups and ups[-1].finished:
+            break
+    return ups, aborted
+
+
+def test_stop_string_truncates_and_asks_for_abort(tok):
+    proc = OutputProcessor(tok)
+    proc.add_request("a", SamplingParams(stop=["STOP", "zz"]), [1, 2])
+    ups, aborted = feed(proc, "a", tok, "hello world STOP more text")
+    st = proc.states["a"]
+    assert st.text == "hello world "
+    assert st.finish_reason == "stop" and st.stop_reason == "STOP"
+    assert aborted == ["a"]
+    assert "".join(u.delta_text for u in ups) == "hello world "  # held-back text never leaked
+    assert ups[-1].finished
+
+
+def test_stop_string_included_when_asked_and_min_tokens_respected(tok):
+    proc = OutputProcessor(tok)
+    proc.add_request("a", SamplingParams(stop="lo", include_stop_str_in_output=True), [1])
+    feed(proc, "a", tok, "hello hello")
+    assert proc.states["a"].text == "hello"
+    n = len(tok.encode("hello world", add_special_tokens=False))
+    proc.add_request("b", SamplingParams(stop="lo", min_tokens=n, max_tokens=n + 5), [1])
+    feed(proc, "b", tok, "hello world")
+    assert proc.states["b"].text == "hello world"  # no stop check before min_tokens
+    assert proc.states["b"].finish_reason == "length"
+
+
+def test_engine_finish_reasons_and_logprobs_pass_through(tok):
+    proc = OutputProcessor(tok)
+    proc.add_request("a", SamplingParams(logprobs=1), [1])
+    t = tok.encode("x", add_special_tokens=False)[0]
+    res = proc.process([EngineOutput("a", [t], True, "stop", 99, [{t: Logprob(-0.5, 1)}], 1, 0)])
+    st = proc.pop("a")
+    assert (st.finish_reason, st.stop_reason, st.text) == ("stop", 99, "x")
+    assert st.logprobs[0][t].decoded_token == "x" and st.cumulative_logprob == -0.5
+    assert res.to_abort == []
+    c = st.completion()
+    assert c.token_ids == [t] and c.finish_reason == "stop"

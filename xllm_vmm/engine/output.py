@@ -1,0 +1,221 @@
+"""What the engine returns: per-step engine outputs, vLLM-shaped request outputs, and the
+:class:`OutputProcessor` that turns token ids into text.
+
+Layers: ``LLMEngine.step()`` returns :class:`EngineOutput` (token ids only, per request that
+progressed). :class:`OutputProcessor` (shared by ``LLM.generate`` and the server's front) keeps
+one :class:`RequestState` per request: incremental detokenization (no broken UTF-8), stop
+strings (checked once ``min_tokens`` outputs exist; the caller aborts the request in the engine,
+the finish reason stays "stop" with the string as ``stop_reason``), and the text delta that is
+safe to stream (the last ``len(longest stop) - 1`` characters are held back until they cannot
+start a stop string). No torch here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from xllm_vmm.engine.detokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class Logprob:
+    """A token's log-probability under the raw model distribution, its rank (1 = most likely),
+    and its text (filled by the OutputProcessor)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class EngineOutput:
+    """One request's progress in one ``LLMEngine.step()``."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None          # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None      # the stop token id (or string, set by OutputProcessor)
+    new_logprobs: list[dict[int, Logprob]] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a prompt (vLLM's shape)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """All samples of one prompt (vLLM's shape)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class RequestUpdate:
+    """What one ``OutputProcessor.process`` call changed for one request."""
+
+    request_id: str
+    delta_text: str
+    delta_token_ids: list[int]
+    delta_logprobs: list[dict[int, Logprob]] | None
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+class RequestState:
+    """Text-side state of one request (one sample)."""
+
+    def __init__(self, request_id: str, params: Any, prompt_token_ids: Sequence[int], tokenizer: Any,
+                 *, prompt: str | None = None, parent_id: str | None = None, index: int = 0) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.parent_id = parent_id if parent_id is not None else request_id
+        self.index = index
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_cached_tokens = 0
+        self._tok = tokenizer
+        self._detok = (IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+                       if params.detokenize and tokenizer is not None else None)
+        self._stops: list[str] = list(params.stop_strings)
+        self._hold = max((len(s) for s in self._stops), default=1) - 1
+        self.text = ""
+        self._emitted = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(self.index, self.text, list(self.token_ids), self.cumulative_logprob,
+                                self.logprobs, self.finish_reason, self.stop_reason)
+
+    def apply(self, out: EngineOutput) -> tuple[RequestUpdate, bool]:
+        """Fold one engine output in; returns the update and whether a stop string ended it
+        (the caller must then abort the request in the engine)."""
+        ids = list(out.new_token_ids)
+        self.token_ids.extend(ids)
+        self.num_cached_tokens = out.num_cached_tokens
+        new_lps = None
+        if out.new_logprobs is not None and self.logprobs is not None:
+            new_lps = []
+            for d, tid in zip(out.new_logprobs, ids):
+                if self._tok is not None:
+                    for t, lp in d.items():
+                        if lp.decoded_token is None:
+                            lp.decoded_token = self._tok.decode([t], skip_special_tokens=False)
+                new_lps.append(d)
+                if tid in d and self.cumulative_logprob is not None:
+                    self.cumulative_logprob += d[tid].logprob
+            self.logprobs.extend(new_lps)
+        stopped_by_string = False
+        if self._detok is not None:
+            before = len(self.text)
+            self._detok.add(ids)
+            if out.finished:
+                self._detok.flush()
+            self.text = self._detok.text if self._stop_cut is None else self.text
+            if (self._stops and self._stop_cut is None
+                    and len(self.token_ids) >= self.params.min_tokens):
+                start = max(0, before - self._hold)
+                best = None
+                for s in self._stops:
+                    i = self.text.find(s, start)
+                    if i >= 0 and (best is None or i < best[0]):
+                        best = (i, s)
+                if best is not None:
+                    i, s = best
+                    self._stop_cut = i + len(s) if self.params.include_stop_str_in_output else i
+                    self.text = self.text[: self._stop_cut]
+                    self.finish_reason, self.stop_reason = "stop", s
+                    stopped_by_string = True
+        if not stopped_by_string and out.finished and self.finish_reason is None:
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+        end = len(self.text) if self.finished else max(self._emitted, len(self.text) - self._hold)
+        delta = self.text[self._emitted:end]
+        self._emitted = max(self._emitted, end)
+        upd = RequestUpdate(self.request_id, delta, ids, new_lps, self.finished, self.finish_reason,
+                            self.stop_reason, len(self.prompt_token_ids), self.num_cached_tokens)
+        return upd, stopped_by_string
+
+    _stop_cut: int | None = None
+
+
+@dataclass
+class ProcessResult:
+    updates: list[RequestUpdate]
+    to_abort: list[str]
+    """Requests a stop string finished: abort them in the engine (their text is final)."""
+
+
+class OutputProcessor:
+    """Detokenization, stop strings and per-request text state (see the module docstring).
+
+    ``add_request`` before the request's first output; ``process`` each step's outputs; a
+    finished request's state stays until ``pop`` (``LLM.generate`` reads it then)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+
+    def add_request(self, request_id: str, params: Any, prompt_token_ids: Sequence[int], *,
+                    prompt: str | None = None, parent_id: str | None = None, index: int = 0) -> RequestState:
+        if request_id in self.states:
+            raise ValueError(f"request {request_id!r} is already tracked")
+        st = RequestState(request_id, params, prompt_token_ids, self.tokenizer, prompt=prompt,
+                          parent_id=parent_id, index=index)
+        self.states[request_id] = st
+        return st
+
+    def process(self, outputs: Iterable[EngineOutput]) -> ProcessResult:
+        ups: list[RequestUpdate] = []
+        abort: list[str] = []
+        for out in outputs:
+            st = self.states.get(out.request_id)
+            if st is None or st.finished:
+                continue
+            upd, stop = st.apply(out)
+            ups.append(upd)
+            if stop and not out.finished:
+                abort.append(out.request_id)
+        return ProcessResult(ups, abort)
+
+    def pop(self, request_id: str) -> RequestState | None:
+        return self.states.pop(request_id, None)
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self.states
+
+
+__all__ = ["CompletionOutput", "EngineOutput", "Logprob", "OutputProcessor", "ProcessResult",
+           "RequestOutput", "RequestState", "RequestUpdate"]

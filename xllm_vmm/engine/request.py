@@ -1,0 +1,126 @@
+"""A request's state on the driver side, and the error a bad request raises.
+
+A :class:`Request` is one sequence (a parallel sample of ``n`` is its own request, a *sibling*
+sharing the prompt). Its token list is ``prompt_token_ids + output_token_ids``;
+``num_computed_tokens`` of them hold KV in the cache (prefix-cache hits included). The scheduler
+gives a request chunks until ``num_computed_tokens == num_tokens - 0``; a chunk that reaches the
+end of the token list is sampled and appends one output token, so a running decode always has
+exactly one uncomputed token.
+
+States: WAITING (not yet admitted, or preempted: every block freed, ``num_computed_tokens`` 0,
+recomputed from the whole token list when readmitted) → RUNNING → FINISHED_* (blocks freed).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from xllm_vmm.engine.sampling_params import SamplingParams
+
+
+class RequestError(ValueError):
+    """A request the engine refuses: ``param`` names the field, ``message`` says what to do."""
+
+    def __init__(self, *, param: str | None, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """vLLM's finish_reason ("stop" | "length" | "abort"), None while unfinished."""
+        return self.value if self.finished else None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    eos_token_ids: tuple[int, ...] = ()
+    parent_id: str | None = None
+    """For a parallel sample: the id the caller used (siblings are ``{parent}#{i}``... see LLMEngine)."""
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[Any] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1
+    """Prompt tokens served by the prefix cache at first admission (-1 until admitted)."""
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    generator: Any = None
+    """torch.Generator of a seeded request (created by the sampler on first use)."""
+    first_token_time: float | None = None
+    admitted_order: int = -1
+    """Monotonic admission counter: preemption takes the highest (newest) first."""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
+
+    def check_stop(self, token_id: int, max_model_len: int) -> RequestStatus | None:
+        """The finished state after ``token_id`` was appended, or None to go on.
+
+        Order (vLLM's): min_tokens holds off EOS/stop ids (the sampler already masks them);
+        EOS (unless ignore_eos) → stop, stop_reason None; a stop token id → stop, stop_reason
+        the id; max_tokens or max_model_len reached → length.
+        """
+        p = self.params
+        n_out = self.num_output_tokens
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token_id in self.eos_token_ids:
+                self.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in (p.stop_token_ids or ()):
+                self.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if p.max_tokens is not None and n_out >= p.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+
+__all__ = ["Request", "RequestError", "RequestStatus"]
