@@ -1,0 +1,24 @@
+"""Model weights as a tenant of the VMM pool: loading, light and deep sleep, wakeup, fork.
+
+One way in: :func:`load_weights` -> :class:`ModelWeights` (a mapping of parameter names to
+tensors with ``sleep``/``wake_up``/``fork``/``check_loaded``/``close``);
+:class:`SleepController` composes the weights with other sleepable tenants (the KV cache
+manager) for the engine. Typed errors in :mod:`xllm_vmm.weights.errors`. Importing this package
+imports no torch; loading does.
+"""
+
+from xllm_vmm.weights.checkpoint import ShardSpec
+from xllm_vmm.weights.errors import (CheckpointChanged, CheckpointError, ResidentPoolRequired,
+                                     SleepRefused, WakeupFailed, WakeupOutOfMemory,
+                                     WeightsError, WeightsNotLoaded, WeightVmmRequired)
+from xllm_vmm.weights.loader import load_weights
+from xllm_vmm.weights.model_weights import (CLOSED, DEEP_SLEEP, LIGHT_SLEEP, WAKEUP,
+                                            ModelWeights, SleepReport, WakeReport)
+
+__all__ = [
+    "load_weights", "ModelWeights", "ShardSpec", "SleepReport", "WakeReport",
+    "WAKEUP", "LIGHT_SLEEP", "DEEP_SLEEP", "CLOSED",
+    "WeightsError", "CheckpointError", "CheckpointChanged", "WeightsNotLoaded",
+    "WeightVmmRequired", "WakeupFailed", "WakeupOutOfMemory", "SleepRefused",
+    "ResidentPoolRequired",
+]

@@ -1,0 +1,172 @@
+"""Where each tensor goes: the *image* of a checkpoint, one byte range laid out exactly like the
+weights tenant's region (and like the host copy, which mirrors it byte for byte).
+
+``plan_image(checkpoint, dtype, shard)`` places every tensor at an offset aligned to
+:data:`TENSOR_ALIGN` bytes, in checkpoint order (file, then offset: reading is sequential).
+A placed tensor is the whole tensor, or the part a shard hook chose (indices ``[start, stop)``
+along one dimension), converted to ``dtype`` when one was asked for and the tensor is
+floating point (F16/BF16/F32/F64; integer and quantized tensors keep their dtype).
+:meth:`WeightImage.fill` writes placed tensors into host memory: a tensor read whole, or a
+dimension-0 shard without conversion, is one ``preadv`` straight into the destination (the
+file's own bytes); anything else is read whole into a scratch tensor, cut and converted there.
+The bytes between tensors (alignment padding) are zero.
+
+Units: bytes; offsets are relative to the start of the image (= the region's first byte).
+"""
+
+from __future__ import annotations
+
+import ctypes as C
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterable
+
+from xllm_vmm.weights.checkpoint import (CONVERTIBLE, ITEM_BYTES, Checkpoint, ShardHook,
+                                         ShardSpec, TensorEntry, host_buffer, read_into,
+                                         torch_dtype)
+from xllm_vmm.weights.errors import CheckpointError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["TENSOR_ALIGN", "Placed", "WeightImage", "plan_image", "st_dtype_of"]
+
+#: Every tensor starts at a multiple of this many bytes (512: what NPU kernels want; CUDA 256).
+TENSOR_ALIGN = 512
+
+_ST_OF_TORCH = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64"}
+
+
+def st_dtype_of(dtype: "torch.dtype | None") -> str | None:
+    """The safetensors name of a ``dtype=`` argument (floating point only), or None."""
+    if dtype is None:
+        return None
+    name = str(dtype).removeprefix("torch.")
+    if name not in _ST_OF_TORCH:
+        raise ValueError(f"dtype={dtype} is not a floating-point dtype the loader converts to "
+                         f"(choose one of torch.{', torch.'.join(_ST_OF_TORCH)}, or None to "
+                         "keep the checkpoint's dtypes)")
+    return _ST_OF_TORCH[name]
+
+
+@dataclass(frozen=True)
+class Placed:
+    """One tensor of the image: ``nbytes`` bytes of ``dtype``/``shape`` at ``offset``."""
+
+    entry: TensorEntry
+    shard: ShardSpec | None
+    dtype: str  # safetensors dtype name of the loaded tensor
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    def direct_range(self) -> tuple[int, int] | None:
+        """``(file offset, bytes)`` when the tensor is one contiguous run of the file (whole,
+        or a dimension-0 shard) with no conversion; None otherwise."""
+        if self.dtype != self.entry.dtype:
+            return None
+        if self.shard is None:
+            return self.entry.offset, self.entry.nbytes
+        if self.shard.dim == 0:
+            row = math.prod(self.entry.shape[1:]) * self.entry.item_bytes
+            return self.entry.offset + self.shard.start * row, self.nbytes
+        return None
+
+
+@dataclass(frozen=True)
+class WeightImage:
+    """Placed tensors in offset order; ``nbytes`` = end of the last one (the region's used
+    bytes, before rounding up to pages)."""
+
+    checkpoint: Checkpoint
+    placed: tuple[Placed, ...]
+    nbytes: int
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(p.nbytes for p in self.placed)
+
+    def fill(self, dst: int, placed: Iterable[Placed], *, base: int = 0,
+             progress: Callable[[int], None] | None = None) -> None:
+        """Writes each of ``placed`` to host address ``dst + p.offset - base`` (the caller owns
+        ``[dst, dst + span)``), then calls ``progress(p.nbytes)``."""
+        files: dict = {}
+        try:
+            for p in placed:
+                if p.nbytes:
+                    self._fill_one(p, dst + p.offset - base, files)
+                if progress is not None:
+                    progress(p.nbytes)
+        finally:
+            for fh in files.values():
+                fh.close()
+
+    def _fill_one(self, p: Placed, addr: int, files: dict) -> None:
+        e = p.entry
+        fh = files.get(e.file)
+        if fh is None:
+            try:
+                fh = files[e.file] = open(e.file, "rb")
+            except OSError as exc:
+                raise CheckpointError(f"cannot open: {exc.strerror or exc}", source=str(e.file),
+                                      hint="check that the checkpoint is still there") from exc
+        direct = p.direct_range()
+        if direct is not None:
+            read_into(fh, direct[0], direct[1], host_buffer(addr, p.nbytes), str(e.file))
+            return
+        import torch
+
+        raw = torch.empty(e.nbytes, dtype=torch.uint8)
+        read_into(fh, e.offset, e.nbytes, memoryview(raw.numpy()), str(e.file))
+        t = raw.view(torch_dtype(e.dtype)).view(e.shape)
+        if p.shard is not None:
+            t = t.narrow(p.shard.dim, p.shard.start, p.shard.stop - p.shard.start)
+        out = torch.frombuffer(host_buffer(addr, p.nbytes), dtype=torch.uint8)
+        out.view(torch_dtype(p.dtype)).view(p.shape).copy_(t)
+
+
+def _check_shard(e: TensorEntry, spec: object) -> ShardSpec | None:
+    if spec is None:
+        return None
+    hint = "fix the shard hook passed to load_weights(shard=...)"
+    if not isinstance(spec, ShardSpec):
+        raise CheckpointError(f"the shard hook answered {spec!r} for tensor {e.name!r}; it must "
+                              "answer a ShardSpec or None", source=str(e.file), hint=hint)
+    ndim = len(e.shape)
+    if not 0 <= spec.dim < ndim:
+        raise CheckpointError(f"shard of tensor {e.name!r} along dim {spec.dim}, but the tensor "
+                              f"has shape {e.shape}", source=str(e.file), hint=hint)
+    if not 0 <= spec.start < spec.stop <= e.shape[spec.dim]:
+        raise CheckpointError(f"shard [{spec.start}, {spec.stop}) of tensor {e.name!r} along dim "
+                              f"{spec.dim} is outside [0, {e.shape[spec.dim]})",
+                              source=str(e.file), hint=hint)
+    return spec
+
+
+def plan_image(checkpoint: Checkpoint, dtype: "torch.dtype | None" = None,
+               shard: ShardHook | None = None) -> WeightImage:
+    """Places every tensor of ``checkpoint`` (see the module docstring)."""
+    want = st_dtype_of(dtype)
+    placed = []
+    offset = 0
+    for e in checkpoint.entries:
+        spec = _check_shard(e, shard(e.name, e.shape)) if shard is not None else None
+        shape = list(e.shape)
+        if spec is not None:
+            shape[spec.dim] = spec.stop - spec.start
+        out = want if (want is not None and e.dtype in CONVERTIBLE) else e.dtype
+        nbytes = math.prod(shape) * ITEM_BYTES[out]
+        offset = -(-offset // TENSOR_ALIGN) * TENSOR_ALIGN
+        placed.append(Placed(e, spec, out, tuple(shape), offset, nbytes))
+        offset += nbytes
+    return WeightImage(checkpoint, tuple(placed), max(offset, 1))
+
+
+def zero(addr: int, nbytes: int) -> None:
+    """Zeroes ``nbytes`` of host memory at ``addr``."""
+    if nbytes > 0:
+        C.memset(addr, 0, nbytes)

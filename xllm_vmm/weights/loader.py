@@ -1,0 +1,76 @@
+"""``load_weights``: a safetensors checkpoint -> :class:`~xllm_vmm.weights.ModelWeights`.
+
+- ``pool=None``: plain CPU tensors (no weight VMM; sleep, wakeup and fork are refused, W-02).
+- ``pool`` given: one region of the pool's weights tenant (high end of the arena), mapped in
+  one batched call; every tensor views it at a fixed offset. The checkpoint is read into the
+  host copy (``keep_host_copy=True``: pinned host memory from the driver, kept for light-sleep
+  wakeups) and copied host-to-device in batched copies of up to 64 MiB per entry; without a
+  host copy it streams through a staging buffer. On any failure nothing stays allocated.
+
+``shard(name, shape)`` returns the :class:`~xllm_vmm.weights.checkpoint.ShardSpec` a worker
+loads of that tensor (tensor parallelism), or ``None`` for the whole tensor. ``dtype``
+converts floating-point tensors (the loaded bytes are then torch's conversion of the file's;
+without ``dtype`` they are the file's own bytes). ``progress(done_bytes, total_bytes)`` is
+called with ``(0, total)`` first, after every tensor, and with ``(total, total)`` once every
+byte is in place; the CLI turns it into a progress bar.
+
+Differences from the contract (contracts.md section 2): none in the signature; sleep also
+takes ``busy=`` (running requests, the engine's count) and returns a
+:class:`~xllm_vmm.weights.model_weights.SleepReport` with ``host_bytes_freed`` and ``level``
+beside ``bytes_freed`` and ``seconds``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Callable
+
+from xllm_vmm.weights.checkpoint import ShardHook, read_checkpoint, torch_dtype
+from xllm_vmm.weights.image import plan_image
+from xllm_vmm.weights.model_weights import ModelWeights
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from xllm_vmm.pool.pool import VmmPool
+
+__all__ = ["load_weights"]
+
+
+def load_weights(model_dir: str | os.PathLike, *, pool: "VmmPool | None" = None,
+                 dtype: "torch.dtype | None" = None, shard: ShardHook | None = None,
+                 progress: Callable[[int, int], None] | None = None,
+                 keep_host_copy: bool = True) -> ModelWeights:
+    """Loads the checkpoint in ``model_dir`` (see the module docstring)."""
+    checkpoint = read_checkpoint(model_dir)
+    image = plan_image(checkpoint, dtype, shard)
+    if pool is None:
+        return _load_plain(image, progress)
+    from xllm_vmm.weights.store import WeightStore
+
+    store = WeightStore(pool, image, keep_host_copy=keep_host_copy)
+    store.load(progress)
+    return ModelWeights(store.tensors, checkpoint, store=store)
+
+
+def _load_plain(image, progress) -> ModelWeights:
+    import torch
+
+    total = image.tensor_bytes
+    done = [0]
+
+    def tick(n: int) -> None:
+        done[0] += n
+        if progress is not None:
+            progress(done[0], total)
+
+    if progress is not None:
+        progress(0, total)
+    tensors = {}
+    for p in image.placed:
+        t = torch.empty(p.shape, dtype=torch_dtype(p.dtype))
+        image.fill(t.data_ptr(), [p], base=p.offset, progress=tick)
+        tensors[p.name] = t
+    if progress is not None:
+        progress(total, total)
+    return ModelWeights(tensors, image.checkpoint)

@@ -1,0 +1,326 @@
+"""``WeightStore``: the physical side of one checkpoint loaded into one VMM pool, shared by
+every instance (:class:`~xllm_vmm.weights.model_weights.ModelWeights`) that uses it.
+
+It owns:
+
+- a *region* of the pool: tenant ``weights`` (``weights.1``, ... for further checkpoints in the
+  same pool), carved from the high end of the arena (KV grows from the low end; VMM-02: one
+  budget). The region's virtual addresses never move: every tensor is a view at a fixed offset
+  (:mod:`xllm_vmm.weights.image`), created once and valid across sleep and wakeup;
+- the *host copy* (``driver.alloc_host``: pinned where the device has it), the image byte for
+  byte, when kept; a wakeup from it is one batched host-to-device copy;
+- the *holders*: the instances over it and their states.
+
+Reference counting (fork): the pages are mapped while at least one holder is awake
+(``WAKEUP``) and released when the last awake holder sleeps; the host copy is kept while some
+holder is awake or in light sleep and ``keep_host_copy`` is on, or while one is in light sleep
+(a light sleep makes one by a device-to-host copy if the store kept none), and dropped when
+every holder is in deep sleep or closed. So sleeping one instance never releases pages another
+awake instance uses, and a fork of the same checkpoint maps nothing new.
+
+Wakeup is all or nothing: the pages are mapped in one batched pool call (rolled back by the pool
+on failure), then filled (host copy, else the checkpoint files: checked unchanged first); if
+filling fails, the pages are unmapped again and any host copy this attempt made is freed.
+
+Modes of the pool: elastic (weights sleep gives memory back); fixed (pages stay backed, a sleep
+frees 0 bytes and says so; contents are restored on wakeup all the same). Physical pools are
+not weight VMM: sleep, wakeup and fork are refused there (W-02), as without a pool.
+
+Units: bytes; ``seconds`` are wall-clock seconds (``time.perf_counter``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Callable
+
+from xllm_vmm.pool.budget import BudgetMode
+from xllm_vmm.pool.pool import Region, VmmPool
+from xllm_vmm.vmm.driver import CopyKind, VmmError, VmmOutOfMemory
+from xllm_vmm.weights.errors import WakeupFailed, WakeupOutOfMemory, WeightsError
+from xllm_vmm.weights.image import WeightImage, zero
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["WeightStore", "TENANT", "WEIGHTS_TAG", "COPY_CHUNK_BYTES"]
+
+TENANT = "weights"
+WEIGHTS_TAG = "weights"
+#: Largest single entry of a batched host<->device copy, and the staging window without a host
+#: copy (bytes).
+COPY_CHUNK_BYTES = 64 << 20
+_HOST_ALIGN = 4096
+
+
+def _round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+class WeightStore:
+    """See the module docstring. Every public method holds the store's lock."""
+
+    def __init__(self, pool: VmmPool, image: WeightImage, *, keep_host_copy: bool) -> None:
+        self.pool = pool
+        self.driver = pool.driver
+        self.image = image
+        self.keep_host_copy = keep_host_copy
+        self.lock = threading.RLock()
+        n = 0
+        name = TENANT
+        while pool.has_tenant(name):
+            n += 1
+            name = f"{TENANT}.{n}"
+        self.tenant = name
+        self.region: Region = pool.add_tenant(name, image.nbytes, end="high")
+        self.pages = list(range(self.region.pages))
+        self.host_addr: int | None = None
+        self.host_bytes = 0
+        self.mapped = False
+        self.holders: list = []  # ModelWeights, in creation order
+        self.tensors: dict[str, "torch.Tensor"] = {}
+        self._region_view: "torch.Tensor | None" = None
+        self.closed = False
+
+    # -- properties ---------------------------------------------------------------------
+    @property
+    def vmm(self) -> bool:
+        """True when sleep, wakeup and fork are allowed (elastic or fixed pool)."""
+        return self.pool.mode is not BudgetMode.PHYSICAL
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of the region (whole pages)."""
+        return self.region.nbytes
+
+    # -- load ---------------------------------------------------------------------------
+    def load(self, progress: Callable[[int, int], None] | None) -> None:
+        """Maps the region and fills it from the checkpoint; builds the tensor views. On any
+        failure everything is given back (pages, host copy, the region) and the error raised."""
+        try:
+            self._map_or_raise("load")
+            self._fill_from_files(progress)
+            self.mapped = True
+            self._build_views()
+        except BaseException:
+            self._unmap()
+            self._free_host()
+            self.pool.remove_tenant(self.tenant)
+            self.closed = True
+            raise
+
+    def _build_views(self) -> None:
+        from xllm_vmm.vmm.tensor import view
+
+        import torch
+
+        region = view(self.driver, self.region.base_va, self.region.nbytes, torch.uint8)
+        self._region_view = region
+        from xllm_vmm.weights.checkpoint import torch_dtype
+
+        for p in self.image.placed:
+            t = region[p.offset:p.offset + p.nbytes].view(torch_dtype(p.dtype)).view(p.shape)
+            self.tensors[p.name] = t
+
+    # -- pages --------------------------------------------------------------------------
+    def _map_or_raise(self, action: str, state: str = "DEEP_SLEEP") -> None:
+        pool = self.pool
+        if pool.mode is BudgetMode.PHYSICAL:
+            # the region is one resident allocation made by add_tenant
+            pool.map_pages(self.region, self.pages, tag=WEIGHTS_TAG)
+            return
+        available = pool.budget_left_bytes() if pool.mode is BudgetMode.ELASTIC \
+            else self.region.nbytes
+        if pool.map_pages(self.region, self.pages, tag=WEIGHTS_TAG):
+            return
+        cause = "the budget refused it" if available < self.region.nbytes \
+            else "the device ran out of memory part way"
+        if action == "load":
+            raise WakeupOutOfMemory(needed_bytes=self.region.nbytes, available_bytes=min(
+                available, self.region.nbytes - self.region.page_bytes),
+                page_bytes=self.region.page_bytes, state="not loaded",
+                cause=f"loading: {cause}")
+        raise WakeupOutOfMemory(needed_bytes=self.region.nbytes,
+                                available_bytes=min(available,
+                                                    self.region.nbytes - self.region.page_bytes),
+                                page_bytes=self.region.page_bytes, state=state, cause=cause)
+
+    def _unmap(self) -> int:
+        """Takes the region's pages out of use; returns the device bytes really freed."""
+        in_use = self.pool.pages_in_use(self.region)
+        if not in_use:
+            self.mapped = False
+            return 0
+        self.driver.synchronize()
+        held = self.pool.held_bytes
+        self.pool.unmap_pages(self.region, sorted(in_use), tag=WEIGHTS_TAG, release=True)
+        self.mapped = False
+        return held - self.pool.held_bytes
+
+    # -- host copy ----------------------------------------------------------------------
+    def _alloc_host(self) -> int:
+        size = _round_up(self.image.nbytes, _HOST_ALIGN)
+        addr = self.driver.alloc_host(size)
+        self.host_addr, self.host_bytes = addr, size
+        return addr
+
+    def _free_host(self) -> int:
+        if self.host_addr is None:
+            return 0
+        freed = self.host_bytes
+        self.driver.free_host(self.host_addr)
+        self.host_addr, self.host_bytes = None, 0
+        return freed
+
+    def _chunks(self, lo: int, hi: int) -> tuple[list[int], list[int], list[int]]:
+        """(region addresses, offsets, sizes) of ``[lo, hi)`` in runs of COPY_CHUNK_BYTES."""
+        vas, offs, sizes = [], [], []
+        for off in range(lo, hi, COPY_CHUNK_BYTES):
+            n = min(COPY_CHUNK_BYTES, hi - off)
+            vas.append(self.region.base_va + off)
+            offs.append(off)
+            sizes.append(n)
+        return vas, offs, sizes
+
+    def _copy_h2d(self, host: int, lo: int, hi: int, host_base: int = 0) -> None:
+        vas, offs, sizes = self._chunks(lo, hi)
+        self.driver.copy_batch(vas, [host + o - host_base for o in offs], sizes, CopyKind.H2D)
+
+    def _copy_d2h(self, host: int) -> None:
+        vas, offs, sizes = self._chunks(0, self.image.nbytes)
+        self.driver.copy_batch([host + o for o in offs], vas, sizes, CopyKind.D2H)
+
+    def _fill_from_files(self, progress: Callable[[int, int], None] | None) -> None:
+        """Reads the checkpoint into the mapped region: through a new host copy when it is
+        kept, else through a staging buffer of COPY_CHUNK_BYTES (or the largest tensor)."""
+        total = self.image.tensor_bytes
+        done = [0]
+
+        def tick(n: int) -> None:
+            done[0] += n
+            if progress is not None:
+                progress(done[0], total)
+
+        if progress is not None:
+            progress(0, total)
+        if self.keep_host_copy:
+            host = self._alloc_host()
+            zero(host, self.host_bytes)
+            self.image.fill(host, self.image.placed, progress=tick)
+            self._copy_h2d(host, 0, self.image.nbytes)
+        else:
+            self._stream_from_files(tick)
+        if progress is not None:
+            progress(total, total)
+
+    def _stream_from_files(self, tick: Callable[[int], None]) -> None:
+        placed = self.image.placed
+        biggest = max((p.nbytes for p in placed), default=1)
+        window = _round_up(max(COPY_CHUNK_BYTES, biggest), _HOST_ALIGN)
+        window = min(window, _round_up(self.image.nbytes, _HOST_ALIGN))
+        staging = self.driver.alloc_host(window)
+        try:
+            i = 0
+            while i < len(placed):
+                base = placed[i].offset
+                j = i
+                while j < len(placed) and placed[j].offset + placed[j].nbytes - base <= window:
+                    j += 1
+                end = placed[j - 1].offset + placed[j - 1].nbytes
+                zero(staging, end - base)
+                self.image.fill(staging, placed[i:j], base=base, progress=tick)
+                self._copy_h2d(staging, base, end, host_base=base)
+                i = j
+        finally:
+            self.driver.free_host(staging)
+
+    # -- transitions (called by ModelWeights with the lock held) ---------------------------
+    def awake_holders(self, but=None) -> int:
+        return sum(1 for h in self.holders if h is not but and h._state == "WAKEUP")
+
+    def light_holders(self, but=None) -> int:
+        return sum(1 for h in self.holders if h is not but and h._state == "LIGHT_SLEEP")
+
+    def release_for_sleep(self, holder, level: int) -> tuple[int, int]:
+        """``holder`` goes to sleep at ``level`` (1 light, 2 deep): returns (device bytes,
+        host bytes) freed. The pages go when no other holder is awake; before that, a host
+        copy is made (device-to-host) if a light sleeper needs one and none is kept. Raises,
+        with nothing changed, when that copy cannot be made."""
+        device = host = 0
+        others_awake = self.awake_holders(but=holder)
+        lights = self.light_holders(but=holder) + (level == 1)
+        if not others_awake and self.mapped:
+            if lights and self.host_addr is None:
+                try:
+                    addr = self._alloc_host()
+                except VmmError as exc:
+                    raise WeightsError(
+                        f"light sleep keeps a host copy of {self.image.nbytes} bytes and the "
+                        f"host has no room for it ({exc}); use deep sleep (level 2), which "
+                        "reloads from the checkpoint on wakeup") from exc
+                try:
+                    self._copy_d2h(addr)
+                except BaseException:
+                    self._free_host()
+                    raise
+            device = self._unmap()
+        keep_host = lights > 0 or (others_awake > 0 and self.keep_host_copy)
+        if not keep_host:
+            host = self._free_host()
+        return device, host
+
+    def acquire_for_wake(self, holder) -> tuple[str, int]:
+        """``holder`` wakes up: maps and fills the pages unless another holder keeps them
+        mapped. Returns (source, device bytes mapped); source is ``"shared"`` (already
+        mapped), ``"host_copy"`` or ``"checkpoint"``. All or nothing (see the module)."""
+        if self.mapped:
+            return "shared", 0
+        state = holder._state
+        if self.host_addr is None:
+            self.image.checkpoint.check_unchanged()
+        held = self.pool.held_bytes
+        self._map_or_raise("wakeup", state)
+        made_host = False
+        try:
+            if self.host_addr is not None:
+                source = "host_copy"
+                self._copy_h2d(self.host_addr, 0, self.image.nbytes)
+            else:
+                source = "checkpoint"
+                made_host = self.keep_host_copy
+                self._fill_from_files(None)
+        except BaseException as exc:
+            self._unmap()
+            if made_host:
+                self._free_host()
+            if isinstance(exc, VmmOutOfMemory):
+                raise WakeupFailed(f"no host memory for the reload ({exc})", state=state) from exc
+            if isinstance(exc, (VmmError, OSError)):
+                raise WakeupFailed(f"restoring the weights failed ({exc})", state=state) from exc
+            raise
+        self.mapped = True
+        if not self.keep_host_copy and not self.light_holders(but=holder):
+            self._free_host()  # made by a light sleep; nobody needs it while awake
+        return source, self.pool.held_bytes - held
+
+    def close_holder(self, holder) -> None:
+        """Drops ``holder``; the last one gives everything back (pages, host copy, region).
+        A closing holder that was the last awake one releases the pages like a deep sleep
+        (keeping a host copy for light sleepers; if none can be made they reload from the
+        checkpoint)."""
+        if holder not in self.holders:
+            return
+        if holder._state == "WAKEUP":
+            try:
+                self.release_for_sleep(holder, 2)
+            except WeightsError:
+                self._unmap()
+        self.holders.remove(holder)
+        if not self.holders and not self.closed:
+            self.tensors.clear()
+            self._region_view = None
+            self._unmap()
+            self._free_host()
+            self.pool.remove_tenant(self.tenant)
+            self.closed = True
