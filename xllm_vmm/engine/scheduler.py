@@ -1,0 +1,336 @@
+"""The continuous-batching scheduler: which tokens of which requests run in the next step.
+
+Driver side; it talks to the KV cache only through :class:`~xllm_vmm.kvcache.KVCacheManager`
+(lookup → allocate (``None`` = not now) → commit → free; ``step()`` once per iteration) and hands
+the worker a plain :class:`~xllm_vmm.engine.step.StepInput`.
+
+One :meth:`Scheduler.schedule` call, within ``max_tokens_per_batch`` tokens and
+``max_seqs_per_batch`` sequences:
+
+1. ``mgr.step()`` (host-tier copies progress, finished restores apply, compaction).
+2. Running requests, oldest admission first: each gets ``min(uncomputed tokens, token budget)``
+   tokens (a decode: 1; a chunked prefill: its next chunk). A request whose host-tier restore is
+   in flight (``mgr.ready`` False) sits this step out. Its blocks grow by
+   ``mgr.allocate(rid, n)``; when that is "not now" the *newest* running request is preempted by
+   recompute (every block freed, back to the head of the waiting queue, its tokens — prompt and
+   outputs so far — recomputed when readmitted) and the allocation retried; when the request
+   itself is the newest, it is preempted and the pass over running requests ends. A request
+   that cannot grow with nothing else left to preempt has reached the KV capacity: it finishes
+   with "length" (``RequestStatus.FINISHED_LENGTH``; ``capacity_finished`` counts it).
+3. Only when step 2 preempted nothing: waiting requests in arrival order (preempted ones first),
+   while budgets last. Each is looked up in the prefix cache (``num_cached_tokens``: device and
+   host tier hits need no compute), then allocated its first chunk against its *whole* footprint
+   (``num_prompt_tokens``; no reservation of the outputs). "Not now" ends admission this step
+   (first come, first served: a later, smaller request does not overtake); with nothing running,
+   a request whose footprint exceeds the whole KV capacity (or is refused ``STALL_LIMIT`` times
+   in a row: the live budget does not leave room) finishes with "length". A parallel sample
+   (``Request.parent_id``) waits while a sibling is still prefilling the shared prompt, so that
+   it is admitted on the sibling's published blocks (the prefix cache shares them).
+
+After the worker ran the step, :meth:`Scheduler.update` commits each chunk's KV
+(``mgr.commit``), appends sampled tokens, applies stop conditions, frees finished requests and
+reports the step's execution peak to the pool (``VmmPool.observe_execution_peak``).
+
+Invariants: a RUNNING request is known to the manager with a block table covering its computed
+tokens; a WAITING request holds no blocks and no hit; ``num_computed_tokens`` never exceeds the
+request's tokens; a step never exceeds either budget; every block is freed when a request
+finishes, is aborted or preempted.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from xllm_vmm.engine.output import EngineOutput, Logprob
+from xllm_vmm.engine.request import Request, RequestStatus
+from xllm_vmm.engine.step import SeqChunk, StepInput
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    start_pos: int
+    num_tokens: int
+    sample: bool
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan: the chunks (in ``step.chunks`` order), and what scheduling itself did."""
+
+    chunks: list[ScheduledChunk]
+    step: StepInput | None
+    preempted: list[str] = field(default_factory=list)
+    admitted: list[str] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)
+    """Requests scheduling finished (KV capacity reached); their outputs are due this step."""
+
+    @property
+    def sampled(self) -> list[Request]:
+        """Requests whose logits the step returns, in row order."""
+        return [c.request for c in self.chunks if c.sample]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, mgr: Any, *, max_tokens_per_batch: int, max_seqs_per_batch: int,
+                 max_model_len: int, enable_chunked_prefill: bool = True, pool: Any = None) -> None:
+        if max_tokens_per_batch < 1 or max_seqs_per_batch < 1:
+            raise ValueError(f"max_tokens_per_batch ({max_tokens_per_batch}) and max_seqs_per_batch "
+                             f"({max_seqs_per_batch}) must be >= 1")
+        self.mgr = mgr
+        self.pool = pool
+        self.block_size: int = mgr.block_size
+        self.max_tokens_per_batch = max_tokens_per_batch
+        self.max_seqs_per_batch = max_seqs_per_batch
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order (oldest first)
+        self.requests: dict[str, Request] = {}
+        self._order = itertools.count()
+        # counters (for stats / metrics)
+        self.num_preemptions = 0
+        self.capacity_finished = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.execution_peak_bytes = 0
+        self.steps = 0
+
+    # -- queue ---------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish ``request_id`` as aborted and free everything it holds (blocks a copy still
+        uses stay pinned until it ends: the manager's invariant 4). Unknown ids: None."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self.mgr.free(request_id)
+        req.status = RequestStatus.FINISHED_ABORTED
+        return req
+
+    # -- scheduling ----------------------------------------------------------------------
+    def _preempt(self, req: Request) -> None:
+        self.mgr.free(req.request_id)
+        self.running.remove(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        self.requests.pop(req.request_id, None)
+        self.mgr.free(req.request_id)
+
+    def schedule(self) -> SchedulerOutput:
+        self.mgr.step()
+        mgr = self.mgr
+        token_budget = self.max_tokens_per_batch
+        chunks: list[ScheduledChunk] = []
+        tables: dict[str, dict[str, list[int]]] = {}
+        preempted: list[str] = []
+        finished: list[Request] = []
+        scheduled_ids: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and token_budget > 0 and len(chunks) < self.max_seqs_per_batch:
+            req = self.running[i]
+            rid = req.request_id
+            if not mgr.ready(rid):
+                i += 1
+                continue
+            req.num_computed_tokens = mgr.num_computed_tokens(rid)  # a failed restore rolls back
+            n = min(req.num_uncomputed_tokens, token_budget)
+            if n <= 0:  # nothing to compute (cannot happen for a running request)
+                i += 1
+                continue
+            got = mgr.allocate(rid, n)
+            self_preempted = False
+            while got is None:
+                victim = self.running[-1]
+                if victim is req:
+                    if i == 0 and len(self.running) == 1 and not chunks:
+                        # alone and still cannot grow: the KV capacity is reached
+                        self.capacity_finished += 1
+                        self._finish(req, RequestStatus.FINISHED_LENGTH)
+                        finished.append(req)
+                    else:
+                        self._preempt(req)
+                        preempted.append(rid)
+                    self_preempted = True
+                    break
+                if victim.request_id in scheduled_ids:  # never: victims come from the tail
+                    raise AssertionError("preemption victim already scheduled")
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                got = mgr.allocate(rid, n)
+            if self_preempted:
+                break
+            tables[rid] = got
+            chunks.append(ScheduledChunk(req, req.num_computed_tokens, n,
+                                         req.num_computed_tokens + n == req.num_tokens))
+            scheduled_ids.add(rid)
+            token_budget -= n
+            i += 1
+
+        admitted: list[str] = []
+        if not preempted:
+            deferred: list[Request] = []
+            while (self.waiting and token_budget > 0
+                   and len(self.running) < self.max_seqs_per_batch):
+                req = self.waiting[0]
+                if req.parent_id is not None and self._sibling_prefilling(req):
+                    deferred.append(self.waiting.popleft())
+                    continue
+                rid = req.request_id
+                tokens = req.all_token_ids
+                hit = mgr.lookup(rid, tokens)
+                computed = hit.num_tokens
+                n = min(len(tokens) - computed, token_budget)
+                if n < len(tokens) - computed and not self.enable_chunked_prefill:
+                    mgr.drop(rid)
+                    break
+                got = mgr.allocate(rid, n, hit=hit, num_prompt_tokens=len(tokens))
+                if got is None:
+                    mgr.drop(rid)
+                    if not self.running and not chunks and not deferred and self._never_fits(req):
+                        self.waiting.popleft()
+                        self.capacity_finished += 1
+                        self._finish(req, RequestStatus.FINISHED_LENGTH)
+                        finished.append(req)
+                        continue
+                    break
+                self.waiting.popleft()
+                req.status = RequestStatus.RUNNING
+                req.admitted_order = next(self._order)
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = computed
+                    self.prompt_tokens += req.num_prompt_tokens
+                self.running.append(req)
+                admitted.append(rid)
+                req.num_computed_tokens = computed
+                if not mgr.ready(rid):  # host-tier restore in flight: computes once it lands
+                    continue
+                req.num_computed_tokens = mgr.num_computed_tokens(rid)
+                n = min(req.num_uncomputed_tokens, n)
+                tables[rid] = got
+                chunks.append(ScheduledChunk(req, req.num_computed_tokens, n,
+                                             req.num_computed_tokens + n == req.num_tokens))
+                token_budget -= n
+            for req in reversed(deferred):
+                self.waiting.appendleft(req)
+
+        step = None
+        if chunks:
+            step = StepInput.build(
+                [SeqChunk(c.request.request_id,
+                          c.request.all_token_ids[c.start_pos:c.start_pos + c.num_tokens],
+                          c.start_pos, tables[c.request.request_id], c.sample) for c in chunks],
+                self.block_size)
+        return SchedulerOutput(chunks, step, preempted, admitted, finished)
+
+    def _never_fits(self, req: Request) -> bool:
+        """Nothing runs and ``req`` was refused: true when its footprint exceeds the whole KV
+        capacity, or when it was refused ``STALL_LIMIT`` times in a row with nothing running
+        (the live budget will not grow; blocks pinned by copies are released within a few
+        iterations)."""
+        if req.num_tokens + 1 > self.mgr.capacity().total_tokens:
+            return True
+        self._stalls = self._stalls + 1 if self._stall_id == req.request_id else 1
+        self._stall_id = req.request_id
+        return self._stalls >= self.STALL_LIMIT
+
+    STALL_LIMIT = 64
+    _stalls = 0
+    _stall_id: str | None = None
+
+    def _sibling_prefilling(self, req: Request) -> bool:
+        for r in self.running:
+            if r.parent_id == req.parent_id and r.num_computed_tokens < r.num_prompt_tokens:
+                return True
+        return False
+
+    # -- results -------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, token_ids: Sequence[int] = (),
+               logprobs: Sequence[dict[int, Logprob] | None] | None = None,
+               execution_peak_bytes: int = 0) -> list[EngineOutput]:
+        """Apply a step's results: ``token_ids[i]`` / ``logprobs[i]`` sampled for
+        ``out.sampled[i]``. Returns one :class:`EngineOutput` per request that produced a token
+        or finished."""
+        self.steps += 1
+        if execution_peak_bytes > 0:
+            self.execution_peak_bytes = max(self.execution_peak_bytes, execution_peak_bytes)
+            if self.pool is not None:
+                self.pool.observe_execution_peak(execution_peak_bytes)
+        sampled = out.sampled
+        if len(token_ids) != len(sampled):
+            raise ValueError(f"{len(token_ids)} sampled tokens for {len(sampled)} sampled chunks")
+        by_req = {r.request_id: j for j, r in enumerate(sampled)}
+        results: list[EngineOutput] = []
+        mgr = self.mgr
+        for c in out.chunks:
+            req = c.request
+            if req.status is not RequestStatus.RUNNING:  # aborted meanwhile
+                continue
+            req.num_computed_tokens = c.start_pos + c.num_tokens
+            mgr.commit(req.request_id, req.num_computed_tokens, req.all_token_ids)
+            if not c.sample:
+                continue
+            j = by_req[req.request_id]
+            tok = int(token_ids[j])
+            req.output_token_ids.append(tok)
+            lp = logprobs[j] if logprobs is not None else None
+            if lp is not None:
+                req.output_logprobs.append(lp)
+            self.generation_tokens += 1
+            status = req.check_stop(tok, self.max_model_len)
+            if status is not None:
+                self._finish(req, status)
+            results.append(EngineOutput(
+                req.request_id, [tok], status is not None,
+                status.finish_reason if status is not None else None,
+                req.stop_reason if status is not None else None,
+                [lp] if lp is not None else None, req.num_prompt_tokens,
+                max(req.num_cached_tokens, 0)))
+        for req in out.finished:
+            results.append(EngineOutput(req.request_id, [], True, req.finish_reason, None, None,
+                                        req.num_prompt_tokens, max(req.num_cached_tokens, 0)))
+        return results
+
+
+__all__ = ["ScheduledChunk", "Scheduler", "SchedulerOutput"]
