@@ -82,9 +82,9 @@ def test_config_rule_triggers_and_nearest_does_not(rule_id, trigger, near, sever
 
 
 def test_vmm01_names_supported_kinds_and_source():
-    rep = run(KV, "--devices=xpu:0")
+    rep = run(KV, "--devices=dcu:0")
     f = next(f for f in rep.findings if f.id == "VMM-01")
-    assert "xpu" in f.message and "npu, cuda, cpu" in f.hint
+    assert "dcu" in f.message and "npu, cuda, cpu" in f.hint
     assert f.sources["devices"].kind == "cli"
     for ok in ("cuda:0", "cpu", "auto", "", "npu:0,npu:1"):
         assert "VMM-01" not in run(KV, f"--devices={ok}").rule_ids()
@@ -281,7 +281,7 @@ def test_every_rule_of_rules_md_is_in_the_catalogue_and_covered():
 
 @pytest.mark.parametrize("devices, message", [
     ("gpu:0", "device 'gpu:0': 'gpu' is not a device kind (kinds: npu, cuda, cpu, mlu, ilu, "
-              "musa, xpu); did you mean cuda?"),
+              "musa, dcu); did you mean cuda?"),
     ("npu:0,cuda:0", "devices mix kinds (npu and cuda): one engine serves on devices of one kind"),
     ("npu:99999999999999999999", "device 'npu:99999999999999999999': index "
                                  "99999999999999999999 is out of range (0..1023)"),

@@ -121,8 +121,12 @@ def test_json_config_file_errors(tmp_path):
     with pytest.raises(ConfigError) as e:
         load(json_file=p)
     assert ids(e.value) == ["CFG-UNKNOWN"] and e.value.findings[0].where.line == 2
+    # a file that does not exist here is a warning (it often lives on the serving host only);
+    # one that exists but cannot be read is unreadable input
+    cfg = load(json_file=tmp_path / "missing.json")
+    assert [f.id for f in cfg.warnings] == ["CFG-JSON"] and cfg.warnings[0].severity == "warning"
     with pytest.raises(ConfigError) as e:
-        load(json_file=tmp_path / "missing.json")
+        load(json_file=tmp_path)
     assert ids(e.value) == ["CFG-READ"] and e.value.unreadable
 
 

@@ -211,7 +211,7 @@ def test_config_sizes_take_pib():
 def test_devices_error_hint_fits_the_error():
     r = run("--model=Qwen/Qwen3-8B", "--devices", "gpu:0")
     assert r.exit_code == 2
-    assert r.stderr.strip().endswith("(kinds: npu, cuda, cpu, mlu, ilu, musa, xpu); did you mean "
+    assert r.stderr.strip().endswith("(kinds: npu, cuda, cpu, mlu, ilu, musa, dcu); did you mean "
                                      "cuda?")
     r = run("--model=Qwen/Qwen3-8B", "--devices", "npu:0,npu:0")
     assert r.stderr.strip().endswith("listed twice: each device serves one worker: list each "

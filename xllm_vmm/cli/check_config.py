@@ -211,7 +211,7 @@ def run(argv: list[str], out: TextIO | None = None, err: TextIO | None = None,
     for r in resolved:
         if r.config is None:
             results.append(Result(r.label, None, list(r.findings),
-                                  launch_command=r.launch_command))
+                                  launch_command=r.launch_command, notes=r.notes))
             continue
         spec, why = find_model(r.config)
         report = check(r.config, spec, model_reason=why,
@@ -227,7 +227,7 @@ def run(argv: list[str], out: TextIO | None = None, err: TextIO | None = None,
                 return 2
             decide_sizing(report, r.config, spec, why, device=device, host=host)
         results.append(Result(r.label, report, list(r.findings) + report.findings,
-                              launch_command=r.launch_command))
+                              launch_command=r.launch_command, notes=r.notes))
     if opts["write_resolved"] and results[0].report is not None:
         # Written before the report, so that the exit code the report prints is the real one:
         # a file that cannot be written ends the run here (exit 2) with no report.

@@ -21,6 +21,11 @@ INPUT_IDS = {
                     "devices listed in devices",
     "CFG-MODEL": "a --model that is a local path (starts with / . ~, or its parent directory "
                  "exists) but not a readable model directory",
+    "CFG-JSON": "a config_json_file that does not exist here (a warning, an error with --strict: "
+                "the file often lives on the serving host only)",
+    "CFG-UNRESOLVED": "a value of a launch script that depends on what the script cannot know "
+                      "here (an unset variable, the environment, $(command)): listed as not "
+                      "checked, never an error",
     "CFG-SHELL": "a line of a launch script that starts with --: a continuation of the launch "
                  "command broken by a comment or blank line, which the shell runs on its own",
 }

@@ -38,6 +38,8 @@ class Resolved:
     #: for a launch script or ``--cmd``: which command was checked (``launch.sh:3 (xllm: the
     #: engine)``); "" otherwise.
     launch_command: str = ""
+    #: what the check of a launch script assumed (a loop checked for its first iteration, ...)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def unreadable(self) -> bool:
@@ -155,5 +157,6 @@ def resolve_inputs(
                 f.input = label
             res.findings = errs + res.findings
             res.launch_command = shell.describe(file)
+            res.notes = list(shell.notes)
             out.append(res)
     return out

@@ -41,6 +41,10 @@ class ResolvedConfig:
         self._sources = sources
         self.warnings: list[Finding] = list(warnings or [])
         self.label = label
+        #: flags a launch script sets from what cannot be known here (``CFG-UNRESOLVED``):
+        #: name → the finding. Their values stay the defaults; rules naming them are not checked.
+        self.unresolved: dict[str, Finding] = {
+            name: f for f in self.warnings if f.id == "CFG-UNRESOLVED" for name in f.flags}
 
     def __getitem__(self, name: str):
         return self._values[name]
@@ -193,7 +197,16 @@ def load(
         path = os.fspath(json_file)
         values["config_json_file"] = path
         sources["config_json_file"] = Source("cli", text=f"--config_json_file={path}")
-    if values["config_json_file"]:
+    if values["config_json_file"] and not os.path.exists(values["config_json_file"]):
+        src = sources.get("config_json_file", _DEFAULT)
+        findings.append(Finding(
+            "CFG-JSON", "warning",
+            f"config_json_file {values['config_json_file']!r} ({src}) does not exist here: its "
+            f"values are not checked", flags={"config_json_file": values["config_json_file"]},
+            sources={"config_json_file": src},
+            hint="the file often lives on the serving host only; give a copy with "
+                 "--config_json_file to check it (--strict makes this an error)", where=src))
+    elif values["config_json_file"]:
         got, errs = read_json(values["config_json_file"])
         findings.extend(errs)
         apply(_layer(got, findings))

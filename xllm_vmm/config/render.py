@@ -18,6 +18,9 @@ from typing import TextIO
 
 from xllm_vmm.config.findings import Finding, HasFindings, Implied, Source
 
+#: Severity of a launch-script value that cannot be known here (``sources.NOT_CHECKED``).
+NOT_CHECKED = "not_checked"
+
 JSON_SCHEMA_VERSION = 1
 
 #: Text-output marks: an error (or a warning under ``--strict``) ✗, a warning !, an implied
@@ -33,6 +36,7 @@ class Result(HasFindings):
     report: object | None  # rules.Report
     findings: list[Finding] = field(default_factory=list)  # input findings + report findings
     launch_command: str = ""  # the command checked in a launch script or --cmd, if any
+    notes: list[str] = field(default_factory=list)  # what a launch script's check assumed
 
     @property
     def unreadable(self) -> bool:
@@ -64,18 +68,25 @@ def to_json(results: list[Result], *, strict: bool = False, full_config: bool = 
     inputs = []
     for r in results:
         rep = r.report
+        # The same keys for every input, whatever its status: empty when not computed.
         entry: dict = {
             "input": r.label,
             "status": "unreadable" if r.unreadable else ("errors" if r.errors else
                                                         "warnings" if r.warnings else "ok"),
             "findings": [f.to_dict() for f in r.findings],
+            "launch_command": r.launch_command,
+            "launch_notes": list(r.notes),
+            "model": None, "implied": [], "not_checked": [], "resolved": {}, "derived": {},
         }
-        if r.launch_command:
-            entry["launch_command"] = r.launch_command
+        entry["not_checked"] = [
+            {"rule": None, "flag": next(iter(f.flags), None),
+             "text": f.where.text if f.where is not None else None, "reason": f.message}
+            for f in r.findings if f.severity == NOT_CHECKED]
         if rep is not None:
             entry["model"] = rep.model
             entry["implied"] = [i.to_dict() for i in rep.implied]
-            entry["not_checked"] = [{"rule": k, "reason": v} for k, v in rep.not_checked.items()]
+            entry["not_checked"] += [{"rule": k, "flag": None, "text": None, "reason": v}
+                                     for k, v in rep.not_checked.items()]
             entry["resolved"] = rep.resolved.to_dict(only_set=not full_config)
             entry["derived"] = {i.key: {"value": i.value, "rule": i.rule, "text": i.text}
                                 for i in rep.implied}
@@ -110,7 +121,8 @@ def _gh_escape(text: str, prop: bool = False) -> str:
 def render_github(results: list[Result], out: TextIO, *, strict: bool = False) -> None:
     for r in results:
         for f in r.findings:
-            level = "error" if f.severity == "error" or strict else "warning"
+            level = "notice" if f.severity == NOT_CHECKED else \
+                "error" if f.severity == "error" or strict else "warning"
             loc = _location(f)
             props = []
             file = loc.file if loc else (r.label if r.label and "/" in r.label or
@@ -166,6 +178,8 @@ def render_text(results: list[Result], out: TextIO, *, strict: bool = False,
         console.print(f"[bold]{escape(r.label)}[/]: {status}")
         if r.launch_command:
             console.print(f"  [dim]launch command checked: {escape(r.launch_command)}[/]")
+        for note in r.notes:
+            console.print(f"  [dim]note: {escape(note)}[/]")
         # Under --strict warnings are errors: one "errors" heading lists both.
         groups = ((("error", "warning"), "error", "red"),) if strict else \
             ((("error",), "error", "red"), (("warning",), "warning", "yellow"))
@@ -180,6 +194,11 @@ def render_text(results: list[Result], out: TextIO, *, strict: bool = False,
                 console.print(f"    [{style}]{mark}[/] {escape(head)}")
                 if hint:
                     console.print(f"      [dim]→ {escape(hint)}[/]")
+        values = [f for f in r.findings if f.severity == NOT_CHECKED]
+        if values:
+            console.print(f"  [magenta]values not checked ({len(values)})[/]")
+            for f in values:
+                console.print(f"    [magenta]{MARKS['not_checked']}[/] {escape(f.message)}")
         rep = r.report
         if rep is not None:
             if rep.implied:

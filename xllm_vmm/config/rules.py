@@ -342,6 +342,7 @@ def _vmm01(x: _Ctx) -> _Out:
                       hint=f"list {tp} devices, or set tp_size={len(devices)} (or leave it unset: "
                            f"the number of devices is used)",
                       where=srcs["tp_size"], input=x.cfg.label)
+    yield from _ranks(x)
     if not x.vmm:
         return
     bad = sorted({k for k, _ in devices if k not in VMM_DEVICE_KINDS})
@@ -353,6 +354,23 @@ def _vmm01(x: _Ctx) -> _Out:
             ("devices", *on),
             f"serve on {', '.join(VMM_DEVICE_KINDS)} devices, or turn VMM off "
             f"({' '.join('--' + n + '=false' for n in on)})")
+
+
+def _ranks(x: _Ctx) -> _Out:
+    """``node_rank`` must be one of the service's ``nnodes`` processes (0..nnodes-1): the
+    engine gives process ``node_rank`` the global ranks from ``node_rank × len(devices)``, so a
+    rank past the last process names workers that do not exist."""
+    rank, nnodes = int(x.cfg["node_rank"]), int(x.cfg["nnodes"])
+    if rank >= nnodes:
+        srcs = {"node_rank": x.cfg.provenance("node_rank"), "nnodes": x.cfg.provenance("nnodes")}
+        yield Finding("CFG-CONFLICT", "error",
+                      f"node_rank={rank} ({srcs['node_rank']}) but nnodes={nnodes} "
+                      f"({srcs['nnodes']}): the ranks of a service are 0..{nnodes - 1} (nnodes is "
+                      f"the total number of processes, one per device, across every machine)",
+                      flags={"node_rank": rank, "nnodes": nnodes}, sources=srcs,
+                      hint=f"set nnodes to the total number of processes (at least {rank + 1}), "
+                           f"or node_rank below {nnodes}",
+                      where=srcs["node_rank"], input=x.cfg.label)
 
 
 @_rule("VMM-02", "VMM-03", "VMM-04", "VMM-05")
@@ -725,6 +743,9 @@ def find_model(cfg: ResolvedConfig):
     is read, never a safetensors file; or a catalogue name), or ``(None, reason)`` when it
     cannot be read."""
     ref = cfg["model"]
+    unresolved = getattr(cfg, "unresolved", {}).get("model")
+    if unresolved is not None:
+        return None, f"--model is not known here ({unresolved.message})"
     if not ref:
         return None, "no --model given"
     try:
@@ -761,11 +782,29 @@ def check(cfg: ResolvedConfig, model=None, *, model_reason: str | None = None,
             else:
                 report.not_checked[item[0]] = item[1]
     report.resolved = resolved
-    if model is None and model_reason is not None:
+    if model is None and model_reason is not None and "model" not in cfg.unresolved:
         bad = model_path_finding(cfg, model_reason)
         if bad is not None:
             report.findings.insert(0, bad)
+    _drop_unresolved(report, cfg)
     return report
+
+
+def _drop_unresolved(report: Report, cfg: ResolvedConfig) -> None:
+    """A finding that names a flag whose value a launch script sets from what cannot be known
+    here (``cfg.unresolved``) was decided on that flag's default, not on its real value: it
+    becomes "not checked" (with the flag and its text), never an error or a warning."""
+    if not cfg.unresolved:
+        return
+    kept = []
+    for f in report.findings:
+        names = [n for n in f.flags if n in cfg.unresolved]
+        if not names:
+            kept.append(f)
+            continue
+        texts = ", ".join(f"--{n} {cfg.unresolved[n].flags[n]!r}" for n in names)
+        report.not_checked.setdefault(f.id, f"depends on {texts}, not known here")
+    report.findings = kept
 
 
 def is_local_model_path(ref: str) -> bool:

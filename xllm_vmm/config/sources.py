@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from xllm_vmm.config.catalogue import FLAGS, GROUPS, FlagDef, suggest
@@ -39,12 +38,18 @@ class Assignment:
 
 @dataclass(frozen=True)
 class Token:
-    """A command-line token and where it was written (``line``/``col`` only for files)."""
+    """A command-line token and where it was written (``line``/``col`` only for files).
+
+    From a launch script: ``unknown`` says why its value is not known here (it depends on an
+    unset variable, the environment, ``$(command)``; ``text`` is then the word as written) and
+    ``via`` names the assignments its value came through (``BS=abc (launch.sh:3)``)."""
 
     text: str
     file: str | None = None
     line: int | None = None
     col: int | None = None
+    unknown: str | None = None
+    via: tuple[str, ...] = ()
 
 
 def _did_you_mean(name: str, extra: Iterable[str] = ()) -> str:
@@ -64,9 +69,11 @@ def unknown_flag(name: str, where: Source, *, what: str = "flag") -> Finding:
     )
 
 
-def type_error(flag: FlagDef, err: ValueError, where: Source) -> Finding:
+def type_error(flag: FlagDef, err: ValueError, where: Source,
+               via: tuple[str, ...] = ()) -> Finding:
+    came = f"; the value comes from {', '.join(via)}" if via else ""
     return Finding(
-        "CFG-TYPE", "error", f"{err} ({where})", flags={flag.name: where.text},
+        "CFG-TYPE", "error", f"{err} ({where}){came}", flags={flag.name: where.text},
         sources={flag.name: where}, hint=f"set {flag.name} to {_example(flag)}", where=where,
     )
 
@@ -97,6 +104,9 @@ def parse_args(tokens: Iterable[Token | str]) -> tuple[list[Assignment], list[Fi
         src = Source("cli", tok.file, tok.line, tok.col, text=text)
         if text == "--":
             continue
+        if tok.unknown and not text.startswith("-"):
+            findings.append(not_checked(None, tok, "an argument"))
+            continue
         if not text.startswith("-") or text == "-":
             findings.append(Finding(
                 "CFG-ARG", "error", f"unexpected argument {text!r} ({src}): not a flag",
@@ -105,6 +115,9 @@ def parse_args(tokens: Iterable[Token | str]) -> tuple[list[Assignment], list[Fi
         body = text.lstrip("-")
         name, has_eq, value = body.partition("=")
         name = _norm(name)
+        if tok.unknown and (not has_eq or not re.fullmatch(r"[A-Za-z0-9_]+", name)):
+            findings.append(not_checked(None, tok, "a flag whose name"))
+            continue
         flag = FLAGS.get(name)
         negated = False
         if flag is None and name.startswith("no") and FLAGS.get(name[2:]) is not None \
@@ -138,31 +151,60 @@ def parse_args(tokens: Iterable[Token | str]) -> tuple[list[Assignment], list[Fi
             i += 1
             value = nxt.text
             src = Source("cli", tok.file, tok.line, tok.col, text=f"{text} {value}")
+            if nxt.unknown:
+                findings.append(not_checked(flag, nxt, f"--{flag.name}", src))
+                continue
+            tok = nxt if nxt.via else tok
+        elif tok.unknown:
+            findings.append(not_checked(flag, tok, f"--{flag.name}", src))
+            continue
         try:
             out.append(Assignment(flag.name, parse_text(flag, value), src))
         except ValueError as err:
-            findings.append(type_error(flag, err, src))
+            findings.append(type_error(flag, err, src, tok.via))
     return out, findings
+
+
+#: Severity of a value a launch script sets from what cannot be known here (not an error).
+NOT_CHECKED = "not_checked"
+
+
+def not_checked(flag: FlagDef | None, tok: Token, what: str, src: Source | None = None) -> Finding:
+    """``CFG-UNRESOLVED`` (severity :data:`NOT_CHECKED`, never an error): a value that depends
+    on what the script cannot know here; the flag keeps its default and the rules that
+    involve it are not checked."""
+    where = src or Source("cli", tok.file, tok.line, tok.col, text=tok.text)
+    return Finding(
+        "CFG-UNRESOLVED", NOT_CHECKED,
+        f"{what} {tok.text!r} is not checked: {tok.unknown}" + (f" ({where})" if where.file else ""),
+        flags={flag.name: tok.text} if flag is not None else {},
+        sources={flag.name: where} if flag is not None else {},
+        hint="it is known only when the script runs on the serving host", where=where)
 
 
 # ----------------------------------------------------------------------------- shell commands
 
 _WRAPPERS = {"exec", "nohup", "env", "time", "sudo", "command", "stdbuf", "taskset", "numactl"}
 _ASSIGN_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
-_STOP = {"|", "||", "&&", ";", "&", "|&"}
+#: Programs whose file name contains ``xllm`` but which are not the engine (xllm-service's
+#: scheduler in the PD guides).
+_NOT_ENGINE = {"xllm_master_serving", "xllm_service", "xllm-service"}
 
 
 @dataclass
 class ShellCommand:
     """The launch command found in shell text: its flag tokens, its environment, and which
     command of the text it is (``line``: the physical line of its program; ``why``: how it
-    was chosen)."""
+    was chosen). ``notes``: what the check assumed (a loop checked for its first iteration,
+    an escaped-space argument the engine ignores)."""
 
     tokens: list[Token]
     env: list[Token]  # NAME=value tokens (assignments before the binary, export lines)
     binary: str | None
     line: int | None = None
     why: str = ""
+    notes: list[str] = field(default_factory=list)
+    binary_unknown: str | None = None
 
     def describe(self, file: str | None = None) -> str:
         """``launch.sh:3 (/opt/xllm/bin/xllm: the engine)``, for reports."""
@@ -171,94 +213,9 @@ class ShellCommand:
         return f"{where} ({self.binary or '?'}: {self.why})" if self.why else where
 
 
-_WORD_BREAK = " \t;&|()<>"
-
-
-def _scan_line(line: str, quote: str | None, prev: str | None):
-    """Read one physical line the way bash does. Returns ``(kept, end, quote, prev)``: the text
-    bash keeps (a comment and a continuation backslash removed), how the line ends (``"end"``,
-    ``"backslash"``: continued; ``"quote"``: a quote is still open, the newline is part of the
-    word; ``"comment"``: a comment ended it), the quote still open and the last character kept.
-    ``#`` starts a comment only at the start of a word outside quotes; a backslash at the end of
-    a comment is part of the comment and continues nothing."""
-    i = 0
-    n = len(line)
-    while i < n:
-        c = line[i]
-        if quote == "'":
-            if c == "'":
-                quote = None
-        elif c == "\\":
-            if i == n - 1:
-                return line[:i], "backslash", quote, prev
-            i += 1
-        elif quote == '"':
-            if c == '"':
-                quote = None
-        elif c in "'\"":
-            quote = c
-        elif c == "#" and (prev is None or prev in _WORD_BREAK):
-            return line[:i], "comment", None, prev
-        prev = line[i]
-        i += 1
-    return line, ("quote" if quote is not None else "end"), quote, prev
-
-
-@dataclass
-class _Logical:
-    text: str
-    marks: list[tuple[int, int]]  # (offset in text, physical line number)
-
-
-def _logical_lines(text: str) -> list[_Logical]:
-    """Join lines as bash does: a trailing unquoted backslash removes itself and the newline; a
-    newline inside quotes is kept; a comment ends the line, and so a continuation: a comment
-    line inside a backslash-continued command ends that command, as in bash."""
-    out: list[_Logical] = []
-    buf: list[str] = []
-    marks: list[tuple[int, int]] = []
-    length = 0
-    quote: str | None = None
-    prev: str | None = None
-    for lineno, raw in enumerate(text.split("\n"), start=1):
-        kept, end, quote, prev = _scan_line(raw.rstrip("\r"), quote, prev)
-        if end == "quote":
-            kept += "\n"
-        marks.append((length, lineno))
-        buf.append(kept)
-        length += len(kept)
-        if end in ("end", "comment"):
-            out.append(_Logical("".join(buf), marks))
-            buf, marks, length, quote, prev = [], [], 0, None, None
-    if buf:
-        out.append(_Logical("".join(buf), marks))
-    return out
-
-
-def _tokens_of(logical: _Logical, file: str | None,
-               raw_lines: list[str]) -> list[tuple[Token, int]]:
-    """The words of one logical line, each with the physical line that holds its end."""
-    lex = shlex.shlex(logical.text, posix=True, punctuation_chars=";&|")
-    lex.whitespace_split = True
-    lex.commenters = ""  # comments were removed by _logical_lines
-    out = []
-    while True:
-        start = lex.instream.tell()
-        tok = lex.get_token()
-        if tok is None or tok == lex.eof:
-            break
-        pos = max(start, lex.instream.tell() - 1)
-        line = logical.marks[0][1]
-        for off, no in logical.marks:
-            if off <= pos:
-                line = no
-        col = None
-        if file is not None:
-            key = tok.split("=", 1)[0]
-            idx = raw_lines[line - 1].find(key) if key else -1
-            col = idx + 1 if idx >= 0 else None
-        out.append((Token(tok, file, line if file is not None else None, col), line))
-    return out
+def _token(word, file: str | None) -> Token:
+    return Token(word.text, file, word.line if file is not None else None,
+                 word.col if file is not None else None, word.unknown, word.via)
 
 
 def _known_flags(tokens: list[Token]) -> int:
@@ -273,10 +230,10 @@ def _known_flags(tokens: list[Token]) -> int:
             count += 1
     return count
 
-
 def _is_engine(binary: str | None) -> bool:
     """True when ``binary`` is the serving engine: its file name contains ``xllm``."""
-    return bool(binary) and "xllm" in binary.replace("\\", "/").rsplit("/", 1)[-1].lower()
+    base = binary.replace("\\", "/").rsplit("/", 1)[-1] if binary else ""
+    return "xllm" in base.lower() and base not in _NOT_ENGINE
 
 
 def _engine_word(seg: list[Token], start: int) -> int:
@@ -289,15 +246,21 @@ def _engine_word(seg: list[Token], start: int) -> int:
     does not start with ``-``: ``docker run --name xllm-1 img xllm`` picks the second). When no
     word qualifies, ``start`` (the command is checked as it is, as before).
     """
-    if start >= len(seg) or _is_engine(seg[start].text):
+    if start >= len(seg) or _is_engine(seg[start].text) and not seg[start].unknown:
         return start
     for j in range(start + 1, len(seg)):
         word = seg[j].text
-        if word.startswith("-") or _ASSIGN_RE.match(word) or not _is_engine(word):
+        if word.startswith("-") or _ASSIGN_RE.match(word) or not _is_engine(word) \
+                or seg[j].unknown:
             continue
         if seg[j - 1].text.startswith("-") and "=" not in seg[j - 1].text:
             continue  # the value of a separate-value option: --name xllm-server
         return j
+    for j in range(start, len(seg)):  # a program the script cannot name here: $XLLM_PATH
+        word = seg[j]
+        if word.unknown and not word.text.startswith("-") and (
+                j == start or not seg[j - 1].text.startswith("-") or "=" in seg[j - 1].text):
+            return j
     return start
 
 
@@ -330,100 +293,112 @@ def _broken_continuation(file: str | None, line: int, raw_lines: list[str],
 def parse_shell(text: str, file: str | None = None) -> tuple[ShellCommand | None, list[Finding]]:
     """Find the launch command in shell text (a ``--cmd`` string or a script).
 
-    Lines are joined and split into words and commands as bash does (:func:`_logical_lines`).
-    The launch command is the last command whose program is the engine (its file name contains
-    ``xllm``); when none is, the command with the most catalogue flags (the last of equals).
-    A command that starts with ``--`` is a flag line cut off from its command: a ``CFG-SHELL``
-    error. Returns ``(None, findings)`` when the text cannot be split into words or holds no
-    command with flags.
+    The text is walked as bash would (:mod:`xllm_vmm.config.shell`: words, quotes, operators,
+    redirections, the script's variables and arithmetic expanded; a loop checked for its first
+    iteration). The launch command is the last command whose program is the engine (its file
+    name contains ``xllm``, xllm-service's ``xllm_master_serving`` excepted); else the last
+    command whose program is not known here (``$XLLM_PATH`` set elsewhere) with catalogue
+    flags; else the command with the most catalogue flags (the last of equals). A command that
+    starts with ``--`` is a flag line cut off from its command: a ``CFG-SHELL`` error.
+
+    Returns ``(None, findings)`` when the text cannot be split into words (``CFG-SYNTAX``) or
+    holds no launch command (``CFG-SYNTAX`` naming the commands it did see): both make the
+    input unreadable (exit 2).
     """
-    raw_lines = text.split("\n")
-    env: list[Token] = []
+    from xllm_vmm.config.shell import ShellSyntaxError, run_script
+
+    raw_lines = text.replace("\r\n", "\n").split("\n")
+    try:
+        script = run_script(text, file)
+    except ShellSyntaxError as err:
+        line_text = raw_lines[err.line - 1].strip()[:80] if 0 < err.line <= len(raw_lines) else ""
+        where = Source("cli", file, err.line if file else None, text=line_text)
+        return None, [Finding("CFG-SYNTAX", "error",
+                              f"cannot split the command into words: {err} ({where})",
+                              hint="check the quotes", where=where)]
+    env = [_token(w, file) for w in script.assignments]
     findings: list[Finding] = []
     commands: list[ShellCommand] = []
-    for logical in _logical_lines(text):
-        try:
-            toks = _tokens_of(logical, file, raw_lines)
-        except ValueError as err:  # unbalanced quotes
-            first = logical.marks[0][1]
-            where = Source("cli", file, first if file else None, text=logical.text.strip()[:80])
-            return None, [Finding("CFG-SYNTAX", "error",
-                                  f"cannot split the command into words: {err} ({where})",
-                                  hint="check the quotes", where=where)]
-        # split on ; && || | &
-        segments: list[list[tuple[Token, int]]] = [[]]
-        for t in toks:
-            if t[0].text in _STOP:
-                segments.append([])
-            else:
-                segments[-1].append(t)
-        for seg_lines in segments:
-            if not seg_lines:
-                continue
-            seg = [t for t, _ in seg_lines]
-            if seg[0].text == "export":
-                env.extend(t for t in seg[1:] if _ASSIGN_RE.match(t.text))
-                continue
-            pre_env = []
-            i = 0
-            while i < len(seg) and _ASSIGN_RE.match(seg[i].text):
-                pre_env.append(seg[i])
+    seen: list[str] = []
+    for cmd in script.commands:
+        seg = [_token(w, file) for w in cmd.words]
+        phys = [w.line for w in cmd.words]
+        pre_env = [_token(w, file) for w in cmd.env]
+        i = 0
+        while i < len(seg) and seg[i].text in _WRAPPERS:
+            i += 1
+            while i < len(seg) and (seg[i].text.startswith("-") or _ASSIGN_RE.match(seg[i].text)):
+                if _ASSIGN_RE.match(seg[i].text):
+                    pre_env.append(seg[i])
                 i += 1
-            if i == len(seg):  # plain assignments: shell variables
-                env.extend(pre_env)
+        if i < len(seg) and seg[i].text.startswith("--"):
+            findings.append(_broken_continuation(file, phys[i], raw_lines, seg[i]))
+            seen.append(f"{seg[i].text} (line {phys[i]})")
+            continue
+        i = _engine_word(seg, i)
+        if i >= len(seg):
+            continue
+        binary = seg[i].text
+        line = phys[i]
+        rest = seg[i + 1:]
+        rest_lines = phys[i + 1:]
+        seen.append(f"{binary.rsplit('/', 1)[-1] if not seg[i].unknown else binary} (line {line})")
+        if _is_engine(binary) and rest and rest[0].text == "serve" \
+                and "xllm-vmm" in binary.lower():
+            rest, rest_lines = rest[1:], rest_lines[1:]  # xllm-vmm serve --flags
+        args: list[Token] = []
+        notes: list[str] = []
+        for t, ln in zip(rest, rest_lines):
+            if not t.unknown and t.text and not t.text.strip():
+                where = f"{file}:{ln}" if file else f"line {ln}"
+                notes.append(f"{where}: the escaped blank ('\\ ') passes the program an argument "
+                             f"of {len(t.text)} blank(s); gflags leaves it with the positional "
+                             "arguments, which the engine ignores")
                 continue
-            while i < len(seg) and seg[i].text in _WRAPPERS:
-                i += 1
-                while i < len(seg) and (seg[i].text.startswith("-") or _ASSIGN_RE.match(seg[i].text)):
-                    if _ASSIGN_RE.match(seg[i].text):
-                        pre_env.append(seg[i])
-                    i += 1
-            if i < len(seg) and seg[i].text.startswith("--"):
-                findings.append(_broken_continuation(file, seg_lines[i][1], raw_lines, seg[i]))
-                continue
-            i = _engine_word(seg, i)
-            binary = seg[i].text if i < len(seg) else None
-            line = seg_lines[i][1] if i < len(seg) else seg_lines[0][1]
-            rest = seg[i + 1:]
-            if _is_engine(binary) and rest and rest[0].text == "serve" \
-                    and "xllm-vmm" in (binary or "").lower():
-                rest = rest[1:]  # xllm-vmm serve --flags
-            # drop redirections (>, 2>, >>, <, 2>&1)
-            args = []
-            skip = False
-            for t in rest:
-                if skip:
-                    skip = False
-                    continue
-                if re.fullmatch(r"[0-9]*(>>?|<)(&[0-9]+)?", t.text):
-                    skip = not t.text.endswith(("&1", "&2"))
-                    continue
-                if re.match(r"^[0-9]*(>>?|<)", t.text):
-                    continue
-                args.append(t)
-            if any(t.text.startswith("--") for t in args):
-                commands.append(ShellCommand(args, pre_env, binary, line))
-    if not commands:
-        if findings:
-            return None, findings
-        where = Source("cli", file, text=(text.strip().splitlines() or [""])[0][:80])
-        return None, [Finding("CFG-SYNTAX", "error",
-                              f"no launch command with --flags found ({where.file or 'command'})",
-                              hint="give the serving command, e.g. xllm --model=/m --enable_vmm_kvcache=true",
-                              where=where)]
-    engines = [c for c in commands if _is_engine(c.binary)]
+            args.append(t)
+        if any(t.text.startswith("--") for t in args):
+            commands.append(ShellCommand(args, pre_env, binary, line, notes=notes,
+                                         binary_unknown=seg[i].unknown))
+    def _candidate(c: ShellCommand) -> bool:
+        return _known_flags(c.tokens) > 0 and not _not_engine(c.binary)
+
+    engines = [c for c in commands if _is_engine(c.binary) and not c.binary_unknown]
+    unknown = [c for c in commands if c.binary_unknown and _known_flags(c.tokens)]
+    others = [c for c in commands if _candidate(c)]
     if engines:
         chosen = engines[-1]
         chosen.why = "the engine" if len(engines) == 1 else \
             f"the last of {len(engines)} engine commands"
-    else:
-        best = max(_known_flags(c.tokens) for c in commands)
-        chosen = [c for c in commands if _known_flags(c.tokens) == best][-1]
+    elif unknown:
+        chosen = unknown[-1]
+        chosen.why = f"the program is not known here ({chosen.binary_unknown}); its flags are " \
+                     "the engine's"
+    elif others:
+        best = max(_known_flags(c.tokens) for c in others)
+        chosen = [c for c in others if _known_flags(c.tokens) == best][-1]
         chosen.why = (f"no program named like the engine (xllm); the command with the most "
-                      f"known flags ({best})") if len(commands) > 1 else \
-            "the only command with --flags"
+                      f"known flags ({best})")
+    else:
+        if findings:
+            return None, findings
+        first = (text.strip().splitlines() or [""])[0][:80]
+        where = Source("cli", file, text=first)
+        shown = ", ".join(seen[:8]) + (f" and {len(seen) - 8} more" if len(seen) > 8 else "")
+        return None, [Finding(
+            "CFG-SYNTAX", "error",
+            f"no launch command in {file or 'the command'}: no command runs the engine (xllm) "
+            f"with its flags; " + (f"commands seen: {shown}" if seen else "it holds no command"),
+            hint="give the engine's launch command, e.g. xllm --model=/m "
+                 "--enable_vmm_kvcache=true",
+            where=where)]
     chosen.env = env + chosen.env
+    chosen.notes = script.notes + chosen.notes
     return chosen, findings
+
+
+def _not_engine(binary: str | None) -> bool:
+    """True for a program known not to be the engine (see :data:`_NOT_ENGINE`)."""
+    return bool(binary) and binary.replace("\\", "/").rsplit("/", 1)[-1] in _NOT_ENGINE
 
 
 # ----------------------------------------------------------------------------- environment

@@ -239,8 +239,10 @@ def parse_devices(text: str) -> list[tuple[str, int | None]]:
     return out
 
 
-#: Device kinds ``devices`` accepts: npu, cuda and cpu have a VMM driver (VMM-01); the others
-#: are the engine's other accelerator kinds (served without VMM).
-DEVICE_KINDS = ("npu", "cuda", "cpu", "mlu", "ilu", "musa", "xpu")
+#: Device kinds ``devices`` accepts: every kind the engine's platform code names
+#: (``Platform::type_str``: npu, mlu, cuda, ilu, musa, dcu) and cpu (this tool's host driver).
+#: npu, cuda and cpu have a VMM driver; on the others VMM is refused (VMM-01), serving without
+#: VMM is accepted.
+DEVICE_KINDS = ("npu", "cuda", "cpu", "mlu", "ilu", "musa", "dcu")
 #: Largest device index accepted (a host has far fewer devices).
 MAX_DEVICE_INDEX = 1023

@@ -1,0 +1,13 @@
+        /path/to/xllm --model=Qwen2-7B-Instruct \
+               --port=8010 \
+               --devices="npu:0" \
+               --master_node_addr="127.0.0.1:18888" \
+               --enable_prefix_cache=false \
+               --enable_chunked_prefill=false \
+               --enable_disagg_pd=true \
+               --instance_role=PREFILL \
+               --etcd_addr="127.0.0.1:12389" \
+               --transfer_listen_port=26000 \
+               --disagg_pd_port=7777 \
+               --node_rank=0 \
+               --nnodes=1
