@@ -1,0 +1,71 @@
+"""Linear layers over referenced weights, column- and row-parallel (``y = x W^T + b``).
+
+A weight is ``(out_features, in_features)`` as Hugging Face stores it. Nothing is copied: a
+shard (world size > 1, issue 14) is a ``narrow`` view of the full tensor, which may view the
+VMM arena.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from xllm_vmm.engine.layers.parallel import SINGLE, TensorParallel
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch import Tensor
+
+
+class ReplicatedLinear:
+    """The full weight on every rank (routers, small projections)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+        self.weight = weight
+        self.bias = bias
+
+    def __call__(self, x: Tensor) -> Tensor:
+        import torch.nn.functional as F
+
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(ReplicatedLinear):
+    """Output features split across ranks: this rank computes rows
+    ``[rank * out / world, (rank + 1) * out / world)`` of the weight (and bias).
+
+    ``splits`` (e.g. ``(q_rows, k_rows, v_rows)`` of a fused projection) shards each part
+    separately; unfused weights (the Hugging Face layout) use one part.
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, *,
+                 tp: TensorParallel = SINGLE, what: str = "output features") -> None:
+        if tp.world_size > 1:  # sharded path (issue 14): a view of this rank's rows
+            start, size = tp.shard(weight.shape[0], what)
+            weight = weight.narrow(0, start, size)
+            bias = bias.narrow(0, start, size) if bias is not None else None
+        super().__init__(weight, bias)
+
+
+class RowParallelLinear(ReplicatedLinear):
+    """Input features split across ranks; partial outputs are summed with an all-reduce (the
+    bias is added once, after the reduction). ``reduce=False`` leaves the partial sum to the
+    caller (a MoE layer reduces once over all its experts)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, *,
+                 tp: TensorParallel = SINGLE, what: str = "input features",
+                 reduce: bool = True) -> None:
+        self.tp = tp
+        self.reduce = reduce
+        if tp.world_size > 1:  # sharded path (issue 14): a (strided) view of this rank's columns
+            start, size = tp.shard(weight.shape[1], what)
+            weight = weight.narrow(1, start, size)
+        super().__init__(weight, bias)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        import torch.nn.functional as F
+
+        if self.tp.world_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight)
+        if self.reduce:
+            y = self.tp.all_reduce(y)
+        return y + self.bias if self.bias is not None else y

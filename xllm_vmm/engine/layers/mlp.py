@@ -1,0 +1,36 @@
+"""The SiLU-gated feed-forward of Llama / Qwen: ``down(silu(gate(x)) * up(x))``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from xllm_vmm.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+from xllm_vmm.engine.layers.parallel import SINGLE, TensorParallel
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch import Tensor
+
+ACTIVATIONS = ("silu",)
+
+
+def check_activation(name: str) -> None:
+    """Only SiLU gating is implemented; anything else is named with what is supported."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"hidden_act {name!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+
+
+class GatedMLP:
+    """Gate and up are column-parallel, down is row-parallel (intermediate features split)."""
+
+    def __init__(self, gate: Tensor, up: Tensor, down: Tensor, *, tp: TensorParallel = SINGLE,
+                 gate_bias: Tensor | None = None, up_bias: Tensor | None = None,
+                 down_bias: Tensor | None = None, reduce: bool = True) -> None:
+        self.gate = ColumnParallelLinear(gate, gate_bias, tp=tp, what="intermediate_size")
+        self.up = ColumnParallelLinear(up, up_bias, tp=tp, what="intermediate_size")
+        self.down = RowParallelLinear(down, down_bias, tp=tp, what="intermediate_size",
+                                      reduce=reduce)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        import torch.nn.functional as F
+
+        return self.down(F.silu(self.gate(x)) * self.up(x))

@@ -1,0 +1,50 @@
+"""Tensor parallelism as the layers see it: a rank, a world size, and the collectives.
+
+World size 1 is the only configuration that runs today (every collective is the identity).
+The sharded path (issue 14) is marked where it lives: column-parallel layers take rows
+``[rank * n / world, (rank + 1) * n / world)`` of a weight as a *view* (no copy; the weight
+tensor may view the arena), row-parallel layers take the matching columns and all-reduce their
+output over ``group`` (``torch.distributed``: gloo on CPU, NCCL on CUDA, HCCL on NPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """``rank`` of ``world_size`` tensor-parallel workers; ``group`` is the process group
+    (None: the default group) used by :meth:`all_reduce` when ``world_size > 1``."""
+
+    rank: int = 0
+    world_size: int = 1
+    group: Any = None
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"tensor parallel rank {self.rank} of world size {self.world_size}: "
+                             "need world_size >= 1 and 0 <= rank < world_size")
+
+    def shard(self, n: int, what: str) -> tuple[int, int]:
+        """``(start, size)`` of this rank's share of ``n`` (heads, rows, experts); ``what``
+        names the split dimension in the error when ``world_size`` does not divide ``n``."""
+        if n % self.world_size:
+            raise ValueError(f"{what} ({n}) is not divisible by the tensor parallel size "
+                             f"{self.world_size}")
+        size = n // self.world_size
+        return self.rank * size, size
+
+    def all_reduce(self, x):
+        """Sum ``x`` over the ranks in place (identity at world size 1)."""
+        if self.world_size == 1:
+            return x
+        import torch.distributed as dist  # sharded path (issue 14)
+
+        dist.all_reduce(x, group=self.group)
+        return x
+
+
+SINGLE = TensorParallel()
+"""World size 1: the default of every layer."""

@@ -1,0 +1,85 @@
+"""``ModelRunner``: one step of a model over the paged KV cache.
+
+``execute(step)`` moves the step's index tensors to the device, lets the attention backend
+derive its per-step metadata once, runs every layer (new K/V written into their blocks, then
+attention over each sequence's blocks), and returns float32 logits for the sampled rows only
+(chunk order), the final-normed hidden states of the same rows (an MTP draft's input, issue
+15), and the step's execution peak.
+
+Execution peak (bytes of transient device memory beyond weights and KV, what
+``VmmPool.observe_execution_peak`` wants): measured on CUDA (``torch.cuda.max_memory_allocated``
+over the step, minus what was allocated before it); elsewhere the upper bound
+:func:`execution_peak_estimate` — two live ``(T, hidden)`` residual streams, the q/k/v
+projections, the widest MLP intermediate (gate, up and their product), the attention backend's
+largest gather + score workspace of one layer, and the float32 logits of the sampled rows.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from xllm_vmm.engine.attention.base import AttentionBackend
+    from xllm_vmm.engine.attention.kv import KVCacheViews
+    from xllm_vmm.engine.models.decoder import CausalLM
+    from xllm_vmm.engine.step import StepInput, StepOutput
+
+
+def execution_peak_estimate(model: CausalLM, backend: AttentionBackend, meta: Any,
+                            num_tokens: int, num_sampled: int) -> int:
+    """Upper bound, in bytes, of one step's transient memory (see the module docstring)."""
+    cfg = model.config
+    elem = model.dtype.itemsize
+    t = num_tokens
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    inter = cfg.intermediate_size
+    if cfg.num_experts:
+        inter = max(inter if not model.sparse else 0,
+                    cfg.moe_intermediate_size * cfg.num_experts_per_tok)
+    per_token = (2 * cfg.hidden_size + qkv + cfg.num_heads * cfg.head_dim + 3 * inter) * elem
+    return (t * per_token + backend.workspace_bytes(meta, elem)
+            + num_sampled * (cfg.vocab_size * 4 + cfg.hidden_size * elem))
+
+
+class ModelRunner:
+    """Runs :class:`~xllm_vmm.engine.models.decoder.CausalLM` steps over ``kv`` views."""
+
+    def __init__(self, model: CausalLM, kv: KVCacheViews, backend: AttentionBackend,
+                 device: Any, *, check_loaded: Any = None) -> None:
+        self.model = model
+        self.kv = kv
+        self.backend = backend
+        self.device = device
+        self._check_loaded = check_loaded
+        self.last_execution_peak = 0
+
+    def execute(self, step: StepInput) -> StepOutput:
+        import torch
+
+        from xllm_vmm.engine.step import StepOutput
+
+        if step.block_size != self.kv.geometry.block_size:
+            raise ValueError(f"step built with block_size {step.block_size}, the KV cache has "
+                             f"{self.kv.geometry.block_size}")
+        if self._check_loaded is not None:
+            self._check_loaded()  # weights asleep: a typed error, never garbage
+        dev = torch.device(self.device)
+        cuda = dev.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(dev)
+            base = torch.cuda.memory_allocated(dev)
+        with torch.inference_mode():
+            meta = self.backend.prepare(step)
+            ids = step.input_ids.to(dev, non_blocking=True)
+            pos = step.positions.to(dev, non_blocking=True)
+            hidden = self.model.forward(ids, pos, self.kv.layers, self.backend, meta)
+            rows = step.sample_indices.to(dev)
+            normed = self.model.final_hidden(hidden[rows])
+            logits = self.model.logits(normed)
+        if cuda:
+            peak = int(torch.cuda.max_memory_allocated(dev) - base)
+        else:
+            peak = execution_peak_estimate(self.model, self.backend, meta, step.num_tokens,
+                                           step.num_sampled)
+        self.last_execution_peak = peak
+        return StepOutput(logits=logits, hidden_states=normed, execution_peak_bytes=peak)

@@ -1,0 +1,161 @@
+"""``Worker``: one device's compute — its pool's weights, the model, K/V views over the
+virtual KV cache, the attention backend — executing plain step descriptions.
+
+``Worker.create(model_dir, *, pool, kv_cache, dtype, weights, attention_backend)`` (contract
+section 3):
+
+- the model's layout-side spec comes from :func:`xllm_vmm.models.load_model_spec` (the same
+  reader ``plan`` uses) and its compute-side fields from ``config.json``
+  (:class:`~xllm_vmm.engine.models.config.ModelConfig`);
+- weights: ``weights`` (a ``ModelWeights`` from :func:`xllm_vmm.weights.load_weights`, possibly
+  viewing the pool's arena) when given, else :func:`load_model_weights` (plain tensors, or the
+  pool when ``vmm_weights``); the model references these tensors (no copies), so their
+  addresses stay valid across sleep / wakeup, and every step first calls the weights'
+  ``check_loaded()`` (a typed error while asleep);
+- K/V: every layer's K and V view the ``"attn"`` group of ``kv_cache`` in place
+  (:class:`~xllm_vmm.engine.attention.kv.KVCacheViews`);
+- the device follows the pool's driver (host → CPU, cuda → ``cuda:<i>``, acl → ``npu:<i>``;
+  the ACL emulation → CPU).
+
+Tensor parallelism (issue 14): ``tp`` (:class:`~xllm_vmm.engine.layers.parallel.TensorParallel`)
+reaches every layer; only world size 1 runs today.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+from xllm_vmm.engine.layers.parallel import SINGLE, TensorParallel
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from xllm_vmm.engine.step import StepInput, StepOutput
+    from xllm_vmm.kvcache import VirtualKVCache
+    from xllm_vmm.pool import VmmPool
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32",
+           "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16", "half": "float16"}
+
+
+def resolve_dtype(dtype: Any, config_dtype: str) -> torch.dtype:
+    """The compute dtype: a ``torch.dtype``, a name (``float32``, ``bfloat16``, ``float16`` and
+    their short forms) or ``"auto"``/None (the checkpoint's ``dtype``; float32 if unknown)."""
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = config_dtype if dtype in (None, "auto") else str(dtype).lower()
+    key = _DTYPES.get(name)
+    if key is None:
+        if dtype in (None, "auto"):
+            return torch.float32
+        raise ValueError(f"dtype {dtype!r} is not supported; use auto, float32, bfloat16 or float16")
+    return getattr(torch, key)
+
+
+def device_of(driver: Any) -> str:
+    """The torch device whose memory ``driver`` maps."""
+    kind = getattr(driver, "device_kind", "cpu")
+    if kind == "cpu" or getattr(driver, "emulated", False):
+        return "cpu"
+    return f"{kind}:{getattr(driver, 'device_index', 0)}"
+
+
+def load_model_weights(model_dir: str | Path, *, pool: VmmPool | None = None,
+                       dtype: torch.dtype | None = None, device: str = "cpu") -> Mapping[str, Any]:
+    """The one way the engine loads a checkpoint's tensors.
+
+    Uses :func:`xllm_vmm.weights.load_weights` (``pool`` given: tensors view the arena; None:
+    plain tensors). Only when that package is not importable here, falls back to
+    ``safetensors.torch.load_file`` over every ``*.safetensors`` of the directory (plain
+    tensors, converted to ``dtype`` and moved to ``device``).
+    """
+    try:
+        from xllm_vmm.weights import load_weights
+    except ImportError:
+        load_weights = None
+    if load_weights is not None:
+        return load_weights(str(model_dir), pool=pool, dtype=dtype)
+    if pool is not None:
+        raise RuntimeError("weights in the VMM pool need xllm_vmm.weights, which is not available")
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    out: dict[str, Any] = {}
+    for f in files:
+        for name, t in load_file(str(f), device="cpu").items():
+            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+                t = t.to(dtype)
+            out[name] = t.to(device) if device != "cpu" else t
+    return out
+
+
+class Worker:
+    """Executes :class:`~xllm_vmm.engine.step.StepInput` on one device (see the module doc)."""
+
+    def __init__(self, *, model_dir: str, model_spec: Any, hf_config: Any, weights: Any,
+                 model: Any, kv_views: Any, runner: Any, pool: Any, kv_cache: Any,
+                 device: str) -> None:
+        self.model_dir = model_dir
+        self.model_spec = model_spec
+        self.hf_config = hf_config
+        self.weights = weights
+        self.model = model
+        self.kv_views = kv_views
+        self.runner = runner
+        self.pool = pool
+        self.kv_cache = kv_cache
+        self.device = device
+
+    @classmethod
+    def create(cls, model_dir: str | Path, *, pool: VmmPool, kv_cache: VirtualKVCache,
+               dtype: Any = "auto", weights: Mapping[str, Any] | None = None,
+               attention_backend: str = "auto", vmm_weights: bool = False,
+               tp: TensorParallel = SINGLE) -> Worker:
+        from xllm_vmm.engine.attention import KVCacheViews, select_backend
+        from xllm_vmm.engine.models import ModelConfig, build_model
+        from xllm_vmm.engine.runner import ModelRunner
+        from xllm_vmm.models import load_model_spec
+
+        model_dir = str(model_dir)
+        spec = load_model_spec(model_dir)
+        cfg = ModelConfig.from_dir(model_dir)
+        compute_dtype = resolve_dtype(dtype, cfg.dtype)
+        device = device_of(pool.driver)
+        if weights is None:
+            weights = load_model_weights(model_dir, pool=pool if vmm_weights else None,
+                                         dtype=compute_dtype, device=device)
+        check_loaded = getattr(weights, "check_loaded", None)
+        if check_loaded is not None:
+            check_loaded()
+        model = build_model(cfg, weights, tp=tp, device=device)
+        if model.dtype != compute_dtype:
+            raise ValueError(f"the weights are {model.dtype}, the worker was asked for "
+                             f"{compute_dtype}; load them with dtype={compute_dtype}")
+        heads_kv = max(1, cfg.num_kv_heads // tp.world_size)
+        views = KVCacheViews(kv_cache, num_layers=cfg.num_layers, num_kv_heads=heads_kv,
+                             head_dim=cfg.head_dim, compute_dtype=compute_dtype)
+        backend = select_backend(attention_backend, views.geometry,
+                                 num_heads=cfg.num_heads // tp.world_size,
+                                 num_kv_heads=heads_kv, head_dim=cfg.head_dim, device=device)
+        runner = ModelRunner(model, views, backend, device, check_loaded=check_loaded)
+        return cls(model_dir=model_dir, model_spec=spec, hf_config=cfg, weights=weights,
+                   model=model, kv_views=views, runner=runner, pool=pool, kv_cache=kv_cache,
+                   device=device)
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_views.geometry.block_size
+
+    def execute(self, step: StepInput) -> StepOutput:
+        """Run one step (see :class:`~xllm_vmm.engine.runner.ModelRunner`)."""
+        return self.runner.execute(step)
+
+    def close(self) -> None:
+        """Drop the K/V views (the cache's reservation can then be released)."""
+        self.kv_views.close()
