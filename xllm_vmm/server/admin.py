@@ -1,0 +1,152 @@
+"""Admin routes (served with ``--enable-admin``; always behind the API key when one is set).
+
+Names are the engine's (xLLM: ``/sleep``, ``/wakeup``, ``/fork_master``) and vLLM's
+(``/sleep?level=1|2``, ``/wake_up``, ``/is_sleeping``, ``/reset_prefix_cache``), so that RL
+frameworks and autoscalers written for either work unchanged:
+
+| route | does |
+|---|---|
+| ``POST /sleep`` (query or JSON: ``level`` 1/``light`` or 2/``deep``, ``drain``, ``timeout``, ``model``) | light sleep keeps the weights in host memory, deep sleep drops them; the KV cache's pages are unmapped either way. Refused (409) while requests run unless ``drain`` (new requests then get 503 until it sleeps) |
+| ``POST /wakeup``, ``POST /wake_up`` | map the weights back (light) or reload them (deep); idempotent |
+| ``GET /is_sleeping`` | ``{"is_sleeping": bool}`` |
+| ``POST /reset_prefix_cache`` | drop every cached block: ``{"blocks_dropped": n}`` |
+| ``POST /fork``, ``POST /fork_master`` (JSON ``name``) | a second engine over the same weight pages, served under its own model name |
+| ``GET /vmm/status`` | pool, tenants, cache groups, prefix and host-tier statistics as JSON |
+
+Sleep does not pull memory from under running work (DESIGN invariant 6): the front refuses or
+drains first, then the engine sleeps between two steps on its own thread.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+
+from xllm_vmm.server.errors import APIError
+from xllm_vmm.server.front import AsyncEngine
+
+_LEVELS = {"1": 1, "light": 1, "2": 2, "deep": 2}
+
+
+async def _params(request: Request) -> dict[str, Any]:
+    """Query parameters merged with a JSON object body (the body wins)."""
+    out: dict[str, Any] = dict(request.query_params)
+    raw = await request.body()
+    if raw.strip():
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:
+            raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        out.update(data)
+    return out
+
+
+def _level(value: Any) -> int:
+    level = _LEVELS.get(str(value).strip().lower()) if value is not None else 1
+    if level is None:
+        raise APIError(400, f"level must be 1 (light: weights kept in host memory) or 2 (deep: "
+                            f"weights dropped, wakeup reloads them), not {value!r}",
+                       param="level")
+    return level
+
+
+def _bool(value: Any, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise APIError(400, f"{name} must be true or false, not {value!r}", param=name)
+
+
+def _timeout(value: Any) -> Optional[float]:
+    if value is None:
+        return None
+    try:
+        t = float(value)
+    except (TypeError, ValueError):
+        t = -1.0
+    if not t > 0 or t != t:
+        raise APIError(400, f"timeout must be a positive number of seconds, not {value!r}",
+                       param="timeout")
+    return t
+
+
+def _jsonable(obj: Any) -> Any:
+    """Statistics (dicts, dataclasses, tuples) as JSON values."""
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if hasattr(obj, "__dataclass_fields__"):
+        from dataclasses import asdict
+
+        return _jsonable(asdict(obj))
+    if isinstance(obj, (int, float, str, bool)) or obj is None:
+        return obj
+    return str(obj)
+
+
+def register(app: FastAPI, server) -> None:
+    def front(request: Request, params: dict) -> AsyncEngine:
+        server.check_key(request)
+        return server.front_for(params.get("model"))
+
+    @app.post("/sleep")
+    async def sleep(request: Request):
+        p = await _params(request)
+        f = front(request, p)
+        return await f.sleep(_level(p.get("level")), drain=_bool(p.get("drain", False), "drain"),
+                             timeout=_timeout(p.get("timeout")))
+
+    async def wake(request: Request):
+        p = await _params(request)
+        f = front(request, p)
+        return await f.wake_up()
+
+    app.post("/wakeup")(wake)
+    app.post("/wake_up")(wake)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping(request: Request):
+        f = front(request, dict(request.query_params))
+        return {"is_sleeping": bool(await f.call(lambda e: e.is_sleeping()))}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request):
+        p = await _params(request)
+        f = front(request, p)
+        return {"blocks_dropped": await f.reset_prefix_cache()}
+
+    async def fork(request: Request):
+        p = await _params(request)
+        f = front(request, p)
+        name = p.get("name") or f"{f.name}-fork{len(server.fronts)}"
+        if not isinstance(name, str) or name in server.fronts:
+            raise APIError(400, f"name {name!r} is already served; give another name",
+                           param="name")
+        child = await f.call(lambda e: e.fork())
+        forked = AsyncEngine(child, name=name, max_waiting=f.max_waiting,
+                             max_concurrent=f.max_concurrent, make_params=f.make_params,
+                             output_processor=type(f.processor)(child.tokenizer),
+                             metrics=f.metrics).start()
+        server.fronts[name] = forked
+        return {"model": name, "forked_from": f.name}
+
+    app.post("/fork")(fork)
+    app.post("/fork_master")(fork)
+
+    @app.get("/vmm/status")
+    async def vmm_status(request: Request):
+        f = front(request, dict(request.query_params))
+        stats = await f.stats()
+        return {"model": f.name, "sleeping": f.sleeping, "in_flight": f.num_in_flight,
+                "engine_steps": f.steps, "stats": _jsonable(stats),
+                "models": list(server.fronts)}
+

@@ -1,0 +1,141 @@
+"""The FastAPI application: OpenAI routes, service routes, admin routes, one error shape.
+
+``build_app(front, settings)`` wires one :class:`~xllm_vmm.server.front.AsyncEngine` (more are
+added by the admin route ``/fork``: each served under its own model name). Routes:
+
+- ``/v1/completions``, ``/v1/chat/completions`` (streaming and not), ``/v1/models``,
+  ``/tokenize``, ``/detokenize`` — guarded by the API key when one is set;
+- ``/health`` (200, empty body; 503 while the engine failed or shuts down), ``/version``,
+  ``/metrics`` — never guarded (probes and scrapers carry no key, as with vLLM);
+- admin routes (``xllm_vmm.server.admin``) only with ``settings.enable_admin``, always guarded.
+
+Every error is ``{"error": {"message", "type", "param", "code"}}`` (``errors.APIError``);
+a request body that does not parse or validate is a 400 whose ``param`` names the field.
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from xllm_vmm import __version__
+from xllm_vmm.server.errors import APIError, from_validation
+from xllm_vmm.server.front import AsyncEngine
+from xllm_vmm.server.metrics import CONTENT_TYPE, Metrics
+
+
+@dataclass
+class ServerSettings:
+    """What the HTTP layer needs besides the engine. ``api_key``: the Bearer key (None: no
+    key). ``enable_admin``: serve the admin routes. ``drain_timeout``: seconds running requests
+    get to finish at shutdown before they are cancelled."""
+
+    api_key: Optional[str] = None
+    enable_admin: bool = False
+    drain_timeout: float = 30.0
+
+
+class Server:
+    """The application state: the fronts by model name (the first is the default model)."""
+
+    def __init__(self, front: AsyncEngine, settings: ServerSettings, metrics: Metrics):
+        self.fronts: dict[str, AsyncEngine] = {front.name: front}
+        self.default = front.name
+        self.settings = settings
+        self.metrics = metrics
+
+    def front_for(self, model: Optional[str]) -> AsyncEngine:
+        """The front serving ``model`` (None or "" = the default); unknown names are a 400."""
+        if not model:
+            return self.fronts[self.default]
+        front = self.fronts.get(model)
+        if front is None:
+            raise APIError(400, f"model {model!r} is not served here; served: "
+                                f"{', '.join(self.fronts)} (GET /v1/models)", param="model",
+                           code="model_not_found")
+        return front
+
+    def check_key(self, request: Request) -> None:
+        key = self.settings.api_key
+        if not key:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), key):
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
+                                "with the key the server was started with (--api-key)",
+                           code="invalid_api_key")
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def build_app(front: AsyncEngine, settings: Optional[ServerSettings] = None,
+              metrics: Optional[Metrics] = None) -> FastAPI:
+    """The application over ``front`` (started here if it is not yet). The caller owns the
+    fronts' shutdown (``server.close_all``, called by ``xllm_vmm.server.launch``)."""
+    settings = settings or ServerSettings()
+    if metrics is None:
+        metrics = front.metrics or Metrics()
+    front.metrics = front.metrics or metrics
+    front.start()
+    app = FastAPI(title="xllm-vmm", version=__version__, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    server = Server(front, settings, metrics)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        return error_response(from_validation(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        return error_response(APIError(exc.status_code, message))
+
+    @app.get("/health")
+    async def health():
+        front = server.fronts[server.default]
+        err = front.availability_error()
+        if err is not None and not front.sleeping:
+            return error_response(err)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics_route():
+        snaps = {}
+        for name, f in list(server.fronts.items()):
+            try:
+                stats = await f.stats()
+            except Exception:  # a failing engine still gets its front-side series
+                stats = {}
+            snaps[name] = (stats or {}, {"sleeping": f.sleeping, "in_flight": f.num_in_flight,
+                                         "num_running": f._num_running,
+                                         "num_waiting": f._num_waiting + f._pending_adds})
+        return Response(server.metrics.render(snaps), media_type=CONTENT_TYPE)
+
+    from xllm_vmm.server import admin, openai_routes
+
+    openai_routes.register(app, server)
+    if settings.enable_admin:
+        admin.register(app, server)
+    return app

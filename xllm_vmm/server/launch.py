@@ -1,0 +1,157 @@
+"""Run the application with uvicorn: bind, print the ready line, stop gracefully.
+
+Shutdown (SIGINT/SIGTERM, or ``RunningServer.stop``): uvicorn stops accepting connections; the
+fronts refuse new requests (503) and running ones get ``drain_timeout`` seconds to finish; what
+is left is cancelled (its blocks freed); then each engine shuts down and releases its pool
+(no mappings, memfds or threads left behind). A second signal cancels at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import threading
+from typing import Callable, Optional
+
+import uvicorn
+from fastapi import FastAPI
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8010
+
+
+def _uvicorn(app: FastAPI, host: str, port: int) -> uvicorn.Server:
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                            lifespan="off", timeout_keep_alive=5, ws="none")
+    server = uvicorn.Server(config)
+    server.install_signal_handlers = lambda: None  # signals are ours (see serve_forever)
+    return server
+
+
+def bound_port(server: uvicorn.Server) -> int:
+    for s in server.servers:
+        for sock in s.sockets:
+            return int(sock.getsockname()[1])
+    raise RuntimeError("the server has no bound socket")
+
+
+async def _shutdown_fronts(app: FastAPI, timeout: float) -> int:
+    fronts = list(app.state.server.fronts.values())
+    cancelled = 0
+    for f in fronts:
+        cancelled += await f.drain(timeout)
+    for f in fronts:
+        await asyncio.to_thread(f.close)
+    return cancelled
+
+
+async def serve_async(app: FastAPI, host: str, port: int, *, drain_timeout: float,
+                      on_ready: Optional[Callable[[str], None]] = None,
+                      stop: Optional[asyncio.Event] = None) -> int:
+    """Serve until ``stop`` is set (or a signal arrives when this is the main thread); returns
+    how many requests were cancelled at shutdown."""
+    server = _uvicorn(app, host, port)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals = []
+    if threading.current_thread() is threading.main_thread():
+        def _signal():
+            if stop.is_set():  # a second signal: no more waiting
+                server.force_exit = True
+            stop.set()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, _signal)
+                signals.append(sig)
+    task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            if task.done():
+                task.result()  # a bind error: raise it
+                raise RuntimeError("the HTTP server stopped during start-up")
+            await asyncio.sleep(0.02)
+        url_host = host if host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        if ":" in url_host:
+            url_host = f"[{url_host}]"
+        if on_ready is not None:
+            on_ready(f"http://{url_host}:{bound_port(server)}")
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        # Refuse new work and let running requests finish while connections are still open.
+        cancelled = await _shutdown_fronts(app, drain_timeout)
+        server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, timeout=drain_timeout + 5)
+        return cancelled
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+        if not task.done():
+            server.force_exit = True
+            server.should_exit = True
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(task, timeout=5)
+        for f in app.state.server.fronts.values():  # idempotent; covers start-up failures
+            await asyncio.to_thread(f.close)
+
+
+class RunningServer:
+    """The application served on a background thread (tests and ``bench serve``):
+    ``with RunningServer(app) as srv: srv.url``."""
+
+    def __init__(self, app: FastAPI, host: str = DEFAULT_HOST, port: int = 0,
+                 drain_timeout: float = 5.0):
+        self.app = app
+        self.host = host
+        self.port = port
+        self.drain_timeout = drain_timeout
+        self.url: Optional[str] = None
+        self.cancelled: Optional[int] = None
+        self._ready = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._stop: Optional[asyncio.Event] = None
+        self._thread = threading.Thread(target=self._run, name="http", daemon=True)
+
+    def _run(self) -> None:
+        async def main():
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+
+            def ready(url):
+                self.url = url
+                self._ready.set()
+
+            self.cancelled = await serve_async(self.app, self.host, self.port,
+                                               drain_timeout=self.drain_timeout, on_ready=ready,
+                                               stop=self._stop)
+
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # noqa: BLE001 - reported by start()
+            self._error = exc
+        finally:
+            self._ready.set()
+
+    def start(self, timeout: float = 30.0) -> "RunningServer":
+        self._thread.start()
+        self._ready.wait(timeout)
+        if self._error is not None:
+            raise self._error
+        if self.url is None:
+            raise RuntimeError("the server did not start in time")
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._loop is not None and self._stop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout)
+
+    def __enter__(self) -> "RunningServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

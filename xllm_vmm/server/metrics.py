@@ -1,0 +1,192 @@
+"""``/metrics``: Prometheus text with vLLM's metric names (what dashboards and autoscalers read)
+and ``xllm_vmm_*`` for what only this server has (the VMM pool).
+
+Two kinds of series:
+
+- observed by the front as requests progress (output thread; prometheus_client is thread-safe):
+  histograms ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds`` (and the
+  older name ``vllm:time_per_output_token_seconds``), ``vllm:e2e_request_latency_seconds`` and the
+  counter ``vllm:request_success{finished_reason}``;
+- read from the engine at scrape time (``engine.stats()`` on the engine thread): gauges
+  ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
+  (0..1), counters ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits`` (tokens),
+  ``vllm:num_preemptions``, ``vllm:prompt_tokens``, ``vllm:generation_tokens``, and the pool's
+  ``xllm_vmm_*`` figures (bytes unless the name says otherwise).
+
+Counters are exported as prometheus_client does (``_total`` suffix in the text, as vLLM's).
+Every series carries ``model_name``. Units: seconds, bytes, tokens.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+# engine.stats() key -> (metric name, help, kind). Keys the engine does not report are left out
+# of the text rather than exported as a made-up zero.
+ENGINE_SERIES: tuple[tuple[str, str, str, str], ...] = (
+    ("num_running", "vllm:num_requests_running", "Requests in model execution batches.", "gauge"),
+    ("num_waiting", "vllm:num_requests_waiting", "Requests waiting to be processed.", "gauge"),
+    ("kv_cache_usage", "vllm:kv_cache_usage_perc", "KV-cache usage (1 = 100 percent).", "gauge"),
+    ("prefix_cache_queries", "vllm:prefix_cache_queries",
+     "Prefix cache queries, in tokens.", "counter"),
+    ("prefix_cache_hits", "vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", "counter"),
+    ("num_preemptions", "vllm:num_preemptions", "Cumulative preemptions.", "counter"),
+    ("prompt_tokens", "vllm:prompt_tokens", "Prefill tokens processed.", "counter"),
+    ("generation_tokens", "vllm:generation_tokens", "Generation tokens processed.", "counter"),
+)
+
+# pool statistics (engine.stats()["pool"], the pool's PoolStats fields) -> xllm_vmm_* series
+POOL_SERIES: tuple[tuple[str, str, str, str], ...] = (
+    ("reserved_bytes", "xllm_vmm_reserved_virtual_bytes", "Virtual bytes reserved by the arena.",
+     "gauge"),
+    ("mapped_bytes", "xllm_vmm_mapped_bytes", "Physical bytes mapped in the pool.", "gauge"),
+    ("held_bytes", "xllm_vmm_held_bytes", "Physical bytes held (mapped + ready handles).",
+     "gauge"),
+    ("ready_bytes", "xllm_vmm_ready_bytes", "Bytes of created handles kept ready.", "gauge"),
+    ("pages_in_use", "xllm_vmm_pages_in_use", "Pages in use by tenants.", "gauge"),
+    ("budget_left_bytes", "xllm_vmm_live_budget_left_bytes",
+     "Bytes the pool may still map under the live budget.", "gauge"),
+    ("execution_peak_bytes", "xllm_vmm_execution_peak_bytes",
+     "Observed execution peak (bytes kept free beside the pool).", "gauge"),
+    ("map_calls", "xllm_vmm_map_calls", "Map calls (batches).", "counter"),
+    ("unmap_calls", "xllm_vmm_unmap_calls", "Unmap calls (batches).", "counter"),
+    ("pages_mapped_total", "xllm_vmm_pages_mapped", "Pages mapped since start.", "counter"),
+    ("pages_unmapped_total", "xllm_vmm_pages_unmapped", "Pages unmapped since start.", "counter"),
+    ("failed_maps", "xllm_vmm_failed_maps", "Maps refused (budget, quota or device).", "counter"),
+)
+
+# KV cache statistics (engine.stats()["kv"]) -> xllm_vmm_* series
+KV_SERIES: tuple[tuple[str, str, str, str], ...] = (
+    ("host_offload_bytes", "xllm_vmm_host_offload_bytes", "Bytes offloaded to the host KV tier.",
+     "counter"),
+    ("host_restore_bytes", "xllm_vmm_host_restore_bytes", "Bytes restored from the host KV tier.",
+     "counter"),
+    ("evictions", "xllm_vmm_prefix_cache_evictions", "Cached blocks evicted.", "counter"),
+)
+
+
+def _get(obj: Any, key: str):
+    if obj is None:
+        return None
+    if isinstance(obj, Mapping):
+        return obj.get(key)
+    return getattr(obj, key, None)
+
+
+def _number(v) -> float | None:
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, (int, float)):
+        return float(v)
+    return None
+
+
+class Metrics:
+    """The server's registry: front-side histograms and counters, plus engine snapshots
+    rendered at each scrape."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds",
+                              "Time to first token, seconds.", ["model_name"],
+                              buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.itl = Histogram("vllm:inter_token_latency_seconds",
+                             "Time between output tokens, seconds.", ["model_name"],
+                             buckets=_ITL_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds",
+                              "Time per output token, seconds (older name of the inter-token "
+                              "latency).", ["model_name"], buckets=_ITL_BUCKETS,
+                              registry=self.registry)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds",
+                             "End-to-end request latency, seconds.", ["model_name"],
+                             buckets=_E2E_BUCKETS, registry=self.registry)
+        self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                               ["model_name", "finished_reason"], registry=self.registry)
+        self._snapshots: dict[str, tuple[dict, dict]] = {}
+        self._lock = threading.Lock()
+        self.registry.register(_Snapshot(self))
+
+    # -- observations (output thread) ---------------------------------------------------
+    def observe_first_token(self, model: str, req, when: float) -> None:
+        self.ttft.labels(model).observe(max(0.0, when - req.arrival))
+
+    def observe_inter_token(self, model: str, req, when: float, n_tokens: int) -> None:
+        if req.last_token is None or n_tokens <= 0:
+            return
+        gap = max(0.0, when - req.last_token) / n_tokens
+        for _ in range(n_tokens):
+            self.itl.labels(model).observe(gap)
+            self.tpot.labels(model).observe(gap)
+
+    def observe_finish(self, model: str, reason: str | None, req, when: float) -> None:
+        self.success.labels(model, reason or "abort").inc()
+        self.e2e.labels(model).observe(max(0.0, when - req.arrival))
+
+    # -- scrape ---------------------------------------------------------------------------
+    def render(self, snapshots: Mapping[str, tuple[dict, dict]]) -> bytes:
+        """The text exposition with ``snapshots`` = ``{model_name: (engine_stats, front)}``."""
+        with self._lock:
+            self._snapshots = dict(snapshots)
+            try:
+                return generate_latest(self.registry)
+            finally:
+                self._snapshots = {}
+
+
+class _Snapshot:
+    """Collector of the series read from engine statistics at scrape time."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def collect(self) -> Iterable:
+        snaps = self.metrics._snapshots
+        families: dict[str, Any] = {}
+
+        def add(name: str, help_: str, kind: str, labels: dict, value: float) -> None:
+            fam = families.get(name)
+            if fam is None:
+                cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+                fam = families[name] = cls(name, help_, labels=list(labels))
+            fam.add_metric(list(labels.values()), value)
+
+        for model, (stats, front) in snaps.items():
+            base = {"model_name": model}
+            for key, name, help_, kind in ENGINE_SERIES:
+                v = _number(_get(stats, key))
+                if v is None:
+                    v = _number(front.get(key))
+                if v is not None:
+                    add(name, help_, kind, base, v)
+            pool = _get(stats, "pool")
+            for key, name, help_, kind in POOL_SERIES:
+                v = _number(_get(pool, key))
+                if v is not None:
+                    add(name, help_, kind, base, v)
+            for tenant, v in (_get(pool, "per_tenant_mapped_bytes") or {}).items():
+                add("xllm_vmm_tenant_mapped_bytes", "Mapped bytes by pool tenant.", "gauge",
+                    {**base, "tenant": str(tenant)}, float(v))
+            kv = _get(stats, "kv")
+            for key, name, help_, kind in KV_SERIES:
+                v = _number(_get(kv, key))
+                if v is not None:
+                    add(name, help_, kind, base, v)
+            add("xllm_vmm_sleeping", "1 while the engine sleeps.", "gauge", base,
+                float(bool(front.get("sleeping"))))
+            add("xllm_vmm_requests_in_flight", "Requests the front holds (queued or running).",
+                "gauge", base, float(front.get("in_flight", 0)))
+        return list(families.values())
+

@@ -1,0 +1,420 @@
+"""The OpenAI routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
+``/tokenize``, ``/detokenize``.
+
+Response shapes are OpenAI's (as vLLM sends them). Streaming is SSE: ``data: {chunk}\\n\\n``
+events, ``data: [DONE]\\n\\n`` last; a chat stream's first delta of each choice carries the role;
+with ``stream_options.include_usage`` every chunk has ``"usage": null`` and one chunk with
+``"choices": []`` and the totals comes before ``[DONE]``; with ``continuous_usage_stats`` every
+chunk carries the usage so far. An error after the stream started is one ``data: {"error":
+...}`` event, then ``[DONE]``.
+
+A client that disconnects cancels its request: streaming, the response generator is cancelled
+(its ``finally`` aborts); otherwise a watcher polls ``request.is_disconnected()``. Either way
+the engine frees the request's blocks.
+
+Token budgets: ``max_completion_tokens`` wins over ``max_tokens``; unset, a completion gets 16
+tokens (OpenAI's default) and a chat completion the rest of the context. A prompt whose length
+plus the budget exceeds ``max_model_len`` is a 400 that states both numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any, AsyncIterator, Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from xllm_vmm.server.errors import APIError, from_validation
+from xllm_vmm.server.front import AsyncEngine, Delta, Generation
+from xllm_vmm.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+async def _body(request: Request, model):
+    """Parse the JSON body into ``model``; any problem is a 400 naming the field."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw or b"null")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation(exc.errors()) from None
+
+
+async def _encode(front: AsyncEngine, text: str) -> list[int]:
+    return list(await asyncio.to_thread(front.tokenizer.encode, text))
+
+
+async def _chat_prompt(front: AsyncEngine, messages: list[dict], add_generation_prompt: bool
+                       ) -> tuple[str, list[int]]:
+    def render():
+        try:
+            text = front.tokenizer.apply_chat_template(messages,
+                                                       add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # no template, or a template that refuses the roles given
+            raise APIError(400, f"the chat template refused the messages: {exc}",
+                           param="messages") from None
+        # The template writes the special tokens itself (as vLLM encodes chat prompts).
+        return text, list(front.tokenizer.encode(text, add_special_tokens=False))
+
+    return await asyncio.to_thread(render)
+
+
+def _budget(front: AsyncEngine, prompt_len: int, req, default: Optional[int],
+            prompt_param: str) -> int:
+    """The completion's token budget, or a 400 stating both numbers when it does not fit."""
+    limit = front.max_model_len
+    asked = req.requested_max_tokens()
+    if prompt_len >= limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens, but the "
+                            f"prompt has {prompt_len} tokens (at least one token must be left "
+                            "for the completion). Shorten the prompt.", param=prompt_param)
+    if asked is None:
+        asked = default if default is not None else limit - prompt_len
+        asked = min(asked, limit - prompt_len)
+    if prompt_len + asked > limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, "
+                            f"you requested {prompt_len + asked} tokens ({prompt_len} in the "
+                            f"prompt, {asked} for the completion). Reduce the prompt or "
+                            f"{req.max_tokens_param()}.", param=req.max_tokens_param())
+    if req.min_tokens > asked:
+        raise APIError(400, f"min_tokens ({req.min_tokens}) must not exceed the completion's "
+                            f"budget ({asked} tokens)", param="min_tokens")
+    return asked
+
+
+def _usage(prompt: int, completion: int, cached: int = 0) -> dict:
+    u = {"prompt_tokens": prompt, "completion_tokens": completion,
+         "total_tokens": prompt + completion}
+    if cached:
+        u["prompt_tokens_details"] = {"cached_tokens": cached}
+    return u
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+_DONE = "data: [DONE]\n\n"
+
+
+class _Tokens:
+    """Token strings for logprobs (decoded one token at a time; cached per id)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, tid: int) -> str:
+        s = self.cache.get(tid)
+        if s is None:
+            s = self.cache[tid] = self.tokenizer.decode([tid])
+        return s
+
+
+def _completion_logprobs(tok: _Tokens, entries, offset: int) -> dict:
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tid, lp, top in entries:
+        s = tok(tid)
+        out["tokens"].append(s)
+        out["token_logprobs"].append(lp)
+        out["top_logprobs"].append({tok(t): v for t, v in top})
+        out["text_offset"].append(offset)
+        offset += len(s)
+    return out
+
+
+def _chat_logprobs(tok: _Tokens, entries, k: int) -> dict:
+    content = []
+    for tid, lp, top in entries:
+        s = tok(tid)
+        content.append({"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")),
+                        "top_logprobs": [{"token": tok(t), "logprob": v,
+                                          "bytes": list(tok(t).encode("utf-8"))}
+                                         for t, v in top[:k]]})
+    return {"content": content}
+
+
+async def _collect(gen: Generation, request: Request) -> list[Delta]:
+    """All deltas of a non-streaming request; a client that goes away aborts it."""
+    deltas: list[Delta] = []
+
+    async def consume():
+        async for d in gen:
+            deltas.append(d)
+
+    task = asyncio.create_task(consume())
+    try:
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if not done and await request.is_disconnected():
+                task.cancel()
+                gen.abort()
+                raise APIError(499, "the client closed the connection")
+        task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+    return deltas
+
+
+def register(app: FastAPI, server) -> None:
+    """Add the OpenAI routes to ``app`` (``server``: the app's :class:`~.app.Server`)."""
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        server.check_key(request)
+        now = int(time.time())
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": now, "owned_by": "xllm-vmm",
+             "root": name, "parent": None, "max_model_len": f.max_model_len}
+            for name, f in server.fronts.items()]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        server.check_key(request)
+        body: TokenizeRequest = await _body(request, TokenizeRequest)
+        front = server.front_for(body.model)
+        if body.messages is not None:
+            _, ids = await _chat_prompt(front, [{"role": m.role, "content": m.text()}
+                                                for m in body.messages],
+                                        body.add_generation_prompt)
+        else:
+            ids = await _encode(front, body.prompt or "")
+        return {"tokens": ids, "count": len(ids), "max_model_len": front.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        server.check_key(request)
+        body: DetokenizeRequest = await _body(request, DetokenizeRequest)
+        front = server.front_for(body.model)
+        vocab = getattr(front.tokenizer, "vocab_size", None)
+        bad = [t for t in body.tokens if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            raise APIError(400, f"token ids outside the vocabulary (0..{vocab - 1 if vocab else '?'}"
+                                f"): {bad[:8]}", param="tokens")
+        text = await asyncio.to_thread(front.tokenizer.decode, list(body.tokens))
+        return {"prompt": text}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        server.check_key(request)
+        body: CompletionRequest = await _body(request, CompletionRequest)
+        front = server.front_for(body.model)
+        err = front.admission_error(body.n)
+        if err is not None:
+            raise err
+        prompts: list[list[int]] = []
+        texts: list[str] = []
+        for p in body.prompts():
+            if isinstance(p, str):
+                ids = await _encode(front, p)
+                texts.append(p)
+            else:
+                ids = [int(t) for t in p]
+                texts.append(await asyncio.to_thread(front.tokenizer.decode, ids)
+                             if body.echo else "")
+            prompts.append(ids)
+        budgets = [_budget(front, len(ids), body, COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
+                   for ids in prompts]
+        kwargs = body.sampling_kwargs(max_tokens=min(budgets), logprobs=body.logprobs)
+        rid = front.new_request_id("cmpl")
+        gen = await front.generate(rid, prompts, kwargs, n=body.n)
+        created = int(time.time())
+        tok = _Tokens(front.tokenizer)
+
+        def echo_text(index: int) -> str:
+            return texts[index // body.n] if body.echo else ""
+
+        if body.stream:
+            return StreamingResponse(
+                _completion_stream(gen, body, front.name, rid, created, tok, echo_text),
+                media_type="text/event-stream")
+        deltas = await _collect(gen, request)
+        n_choices = len(prompts) * body.n
+        text = ["" for _ in range(n_choices)]
+        lps: list[list] = [[] for _ in range(n_choices)]
+        final: dict[int, Delta] = {}
+        completion_tokens = 0
+        cached = 0
+        for d in deltas:
+            text[d.index] += d.text
+            if d.logprobs:
+                lps[d.index].extend(d.logprobs)
+            completion_tokens += len(d.token_ids)
+            if d.finished:
+                final[d.index] = d
+                cached += d.num_cached_tokens
+        choices = []
+        for i in range(n_choices):
+            d = final.get(i)
+            prefix = echo_text(i)
+            choices.append({
+                "index": i, "text": prefix + text[i],
+                "logprobs": _completion_logprobs(tok, lps[i], len(prefix))
+                if body.logprobs is not None else None,
+                "finish_reason": d.finish_reason if d else None,
+                "stop_reason": d.stop_reason if d else None})
+        return JSONResponse({"id": rid, "object": "text_completion", "created": created,
+                             "model": front.name, "choices": choices,
+                             "usage": _usage(gen.num_prompt_tokens, completion_tokens, cached)})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        server.check_key(request)
+        body: ChatCompletionRequest = await _body(request, ChatCompletionRequest)
+        front = server.front_for(body.model)
+        err = front.admission_error(body.n)
+        if err is not None:
+            raise err
+        _, ids = await _chat_prompt(front, body.chat_messages(), body.add_generation_prompt)
+        budget = _budget(front, len(ids), body, None, "messages")
+        k = body.num_logprobs()
+        kwargs = body.sampling_kwargs(max_tokens=budget, logprobs=k)
+        rid = front.new_request_id("chatcmpl")
+        gen = await front.generate(rid, [ids], kwargs, n=body.n)
+        created = int(time.time())
+        tok = _Tokens(front.tokenizer)
+        if body.stream:
+            return StreamingResponse(_chat_stream(gen, body, front.name, rid, created, tok, k),
+                                     media_type="text/event-stream")
+        deltas = await _collect(gen, request)
+        text = ["" for _ in range(body.n)]
+        lps: list[list] = [[] for _ in range(body.n)]
+        final: dict[int, Delta] = {}
+        completion_tokens = 0
+        cached = 0
+        for d in deltas:
+            text[d.index] += d.text
+            if d.logprobs:
+                lps[d.index].extend(d.logprobs)
+            completion_tokens += len(d.token_ids)
+            if d.finished:
+                final[d.index] = d
+                cached += d.num_cached_tokens
+        choices = []
+        for i in range(body.n):
+            d = final.get(i)
+            choices.append({
+                "index": i, "message": {"role": "assistant", "content": text[i]},
+                "logprobs": _chat_logprobs(tok, lps[i], k) if k is not None else None,
+                "finish_reason": d.finish_reason if d else None,
+                "stop_reason": d.stop_reason if d else None})
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
+                             "model": front.name, "choices": choices,
+                             "usage": _usage(gen.num_prompt_tokens, completion_tokens, cached)})
+
+
+async def _guarded(gen: Generation, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The SSE events of ``events``; an error mid-stream is one error event then [DONE]; a
+    cancelled stream (client gone) aborts every choice."""
+    try:
+        async for e in events:
+            yield e
+    except APIError as err:
+        yield _sse(err.body())
+        yield _DONE
+    finally:
+        gen.abort()
+
+
+def _completion_stream(gen: Generation, body: CompletionRequest, model: str, rid: str,
+                       created: int, tok: _Tokens, echo_text) -> AsyncIterator[str]:
+    async def events():
+        include_usage = body.include_usage()
+        continuous = body.continuous_usage()
+        completion_tokens = 0
+        cached = 0
+        offsets: dict[int, int] = {}
+
+        def chunk(choices, usage=None) -> dict:
+            c = {"id": rid, "object": "text_completion", "created": created, "model": model,
+                 "choices": choices}
+            if include_usage:
+                c["usage"] = usage
+            if continuous:
+                c["usage"] = _usage(gen.num_prompt_tokens, completion_tokens)
+            return c
+
+        if body.echo:
+            n_choices = len(gen.reqs)
+            for i in range(n_choices):
+                prefix = echo_text(i)
+                offsets[i] = len(prefix)
+                yield _sse(chunk([{"index": i, "text": prefix, "logprobs": None,
+                                   "finish_reason": None, "stop_reason": None}]))
+        async for d in gen:
+            completion_tokens += len(d.token_ids)
+            if not (d.text or d.finished or d.token_ids):
+                continue
+            lp = None
+            if body.logprobs is not None and d.logprobs:
+                lp = _completion_logprobs(tok, d.logprobs, offsets.get(d.index, 0))
+            offsets[d.index] = offsets.get(d.index, 0) + len(d.text)
+            if d.finished:
+                cached += d.num_cached_tokens
+            yield _sse(chunk([{"index": d.index, "text": d.text, "logprobs": lp,
+                               "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}]))
+        if include_usage:
+            final = {"id": rid, "object": "text_completion", "created": created, "model": model,
+                     "choices": [], "usage": _usage(gen.num_prompt_tokens, completion_tokens,
+                                                    cached)}
+            yield _sse(final)
+        yield _DONE
+
+    return _guarded(gen, events())
+
+
+def _chat_stream(gen: Generation, body: ChatCompletionRequest, model: str, rid: str,
+                 created: int, tok: _Tokens, k: Optional[int]) -> AsyncIterator[str]:
+    async def events():
+        include_usage = body.include_usage()
+        continuous = body.continuous_usage()
+        completion_tokens = 0
+        cached = 0
+
+        def chunk(choices, usage=None) -> dict:
+            c = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                 "model": model, "choices": choices}
+            if include_usage:
+                c["usage"] = usage
+            if continuous:
+                c["usage"] = _usage(gen.num_prompt_tokens, completion_tokens)
+            return c
+
+        for i in range(body.n):
+            yield _sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                               "logprobs": None, "finish_reason": None}]))
+        async for d in gen:
+            completion_tokens += len(d.token_ids)
+            if not (d.text or d.finished or d.token_ids):
+                continue
+            lp = _chat_logprobs(tok, d.logprobs, k) if k is not None and d.logprobs else None
+            delta: dict[str, Union[str, None]] = {"content": d.text} if d.text or not d.finished \
+                else {}
+            if d.finished:
+                cached += d.num_cached_tokens
+            yield _sse(chunk([{"index": d.index, "delta": delta, "logprobs": lp,
+                               "finish_reason": d.finish_reason,
+                               "stop_reason": d.stop_reason}]))
+        if include_usage:
+            yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                        "model": model, "choices": [],
+                        "usage": _usage(gen.num_prompt_tokens, completion_tokens, cached)})
+        yield _DONE
+
+    return _guarded(gen, events())
