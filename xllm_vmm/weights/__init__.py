@@ -14,11 +14,14 @@ from xllm_vmm.weights.errors import (CheckpointChanged, CheckpointError, Residen
 from xllm_vmm.weights.loader import load_weights
 from xllm_vmm.weights.model_weights import (CLOSED, DEEP_SLEEP, LIGHT_SLEEP, WAKEUP,
                                             ModelWeights, SleepReport, WakeReport)
+from xllm_vmm.weights.runtime_rules import require_resident_pool, require_weight_vmm
+from xllm_vmm.weights.sleep import SleepController, Sleepable, wait_idle
 
 __all__ = [
     "load_weights", "ModelWeights", "ShardSpec", "SleepReport", "WakeReport",
     "WAKEUP", "LIGHT_SLEEP", "DEEP_SLEEP", "CLOSED",
     "WeightsError", "CheckpointError", "CheckpointChanged", "WeightsNotLoaded",
     "WeightVmmRequired", "WakeupFailed", "WakeupOutOfMemory", "SleepRefused",
-    "ResidentPoolRequired",
+    "ResidentPoolRequired", "SleepController", "Sleepable", "wait_idle",
+    "require_weight_vmm", "require_resident_pool",
 ]

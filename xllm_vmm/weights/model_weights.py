@@ -61,15 +61,17 @@ Busy = Union[int, Callable[[], int], None]
 @dataclass(frozen=True)
 class SleepReport:
     """What a sleep did. ``bytes_freed``: device memory released (the pool's held bytes before
-    minus after; 0 when another awake instance still uses the pages, or in a fixed pool);
-    ``host_bytes_freed``: host copy dropped; ``seconds``: wall time of the call, which returns
-    only once the memory is gone."""
+    minus after; 0 when another awake instance still uses the pages, or in a fixed pool), the
+    other sleepable tenants' included when a :class:`~xllm_vmm.weights.sleep.SleepController`
+    slept them too (``tenants_bytes_freed``: that part); ``host_bytes_freed``: host copy
+    dropped; ``seconds``: wall time of the call, which returns only once the memory is gone."""
 
     level: int
     state: str
     bytes_freed: int
     host_bytes_freed: int
     seconds: float
+    tenants_bytes_freed: int = 0
 
 
 @dataclass(frozen=True)
