@@ -22,9 +22,13 @@ MiB = 1 << 20
 class PagedStack:
     def __init__(self, model_dir, *, block_size: int = 16, max_tokens: int = 65536,
                  dtype="auto", backend: str = "auto", shuffle_blocks: int = 0, seed: int = 0,
-                 driver: str = "host") -> None:
+                 driver: str = "host", kv_dtype: str | None = None) -> None:
+        """``kv_dtype`` (a ``kv_cache_dtype`` value) defaults to ``dtype`` when that is a name
+        other than auto, else ``auto`` (the checkpoint's dtype)."""
         spec = load_model_spec(str(model_dir))
-        self.layout = cache_layout(spec, block_size=block_size)
+        if kv_dtype is None:
+            kv_dtype = dtype if isinstance(dtype, str) and dtype != "auto" else "auto"
+        self.layout = cache_layout(spec, block_size=block_size, kv_dtype=kv_dtype)
         if driver == "acl":
             self.driver = open_driver("acl", library="emulation", device_memory=512 * MiB)
         else:
