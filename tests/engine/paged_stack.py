@@ -22,7 +22,8 @@ MiB = 1 << 20
 class PagedStack:
     def __init__(self, model_dir, *, block_size: int = 16, max_tokens: int = 65536,
                  dtype="auto", backend: str = "auto", shuffle_blocks: int = 0, seed: int = 0,
-                 driver: str = "host", kv_dtype: str | None = None) -> None:
+                 driver: str = "host", kv_dtype: str | None = None,
+                 vmm_weights: bool = False) -> None:
         """``kv_dtype`` (a ``kv_cache_dtype`` value) defaults to ``dtype`` when that is a name
         other than auto, else ``auto`` (the checkpoint's dtype)."""
         spec = load_model_spec(str(model_dir))
@@ -33,12 +34,15 @@ class PagedStack:
             self.driver = open_driver("acl", library="emulation", device_memory=512 * MiB)
         else:
             self.driver = open_driver(driver, device_memory=512 * MiB)
-        arena = VirtualKVCache.arena_bytes(self.layout, self.driver.granularity, max_tokens)
+        page = self.driver.granularity
+        arena = VirtualKVCache.arena_bytes(self.layout, page, max_tokens)
+        if vmm_weights:  # the weights tenant takes the arena's high end (VMM-02: one budget)
+            arena += (-(-(spec.weight_bytes or spec.estimated_weight_bytes) // page) + 2) * page
         self.pool = VmmPool(self.driver, BudgetConfig(mode=BudgetMode.ELASTIC,
                                                       execution_peak_bytes=0), arena)
         self.cache = VirtualKVCache.for_tokens(self.pool, self.layout, max_tokens)
         self.worker = Worker.create(model_dir, pool=self.pool, kv_cache=self.cache, dtype=dtype,
-                                    attention_backend=backend)
+                                    attention_backend=backend, vmm_weights=vmm_weights)
         self.block_size = block_size
         self.tables: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
@@ -101,6 +105,9 @@ class PagedStack:
         return out
 
     def close(self) -> None:
+        import gc
+
         self.worker.close()
+        gc.collect()  # views held by reference cycles must be gone before the release
         self.pool.close()
         self.driver.close()

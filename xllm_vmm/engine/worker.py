@@ -100,7 +100,8 @@ class Worker:
 
     def __init__(self, *, model_dir: str, model_spec: Any, hf_config: Any, weights: Any,
                  model: Any, kv_views: Any, runner: Any, pool: Any, kv_cache: Any,
-                 device: str) -> None:
+                 device: str, owns_weights: bool = False) -> None:
+        self.owns_weights = owns_weights
         self.model_dir = model_dir
         self.model_spec = model_spec
         self.hf_config = hf_config
@@ -127,7 +128,8 @@ class Worker:
         cfg = ModelConfig.from_dir(model_dir)
         compute_dtype = resolve_dtype(dtype, cfg.dtype)
         device = device_of(pool.driver)
-        if weights is None:
+        owns = weights is None
+        if owns:
             weights = load_model_weights(model_dir, pool=pool if vmm_weights else None,
                                          dtype=compute_dtype, device=device)
         check_loaded = getattr(weights, "check_loaded", None)
@@ -146,7 +148,7 @@ class Worker:
         runner = ModelRunner(model, views, backend, device, check_loaded=check_loaded)
         return cls(model_dir=model_dir, model_spec=spec, hf_config=cfg, weights=weights,
                    model=model, kv_views=views, runner=runner, pool=pool, kv_cache=kv_cache,
-                   device=device)
+                   device=device, owns_weights=owns)
 
     @property
     def block_size(self) -> int:
@@ -157,5 +159,11 @@ class Worker:
         return self.runner.execute(step)
 
     def close(self) -> None:
-        """Drop the K/V views (the cache's reservation can then be released)."""
+        """Drop every tensor this worker holds over the arena (K/V views, the model's weight
+        references) and close the weights when the worker loaded them itself; the pool's
+        reservation can then be released. Idempotent."""
         self.kv_views.close()
+        self.runner = self.model = None
+        weights, self.weights = self.weights, None
+        if self.owns_weights and weights is not None and hasattr(weights, "close"):
+            weights.close()

@@ -1,0 +1,41 @@
+"""The worker over weights that live in the pool (xllm_vmm.weights, enable_vmm_weights): the
+model references the arena's tensors, refuses to compute while they sleep, and computes the
+same tokens after wakeup."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine import checkpoints as C
+from tests.engine.paged_stack import PagedStack
+
+weights_pkg = pytest.importorskip("xllm_vmm.weights")
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    d = C.qwen3_checkpoint(tmp_path_factory.mktemp("q3") / "m")
+    return d, C.load_hf_model(d)
+
+
+def test_weights_in_the_arena_sleep_and_wake(qwen3):
+    s = PagedStack(qwen3[0], block_size=16, vmm_weights=True)
+    try:
+        w = s.worker.weights
+        lo, hi = s.pool.arena_va, s.pool.arena_va + s.pool.arena_pages * s.pool.page_bytes
+        q = s.worker.model.layers[1].attn.q_proj.weight
+        assert lo <= q.data_ptr() < hi  # a view of the pool's arena, not a host copy
+        ids = list(range(10, 40))
+        before = s.greedy({"a": ids}, 6)["a"]
+        assert before == C.hf_greedy(qwen3[1], ids, 6)
+        w.sleep(1)
+        with pytest.raises(weights_pkg.WeightsNotLoaded):
+            s.step([s.chunk("b", [5, 6, 7])])
+        w.wake_up()
+        assert q.data_ptr() == s.worker.model.layers[1].attn.q_proj.weight.data_ptr()
+        s.tables.pop("b", None), s.computed.pop("b", None)
+        assert s.greedy({"c": ids}, 6)["c"] == before
+        del q, w
+    finally:
+        s.close()
