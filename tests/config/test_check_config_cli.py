@@ -185,7 +185,7 @@ def test_text_marks_warnings_apart_from_errors_and_github_levels():
 
 
 HOST_OFFLOAD = ("--enable_vmm_kvcache", "--host_blocks_factor=4", "--max_cache_size=16GiB",
-                "--model=Qwen/Qwen3-8B", "--tp_size=2")
+                "--model=Qwen/Qwen3-8B", "--nnodes=2")
 
 
 def test_hk07_with_the_planner_counts_every_worker():
@@ -200,7 +200,7 @@ def test_hk07_with_the_planner_counts_every_worker():
                                    "(127.12 GiB; 68,249,714,688 x 2 workers, each device KV "
                                    "capacity 17,062,428,672 x host_blocks_factor 4)")
     assert "(--host-memory)" in f["message"]
-    assert f["flags"]["tp_size"] == 2
+    assert f["flags"]["nnodes"] == 2
     # one worker fits the same host memory
     code, out, _ = check(*HOST_OFFLOAD[:-1], "--device-memory=64GiB", "--host-memory=120GiB",
                          "--format", "json")

@@ -86,3 +86,19 @@ def test_unset_variables_are_not_checked_and_listed():
     assert value["flag"] == "model" and value["text"] == "--model $MODEL_PATH"
     assert "$MODEL_PATH is not set in the script" in value["reason"]
     assert "program is not known here ($XLLM_PATH" in entry["launch_command"]
+
+
+@pytest.mark.parametrize("name, workers", [
+    ("multi_machine_1.sh", 32), ("mtp_deepseek_v3.sh", 16), ("launch_xllm_npu.sh", 1),
+])
+def test_plan_sizes_the_engines_worker_count(name, workers):
+    # nnodes is the total number of processes (one per device) of the service
+    from typer.testing import CliRunner
+
+    from xllm_vmm.cli.app import app
+
+    r = CliRunner().invoke(app, ["plan", str(DATA / name), "--model=deepseek-ai/DeepSeek-V3",
+                                 "--format=json", "--host-memory=1TiB"], env={})
+    assert r.exit_code in (0, 1), r.output
+    d = json.loads(r.stdout)
+    assert d["workers"] == workers and len(d["per_worker"]) == workers

@@ -292,10 +292,30 @@ def test_devices_of_unknown_or_mixed_kinds_or_absurd_index_are_type_errors(devic
     assert rep.findings[0].message == f"devices: {message} (command line)"
 
 
-def test_tp_size_that_contradicts_the_devices_list_is_a_conflict():
+def test_tp_size_outside_dit_is_ignored_by_the_engine():
     rep = run("--tp_size", "4", "--devices=npu:0,npu:1")
-    assert [(f.id, f.severity) for f in rep.findings] == [("CFG-CONFLICT", "error")]
-    assert rep.findings[0].hint == ("list 4 devices, or set tp_size=2 (or leave it unset: the "
-                                    "number of devices is used)")
+    assert [(f.id, f.severity) for f in rep.findings] == [("CFG-IGNORED", "warning")]
+    assert "tensor parallel over 2 worker(s)" in rep.findings[0].message
+    # nearest non-triggers: tp_size equal to the world size / dp_size, or the DiT backend
     assert run("--tp_size", "2", "--devices=npu:0,npu:1").findings == []
-    assert run("--tp_size", "2", "--devices=cpu").findings == []
+    assert run("--tp_size", "4", "--nnodes=2", "--devices=npu:0,npu:1").findings == []
+    assert run("--tp_size", "4", "--backend=dit", "--devices=npu:0,npu:1").findings == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nnodes=2", "--node_rank=2"], "node_rank=2 (command line) but nnodes=2"),
+    (["--nnodes=6", "--dp_size=4"], "dp_size=4 does not divide the 6 workers"),
+    (["--nnodes=6", "--ep_size=4"], "ep_size=4 does not divide the 6 workers"),
+])
+def test_worker_counts_the_engine_refuses(argv, message):
+    rep = run(*argv)
+    assert [(f.id, f.severity) for f in rep.findings] == [("CFG-CONFLICT", "error")]
+    assert message in rep.findings[0].message
+
+
+@pytest.mark.parametrize("argv", [
+    ["--nnodes=2", "--node_rank=1"], ["--nnodes=6", "--dp_size=3"], ["--nnodes=8", "--ep_size=4"],
+    ["--nnodes=3", "--devices=npu:0,npu:1", "--dp_size=6"],
+])
+def test_worker_counts_the_engine_accepts(argv):
+    assert run(*argv).findings == []

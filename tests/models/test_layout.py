@@ -49,7 +49,7 @@ def test_workers_that_cannot_split_kv_heads(workers):
     with pytest.raises(LayoutError) as err:
         cache_layout(load_model_spec("zai-org/GLM-4.5-Air"), workers=workers)
     assert "8 KV heads of zai-org/GLM-4.5-Air" in str(err.value)
-    assert "tp_size" in str(err.value)
+    assert "nnodes x devices / dp_size" in str(err.value)
 
 
 def test_workers_must_divide_attention_heads():

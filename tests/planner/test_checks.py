@@ -27,7 +27,7 @@ def plan(*args):
 
 
 def test_hk07_counts_every_worker_and_names_the_host_memory_source():
-    cfg = load(OFFLOAD + ["--tp_size=2"])
+    cfg = load(OFFLOAD + ["--nnodes=2"])
     c = check_sizing(cfg, device=Memory(64 * GiB, "--device-memory"),
                      host=Memory(120 * GiB, "--host-memory"))
     # 16 GiB quota: floor(17,179,869,184 / 150,994,944) = 113 slots per worker; x4 host pool
@@ -61,7 +61,7 @@ def test_hk07_not_checked_reasons():
         "the device memory is not known: pass --device-memory or --device PROFILE")
     assert check_sizing(load(OFFLOAD[:-1]), device=dev, host=host).report.not_checked[
         "HK-07"] == "no --model given"
-    bad = check_sizing(load(OFFLOAD + ["--tp_size=3"]), device=dev, host=host)
+    bad = check_sizing(load(OFFLOAD + ["--nnodes=3"]), device=dev, host=host)
     assert bad.report.not_checked["HK-07"].startswith(
         "the configuration cannot be sized: 3 workers cannot split")
     # without host offload HK-07 does not apply and no plan is made
@@ -71,7 +71,7 @@ def test_hk07_not_checked_reasons():
 
 
 def test_plan_lists_hk07_once_as_the_check_config_finding():
-    r = plan(*OFFLOAD, "--tp_size=2", "--device-memory=64GiB", "--host-memory=120GiB",
+    r = plan(*OFFLOAD, "--nnodes=2", "--device-memory=64GiB", "--host-memory=120GiB",
              "--format=json")
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
@@ -84,8 +84,8 @@ def test_plan_several_inputs_one_report_each_worst_exit_code(tmp_path):
     ok = tmp_path / "ok.toml"
     ok.write_text('model = "Qwen/Qwen3-8B"\nenable_vmm_kvcache = true\n')
     big = tmp_path / "big.toml"
-    big.write_text('model = "deepseek-ai/DeepSeek-V3"\ntp_size = 8\n')
-    r = plan(str(ok), str(big), "--cmd", "xllm --model=Qwen/Qwen3-8B --tp_size=2",
+    big.write_text('model = "deepseek-ai/DeepSeek-V3"\nnnodes = 8\n')
+    r = plan(str(ok), str(big), "--cmd", "xllm --model=Qwen/Qwen3-8B --nnodes=2",
              "--format", "json", "--host-memory=256GiB")
     assert r.exit_code == 1, r.output
     d = json.loads(r.stdout)

@@ -23,7 +23,7 @@ def test_json_output_qwen3_8b():
 
 
 def test_flags_in_gflags_syntax_and_devices_count():
-    r = run("--model", "qwen__qwen3-8b", "--enable_vmm_kvcache", "--tp_size", "2",
+    r = run("--model", "qwen__qwen3-8b", "--enable_vmm_kvcache", "--nnodes", "2",
             "--format=json", "--host-memory=256GiB")
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
@@ -44,10 +44,10 @@ def test_toml_config_file_and_device_profile(tmp_path):
 
 
 def test_does_not_fit_exits_1_and_explains():
-    r = run("--model=deepseek-ai/DeepSeek-V3", "--tp_size=8", "--explain",
+    r = run("--model=deepseek-ai/DeepSeek-V3", "--nnodes=8", "--explain",
             "--host-memory=256GiB")
     assert r.exit_code == 1
-    assert "does not fit" in r.stdout and "tp_size=16" in r.stdout
+    assert "does not fit" in r.stdout and "use 16 workers (nnodes=16" in r.stdout
     assert "floor(total x max_memory_utilization) - weights - execution peak" in r.stdout
 
 
@@ -91,7 +91,7 @@ def test_bad_inputs_are_clear_errors(tmp_path):
     assert r.exit_code == 2 and "config.json is not valid JSON" in r.stderr
     r = run()
     assert r.exit_code == 2 and "no model given" in r.stderr
-    r = run("--model=Qwen/Qwen3-8B", "--tp_size=3")
+    r = run("--model=Qwen/Qwen3-8B", "--nnodes=3")
     assert r.exit_code == 2 and "3 workers cannot split" in r.stderr
 
 
@@ -114,15 +114,18 @@ def test_damaged_safetensors_shard_is_a_warning_and_the_estimate_is_used(tmp_pat
 
 
 def test_workers_that_cannot_split_the_heads_are_an_error_naming_valid_counts():
-    valid = "valid worker counts for Qwen/Qwen3-8B: 1, 2, 4, 8, 16, 32"
+    valid = "valid tensor-parallel sizes for Qwen/Qwen3-8B: 1, 2, 4, 8, 16, 32"
     r = run("--model=Qwen/Qwen3-8B", "--workers", "3", "--format=json")
     assert r.exit_code == 2 and r.stdout == ""
     assert "3 workers cannot split the 32 attention heads of Qwen/Qwen3-8B: 3 workers come " \
            "from --workers; " + valid in r.stderr
-    r = run("--model=Qwen/Qwen3-8B", "--tp_size=3")
-    assert r.exit_code == 2 and "come from tp_size (from command line)" in r.stderr
+    r = run("--model=Qwen/Qwen3-8B", "--nnodes=3")
+    assert r.exit_code == 2 and "come from nnodes=3 (from command line) x devices=auto" in r.stderr
     r = run("--model=Qwen/Qwen3-8B", "--devices=npu:0,npu:1,npu:2")
-    assert r.exit_code == 2 and "come from --devices=npu:0,npu:1,npu:2" in r.stderr
+    assert r.exit_code == 2 and "devices=npu:0,npu:1,npu:2 (from command line)" in r.stderr
+    # dp_size groups: 6 workers in 2 groups of 3 cannot split the heads either
+    r = run("--model=Qwen/Qwen3-8B", "--nnodes=6", "--dp_size=2")
+    assert r.exit_code == 2 and "6 workers in groups of 3 (dp_size 2)" in r.stderr
     assert "unbounded" not in r.output
 
 
@@ -156,12 +159,23 @@ def test_el06_is_listed_once_and_the_elastic_range_says_the_least_pool_does_not_
     assert "none (the least pool, 144.00" in text and ".. 0 B" not in text
 
 
-def test_tp_size_that_contradicts_the_devices_list_is_refused():
+def test_workers_are_the_engines_world_size_tp_size_is_dit_only():
+    # the engine: W = nnodes x len(devices); tensor parallel W / dp_size; tp_size for DiT only
     r = run("--model=Qwen/Qwen3-8B", "--tp_size", "4", "--devices=npu:0,npu:1",
-            "--host-memory=256GiB")
-    assert r.exit_code == 2 and r.stdout == ""
-    assert "tp_size=4 (from command line) but devices=npu:0,npu:1 (from command line) lists " \
-           "2 device(s)" in r.stderr
+            "--host-memory=256GiB", "--format=json")
+    d = json.loads(r.stdout)
+    assert r.exit_code == 0 and d["workers"] == 2
+    assert [f["id"] for f in d["config_findings"]] == ["CFG-IGNORED"]
+    r = run("--model=Qwen/Qwen3-8B", "--nnodes=16", "--host-memory=256GiB", "--format=json")
+    assert json.loads(r.stdout)["workers"] == 16
+    r = run("--model=Qwen/Qwen3-8B", "--nnodes=2", "--devices=npu:0,npu:1",
+            "--host-memory=256GiB", "--format=json")
+    assert json.loads(r.stdout)["workers"] == 4
+    one = run("--model=Qwen/Qwen3-8B", "--nnodes=4", "--host-memory=256GiB", "--format=json")
+    dp = run("--model=Qwen/Qwen3-8B", "--nnodes=4", "--dp_size=2", "--host-memory=256GiB",
+             "--format=json")
+    w1, w2 = (json.loads(x.stdout)["per_worker"][0]["weights_bytes"] for x in (one, dp))
+    assert w2 == 2 * w1 or abs(w2 - 2 * w1) <= 1  # dense weights split 4 ways, then 2 ways
 
 
 def test_rule_errors_el03_el05_hk08_are_findings_exit_1():

@@ -98,6 +98,11 @@ def _plan_one(r, *, device, host, name: str, options: dict) -> _Outcome:
                         findings=[f.to_dict() for f in r.findings])
     cfg = r.config
     ref = str(cfg["model"] or "")
+    if "model" in cfg.unresolved:
+        f = cfg.unresolved["model"]
+        return _Outcome(r.label, 2, error=f"the model cannot be sized: {f.message}; pass "
+                        "--model=NAME_OR_DIR after the script to size it (direct flags win over "
+                        "the script's)")
     if not ref:
         return _Outcome(r.label, 2, error="no model given: pass --model=NAME_OR_DIR (a catalogue "
                         "name such as Qwen/Qwen3-8B, see --list-models, or a model directory)")
@@ -182,13 +187,15 @@ def _layout_error(plan, cfg, options: dict, draft) -> str:
                f"({reason.hint})"
     if options.get("workers") is not None:
         src = "--workers"
-    elif cfg.explicit("tp_size"):
-        src = f"tp_size (from {cfg.provenance('tp_size')})"
     else:
-        src = f"--devices={cfg['devices']} (from {cfg.provenance('devices')})"
-    return (f"{reason.message}: {w} workers come from {src}; valid worker counts for "
-            f"{plan.spec.name}: {', '.join(map(str, valid))}. Set --workers, tp_size or "
-            "--devices to one of them")
+        src = (f"nnodes={cfg['nnodes']} (from {cfg.provenance('nnodes')}) x "
+               f"devices={cfg['devices'] or 'auto'} (from {cfg.provenance('devices')})")
+    tp = plan.inputs.tp
+    what = f"{w} workers" if tp == w else f"{w} workers in groups of {tp} (dp_size " \
+                                           f"{plan.inputs.dp_size})"
+    return (f"{reason.message}: {what} come from {src}; valid tensor-parallel sizes for "
+            f"{plan.spec.name}: {', '.join(map(str, valid))}. Set --workers, --nnodes (one "
+            "process per device) or --devices to one of them")
 
 
 def _outcome_dict(o: _Outcome) -> dict:
@@ -260,7 +267,7 @@ _PLAN_HELP = (
     "block and page, the arena, the physical budget of the mode, the host pool, capacity and "
     "concurrency at a context length, and a verdict with what to change.\n\n"
     "Inputs are check-config's: engine flags as --FLAG=VALUE (e.g. --model=Qwen/Qwen3-8B "
-    "--tp_size=2 --enable_vmm_kvcache=true), and FILES (.toml, engine .json, launch scripts), "
+    "--nnodes=2 --enable_vmm_kvcache=true), and FILES (.toml, engine .json, launch scripts), "
     "--cmd and --cmd-file, each one configuration with its own report.\n\n"
     "Exit codes: 0 fits, 1 does not fit or has rule errors, 2 unreadable input or unknown "
     "model; with several inputs, the worst.")
@@ -302,8 +309,9 @@ def plan_command(
         "--host-memory", "SIZE", _DEV, "Host RAM available for the host KV pools of all "
         "workers (HK-07); default: this host's available memory."),
     workers: Optional[int] = _value(
-        "--workers", "N", _DEV, "Workers (devices) in tensor parallel; default tp_size, or the "
-        "number of --devices."),
+        "--workers", "N", _DEV, "Workers (devices) of the service; default as the engine counts "
+        "them: nnodes (processes, one per device) x the devices of one process (--devices), "
+        "in dp_size groups of tensor parallel."),
     context_len: Optional[int] = _value(
         "--context-len", "TOKENS", _SIZE, "Tokens of one request (default: the model's "
         "max_position_embeddings)."),

@@ -169,7 +169,7 @@ store_metadata_server|string|""|kv_cache_store||Address of the KV cache store's 
 store_protocol|string|"tcp"|kv_cache_store||Transport of the KV cache store (tcp, rdma).
 backend|string|""|model|impl,plat="rec",values=llm/vlm/rec/dit|Engine backend: llm (text), vlm (multimodal), rec (recommendation), dit (diffusion). Empty: inferred from the model (vlm when it has a vision tower, else llm).
 device_id|int32|-1|model||Single device index (older engines); prefer devices.
-devices|string|""|model|impl|Devices to serve on: npu:0,npu:1 / cuda:0 / cpu / auto. Empty means auto. VMM needs a kind with a VMM driver: npu, cuda or cpu (VMM-01).
+devices|string|""|model|impl|Devices of this process, one worker each: npu:0 (the usual one per process) / npu:0,npu:1 / cuda:0 / cpu / auto. Empty means auto. Kinds: npu, cuda, mlu, ilu, musa, dcu (the engine's), cpu; VMM needs npu, cuda or cpu (VMM-01).
 enable_qwen3_reranker|bool|false|model||Serve a Qwen3 reranker model.
 enable_return_mm_full_embeddings|bool|false|model||Return full multimodal embeddings.
 flashinfer_workspace_buffer_size|int32|134217728|model|bytes,min=0|FlashInfer workspace size in bytes (128 MiB).
@@ -225,18 +225,18 @@ speculative_suffix_use_tree_spec|bool|false|speculative||Suffix decoding: specul
 cfg_size|int64|1|parallel||Classifier-free-guidance parallel size.
 communication_backend|string|"hccl"|parallel|plat="lccl"|Collective communication backend (platform default hccl; lccl on some builds).
 cp_size|int32|1|parallel||Context-parallel size.
-dp_size|int32|1|parallel|impl,min=1|Data-parallel size.
+dp_size|int32|1|parallel|impl,min=1|Data-parallel groups: each is tensor parallel over nnodes x devices / dp_size workers (must divide the workers).
 enable_dp_balance|bool|false|parallel||Balance load between data-parallel ranks.
 enable_mm_encoder_dp|bool|false|parallel||Data-parallel multimodal encoder.
 enable_multi_stream_parallel|bool|false|parallel||Overlap computation and communication on several streams.
 enable_prefill_sp|bool|false|parallel||Sequence parallelism in prefill (older engines).
-ep_size|int32|1|parallel||Expert-parallel size.
+ep_size|int32|1|parallel||Expert-parallel size: MoE experts split ep_size ways (must divide the workers, nnodes x devices).
 kv_split_size|int32|1|parallel||KV split size.
 layerwise_split_size|int32|1|parallel||Layer-wise split size.
 micro_batch_num|int32|1|parallel||Micro-batches per step.
 sp_size|int64|1|parallel||Sequence-parallel size.
 text_encoder_tp_size|int64|1|parallel||Tensor-parallel size of a text encoder.
-tp_size|int64|1|parallel|impl,min=1|Tensor-parallel size: workers that split one model (and its KV heads).
+tp_size|int64|1|parallel|impl,min=1|Tensor-parallel size of the DiT backend only (backend=dit); a language model is tensor parallel over nnodes x devices / dp_size workers, as in the engine.
 vae_size|int64|1|parallel||VAE parallel size.
 disagg_pd_port|int32|7777|disagg_pd||Port of the prefill/decode disaggregation service.
 enable_disagg_pd|bool|false|disagg_pd|impl|Prefill/decode disaggregation. With KV VMM: no speculative decoding (SD-03); Mooncake KV transfer needs a fixed pool (PD-01).
@@ -252,8 +252,8 @@ etcd_namespace|string|""|distributed||etcd key namespace.
 etcd_ttl|int32|3|distributed||etcd lease time-to-live in seconds.
 heart_beat_interval|double|0.5|distributed||Heartbeat interval in seconds.
 master_node_addr|string|"127.0.0.1:19888"|distributed|plat="127.0.0.1:18899"|Address of the master node of a multi-node deployment (platform default 127.0.0.1:19888; 127.0.0.1:18899 on some builds).
-nnodes|int32|1|distributed|min=1|Number of nodes.
-node_rank|int32|0|distributed|min=0|Rank of this node.
+nnodes|int32|1|distributed|min=1|Processes of the whole service, one per device as the engine's scripts launch them (the engine: "the total number of devices used by the current service"); workers = nnodes x devices of one process.
+node_rank|int32|0|distributed|min=0|This process's rank among the nnodes processes (0..nnodes-1).
 xtensor_master_node_addr|string|"127.0.0.1:19889"|distributed||Address of the xtensor master node.
 enable_json_object_output|bool|true|service||Allow JSON-object response formats.
 enable_verbose_trace_log|bool|false|service||Write a verbose trace log.

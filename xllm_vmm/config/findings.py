@@ -17,8 +17,9 @@ INPUT_IDS = {
     "CFG-TYPE": "a value of the wrong type or out of the type's range",
     "CFG-DUP": "a flag given twice with different values in one source",
     "CFG-ARG": "a command-line token that is not a flag",
-    "CFG-CONFLICT": "flags that contradict each other: tp_size set to another number than the "
-                    "devices listed in devices",
+    "CFG-CONFLICT": "flags the engine refuses together: node_rank not below nnodes, dp_size or "
+                    "ep_size that does not divide the workers (nnodes x devices)",
+    "CFG-IGNORED": "a flag the engine ignores here: tp_size outside the DiT backend (a warning)",
     "CFG-MODEL": "a --model that is a local path (starts with / . ~, or its parent directory "
                  "exists) but not a readable model directory",
     "CFG-JSON": "a config_json_file that does not exist here (a warning, an error with --strict: "

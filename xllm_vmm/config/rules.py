@@ -330,18 +330,14 @@ def _vmm01(x: _Ctx) -> _Out:
                            "once",
                       where=x.cfg.provenance("devices"), input=x.cfg.label)
         return
-    tp = int(x.cfg["tp_size"])
-    if x.cfg.explicit("tp_size") and tp != len(devices) and (
-            len(devices) > 1 or (len(devices) == 1 and devices[0][1] is not None)):
-        srcs = {"tp_size": x.cfg.provenance("tp_size"), "devices": x.cfg.provenance("devices")}
-        yield Finding("CFG-CONFLICT", "error",
-                      f"tp_size={tp} ({srcs['tp_size']}) but devices={x.cfg['devices']} "
-                      f"({srcs['devices']}) lists {len(devices)} device(s): one worker serves on "
-                      f"each device",
-                      flags={"tp_size": tp, "devices": x.cfg["devices"]}, sources=srcs,
-                      hint=f"list {tp} devices, or set tp_size={len(devices)} (or leave it unset: "
-                           f"the number of devices is used)",
-                      where=srcs["tp_size"], input=x.cfg.label)
+    from xllm_vmm.config.parallel import parallel_of, parallel_problems
+
+    for severity, message, names, hint in parallel_problems(x.cfg, parallel_of(x.cfg)):
+        srcs = {n: x.cfg.provenance(n) for n in names}
+        shown = ", ".join(f"{n}={x.cfg[n]} ({srcs[n]})" for n in names)
+        yield Finding("CFG-CONFLICT" if severity == "error" else "CFG-IGNORED", severity,
+                      f"{message} [{shown}]", flags={n: x.cfg[n] for n in names}, sources=srcs,
+                      hint=hint, where=srcs[names[0]], input=x.cfg.label)
     yield from _ranks(x)
     if not x.vmm:
         return
@@ -681,7 +677,7 @@ def _el06(x: _Ctx, model) -> _Out:
     from xllm_vmm.models import ModelConfigError, cache_layout
 
     try:
-        layout = cache_layout(model, workers=int(x.cfg["tp_size"]),
+        layout = cache_layout(model, workers=_tp(x),
                               block_size=int(x.cfg["block_size"]),
                               kv_dtype=str(x.cfg["kv_cache_dtype"]), draft=x.mtp)
     except ModelConfigError as err:
@@ -692,8 +688,7 @@ def _el06(x: _Ctx, model) -> _Out:
     least = tensors * page
     # VMM-02: with weight VMM on too, the quota covers the shared pool, weights included (the
     # architecture's estimate: check-config reads only config.json).
-    workers = int(x.cfg["tp_size"])
-    weights = -(-model.served_weight_bytes // workers) if x.cfg["enable_vmm_weights"] else 0
+    weights = -(-model.served_weight_bytes // _tp(x)) if x.cfg["enable_vmm_weights"] else 0
     if quota < least + weights:
         shared = (f" plus {format_size(weights)} ({weights} bytes) of weights per worker in the "
                   "pool they share (VMM-02)") if weights else ""
@@ -701,10 +696,20 @@ def _el06(x: _Ctx, model) -> _Out:
             "EL-06", f"{x.d('max_cache_size')} is below the least the pool can map for "
             f"{model.name}: one {format_size(page)} page for each of its {tensors} VMM tensors "
             f"per worker = {format_size(least)} ({least} bytes){shared}",
-            ("max_cache_size", "phy_page_granularity_size", "tp_size")
+            ("max_cache_size", "phy_page_granularity_size", "nnodes", "devices", "dp_size")
             + (("enable_vmm_weights",) if weights else ()),
             f"set --max_cache_size to at least {least + weights} "
             f"({format_size(least + weights)}), or 0 for no quota")
+
+
+def _tp(x: _Ctx) -> int:
+    """Workers one model copy is split over (the engine's ``world / dp_size``)."""
+    from xllm_vmm.config.parallel import parallel_of
+
+    try:
+        return parallel_of(x.cfg).tp
+    except ValueError:  # a bad devices list is reported by VMM-01's check
+        return 1
 
 
 @_rule("EL-08")

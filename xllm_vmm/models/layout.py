@@ -41,13 +41,13 @@ def kv_heads_per_worker(spec: ModelSpec, workers: int) -> int:
         if kv % workers:
             raise LayoutError(
                 f"{workers} workers cannot split the {kv} KV heads of {spec.name}",
-                hint=f"use a worker count (tp_size / devices) that divides {kv} or is a "
+                hint=f"use a worker count (nnodes x devices / dp_size) that divides {kv} or is a "
                      f"multiple of it")
         return kv // workers
     if workers % kv:
         raise LayoutError(
             f"{workers} workers cannot replicate the {kv} KV heads of {spec.name} evenly",
-            hint=f"use a worker count (tp_size / devices) that is a multiple of {kv}")
+            hint=f"use a worker count (nnodes x devices / dp_size) that is a multiple of {kv}")
     return 1
 
 
@@ -105,7 +105,7 @@ def cache_layout(spec: ModelSpec, workers: int = 1, block_size: int = 128,
     """
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise LayoutError(f"workers must be a positive integer, got {workers!r}",
-                          hint="set tp_size (or devices) to 1 or more")
+                          hint="set nnodes (and devices) to 1 or more")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise LayoutError(f"block_size must be a positive number of tokens, got {block_size!r}",
                           hint="set --block_size to a positive integer (default 128)")
@@ -114,7 +114,7 @@ def cache_layout(spec: ModelSpec, workers: int = 1, block_size: int = 128,
         raise LayoutError(
             f"{workers} workers cannot split the {spec.num_attention_heads} attention heads of "
             f"{spec.name}",
-            hint=f"use a worker count (tp_size / devices) that divides {spec.num_attention_heads}")
+            hint=f"use a worker count (nnodes x devices / dp_size) that divides {spec.num_attention_heads}")
 
     full = [i for i, k in enumerate(spec.layer_kinds) if k == LayerKind.FULL]
     sliding = [i for i, k in enumerate(spec.layer_kinds) if k == LayerKind.SLIDING]
@@ -150,7 +150,7 @@ def cache_layout(spec: ModelSpec, workers: int = 1, block_size: int = 128,
             raise LayoutError(
                 f"{workers} workers cannot split the linear-attention heads of {spec.name} "
                 f"({ls.num_key_heads} key heads, {ls.num_value_heads} value heads)",
-                hint="use a worker count (tp_size / devices) that divides both")
+                hint="use a worker count (nnodes x devices / dp_size) that divides both")
         dims = ls.per_worker(workers)
         s_elem = dtype_bytes(state_dtype or spec.dtype, what="state dtype")
         resident = ResidentState(conv_bytes_per_seq=n_state * dims.conv_elems * s_elem,

@@ -28,7 +28,7 @@ from xllm_vmm.planner.from_config import draft_from_config, inputs_from_config
 from xllm_vmm.planner.sizing import Plan, make_plan
 
 #: The flags an HK-07 finding names.
-HK07_FLAGS = ("max_cache_size", "host_blocks_factor", "tp_size")
+HK07_FLAGS = ("max_cache_size", "host_blocks_factor", "nnodes", "devices")
 
 
 @dataclass(frozen=True)

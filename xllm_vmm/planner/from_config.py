@@ -1,6 +1,7 @@
 """Plan inputs from a resolved configuration (the same sources as ``check-config``).
 
-Flags read: ``tp_size`` (or the number of ``devices`` when ``tp_size`` is not set), ``block_size``,
+Flags read: ``nnodes``, ``devices`` and ``dp_size`` (the workers: :mod:`xllm_vmm.config.parallel`;
+``tp_size`` is the DiT backend's only, as in the engine), ``block_size``,
 ``kv_cache_dtype``, ``max_memory_utilization``, ``max_cache_size``, ``vmm_memory_reserve_bytes``,
 ``enable_vmm_kvcache``, ``enable_vmm_weights``, ``vmm_elastic``, ``enable_prefix_cache``,
 ``host_blocks_factor``, ``max_seqs_per_batch``, ``max_tokens_per_batch``,
@@ -18,18 +19,17 @@ from xllm_vmm.planner.inputs import PlanInputs
 
 
 def workers_from_config(cfg: Any) -> int:
-    """``tp_size`` when set; else the number of devices in ``devices`` (``npu:0,npu:1`` -> 2);
-    else 1. Raises :class:`~xllm_vmm.models.ModelConfigError` for a ``devices`` list that is
-    not valid (a device listed twice, a malformed entry)."""
-    tp = int(cfg["tp_size"])
-    explicit = getattr(cfg, "explicit", None)
-    from xllm_vmm.config.values import parse_devices
+    """The service's workers as the engine counts them: ``nnodes × len(devices)`` (one process
+    per ``nnodes``, one worker per device of its ``devices``; :mod:`xllm_vmm.config.parallel`).
+    Raises :class:`~xllm_vmm.models.ModelConfigError` for a ``devices`` list that is not valid
+    (a device listed twice, a malformed entry)."""
+    from xllm_vmm.config.parallel import parallel_of
     from xllm_vmm.models import ModelConfigError
 
     devices = str(cfg.get("devices", "") or "").strip()
     where = cfg.provenance("devices") if hasattr(cfg, "provenance") else "devices"
     try:
-        listed = parse_devices(devices)
+        return parallel_of(cfg).world
     except ValueError as err:
         # The hint fits the error: a duplicate, or an entry that is not KIND[:INDEX] of one kind
         # (the message already names the kinds, and "did you mean" for an alias such as gpu).
@@ -38,17 +38,6 @@ def workers_from_config(cfg: Any) -> int:
             "" if "did you mean" in text else \
             "list devices of one kind as KIND:INDEX, comma-separated, e.g. npu:0,npu:1"
         raise ModelConfigError(f"devices={devices} (from {where}): {err}", hint=hint) from None
-    if explicit is not None and explicit("tp_size"):
-        if tp != len(listed) and (len(listed) > 1
-                                  or (len(listed) == 1 and listed[0][1] is not None)):
-            raise ModelConfigError(
-                f"tp_size={tp} (from {cfg.provenance('tp_size')}) but devices={devices} (from "
-                f"{where}) lists {len(listed)} device(s): one worker serves on each device",
-                hint=f"list {tp} devices, or set tp_size={len(listed)} (or leave it unset)")
-        return tp
-    if len(listed) > 1:
-        return len(listed)
-    return tp
 
 
 def inputs_from_config(cfg: Any, **plan_options: Any) -> PlanInputs:
@@ -58,6 +47,7 @@ def inputs_from_config(cfg: Any, **plan_options: Any) -> PlanInputs:
     are None are left at their defaults."""
     values = dict(
         workers=workers_from_config(cfg),
+        dp_size=max(1, int(cfg.get("dp_size", 1) or 1)),
         block_size=int(cfg["block_size"]),
         kv_cache_dtype=str(cfg["kv_cache_dtype"]),
         max_memory_utilization=float(cfg["max_memory_utilization"]),

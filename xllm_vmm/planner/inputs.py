@@ -21,6 +21,9 @@ MODES = ("physical", "fixed_vmm", "elastic_vmm")
 class PlanInputs:
     """Everything a plan depends on besides the model. Units: bytes, tokens, sequences.
 
+    ``workers`` is every worker of the service (one per device: the engine's world size,
+    ``nnodes × len(devices)``); ``dp_size`` its data-parallel groups, each tensor parallel
+    over :attr:`tp` workers (:mod:`xllm_vmm.config.parallel`).
     ``device_memory_bytes`` is the total memory of one device (one worker per device);
     ``host_memory_bytes`` the host RAM available for the host KV pool (None: not checked);
     ``context_len`` None means the model's ``max_position_embeddings``;
@@ -28,6 +31,7 @@ class PlanInputs:
     """
 
     workers: int = 1
+    dp_size: int = 1
     device_memory_bytes: int = 64 * GiB
     device_name: str = "ascend-910b-64g"
     page_bytes: int = PAGE_BYTES
@@ -51,6 +55,12 @@ class PlanInputs:
     speculative_algorithm: str = "MTP"
     execution_peak_bytes: int | None = None
     runtime_overhead_bytes: int | None = None
+
+    @property
+    def tp(self) -> int:
+        """Workers of one data-parallel group (``workers // dp_size``): the model's KV heads,
+        dense weights and MLP width are split this many ways."""
+        return max(1, self.workers // max(1, self.dp_size))
 
     @property
     def mode(self) -> str:

@@ -1,12 +1,16 @@
 """``make_plan``: a model and :class:`PlanInputs` -> a :class:`Plan`, with every formula.
 
-Per worker (one worker per device; ``W`` workers in tensor parallel), in bytes:
+Per worker (one worker per device; ``W`` workers in all, the engine's world size ``nnodes ×
+len(devices)``, in ``dp_size`` data-parallel groups of ``tp = W / dp_size`` workers in tensor
+parallel, :mod:`xllm_vmm.config.parallel`), in bytes:
 
-- weights ``Wt = ceil(weights_total / W)`` (+ ``ceil(mtp_weights / W)`` with an MTP draft, or
-  ``ceil(draft_weights / W)`` with a separate draft model read from its ``config.json``);
+- weights ``Wt = ceil(weights_total / tp)`` (+ ``ceil(mtp_weights / tp)`` with an MTP draft, or
+  ``ceil(draft_weights / tp)`` with a separate draft model read from its ``config.json``); with
+  ``dp_size > 1`` this counts the MoE experts as split ``tp`` ways too, an upper bound where
+  ``ep_size`` spreads them over more workers;
 - execution peak ``P`` (default, unless overridden)::
 
-      P = max_tokens_per_batch x e x (4 x hidden + 2 x ceil(I / W)) + max_seqs_per_batch x vocab x 4
+      P = max_tokens_per_batch x e x (4 x hidden + 2 x ceil(I / tp)) + max_seqs_per_batch x vocab x 4
 
   with ``e`` the model dtype's bytes and ``I`` the active MLP width (``intermediate_size`` for a
   dense model; ``moe_intermediate_size x experts_per_token`` plus the shared experts for MoE);
@@ -186,7 +190,7 @@ def active_intermediate(spec: ModelSpec) -> int:
 def execution_peak(spec: ModelSpec, inp: PlanInputs) -> tuple[int, str]:
     """The default execution-peak estimate and its formula with numbers."""
     e = dtype_bytes(spec.dtype)
-    i_w = ceil_div(active_intermediate(spec), inp.workers)
+    i_w = ceil_div(active_intermediate(spec), inp.tp)
     act = inp.max_tokens_per_batch * e * (4 * spec.hidden_size + 2 * i_w)
     logits = inp.max_seqs_per_batch * spec.vocab_size * 4
     text = (f"{_n(inp.max_tokens_per_batch)} x {e} x (4 x {_n(spec.hidden_size)} + 2 x "
@@ -310,7 +314,7 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
             "pass --draft_model=<a local directory with the draft's config.json>, or set "
             "num_speculative_tokens=0"))
     try:
-        layout = cache_layout(spec, workers=inp.workers, block_size=inp.block_size,
+        layout = cache_layout(spec, workers=inp.tp, block_size=inp.block_size,
                               kv_dtype=inp.kv_cache_dtype, draft=mtp or draft is not None,
                               draft_spec=draft)
     except LayoutError as exc:
@@ -319,10 +323,11 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
     plan.layout = layout
     physical = inp.mode == "physical"
     W, T, page = inp.workers, inp.device_memory_bytes, inp.page_bytes
+    tp = inp.tp
 
     # Weights.
     wt_total = spec.served_weight_bytes
-    wt = ceil_div(wt_total, W)
+    wt = ceil_div(wt_total, tp)
     src = "safetensors headers" if spec.weight_bytes_exact else "estimated from the architecture"
     for m in (spec, draft):
         if m is not None and m.weights_warning:
@@ -331,18 +336,18 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
                 f"{m.extra['safetensors_error'].message} "
                 f"({m.extra['safetensors_error'].source}); the weights are estimated from the "
                 "architecture", "re-download or remove the damaged file for exact weight bytes"))
-    f(Formula("weights per worker", "ceil(weights / workers)",
-              f"ceil({_n(wt_total)} / {W}) ({src})", wt))
+    f(Formula("weights per worker", "ceil(weights / tp)",
+              f"ceil({_n(wt_total)} / {tp}) ({src})", wt))
     if mtp:
-        mw = ceil_div(spec.mtp_weight_bytes, W)
-        f(Formula("MTP draft weights per worker", "ceil(mtp_weights / workers)",
-                  f"ceil({_n(spec.mtp_weight_bytes)} / {W})", mw))
+        mw = ceil_div(spec.mtp_weight_bytes, tp)
+        f(Formula("MTP draft weights per worker", "ceil(mtp_weights / tp)",
+                  f"ceil({_n(spec.mtp_weight_bytes)} / {tp})", mw))
         wt += mw
     if draft is not None:
-        dw = ceil_div(draft.served_weight_bytes, W)
+        dw = ceil_div(draft.served_weight_bytes, tp)
         f(Formula(f"draft model weights per worker ({draft.name})",
-                  "ceil(draft_weights / workers)",
-                  f"ceil({_n(draft.served_weight_bytes)} / {W}) ("
+                  "ceil(draft_weights / tp)",
+                  f"ceil({_n(draft.served_weight_bytes)} / {tp}) ("
                   + ("safetensors headers" if draft.weight_bytes_exact
                      else "estimated from the architecture") + ")", dw))
         wt += dw
@@ -389,7 +394,7 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
     if inp.execution_peak_bytes is None:
         P, text = execution_peak(spec, inp)
         f(Formula("execution peak (default)", "max_tokens_per_batch x e x (4 x hidden + 2 x "
-                  "ceil(I / workers)) + max_seqs_per_batch x vocab x 4", text, P))
+                  "ceil(I / tp)) + max_seqs_per_batch x vocab x 4", text, P))
     else:
         P = inp.execution_peak_bytes
         f(Formula("execution peak (given)", "--execution-peak", _n(P), P))
@@ -533,7 +538,7 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
             + (f" + runtime overhead {_n(O)} + reserve {_n(inp.vmm_memory_reserve_bytes)}"
                if inp.mode == "elastic_vmm" else "")
             + f" = {_n(need)} bytes of {_n(have)} usable",
-            "use more workers (tp_size / devices) or a device with more memory"
+            "use more workers (nnodes: one process per device, or more --devices per process) or a device with more memory"
             # A higher ratio helps only when the whole device would hold weights and peak.
             + (", or a higher max_memory_utilization"
                if inp.mode != "elastic_vmm" and wt + P < T else "")))
@@ -554,7 +559,7 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
         if plan.suggested_workers:
             plan.reasons.append(Reason(
                 "info", "WORKERS", f"{plan.suggested_workers} workers would fit "
-                f"{_n(L)} tokens", f"set tp_size={plan.suggested_workers}"))
+                f"{_n(L)} tokens", f"use {plan.suggested_workers} workers (nnodes={plan.suggested_workers} with one device per process)"))
     return plan
 
 
@@ -594,7 +599,9 @@ def _validate(inp: PlanInputs) -> None:
         if not ok:
             raise DeviceError(f"{what} must be {hint}, got {value!r}", hint=f"fix {what}")
 
-    need(inp.workers >= 1, "workers (tp_size / devices)", inp.workers, "at least 1")
+    need(inp.workers >= 1, "workers (nnodes x devices)", inp.workers, "at least 1")
+    need(inp.dp_size >= 1 and inp.workers % inp.dp_size == 0, "dp_size", inp.dp_size,
+         f"a divisor of the {inp.workers} workers")
     need(inp.device_memory_bytes > 0, "device memory", inp.device_memory_bytes,
          "a positive number of bytes")
     need(inp.page_bytes > 0, "page size", inp.page_bytes, "a positive number of bytes")

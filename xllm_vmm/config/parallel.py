@@ -1,0 +1,97 @@
+"""How the engine's process and parallel flags combine: the one home of the worker count.
+
+From the engine's source (``xllm/core/distributed_runtime/dist_manager.cpp``,
+``framework/parallel_state/collective_communicator.cpp``, ``platform/device_name_utils.cpp``):
+
+- one engine process serves the devices in its ``devices`` list (``npu:0`` or ``npu:0,npu:1``:
+  one worker each); ``nnodes`` is the number of such processes in the whole service (the CLI
+  reference: "the total number of devices used by the current service" with the usual one
+  device per process), ``node_rank`` this process's place among them (0..nnodes-1; its workers
+  take the global ranks from ``node_rank × len(devices)``);
+- the world size is ``W = len(devices) × nnodes``; the engine checks ``W % dp_size == 0`` and
+  each data-parallel group is tensor parallel over ``tp = W / dp_size`` workers
+  (``dp_local_tp_size``: attention, dense layers and the KV heads are split ``tp`` ways);
+- MoE experts are split ``ep_size`` ways and each expert ``W / ep_size`` ways: the engine checks
+  ``(W / ep_size) × ep_size == W``;
+- ``tp_size`` is read by the DiT backend only (``backend=dit``); for language models the
+  tensor-parallel degree is ``W / dp_size`` whatever ``tp_size`` says.
+
+``devices`` empty or ``auto`` lets the engine use every device it sees: unknown here, counted
+as one per process (the usual launch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """The worker count of one service.
+
+    ``per_process``: devices (workers) of one process; ``nnodes``: processes; ``world``:
+    every worker of the service (``per_process × nnodes``); ``dp``: data-parallel groups;
+    ``tp``: workers of one group (``world // dp``; the KV heads and dense weights are split
+    ``tp`` ways); ``ep``: expert-parallel groups; ``devices_known``: False when ``devices`` is
+    empty or ``auto`` (one device per process assumed)."""
+
+    per_process: int
+    nnodes: int
+    world: int
+    dp: int
+    tp: int
+    ep: int
+    devices_known: bool
+
+    def describe(self) -> str:
+        """``nnodes 16 × 1 device(s) per process = 16 workers, dp_size 1: tensor parallel 16``."""
+        return (f"nnodes {self.nnodes} × {self.per_process} device(s) per process = "
+                f"{self.world} worker(s), dp_size {self.dp}: tensor parallel {self.tp}")
+
+
+def parallel_of(cfg: Any) -> Parallel:
+    """The :class:`Parallel` of a resolved configuration (anything with ``cfg["flag"]``).
+    Raises ValueError for a ``devices`` list that is not valid (the message names the entry).
+    ``tp`` is ``world // dp`` (at least 1) even when ``dp`` does not divide ``world``
+    (:func:`parallel_problems` reports that)."""
+    from xllm_vmm.config.values import parse_devices
+
+    listed = parse_devices(str(cfg.get("devices", "") or ""))
+    per = len(listed) or 1
+    nnodes = max(1, int(cfg.get("nnodes", 1) or 1))
+    dp = max(1, int(cfg.get("dp_size", 1) or 1))
+    ep = max(1, int(cfg.get("ep_size", 1) or 1))
+    world = per * nnodes
+    return Parallel(per, nnodes, world, dp, max(1, world // dp), ep, bool(listed))
+
+
+def parallel_problems(cfg: Any, p: Parallel) -> list[tuple[str, str, tuple[str, ...], str]]:
+    """What the engine refuses or ignores in ``p``: ``(severity, message, flags, hint)`` each.
+
+    Errors (the engine's CHECKs fail at start-up): ``dp_size`` that does not divide the world
+    size; ``ep_size`` that does not divide it. Warning: an explicit ``tp_size`` other than
+    ``world / dp_size`` outside the DiT backend (the engine ignores it)."""
+    out = []
+    if p.world % p.dp:
+        out.append(("error", f"dp_size={p.dp} does not divide the {p.world} workers of the "
+                             f"service ({p.describe().split(', dp_size')[0]}): the engine checks "
+                             f"that the world size is a multiple of dp_size",
+                    ("dp_size", "nnodes", "devices"),
+                    f"set dp_size to a divisor of {p.world}, or change nnodes/devices"))
+    if p.ep > 1 and p.world % p.ep:
+        out.append(("error", f"ep_size={p.ep} does not divide the {p.world} workers of the "
+                             "service: the engine checks (world / ep_size) × ep_size == world",
+                    ("ep_size", "nnodes", "devices"),
+                    f"set ep_size to a divisor of {p.world}"))
+    explicit = getattr(cfg, "explicit", None)
+    backend = str(cfg.get("backend", "") or "").strip().lower()
+    tp_size = int(cfg.get("tp_size", 1) or 1)
+    if explicit is not None and explicit("tp_size") and backend != "dit" and tp_size != p.tp:
+        out.append(("warning", f"tp_size={tp_size} is read by the engine only for the DiT "
+                               f"backend (backend=dit); this service is tensor parallel over "
+                               f"{p.tp} worker(s) ({p.describe()})",
+                    ("tp_size", "nnodes", "devices", "dp_size"),
+                    "remove tp_size; the worker count is nnodes × the devices of one process "
+                    "(one process per device), divided by dp_size"))
+    return out
