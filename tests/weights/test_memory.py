@@ -98,7 +98,10 @@ def test_twenty_cycles_grow_nothing(model16, kind):
         cycle(1 + i % 2)
     gc.collect()
     rss, shmem, fds, maps = (_status("VmRSS"), _status("RssShmem"), _fds(), _mappings())
-    assert (fds, maps) == base[2:], "file descriptors or mappings grew"
+    assert fds == base[2], "file descriptors grew"
+    # a re-allocated host copy may or may not merge with a neighbouring VMA (±1); a leak is
+    # one mapping per cycle or more
+    assert maps - base[3] <= 1, f"mappings grew by {maps - base[3]} over 20 cycles"
     assert shmem == base[1], f"Shmem grew by {shmem - base[1]} bytes"
     # RSS: Python's own heap may move by a few pages; a leaked host copy or page would be
     # megabytes (the weights are 16 MiB)

@@ -251,3 +251,50 @@ def bench_prefix(
                             populate=populate)
     emit("bench prefix", _run(f"bench prefix --driver {driver}", lambda: run_prefix_bench(cfg)),
          fmt)
+
+
+@bench_app.command(
+    "weights", short_help="Weights in the pool: load, light/deep sleep, wakeup, fork, cycles.",
+    help=(
+        'Weights in the VMM pool on a checkpoint built locally (default about 1 GiB of bf16 in 4 '
+        'shards, removed afterwards) or --model DIR: load_seconds (full reload, page cache '
+        'dropped), light_sleep_seconds, sleep_released_fraction, wakeup_seconds, '
+        'wakeup_vs_reload_ratio, deep_wakeup_seconds, fork_extra_weight_bytes, '
+        'cycle_growth_bytes.'))
+def bench_weights(
+    device: str = typer.Option("cpu", "--device", help=_DEVICE_HELP),
+    device_index: int = typer.Option(0, "--device-index", min=0, help="Device number."),
+    size: str = typer.Option("1GiB", "--size", help="Bytes of the built checkpoint (1MiB to "
+                                                    "1TiB; needs about 3 times that of host "
+                                                    "memory)."),
+    shards: int = typer.Option(4, "--shards", help="Safetensors files of the built checkpoint "
+                                                   "(1 to 1024)."),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16 or fp32."),
+    model: Optional[str] = typer.Option(None, "--model", help="Benchmark this model directory "
+                                                              "instead of building one."),
+    repeats: int = typer.Option(3, "--repeats", help="Measurements per figure (1 to 100); the "
+                                                     "best and the median are reported."),
+    cycles: int = typer.Option(20, "--cycles", help="Sleep/wake cycles for cycle_growth_bytes "
+                                                    "(1 to 10000)."),
+    acl_library: Optional[str] = typer.Option(None, "--acl-library", help=_ACL_HELP),
+    fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
+) -> None:
+    from xllm_vmm.bench import weights as weights_bench
+    from xllm_vmm.config.values import parse_size
+
+    try:
+        size_bytes = parse_size(size)
+    except ValueError:
+        raise _fail(2, f"--size {size!r} is not a size (e.g. 1GiB, 512MiB)") from None
+    _check("--size", size_bytes, 1 << 20, 1 << 40)
+    _check("--shards", shards, 1, 1024)
+    _check("--repeats", repeats, 1, _MAX_REPEATS)
+    _check("--cycles", cycles, 1, 10_000)
+    driver = _open_bench_driver(device, device_index, acl_library)
+    try:
+        results = _run("bench weights", lambda: weights_bench.run(
+            driver, size_bytes=size_bytes, shards=shards, dtype=dtype, repeats=repeats,
+            cycles=cycles, model_dir=model))
+    finally:
+        driver.close()
+    emit("bench weights", results, fmt)
