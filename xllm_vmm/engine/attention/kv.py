@@ -8,7 +8,11 @@ not divide ``P``). Each tensor is therefore viewed, without a copy, as
 
 - ``slots``:  ``(S, Bps * block_size, H, D)`` with strides ``(P / elem, H*D, D, 1)`` — token
   ``t`` of block ``b`` is ``[b // Bps, (b % Bps) * block_size + t]`` (writes of new K/V);
-- ``blocks``: ``(S, Bps, block_size, H, D)`` — block ``b`` is ``[b // Bps, b % Bps]`` (gathers).
+- ``blocks``: ``(S, Bps, block_size, H, D)`` — block ``b`` is ``[b // Bps, b % Bps]``;
+- ``rows``: ``(S * P / (g * elem), g)`` elements, ``g = gcd(P / elem, block elements)``: block
+  ``b`` is the ``rows_per_block`` rows from ``(b // Bps) * rows_per_page + (b % Bps) *
+  rows_per_block`` — the form a gather uses (one ``index_select`` into a reused buffer, which
+  is several times faster than advanced indexing into a fresh tensor), padding or not.
 
 A flat slot of the step description (``block_id * block_size + pos % block_size``) maps to
 ``(flat // (Bps * block_size), flat % (Bps * block_size))`` of ``slots``.
@@ -20,6 +24,7 @@ table are replaced by a block of the same sequence before any gather).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +47,8 @@ class PagedKV:
     v_slots: Tensor
     k_blocks: Tensor
     v_blocks: Tensor
+    k_rows: Tensor
+    v_rows: Tensor
 
 
 @dataclass(frozen=True)
@@ -52,10 +59,24 @@ class KVGeometry:
     block_size: int
     blocks_per_slot: int
     num_blocks: int
+    row_elems: int = 1
+    rows_per_block: int = 1
+    rows_per_page: int = 1
 
     @property
     def tokens_per_slot(self) -> int:
         return self.blocks_per_slot * self.block_size
+
+    def block_rows(self, blocks):
+        """``(n * rows_per_block,)`` int64 row indices of ``blocks`` (an int64 tensor) in a
+        ``rows`` view, block after block."""
+        import torch
+
+        start = (blocks // self.blocks_per_slot) * self.rows_per_page + \
+            (blocks % self.blocks_per_slot) * self.rows_per_block
+        if self.rows_per_block == 1:
+            return start.reshape(-1)
+        return (start.reshape(-1, 1) + torch.arange(self.rows_per_block)).reshape(-1)
 
 
 def kv_torch_dtype(bytes_per_elem: int, compute_dtype):
@@ -98,10 +119,12 @@ class KVCacheViews:
         self.dtype = kv_torch_dtype(width // per_token, compute_dtype)
         elem = width // per_token
         bs, bps, page = geo.group.block_size, geo.blocks_per_slot, geo.page_bytes
-        self.geometry = KVGeometry(group, bs, bps, geo.num_blocks)
         driver = cache.pool.driver
         page_elems = page // elem
         hd = num_kv_heads * head_dim
+        g = math.gcd(page_elems, bs * hd)
+        self.geometry = KVGeometry(group, bs, bps, geo.num_blocks, g, bs * hd // g,
+                                   page_elems // g)
         self.layers: list[PagedKV] = []
         for i in range(num_layers):
             pair = []
@@ -117,9 +140,9 @@ class KVCacheViews:
                                         (page_elems, hd, head_dim, 1))
                 blocks = flat.as_strided((geo.num_slots, bps, bs, num_kv_heads, head_dim),
                                          (page_elems, bs * hd, hd, head_dim, 1))
-                pair.append((slots, blocks))
-            (ks, kb), (vs, vb) = pair
-            self.layers.append(PagedKV(ks, vs, kb, vb))
+                pair.append((slots, blocks, flat.view(-1, g)))
+            (ks, kb, kr), (vs, vb, vr) = pair
+            self.layers.append(PagedKV(ks, vs, kb, vb, kr, vr))
 
     def close(self) -> None:
         """Drop the views (the reservation can be released only once no view is alive)."""

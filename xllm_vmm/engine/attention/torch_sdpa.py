@@ -11,6 +11,10 @@ Per step (:meth:`TorchSDPABackend.prepare`) the chunks are split into
   hit) gathers its ``ceil(seq_len / block_size)`` blocks and uses the mask
   ``key j <= start_pos + i``.
 
+Gathers are one ``index_select`` per tensor over the layout's ``rows`` view into a buffer this
+backend keeps and reuses across layers and steps (grown on demand): allocating the gathered
+K/V afresh every layer cost 5x more than the copy itself (page faults of new memory).
+
 Padding entries of a block table (beyond a sequence's blocks) are replaced by the sequence's
 first block before the gather, so no block outside the sequence — possibly unmapped — is read.
 Grouped-query attention uses SDPA's ``enable_gqa`` (no repeat of K/V).
@@ -32,15 +36,16 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @dataclass
 class PrefillSeq:
-    """One prefill chunk: query rows ``[q0, q1)``; ``pages``/``inpage`` (nb,) index the blocks
-    of ``[0, seq_len)`` when ``start > 0``; ``mask`` (n, seq_len) bool, True = attend."""
+    """One prefill chunk: query rows ``[q0, q1)``; ``rows`` indexes the ``nb`` blocks of
+    ``[0, seq_len)`` in the ``rows`` views when ``start > 0``; ``mask`` (n, seq_len) bool,
+    True = attend."""
 
     q0: int
     q1: int
     start: int
     seq_len: int
-    pages: Any = None
-    inpage: Any = None
+    nb: int = 0
+    rows: Any = None
     mask: Any = None
 
 
@@ -50,8 +55,8 @@ class SDPAMetadata:
     write_off: Any  # (T,) int64: token offset within the slot
     decode_rows: Any = None  # (Bd,) int64 rows of the token axis, or None when Bd == 0
     decode_all: bool = False  # every token is a decode (rows == arange(T))
-    decode_pages: Any = None  # (Bd, nb)
-    decode_inpage: Any = None  # (Bd, nb)
+    decode_nb: int = 0  # blocks per decode row (the longest decode's)
+    decode_block_rows: Any = None  # (Bd * nb * rows_per_block,) rows of the `rows` views
     decode_mask: Any = None  # (Bd, 1, 1, nb * block_size) bool
     prefills: list[PrefillSeq] = field(default_factory=list)
     decode_keys: int = 0  # Bd * nb * block_size (workspace sizing)
@@ -60,11 +65,15 @@ class SDPAMetadata:
 class TorchSDPABackend(AttentionBackend):
     name = "torch"
 
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._buffers: dict[str, Any] = {}
+
     def prepare(self, step: StepInput) -> SDPAMetadata:
         import torch
 
         geo = self.geometry
-        bs, bps, tps = geo.block_size, geo.blocks_per_slot, geo.tokens_per_slot
+        bs, tps = geo.block_size, geo.tokens_per_slot
         dev = self.device
         slots = step.slot_mapping[geo.group]
         meta = SDPAMetadata(write_page=(slots // tps).to(dev), write_off=(slots % tps).to(dev))
@@ -78,8 +87,8 @@ class TorchSDPABackend(AttentionBackend):
             table = tables[decodes, :nb]
             used = -(-lens // bs)
             table = torch.where(torch.arange(nb)[None, :] < used[:, None], table, table[:, :1])
-            meta.decode_pages = (table // bps).to(dev)
-            meta.decode_inpage = (table % bps).to(dev)
+            meta.decode_nb = nb
+            meta.decode_block_rows = geo.block_rows(table).to(dev)
             meta.decode_mask = (torch.arange(nb * bs)[None, :] < lens[:, None])[:, None, None, :].to(dev)
             meta.decode_all = len(decodes) == step.num_tokens
             meta.decode_rows = torch.tensor([qsl[i] for i in decodes], dtype=torch.int64).to(dev)
@@ -93,8 +102,7 @@ class TorchSDPABackend(AttentionBackend):
             p = PrefillSeq(q0, q1, start, seq_len)
             if start > 0:
                 nb = -(-seq_len // bs)
-                table = tables[i, :nb]
-                p.pages, p.inpage = (table // bps).to(dev), (table % bps).to(dev)
+                p.nb, p.rows = nb, geo.block_rows(tables[i, :nb]).to(dev)
                 rows = torch.arange(start, seq_len)[:, None]
                 p.mask = (torch.arange(seq_len)[None, :] <= rows).to(dev)
             meta.prefills.append(p)
@@ -124,9 +132,8 @@ class TorchSDPABackend(AttentionBackend):
                                                    is_causal=True, scale=self.scale,
                                                    enable_gqa=True)
             else:
-                nb = p.pages.shape[0]
-                kp = kv.k_blocks[p.pages, p.inpage].reshape(nb * bs, hkv, d)[:p.seq_len]
-                vp = kv.v_blocks[p.pages, p.inpage].reshape(nb * bs, hkv, d)[:p.seq_len]
+                kp, vp = self._gather(kv, p.rows, p.nb)
+                kp, vp = kp[0, :p.seq_len], vp[0, :p.seq_len]
                 o = F.scaled_dot_product_attention(
                     qp, kp.transpose(0, 1).unsqueeze(0).to(q.dtype),
                     vp.transpose(0, 1).unsqueeze(0).to(q.dtype), attn_mask=p.mask,
@@ -137,14 +144,31 @@ class TorchSDPABackend(AttentionBackend):
     def _decode(self, qd: Tensor, kv: PagedKV, meta: SDPAMetadata) -> Tensor:
         import torch.nn.functional as F
 
-        bd, nb = meta.decode_pages.shape
-        hkv, d, bs = self.num_kv_heads, self.head_dim, self.geometry.block_size
-        kd = kv.k_blocks[meta.decode_pages, meta.decode_inpage].reshape(bd, nb * bs, hkv, d)
-        vd = kv.v_blocks[meta.decode_pages, meta.decode_inpage].reshape(bd, nb * bs, hkv, d)
+        kd, vd = self._gather(kv, meta.decode_block_rows, meta.decode_nb)
         o = F.scaled_dot_product_attention(
             qd.unsqueeze(2), kd.transpose(1, 2).to(qd.dtype), vd.transpose(1, 2).to(qd.dtype),
             attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True)
         return o.squeeze(2)
+
+    def _gather(self, kv: PagedKV, rows: Tensor, nb: int) -> tuple[Tensor, Tensor]:
+        """K and V of ``rows`` (whole blocks, ``nb`` per sequence) as
+        ``(n_seqs, nb * block_size, Hkv, D)`` views of the reused buffers."""
+        import torch
+
+        g = self.geometry.row_elems
+        n = rows.numel()
+        out = []
+        for name, src in (("k", kv.k_rows), ("v", kv.v_rows)):
+            buf = self._buffers.get(name)
+            if buf is None or buf.numel() < n * g or buf.dtype != src.dtype:
+                buf = torch.empty(max(n * g, 2 * (buf.numel() if buf is not None else 0)),
+                                  dtype=src.dtype, device=src.device)
+                self._buffers[name] = buf
+            dst = buf[:n * g].view(n, g)
+            torch.index_select(src, 0, rows, out=dst)
+            out.append(dst.view(-1, nb * self.geometry.block_size, self.num_kv_heads,
+                                self.head_dim))
+        return out[0], out[1]
 
     def workspace_bytes(self, meta: SDPAMetadata, elem: int) -> int:
         """Gathered K and V plus float32 scores of the largest single call of the layer."""

@@ -1,0 +1,167 @@
+"""Multi-head latent attention (MLA) over the ``"mla"`` cache group: one latent vector per token
+per layer, viewed in place in the virtual KV cache's arena.
+
+Cache (see :mod:`xllm_vmm.models.layout`): tensor ``layer{i}.latent`` of group ``"mla"`` holds,
+per token, ``kv_lora_rank + qk_rope_head_dim`` elements — the normed compressed KV ``c`` (first
+``kv_lora_rank``) followed by the rotated shared rope key ``k_rope`` — replicated on every
+worker (MLA has no KV heads to split). Geometry as :mod:`.kv` describes it for K/V tensors:
+``slots`` ``(S, Bps * block_size, L)`` for writes, ``blocks`` ``(S, Bps, block_size, L)`` for
+gathers, ``L`` = latent elements.
+
+Attention is computed in the *absorbed* form (DeepSeek-V2 §2.1.2): the layer folds the
+key up-projection into the query (``q_lat = W_uk^T q_nope``), so scores are
+``[q_lat, q_rope] · [c, k_rope]`` — the cached latent is the key, its first ``kv_lora_rank``
+elements the value — and the layer applies the value up-projection ``W_uv`` to the output.
+This equals transformers' expanded form (``k = [W_uk c, k_rope]``, ``v = W_uv c``) exactly in
+real arithmetic; fp32 results agree to rounding. Shapes: ``q`` ``(T, H, L)``, new ``latent``
+``(T, L)``, output ``(T, H, kv_lora_rank)``.
+
+Which rows see which keys (causal with the chunk offset, batched decodes, prefill chunks with
+an offset gathering their blocks, padding entries of a block table never read) is exactly
+:class:`~.torch_sdpa.TorchSDPABackend`'s per-step metadata, reused here (one home for it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from xllm_vmm.engine.attention.kv import KVGeometry, KVLayoutMismatch, kv_torch_dtype
+from xllm_vmm.engine.attention.torch_sdpa import SDPAMetadata, TorchSDPABackend
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch import Tensor
+
+    from xllm_vmm.engine.step import StepInput
+    from xllm_vmm.kvcache import VirtualKVCache
+
+MLA_GROUP = "mla"
+
+
+@dataclass
+class PagedLatent:
+    """One MLA layer's latent cache (views of the arena, never copies)."""
+
+    slots: Tensor  # (S, Bps * block_size, L)
+    blocks: Tensor  # (S, Bps, block_size, L)
+
+
+class LatentCacheViews:
+    """Per-layer :class:`PagedLatent` over the ``group`` of a :class:`VirtualKVCache`
+    (``layers[i]`` = tensor ``layer{i}.latent``; ``dtype`` = the cached element type).
+
+    Same surface as :class:`~.kv.KVCacheViews` (``layers``, ``geometry``, ``dtype``, ``close``)
+    so the model runner treats both alike."""
+
+    def __init__(self, cache: VirtualKVCache, *, num_layers: int, latent_dim: int,
+                 compute_dtype: Any, group: str = MLA_GROUP, prefix: str = "layer") -> None:
+        from xllm_vmm.vmm.tensor import view
+
+        if group not in cache.geometry:
+            raise KVLayoutMismatch(
+                f"the KV cache has no group {group!r} (groups: {sorted(cache.geometry)}); "
+                "an MLA model needs the latent cache layout (kv_lora_rank in config.json)")
+        geo = cache.geometry[group]
+        names = {t.name: i for i, t in enumerate(geo.group.tensors)}
+        width = geo.group.tensor_bytes_per_token
+        if width % latent_dim:
+            raise KVLayoutMismatch(
+                f"cache group {group!r} holds {width} bytes per token per tensor, not a multiple "
+                f"of the latent width kv_lora_rank + qk_rope_head_dim = {latent_dim}")
+        elem = width // latent_dim
+        self.dtype = kv_torch_dtype(elem, compute_dtype)
+        bs, bps, page = geo.group.block_size, geo.blocks_per_slot, geo.page_bytes
+        self.geometry = KVGeometry(group, bs, bps, geo.num_blocks)
+        page_elems = page // elem
+        driver = cache.pool.driver
+        self.layers: list[PagedLatent] = []
+        for i in range(num_layers):
+            name = f"{prefix}{i}.latent"
+            if name not in names:
+                raise KVLayoutMismatch(
+                    f"cache group {group!r} has no tensor {name!r}: the layout was made for "
+                    f"another model ({len(names)} latent tensors, this one needs {num_layers})")
+            flat = view(driver, geo.tensor_va(names[name]), geo.num_slots * page, self.dtype)
+            slots = flat.as_strided((geo.num_slots, bps * bs, latent_dim),
+                                    (page_elems, latent_dim, 1))
+            blocks = flat.as_strided((geo.num_slots, bps, bs, latent_dim),
+                                     (page_elems, bs * latent_dim, latent_dim, 1))
+            self.layers.append(PagedLatent(slots, blocks))
+
+    def close(self) -> None:
+        """Drop the views (the reservation can be released only once no view is alive)."""
+        self.layers.clear()
+
+
+class MLATorchBackend:
+    """Absorbed MLA over :class:`PagedLatent` views in plain torch (CPU and CUDA).
+
+    ``value_dim`` = ``kv_lora_rank`` (the value is the latent's first ``value_dim`` elements);
+    ``scale`` is the softmax scale the model states (``qk_head_dim ** -0.5`` times the YaRN
+    mscale² when the model uses it)."""
+
+    name = "mla-torch"
+
+    def __init__(self, geometry: KVGeometry, *, num_heads: int, latent_dim: int, value_dim: int,
+                 scale: float, device: Any) -> None:
+        self.geometry = geometry
+        self.num_heads = num_heads
+        self.latent_dim = latent_dim
+        self.value_dim = value_dim
+        self.scale = scale
+        self.device = device
+        self._index = TorchSDPABackend(geometry, num_heads=num_heads, num_kv_heads=1,
+                                       head_dim=latent_dim, device=device)
+
+    def prepare(self, step: StepInput) -> SDPAMetadata:
+        """Per-step row / block indices (the same as the K/V backend's)."""
+        return self._index.prepare(step)
+
+    def write(self, kv: PagedLatent, latent: Tensor, meta: SDPAMetadata) -> None:
+        """Store the step's new latents ``(T, L)`` into their slots (in place, in the arena)."""
+        kv.slots.index_put_((meta.write_page, meta.write_off), latent.to(kv.slots.dtype))
+
+    def _sdpa(self, q: Tensor, keys: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+        """``q`` (B, H, n, L), ``keys`` (B, N, L) -> (B, H, n, value_dim)."""
+        import torch.nn.functional as F
+
+        k = keys.unsqueeze(1).to(q.dtype)
+        v = k[..., :self.value_dim]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              scale=self.scale, enable_gqa=True)
+
+    def attend(self, q: Tensor, latent: Tensor, kv: PagedLatent, meta: SDPAMetadata) -> Tensor:
+        """Output ``(T, H, value_dim)`` in the latent space; ``latent`` are the step's own new
+        latents (already written by :meth:`write`), used for chunks starting at position 0."""
+        bs, L = self.geometry.block_size, self.latent_dim
+        out = q.new_empty((q.shape[0], self.num_heads, self.value_dim))
+        if meta.decode_rows is not None:
+            bd, nb = meta.decode_pages.shape
+            keys = kv.blocks[meta.decode_pages, meta.decode_inpage].reshape(bd, nb * bs, L)
+            o = self._sdpa(q[meta.decode_rows].unsqueeze(2), keys, meta.decode_mask, False)
+            if meta.decode_all and not meta.prefills:
+                return o.squeeze(2)
+            out[meta.decode_rows] = o.squeeze(2)
+        for p in meta.prefills:
+            qp = q[p.q0:p.q1].transpose(0, 1).unsqueeze(0)  # (1, H, n, L)
+            if p.start == 0:
+                o = self._sdpa(qp, latent[p.q0:p.q1].unsqueeze(0), None, True)
+            else:
+                nb = p.pages.shape[0]
+                keys = kv.blocks[p.pages, p.inpage].reshape(nb * bs, L)[:p.seq_len]
+                o = self._sdpa(qp, keys.unsqueeze(0), p.mask, False)
+            out[p.q0:p.q1] = o[0].transpose(0, 1)
+        return out
+
+    def workspace_bytes(self, meta: SDPAMetadata, elem: int) -> int:
+        """Gathered latents plus float32 scores of the largest single call of one layer."""
+        h, L = self.num_heads, self.latent_dim
+        peak = meta.decode_keys * (L * elem + h * 4)
+        for p in meta.prefills:
+            n = p.q1 - p.q0
+            gathered = p.seq_len * L * elem if p.start else 0
+            peak = max(peak, gathered + h * n * p.seq_len * 4)
+        return peak
+
+
+__all__ = ["LatentCacheViews", "MLATorchBackend", "MLA_GROUP", "PagedLatent"]
