@@ -64,3 +64,29 @@ def test_unmap_release_keeps_no_ready_handle(driver_factory):
         assert pool.stats().ready_bytes == 0  # the ready handle was reused
         pool.unmap_pages(r, [0, 1], release=True)
         assert pool.stats().ready_bytes == 0 and pool.held_bytes == 0
+
+
+def test_paged_tenant_of_a_physical_pool_is_elastic(driver_factory):
+    """Weight-only VMM: a paged tenant of a physical pool maps pages on demand within free −
+    execution peak − reserve (max_cache_size caps the physical KV cache, not it), releases
+    them at once, and leaves the resident tenant alone."""
+    d = driver_factory(16 * PAGE)
+    pool = VmmPool(d, BudgetConfig(mode=BudgetMode.PHYSICAL, max_memory_utilization=0.5,
+                                   max_cache_size=4 * PAGE, execution_peak_bytes=0), 32 * PAGE)
+    with pool:
+        w = pool.add_tenant("weights", 20 * PAGE, end="high", paged=True)
+        assert pool.held_bytes == 0 and not pool.is_mapped(w, 0)
+        kv = pool.add_tenant("kv", 4 * PAGE)  # resident, at once
+        assert pool.held_bytes == 4 * PAGE and pool.is_mapped(kv, 3)
+        assert pool.mappable_pages(w) == 12  # 16 − 4 pages free, beyond max_cache_size
+        assert not pool.map_pages(w, list(range(13)))
+        assert pool.held_bytes == 4 * PAGE
+        assert pool.map_pages(w, list(range(12)))
+        assert pool.is_mapped(w, 11) and not pool.is_mapped(w, 12)
+        assert pool.stats().per_tenant_mapped_bytes == {"weights": 12 * PAGE, "kv": 4 * PAGE}
+        assert pool.mapped_bytes == 16 * PAGE
+        pool.unmap_pages(w, list(range(12)))
+        assert pool.held_bytes == 4 * PAGE
+        assert pool.map_pages(w, [0, 1])
+        pool.remove_tenant("weights")
+        assert pool.held_bytes == 4 * PAGE and pool.is_mapped(kv, 0)

@@ -12,8 +12,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from tests.weights.conftest import (PAGE, checksums, make_pool, open_test_driver,  # noqa: E402
                                     random_tensors, save_checkpoint)
-from xllm_vmm.weights import (DEEP_SLEEP, LIGHT_SLEEP, WAKEUP, WakeupOutOfMemory,  # noqa: E402
-                              WeightsNotLoaded, load_weights)
+from xllm_vmm.weights import (DEEP_SLEEP, LIGHT_SLEEP, WAKEUP, WeightsNotLoaded,  # noqa: E402
+                              WeightsOutOfMemory, load_weights)
 
 
 def tiny_forward(w, x):
@@ -95,7 +95,7 @@ def test_another_checkpoint_shares_the_pool_within_its_budget(tmp_path, model, d
     assert not a.shares_pages_with(b)
     ca, cb = checksums(a), checksums(b)
     big = save_checkpoint(tmp_path / "big", {"w": torch.zeros(PAGE)})  # 8 MiB: over budget
-    with pytest.raises(WakeupOutOfMemory):
+    with pytest.raises(WeightsOutOfMemory, match="load failed"):
         load_weights(big, pool=pool)
     assert pool.held_bytes == a.device_bytes + b.device_bytes
     b.sleep(1)  # one instance asleep: the other is untouched

@@ -190,12 +190,12 @@ def test_bad_checkpoints_are_clear_errors(tmp_path):
 def test_failed_load_leaves_nothing_in_the_pool(tmp_path, stack):
     """A pool too small for the weights: the load fails with the missing bytes and leaves no
     page, no host buffer and no region behind."""
-    from xllm_vmm.weights import WakeupOutOfMemory
+    from xllm_vmm.weights import WeightsOutOfMemory
 
     sd = {"big.weight": torch.randn(3 * PAGE // 4)}  # 6 MiB of float32: 3 pages
     model = save_checkpoint(tmp_path / "m", sd)
     driver, pool = stack(device_memory=2 * PAGE)
-    with pytest.raises(WakeupOutOfMemory, match="bytes missing") as e:
+    with pytest.raises(WeightsOutOfMemory, match="load failed: .* bytes missing") as e:
         load_weights(model, pool=pool)
     assert e.value.missing_bytes >= PAGE
     assert pool.held_bytes == 0 and not pool.has_tenant("weights")

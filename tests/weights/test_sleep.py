@@ -120,3 +120,32 @@ def test_fixed_pool_sleep_frees_nothing_and_keeps_bytes(model, driver_kind):
     del w
     pool.close()
     d.close()
+
+
+def test_weight_only_vmm_pages_the_weights_of_a_physical_pool(model, driver_kind):
+    """Weight-only VMM (VMM-03, W-03): the KV cache is the physical pool's resident tenant, the
+    weights a paged tenant of the same pool: their sleep gives the memory back, the KV cache's
+    resident allocation stays."""
+    from tests.weights.conftest import make_pool, open_test_driver
+
+    from xllm_vmm.pool import BudgetMode
+
+    d = open_test_driver(driver_kind, 128 << 20)
+    pool = make_pool(d, 32 << 20, mode=BudgetMode.PHYSICAL, max_memory_utilization=0.5)
+    w = load_weights(model, pool=pool)
+    kv = pool.add_tenant("kv", 8 << 20)
+    assert pool.is_mapped(kv, 0)
+    want = checksums(w)
+    stats = pool.stats()
+    assert stats.per_tenant_mapped_bytes == {"weights": w.device_bytes, "kv": 8 << 20}
+    free = d.mem_info().free
+    assert w.sleep(1).bytes_freed == w.device_bytes
+    assert d.mem_info().free == free + w.device_bytes
+    assert pool.stats().per_tenant_mapped_bytes == {"weights": 0, "kv": 8 << 20}
+    w.wake_up()
+    assert checksums(w) == want
+    w.close()
+    assert pool.held_bytes == 8 << 20
+    w = None
+    pool.close()
+    d.close()

@@ -15,6 +15,10 @@ Memory model (units: bytes; a *page* is ``driver.granularity`` bytes, 2 MiB on d
 - Fixed mode: a tenant's region is created and mapped whole when it is added and never
   returned; ``map_pages``/``unmap_pages`` only mark pages in use.
 - Physical mode: a tenant's region is one plain resident allocation (one handle, one map).
+  A tenant added with ``paged=True`` (the weights with weight-only VMM: VMM-03 keeps the KV
+  cache physical, W-03 makes the weights elastic) is elastic inside the physical pool: its
+  pages are backed only while mapped, and its growth is bounded by free − execution peak −
+  reserve (``max_cache_size`` caps the physical KV cache, not it).
 
 Invariant 3 of DESIGN.md: the pool never holds more than the budget allows (elastic: free −
 execution peak − reserve ≥ 0 after growth, and total ≤ ``max_cache_size`` when set). A
@@ -120,6 +124,7 @@ class VmmPool:
         self._mapped: dict[int, int] = {}  # arena page -> handle (elastic, fixed)
         self._resident: dict[str, int] = {}  # tenant -> handle of its one allocation (physical)
         self._in_use: dict[str, set[int]] = {}  # tenant -> region pages marked in use
+        self._paged: set[str] = set()  # elastic tenants of a physical pool (add_tenant paged)
         self._tag_pages: dict[str, int] = {}
         self._ready: list[int] = []
         self._held = 0
@@ -145,10 +150,13 @@ class VmmPool:
                                     self.execution_peak.bytes, self.page_bytes)
         return max(0, cap - self._held)
 
-    def add_tenant(self, name: str, nbytes: int, *, end: str = "low") -> Region:
+    def add_tenant(self, name: str, nbytes: int, *, end: str = "low",
+                   paged: bool = False) -> Region:
         """Carve ``nbytes`` (rounded up to pages) for tenant ``name`` from the ``"low"`` or
         ``"high"`` end of the arena. Fixed and physical pools back the region at once and raise
-        :class:`PoolCapacityError` when the budget does not allow it."""
+        :class:`PoolCapacityError` when the budget does not allow it. ``paged=True`` makes the
+        tenant elastic in a physical pool (module docstring); elastic pools page every tenant
+        and fixed pools none, so there it changes nothing."""
         if name in self._regions:
             raise PoolCapacityError(f"tenant {name!r} already has a region")
         if end not in ("low", "high"):
@@ -161,7 +169,8 @@ class VmmPool:
                 f"tenant {name!r} needs {pages} pages but the arena has "
                 f"{self._high - self._low} of {self.arena_pages} pages left; size the arena for "
                 "every tenant")
-        if self.mode is not BudgetMode.ELASTIC:
+        paged_here = paged and self.mode is BudgetMode.PHYSICAL
+        if self.mode is not BudgetMode.ELASTIC and not paged_here:
             cap = self.static_capacity_bytes()
             if pages * self.page_bytes > cap:
                 raise PoolCapacityError(
@@ -179,9 +188,15 @@ class VmmPool:
                         self.page_bytes)
         self._regions[name] = region
         self._in_use[name] = set()
-        if self.mode is not BudgetMode.ELASTIC:
+        if paged_here:
+            self._paged.add(name)
+        elif self.mode is not BudgetMode.ELASTIC:
             self._back_whole(region)
         return region
+
+    def _is_paged(self, region: Region) -> bool:
+        """True when ``region``'s pages are backed only while mapped (elastic behaviour)."""
+        return self.mode is BudgetMode.ELASTIC or region.tenant in self._paged
 
     def _back_whole(self, region: Region) -> None:
         d = self.driver
@@ -233,7 +248,7 @@ class VmmPool:
         from both ends)."""
         region = self._regions[name]
         d = self.driver
-        if self.mode is BudgetMode.PHYSICAL:
+        if self.mode is BudgetMode.PHYSICAL and name not in self._paged:
             h = self._resident.pop(name, None)
             if h is not None:
                 d.unmap(region.base_va)
@@ -253,6 +268,7 @@ class VmmPool:
                 self.pages_unmapped_total += len(backed)
         del self._regions[name]
         del self._in_use[name]
+        self._paged.discard(name)
         if region.first_page == self._high:
             self._high += region.pages
         elif region.first_page + region.pages == self._low:
@@ -282,6 +298,11 @@ class VmmPool:
             left = min(left, self.budget.max_cache_size - self._held)
         return max(0, left)
 
+    def _paged_growth_left_bytes(self) -> int:
+        """Growth of a paged tenant of a physical pool: free − execution peak − reserve."""
+        free = self.driver.mem_info().free
+        return max(0, free - self.execution_peak.bytes - self.budget.reserve_bytes)
+
     def budget_left_bytes(self) -> int:
         """Bytes of pages the pool could map now: ready handles plus allowed growth."""
         return len(self._ready) * self.page_bytes + self.growth_left_bytes()
@@ -289,6 +310,8 @@ class VmmPool:
     def mappable_pages(self, region: Region) -> int:
         """Pages of ``region`` that :meth:`map_pages` could bring into use now."""
         unused = region.pages - len(self._in_use[region.tenant])
+        if region.tenant in self._paged:
+            return min(unused, self._paged_growth_left_bytes() // self.page_bytes)
         if self.mode is not BudgetMode.ELASTIC:
             return unused
         return min(unused, self.budget_left_bytes() // self.page_bytes)
@@ -314,7 +337,7 @@ class VmmPool:
             raise ValueError(f"map_pages: duplicate pages in {list(pages)}")
         if n == 0:
             return True
-        if self.mode is BudgetMode.ELASTIC:
+        if self._is_paged(region):
             if not self._map_elastic(region, pages):
                 self.failed_maps += 1
                 return False
@@ -327,7 +350,9 @@ class VmmPool:
         n = len(pages)
         from_ready = min(n, len(self._ready))
         new = n - from_ready
-        if new * self.page_bytes > self.growth_left_bytes():
+        left = self.growth_left_bytes() if self.mode is BudgetMode.ELASTIC \
+            else self._paged_growth_left_bytes()
+        if new * self.page_bytes > left:
             return False
         d = self.driver
         handles = self._ready[len(self._ready) - from_ready:]
@@ -372,7 +397,7 @@ class VmmPool:
                 raise ValueError(f"page {p} of tenant {region.tenant!r} is not in use")
         if not pages:
             return
-        if self.mode is BudgetMode.ELASTIC:
+        if self._is_paged(region):
             vas = [region.page_va(p) for p in pages]
             t0 = time.perf_counter()
             try:
@@ -394,7 +419,7 @@ class VmmPool:
 
     def is_mapped(self, region: Region, page: int) -> bool:
         """True when ``page`` of ``region`` has physical memory under it now."""
-        if self.mode is BudgetMode.PHYSICAL:
+        if self.mode is BudgetMode.PHYSICAL and region.tenant not in self._paged:
             return region.tenant in self._resident and 0 <= page < region.pages
         return (region.first_page + page) in self._mapped
 
@@ -404,9 +429,8 @@ class VmmPool:
     # -- statistics / shutdown -----------------------------------------------------------
     @property
     def mapped_bytes(self) -> int:
-        if self.mode is BudgetMode.PHYSICAL:
-            return sum(self._regions[t].nbytes for t in self._resident)
-        return len(self._mapped) * self.page_bytes
+        resident = sum(self._regions[t].nbytes for t in self._resident)
+        return resident + len(self._mapped) * self.page_bytes
 
     @property
     def held_bytes(self) -> int:
@@ -415,7 +439,7 @@ class VmmPool:
     def stats(self) -> PoolStats:
         per_tenant = {}
         for name, r in self._regions.items():
-            if self.mode is BudgetMode.PHYSICAL:
+            if self.mode is BudgetMode.PHYSICAL and name not in self._paged:
                 per_tenant[name] = r.nbytes if name in self._resident else 0
             else:
                 lo, hi = r.first_page, r.first_page + r.pages

@@ -10,7 +10,8 @@ imports no torch; loading does.
 from xllm_vmm.weights.checkpoint import ShardSpec
 from xllm_vmm.weights.errors import (CheckpointChanged, CheckpointError, ResidentPoolRequired,
                                      SleepRefused, WakeupFailed, WakeupOutOfMemory,
-                                     WeightsError, WeightsNotLoaded, WeightVmmRequired)
+                                     WeightsError, WeightsNotLoaded, WeightsOutOfMemory,
+                                     WeightVmmRequired)
 from xllm_vmm.weights.loader import load_weights
 from xllm_vmm.weights.model_weights import (CLOSED, DEEP_SLEEP, LIGHT_SLEEP, WAKEUP,
                                             ModelWeights, SleepReport, WakeReport)
@@ -21,7 +22,8 @@ __all__ = [
     "load_weights", "ModelWeights", "ShardSpec", "SleepReport", "WakeReport",
     "WAKEUP", "LIGHT_SLEEP", "DEEP_SLEEP", "CLOSED",
     "WeightsError", "CheckpointError", "CheckpointChanged", "WeightsNotLoaded",
-    "WeightVmmRequired", "WakeupFailed", "WakeupOutOfMemory", "SleepRefused",
+    "WeightVmmRequired", "WakeupFailed", "WakeupOutOfMemory", "WeightsOutOfMemory",
+    "SleepRefused",
     "ResidentPoolRequired", "SleepController", "Sleepable", "wait_idle",
     "require_weight_vmm", "require_resident_pool",
 ]

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 __all__ = [
     "WeightsError", "CheckpointError", "CheckpointChanged", "WeightsNotLoaded",
-    "WeightVmmRequired", "WakeupOutOfMemory", "WakeupFailed", "SleepRefused",
+    "WeightVmmRequired", "WeightsOutOfMemory", "WakeupOutOfMemory", "WakeupFailed",
+    "SleepRefused",
     "ResidentPoolRequired", "W02_SENTENCE", "W06_SENTENCE",
 ]
 
@@ -97,21 +98,43 @@ class WakeupFailed(WeightsError):
         super().__init__(f"wakeup failed, the instance stays {state}: {message}")
 
 
-class WakeupOutOfMemory(WakeupFailed):
+def _oom_text(needed: int, available: int, missing: int, page: int, cause: str) -> str:
+    text = (f"the weights need {needed} bytes ({needed // page} pages) of device memory but "
+            f"the pool could take {available} bytes: {missing} bytes missing")
+    if cause:
+        text += f" ({cause})"
+    return text
+
+
+class WeightsOutOfMemory(WeightsError):
     """Not enough device memory for the weights' pages; nothing stays mapped.
     ``needed_bytes``: the weights' pages; ``available_bytes``: what the pool could take when
     it failed; ``missing_bytes`` = needed − available (at least one page)."""
 
-    def __init__(self, *, needed_bytes: int, available_bytes: int, page_bytes: int, state: str,
-                 cause: str = "") -> None:
+    def __init__(self, action: str, *, needed_bytes: int, available_bytes: int,
+                 page_bytes: int, cause: str = "") -> None:
+        self.action = action
         self.needed_bytes = needed_bytes
         self.available_bytes = available_bytes
         self.missing_bytes = max(page_bytes, needed_bytes - available_bytes)
-        text = (f"the weights need {needed_bytes} bytes ({needed_bytes // page_bytes} pages) of "
-                f"device memory but the pool could take {available_bytes} bytes: "
-                f"{self.missing_bytes} bytes missing")
-        if cause:
-            text += f" ({cause})"
-        text += ("; free device memory (sleep another instance, lower max_cache_size of the "
-                 "KV cache, raise the quota) and wake up again")
-        super().__init__(text, state=state)
+        super().__init__(
+            f"{action} failed: " + _oom_text(needed_bytes, available_bytes, self.missing_bytes,
+                                             page_bytes, cause)
+            + "; free device memory or size the pool for the weights")
+
+
+class WakeupOutOfMemory(WeightsOutOfMemory, WakeupFailed):
+    """:class:`WeightsOutOfMemory` of a wakeup: the instance stays asleep (``state``)."""
+
+    def __init__(self, *, needed_bytes: int, available_bytes: int, page_bytes: int, state: str,
+                 cause: str = "") -> None:
+        self.action = "wakeup"
+        self.state = state
+        self.needed_bytes = needed_bytes
+        self.available_bytes = available_bytes
+        self.missing_bytes = max(page_bytes, needed_bytes - available_bytes)
+        WeightsError.__init__(
+            self, f"wakeup failed, the instance stays {state}: "
+            + _oom_text(needed_bytes, available_bytes, self.missing_bytes, page_bytes, cause)
+            + "; free device memory (sleep another instance, lower max_cache_size of the KV "
+              "cache, raise the quota) and wake up again")

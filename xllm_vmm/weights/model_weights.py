@@ -24,9 +24,8 @@ their number as ``busy`` and gets :class:`~xllm_vmm.weights.errors.SleepRefused`
 
 :meth:`ModelWeights.fork` gives another instance over the same physical pages (no byte mapped
 or copied); pages and host copy are reference counted by the holders' states
-(:mod:`xllm_vmm.weights.store`). Without weight VMM (loaded with ``pool=None``, or into a
-physical pool) sleep, wakeup and fork raise :class:`~xllm_vmm.weights.errors.WeightVmmRequired`
-(W-02).
+(:mod:`xllm_vmm.weights.store`). Without weight VMM (loaded with ``pool=None``) sleep, wakeup
+and fork raise :class:`~xllm_vmm.weights.errors.WeightVmmRequired` (W-02).
 """
 
 from __future__ import annotations

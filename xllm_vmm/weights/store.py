@@ -22,9 +22,11 @@ Wakeup is all or nothing: the pages are mapped in one batched pool call (rolled 
 on failure), then filled (host copy, else the checkpoint files: checked unchanged first); if
 filling fails, the pages are unmapped again and any host copy this attempt made is freed.
 
-Modes of the pool: elastic (weights sleep gives memory back); fixed (pages stay backed, a sleep
-frees 0 bytes and says so; contents are restored on wakeup all the same). Physical pools are
-not weight VMM: sleep, wakeup and fork are refused there (W-02), as without a pool.
+Modes of the pool: elastic (weights sleep gives memory back); physical (weight-only VMM:
+VMM-03 keeps the KV cache physical, W-03 makes the weights elastic, so the region is a *paged*
+tenant of the physical pool and sleep gives its memory back too); fixed (both VMM flags,
+``vmm_elastic=false``: the pages stay backed, a sleep frees 0 bytes and says so; contents are
+restored on wakeup all the same). Without a pool there is no weight VMM (W-02).
 
 Units: bytes; ``seconds`` are wall-clock seconds (``time.perf_counter``).
 """
@@ -35,10 +37,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
-from xllm_vmm.pool.budget import BudgetMode
 from xllm_vmm.pool.pool import Region, VmmPool
 from xllm_vmm.vmm.driver import CopyKind, VmmError, VmmOutOfMemory
-from xllm_vmm.weights.errors import WakeupFailed, WakeupOutOfMemory, WeightsError
+from xllm_vmm.weights.errors import (WakeupFailed, WakeupOutOfMemory, WeightsError,
+                                     WeightsOutOfMemory)
 from xllm_vmm.weights.image import WeightImage, zero
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -73,7 +75,7 @@ class WeightStore:
             n += 1
             name = f"{TENANT}.{n}"
         self.tenant = name
-        self.region: Region = pool.add_tenant(name, image.nbytes, end="high")
+        self.region: Region = pool.add_tenant(name, image.nbytes, end="high", paged=True)
         self.pages = list(range(self.region.pages))
         self.host_addr: int | None = None
         self.host_bytes = 0
@@ -86,8 +88,8 @@ class WeightStore:
     # -- properties ---------------------------------------------------------------------
     @property
     def vmm(self) -> bool:
-        """True when sleep, wakeup and fork are allowed (elastic or fixed pool)."""
-        return self.pool.mode is not BudgetMode.PHYSICAL
+        """Weights in a pool are weight VMM: sleep, wakeup and fork are allowed."""
+        return True
 
     @property
     def device_bytes(self) -> int:
@@ -125,26 +127,21 @@ class WeightStore:
 
     # -- pages --------------------------------------------------------------------------
     def _map_or_raise(self, action: str, state: str = "DEEP_SLEEP") -> None:
-        pool = self.pool
-        if pool.mode is BudgetMode.PHYSICAL:
-            # the region is one resident allocation made by add_tenant
-            pool.map_pages(self.region, self.pages, tag=WEIGHTS_TAG)
-            return
-        available = pool.budget_left_bytes() if pool.mode is BudgetMode.ELASTIC \
-            else self.region.nbytes
+        """Maps every page of the region in one pool call (all or nothing), else raises
+        :class:`WeightsOutOfMemory` (load) / :class:`WakeupOutOfMemory` (wakeup) with what
+        the pool could take."""
+        pool, need, page = self.pool, self.region.nbytes, self.region.page_bytes
+        available = pool.mappable_pages(self.region) * page
         if pool.map_pages(self.region, self.pages, tag=WEIGHTS_TAG):
             return
-        cause = "the budget refused it" if available < self.region.nbytes \
-            else "the device ran out of memory part way"
+        cause = ("the budget refused it (free memory − execution peak − reserve, and the "
+                 "quota)" if available < need else "the device ran out of memory part way")
+        available = min(available, need - page)
         if action == "load":
-            raise WakeupOutOfMemory(needed_bytes=self.region.nbytes, available_bytes=min(
-                available, self.region.nbytes - self.region.page_bytes),
-                page_bytes=self.region.page_bytes, state="not loaded",
-                cause=f"loading: {cause}")
-        raise WakeupOutOfMemory(needed_bytes=self.region.nbytes,
-                                available_bytes=min(available,
-                                                    self.region.nbytes - self.region.page_bytes),
-                                page_bytes=self.region.page_bytes, state=state, cause=cause)
+            raise WeightsOutOfMemory("load", needed_bytes=need, available_bytes=available,
+                                     page_bytes=page, cause=cause)
+        raise WakeupOutOfMemory(needed_bytes=need, available_bytes=available, page_bytes=page,
+                                state=state, cause=cause)
 
     def _unmap(self) -> int:
         """Takes the region's pages out of use; returns the device bytes really freed."""
