@@ -184,7 +184,7 @@ def test_text_marks_warnings_apart_from_errors_and_github_levels():
     assert out.count("::error ") == 2 and "::warning" not in out
 
 
-HOST_OFFLOAD = ("--enable_vmm_kvcache", "--host_blocks_factor=4", "--max_cache_size=16GiB",
+HOST_OFFLOAD = ("--enable_vmm_kvcache", "--host_blocks_factor=4", "--max_cache_size=17179869184",
                 "--model=Qwen/Qwen3-8B", "--nnodes=2")
 
 
@@ -213,7 +213,7 @@ def test_hk07_default_host_memory_is_named_and_unknown_inputs_are_listed():
     code, out, _ = check(*HOST_OFFLOAD, "--host_blocks_factor=100000", "--device", "h200")
     assert code == 1  # CFG-DUP: the factor is given twice on one command line
     code, out, _ = check("--enable_vmm_kvcache", "--host_blocks_factor=100000",
-                         "--max_cache_size=16GiB", "--model=Qwen/Qwen3-8B", "--device", "h200")
+                         "--max_cache_size=17179869184", "--model=Qwen/Qwen3-8B", "--device", "h200")
     assert code == 0 and "    ! HK-07: " in out
     assert "of host memory available (this host's available memory" in out
     code, out, _ = check("--enable_vmm_kvcache", "--host_blocks_factor=4", "--model=Qwen/Qwen3-8B")
@@ -224,7 +224,7 @@ def test_hk07_default_host_memory_is_named_and_unknown_inputs_are_listed():
 
 
 def test_el08_device_memory_from_a_profile():
-    args = ("--enable_vmm_kvcache", "--vmm_elastic", "--vmm_memory_reserve_bytes=40GiB")
+    args = ("--enable_vmm_kvcache", "--vmm_elastic", "--vmm_memory_reserve_bytes=42949672960")
     assert "! EL-08: " in check(*args, "--device", "ascend-910b-32g")[1]
     assert "EL-08" not in check(*args, "--device", "ascend-910b-64g")[1]
     assert "? EL-08" in check(*args)[1]
@@ -245,7 +245,7 @@ def _model_dir_with_garbage_shard(tmp_path):
 def test_a_damaged_safetensors_shard_does_not_disable_model_rules(tmp_path):
     d = _model_dir_with_garbage_shard(tmp_path)
     code, out, _ = check(f"--model={d}", "--enable_vmm_kvcache", "--vmm_elastic",
-                         "--max_cache_size=1MiB", "--format=json")
+                         "--max_cache_size=1048576", "--format=json")
     doc = json.loads(out)["inputs"][0]
     assert code == 1 and [f["id"] for f in doc["findings"]] == ["EL-06"]
     assert not doc["not_checked"]

@@ -125,10 +125,10 @@ def test_vmm05_kv_only_keeps_loader():
 
 
 def test_vmm06_mentions_max_cache_size_only_when_set():
-    f = next(f for f in run("--vmm_memory_reserve_bytes=1GiB", "--max_cache_size=2GiB").findings
+    f = next(f for f in run("--vmm_memory_reserve_bytes=1073741824", "--max_cache_size=2147483648").findings
              if f.id == "VMM-06")
     assert set(f.flags) == {"vmm_memory_reserve_bytes", "max_cache_size"}
-    assert run("--max_cache_size=2GiB").findings == []
+    assert run("--max_cache_size=2147483648").findings == []
 
 
 def test_w01_backend_explicit_inferred_and_not_checked(model_dir):
@@ -156,7 +156,7 @@ def test_pc01_implied_and_pc02_hybrid(model_dir):
 
 
 def test_hk01_and_hk06_implied_with_quota():
-    imp = implied(run(KV, "--host_blocks_factor=2", "--max_cache_size=4GiB"))
+    imp = implied(run(KV, "--host_blocks_factor=2", "--max_cache_size=4294967296"))
     assert imp["HK-01"].value is True
     assert imp["HK-06"].value == 8 * 1024**3
     assert "HK-01" not in implied(run(KV, "--host_blocks_factor=1"))
@@ -180,7 +180,7 @@ def test_hk07_is_left_to_the_sizing_plan():
     # HK-07 needs the plan (tests/planner/test_checks.py); the rules only mark it as applying.
     from xllm_vmm.config.rules import SIZING_PENDING
 
-    args = (KV, "--host_blocks_factor=4", "--max_cache_size=64GiB")
+    args = (KV, "--host_blocks_factor=4", "--max_cache_size=68719476736")
     assert run(*args).not_checked["HK-07"] == SIZING_PENDING
     assert "HK-07" not in run(KV, "--host_blocks_factor=4", "--noenable_prefix_cache").not_checked
     assert "HK-07" not in run("--host_blocks_factor=4").not_checked
@@ -199,7 +199,7 @@ def test_hy01_hybrid(model_dir):
 
 
 def test_el01_el07_implied():
-    imp = implied(run(KV, EL, "--vmm_memory_reserve_bytes=1GiB"))
+    imp = implied(run(KV, EL, "--vmm_memory_reserve_bytes=1073741824"))
     assert imp["EL-01"].value == "elastic"
     assert imp["EL-07"].value == "free - execution_peak - 1073741824"
     assert "EL-01" not in implied(run(KV))
@@ -227,12 +227,12 @@ def test_el05_reserve_negative():
 
 def test_el06_minimum_is_one_page_per_vmm_tensor(model_dir):
     # tiny dense model: 2 layers x (K, V) = 4 tensors x 2 MiB = 8 MiB
-    rep = run(KV, "--max_cache_size=7MiB", model=model_dir("dense"))
+    rep = run(KV, "--max_cache_size=7340032", model=model_dir("dense"))
     f = next(f for f in rep.findings if f.id == "EL-06")
     assert "8MiB (8388608 bytes)" in f.message and "4 VMM tensors" in f.message
-    assert "EL-06" not in run(KV, "--max_cache_size=8MiB", model=model_dir("dense")).rule_ids()
+    assert "EL-06" not in run(KV, "--max_cache_size=8388608", model=model_dir("dense")).rule_ids()
     assert "EL-06" not in run(KV, "--max_cache_size=0", model=model_dir("dense")).rule_ids()
-    assert "EL-06" in run(KV, "--max_cache_size=7MiB").not_checked
+    assert "EL-06" in run(KV, "--max_cache_size=7340032").not_checked
 
 
 def test_el06_shared_pool_minimum_includes_the_weights(model_dir):
@@ -251,18 +251,18 @@ def test_el06_shared_pool_minimum_includes_the_weights(model_dir):
     assert "EL-06" not in run(*shared, f"--max_cache_size={least}",
                               model=model_dir("dense")).rule_ids()
     # KV VMM alone: the weights are outside the pool, 8 MiB is enough
-    assert "EL-06" not in run(KV, "--max_cache_size=8MiB", model=model_dir("dense")).rule_ids()
+    assert "EL-06" not in run(KV, "--max_cache_size=8388608", model=model_dir("dense")).rule_ids()
 
 
 def test_el08_device_memory():
-    args = (KV, EL, "--vmm_memory_reserve_bytes=80GiB")
+    args = (KV, EL, "--vmm_memory_reserve_bytes=85899345920")
     assert "EL-08" in warnings(run(*args, device_memory=64 * 1024**3))
     assert "EL-08" not in run(*args, device_memory=96 * 1024**3).rule_ids()
     assert "EL-08" in run(*args).not_checked
 
 
 def test_unreadable_model_is_reported_not_guessed(tmp_path):
-    rep = run(KV, "--max_cache_size=7MiB", model=str(tmp_path / "missing"))
+    rep = run(KV, "--max_cache_size=7340032", model=str(tmp_path / "missing"))
     assert "EL-06" in rep.not_checked and "could not be read" in rep.not_checked["EL-06"]
     model, reason = find_model(load([]))
     assert model is None and reason == "no --model given"

@@ -14,7 +14,7 @@ def ids(err: ConfigError):
 
 def test_gflags_forms():
     cfg = load(["--enable-vmm-kvcache", "--noenable_prefix_cache", "--port", "9000",
-                "-block_size=64", "--max_cache_size=512MiB", "--host_blocks_factor", "2.5"])
+                "-block_size=64", "--max_cache_size=536870912", "--host_blocks_factor", "2.5"])
     assert cfg["enable_vmm_kvcache"] is True
     assert cfg["enable_prefix_cache"] is False
     assert cfg["port"] == 9000 and cfg["block_size"] == 64
@@ -27,7 +27,16 @@ def test_gflags_forms():
 @pytest.mark.parametrize("text,value", [("1GiB", 1 << 30), ("1G", 1 << 30), ("1GB", 10**9),
                                         ("1.5GiB", 3 << 29), ("4096", 4096), ("0", 0)])
 def test_sizes_reported_as_integers(text, value):
-    assert load([f"--vmm_memory_reserve_bytes={text}"])["vmm_memory_reserve_bytes"] == value
+    # sizes are this tool's convenience in TOML and XLLM_VMM_* variables ...
+    assert load(env={"XLLM_VMM_VMM_MEMORY_RESERVE_BYTES": text})[
+        "vmm_memory_reserve_bytes"] == value
+    # ... the engine's command line takes bytes only (gflags int64)
+    if not text.isdigit():
+        with pytest.raises(ConfigError) as e:
+            load([f"--vmm_memory_reserve_bytes={text}"])
+        assert f"no size suffix); write {value}" in e.value.findings[0].message
+    else:
+        assert load([f"--vmm_memory_reserve_bytes={text}"])["vmm_memory_reserve_bytes"] == value
 
 
 def test_size_rejected_for_non_byte_flag():

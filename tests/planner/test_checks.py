@@ -16,7 +16,7 @@ from xllm_vmm.planner.checks import Memory, check_sizing
 GiB = 1 << 30
 SLOT = 72 * 2 * (1 << 20)  # Qwen3-8B: one 2 MiB page in each of 72 tensors
 BLOCK = 147_456 * 128  # Qwen3-8B: one block of all 72 tensors (1 worker)
-OFFLOAD = ["--enable_vmm_kvcache", "--host_blocks_factor=4", "--max_cache_size=16GiB",
+OFFLOAD = ["--enable_vmm_kvcache", "--host_blocks_factor=4", "--max_cache_size=17179869184",
            "--model=Qwen/Qwen3-8B"]
 
 runner = CliRunner()
@@ -47,7 +47,7 @@ def test_hk07_counts_every_worker_and_names_the_host_memory_source():
 
 
 def test_hk07_host_pool_is_the_serving_host_pool():
-    cfg = load(["--enable_vmm_kvcache", "--host_blocks_factor=2.5", "--max_cache_size=16GiB",
+    cfg = load(["--enable_vmm_kvcache", "--host_blocks_factor=2.5", "--max_cache_size=17179869184",
                 "--model=Qwen/Qwen3-8B"])
     c = check_sizing(cfg, device=Memory(64 * GiB, "x"), host=Memory(1 << 50, "x"))
     w = c.plan.workers[0]

@@ -145,7 +145,7 @@ def test_el06_is_listed_once_and_the_elastic_range_says_the_least_pool_does_not_
 
     (tmp_path / "config.json").write_text(json.dumps(read_catalogue_config("Qwen/Qwen3-8B")))
     args = ("--model", str(tmp_path), "--enable_vmm_kvcache", "--vmm_elastic",
-            "--max_cache_size=1MiB", "--device-memory", "64GiB", "--host-memory=256GiB")
+            "--max_cache_size=1048576", "--device-memory", "64GiB", "--host-memory=256GiB")
     r = run(*args, "--format=json")
     assert r.exit_code == 1
     d = json.loads(r.stdout)

@@ -433,7 +433,7 @@ def parse_env(env: Mapping[str, str] | Iterable[Token]) -> tuple[list[Assignment
                     hint=f"did you mean {ENV_PREFIX}{close[0].upper()}?", where=src))
             continue
         try:
-            out.append(Assignment(flag.name, parse_text(flag, value), src))
+            out.append(Assignment(flag.name, parse_text(flag, value, sizes=True), src))
         except ValueError as err:
             findings.append(type_error(flag, err, src))
     return out, findings
@@ -502,11 +502,13 @@ def read_toml(path: str, text: str | None = None) -> tuple[list[Assignment], lis
         try:
             with open(path, "rb") as fh:
                 data = fh.read()
-            text = data.decode("utf-8")
+            # A UTF-8 byte-order mark (as some Windows editors write) is not part of the TOML.
+            text = data.decode("utf-8-sig")
         except (OSError, UnicodeDecodeError, ValueError) as err:
             where = Source("toml", path)
             return [], [Finding("CFG-READ", "error", f"cannot read {path}: {_oserr(err)}",
                                 hint="check the path", where=where)]
+    text = text[1:] if text.startswith("\ufeff") else text
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
@@ -578,11 +580,13 @@ def read_json(path: str, text: str | None = None) -> tuple[list[Assignment], lis
     if text is None:
         try:
             with open(path, "rb") as fh:
-                text = fh.read().decode("utf-8")
+                # the engine's JSON parser (nlohmann) skips a UTF-8 byte-order mark too
+                text = fh.read().decode("utf-8-sig")
         except (OSError, UnicodeDecodeError, ValueError) as err:
             return [], [Finding("CFG-READ", "error", f"cannot read {path}: {_oserr(err)}",
                                 hint="check the path given to --config_json_file",
                                 where=Source("json", path))]
+    text = text[1:] if text.startswith("\ufeff") else text
     dups: list[str] = []
 
     def pairs(items):
@@ -637,7 +641,7 @@ def read_json(path: str, text: str | None = None) -> tuple[list[Assignment], lis
                 f"{json.dumps(value)[:40]} is not valid for {name}: expected {_example(flag)}"), where))
             return
         try:
-            out.append(Assignment(name, coerce_native(flag, value, lenient_text=True), where))
+            out.append(Assignment(name, coerce_native(flag, value, engine_json=True), where))
         except ValueError as err:
             findings.append(type_error(flag, err, where))
 

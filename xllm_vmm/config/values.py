@@ -2,9 +2,14 @@
 TOML / JSON values, each turned into the flag's Python type or a :class:`ValueError` whose
 message says what was expected.
 
-Units: byte-sized flags (``FlagDef.unit == "bytes"``) hold integers of bytes; they also accept
-sizes: ``KiB MiB GiB TiB PiB`` (and ``K M G T P``) are powers of 1024, ``KB MB GB TB PB`` powers
-of 1000, ``B`` is bytes. ``1.5GiB`` is accepted when it is a whole number of bytes.
+Text is parsed as the engine's gflags parses its command line (:func:`parse_text`), the
+engine's JSON file as its JSON loader reads it (:func:`coerce_native` with ``engine_json``).
+
+Units: byte-sized flags (``FlagDef.unit == "bytes"``) hold integers of bytes. In TOML files and
+``XLLM_VMM_*`` variables (this tool's own inputs) they also accept sizes: ``KiB MiB GiB TiB
+PiB`` (and ``K M G T P``) are powers of 1024, ``KB MB GB TB PB`` powers of 1000, ``B`` is bytes;
+``1.5GiB`` is accepted when it is a whole number of bytes. The engine's command line and JSON
+file take bytes only.
 """
 
 from __future__ import annotations
@@ -14,8 +19,6 @@ import re
 
 from xllm_vmm.config.catalogue import INT_RANGES, FlagDef
 
-_TRUE = {"true", "t", "yes", "y", "1"}
-_FALSE = {"false", "f", "no", "n", "0"}
 
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 _UNITS = {
@@ -115,36 +118,76 @@ def _bad(flag: FlagDef, shown: str) -> ValueError:
     return ValueError(f"{shown} is not valid for {flag.name}: expected {expected(flag)}")
 
 
-def parse_text(flag: FlagDef, text: str):
-    """A value written as text (command line, environment, shell script) → the flag's type."""
+#: gflags' integer syntax (``FlagValue::ParseFrom``: ``strto64``/``strtou64`` over the whole
+#: value, base 16 when it starts with ``0x``): ASCII digits only, leading blanks and a sign
+#: allowed, nothing after the number (no size suffix, no underscores, no other digits).
+_GFLAGS_INT = re.compile(r"[ \t\n\v\f\r]*[+-]?[0-9]+", re.ASCII)
+_GFLAGS_HEX = re.compile(r"0[xX][0-9a-fA-F]+", re.ASCII)
+#: ``strtod``'s syntax: decimal or hex floats, ``inf``/``infinity``/``nan`` (any case).
+_GFLAGS_DOUBLE = re.compile(
+    r"[ \t\n\v\f\r]*[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
+    r"|0[xX](?:[0-9a-fA-F]+\.?[0-9a-fA-F]*|\.[0-9a-fA-F]+)(?:[pP][+-]?[0-9]+)?"
+    r"|(?i:inf|infinity|nan))", re.ASCII)
+#: gflags' bool spellings (compared case-insensitively, the whole value).
+_GFLAGS_TRUE = ("1", "t", "true", "y", "yes")
+_GFLAGS_FALSE = ("0", "f", "false", "n", "no")
+
+
+def _gflags_int(flag: FlagDef, text: str) -> int:
+    if _GFLAGS_HEX.fullmatch(text):
+        return int(text, 16)
+    if flag.type.startswith("uint"):
+        text = text.lstrip(" ")
+        if text.startswith("-"):
+            raise ValueError("negative")
+    if not _GFLAGS_INT.fullmatch(text):
+        raise ValueError(text)
+    return int(text.strip(), 10)
+
+
+def parse_text(flag: FlagDef, text: str, *, sizes: bool = False):
+    """A value written as text → the flag's type, parsed as the engine's gflags parses its
+    command line: integers in ASCII digits (or ``0x`` hex), nothing after them; doubles as
+    ``strtod``; bools in gflags' spellings (``1 t true y yes`` / ``0 f false n no``, any case,
+    nothing around them). ``sizes``: a byte-sized flag also takes a size (``512MiB``; this
+    tool's own convenience for TOML and the environment: the engine's command line takes
+    bytes only)."""
     if flag.type == "string":
         return _check_choice(flag, text)
-    raw = text.strip()
     if flag.is_bool:
-        low = raw.lower()
-        if low in _TRUE:
+        low = text.lower()
+        if low in _GFLAGS_TRUE:
             return True
-        if low in _FALSE:
+        if low in _GFLAGS_FALSE:
             return False
-        raise _bad(flag, repr(text))
+        hint = " (gflags reads 1 t true y yes / 0 f false n no, nothing around them)" \
+            if text.strip().lower() in _GFLAGS_TRUE + _GFLAGS_FALSE else ""
+        raise ValueError(f"{text!r} is not valid for {flag.name}: expected {expected(flag)}"
+                         + hint)
     if flag.is_int:
         try:
-            value = int(raw, 10)
+            value = _gflags_int(flag, text)
         except ValueError:
-            try:
-                value = int(raw, 0)
-            except ValueError:
-                if not flag.is_bytes:
-                    raise _bad(flag, repr(text)) from None
+            size = None
+            if flag.is_bytes:
                 try:
-                    value = parse_size(raw)
+                    size = parse_size(text)
                 except ValueError:
-                    raise _bad(flag, repr(text)) from None
+                    pass
+            if size is not None and sizes:
+                value = size
+            elif size is not None:
+                raise ValueError(
+                    f"{text!r} is not valid for {flag.name}: the engine's command line takes a "
+                    f"whole number of bytes (gflags {flag.type}: no size suffix); write "
+                    f"{size}") from None
+            else:
+                raise _bad(flag, repr(text)) from None
         return _check_range(flag, value)
-    try:
-        value = float(raw)
-    except ValueError:
-        raise _bad(flag, repr(text)) from None
+    if not _GFLAGS_DOUBLE.fullmatch(text):
+        raise _bad(flag, repr(text))
+    raw = text.strip()
+    value = float.fromhex(raw) if "x" in raw.lower() else float(raw)
     return _check_range(flag, value)
 
 
@@ -169,19 +212,27 @@ def _shown(value) -> str:
     return repr(value)
 
 
-def coerce_native(flag: FlagDef, value, *, lenient_text: bool = False):
+def coerce_native(flag: FlagDef, value, *, engine_json: bool = False):
     """A TOML or JSON value → the flag's type.
 
-    Types must match (a TOML bool for a bool flag, an integer for an integer flag, an integer or
-    a float for a double, a string for a string); byte-sized flags also take a size string. With
-    ``lenient_text`` (the engine's JSON file) a string is parsed as command-line text.
+    Types must match, as the engine's JSON loader reads them (nlohmann ``get<T>``: a string is
+    never a bool or a number there): a bool for a bool flag, an integer for an integer flag (a
+    float only when whole: the loader would truncate 1.5 to 1), an integer or a float for a
+    double, a string for a string. TOML (this tool's own files, ``engine_json`` False) also
+    takes a size string for a byte-sized flag (``"16GiB"``); the engine's JSON file does not.
     """
     shown = _shown(value)
-    if isinstance(value, str) and (lenient_text or (flag.is_bytes and flag.type != "string")):
-        return parse_text(flag, value)
+    if isinstance(value, str) and flag.is_bytes and flag.type != "string" and not engine_json:
+        return parse_text(flag, value, sizes=True)
+    where = "the engine's JSON loader" if engine_json else "TOML"
     if flag.is_bool:
         if isinstance(value, bool):
             return value
+        if isinstance(value, str) and value.strip().lower() in _GFLAGS_TRUE + _GFLAGS_FALSE:
+            word = "true" if value.strip().lower() in _GFLAGS_TRUE else "false"
+            raise ValueError(f"{shown} is not valid for {flag.name}: expected {expected(flag)}; "
+                             f"{where} reads a bool only as true or false, not a string (write "
+                             f"{word} without quotes)")
         raise _bad(flag, shown)
     if flag.type == "string":
         if isinstance(value, str):
@@ -194,6 +245,13 @@ def coerce_native(flag: FlagDef, value, *, lenient_text: bool = False):
             return _check_range(flag, value)
         if isinstance(value, float) and value.is_integer() and math.isfinite(value):
             return _check_range(flag, int(value))
+        if isinstance(value, float) and math.isfinite(value) and engine_json:
+            raise ValueError(f"{shown} is not valid for {flag.name}: expected {expected(flag)}; "
+                             f"the engine's JSON loader would truncate it to {int(value)}")
+        if isinstance(value, str) and engine_json:
+            raise ValueError(f"{shown} is not valid for {flag.name}: {where} reads a number, "
+                             "not a string (write it without quotes"
+                             + (", in bytes" if flag.is_bytes else "") + ")")
         raise _bad(flag, shown)
     if isinstance(value, (int, float)):
         try:
