@@ -107,9 +107,25 @@ def test_engine_finish_reasons_and_logprobs_pass_through(tok):
     proc.add_request("a", SamplingParams(logprobs=1), [1])
     t = tok.encode("x", add_special_tokens=False)[0]
     res = proc.process([EngineOutput("a", [t], True, "stop", 99, [{t: Logprob(-0.5, 1)}], 1, 0)])
-    st = proc.pop("a")
-    assert (st.finish_reason, st.stop_reason, st.text) == ("stop", 99, "x")
-    assert st.logprobs[0][t].decoded_token == "x" and st.cumulative_logprob == -0.5
-    assert res.to_abort == []
-    c = st.completion()
-    assert c.token_ids == [t] and c.finish_reason == "stop"
+    ro = proc.pop("a")
+    assert ro.finished and len(ro.outputs) == 1 and not proc.has("a")
+    c = ro.outputs[0]
+    assert (c.finish_reason, c.stop_reason, c.text) == ("stop", 99, "x")
+    assert c.logprobs[0][t].decoded_token == "x" and c.cumulative_logprob == -0.5
+    assert res.to_abort == [] and c.token_ids == [t]
+
+
+def test_parallel_samples_tracked_under_child_ids(tok):
+    proc = OutputProcessor(tok)
+    sts = proc.add_request("p", SamplingParams(n=2, seed=3), [1])
+    assert [s.request_id for s in sts] == ["p#0", "p#1"] and sts[1].params.seed == 4
+    t = tok.encode("x", add_special_tokens=False)[0]
+    res = proc.process([EngineOutput("p#1", [t], True, "length")])
+    assert (res.updates[0].parent_id, res.updates[0].index) == ("p", 1)
+    assert not proc.finished("p")
+    proc.process([EngineOutput("p#0", [t, t], True, "length")])
+    ro = proc.request_output("p")
+    assert proc.finished("p") and [o.index for o in ro.outputs] == [0, 1]
+    assert [o.text for o in ro.outputs] == ["xx", "x"]
+    with pytest.raises(ValueError, match="already tracked"):
+        proc.add_request("p", SamplingParams(), [1])

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xllm_vmm.engine.detokenizer import IncrementalDetokenizer
+from xllm_vmm.engine.request import child_request_id
 
 
 @dataclass
@@ -41,6 +42,10 @@ class EngineOutput:
     new_logprobs: list[dict[int, Logprob]] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    parent_request_id: str | None = None
+    """The id given to ``add_request`` (differs from ``request_id`` for a parallel sample)."""
+    index: int = 0
+    """Which parallel sample (0 .. n-1)."""
 
 
 @dataclass
@@ -85,6 +90,8 @@ class RequestUpdate:
     stop_reason: int | str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    parent_id: str = ""
+    index: int = 0
 
 
 class RequestState:
@@ -165,7 +172,8 @@ class RequestState:
         delta = self.text[self._emitted:end]
         self._emitted = max(self._emitted, end)
         upd = RequestUpdate(self.request_id, delta, ids, new_lps, self.finished, self.finish_reason,
-                            self.stop_reason, len(self.prompt_token_ids), self.num_cached_tokens)
+                            self.stop_reason, len(self.prompt_token_ids), self.num_cached_tokens,
+                            self.parent_id, self.index)
         return upd, stopped_by_string
 
     _stop_cut: int | None = None
@@ -187,15 +195,37 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
+        self._parents: dict[str, list[str]] = {}
 
     def add_request(self, request_id: str, params: Any, prompt_token_ids: Sequence[int], *,
-                    prompt: str | None = None, parent_id: str | None = None, index: int = 0) -> RequestState:
-        if request_id in self.states:
+                    prompt: str | None = None) -> list[RequestState]:
+        """Track ``request_id`` — its ``params.n`` parallel samples, under the ids the engine
+        gives them (:func:`~xllm_vmm.engine.request.child_request_id`)."""
+        n = params.n
+        kids = [child_request_id(request_id, i, n) for i in range(n)]
+        if request_id in self._parents or any(k in self.states for k in kids):
             raise ValueError(f"request {request_id!r} is already tracked")
-        st = RequestState(request_id, params, prompt_token_ids, self.tokenizer, prompt=prompt,
-                          parent_id=parent_id, index=index)
-        self.states[request_id] = st
-        return st
+        out = []
+        for i, kid in enumerate(kids):
+            p = params if n == 1 else params.for_sibling(i)
+            st = RequestState(kid, p, prompt_token_ids, self.tokenizer, prompt=prompt,
+                              parent_id=request_id, index=i)
+            self.states[kid] = st
+            out.append(st)
+        self._parents[request_id] = kids
+        return out
+
+    def finished(self, request_id: str) -> bool:
+        """Every sample of ``request_id`` finished."""
+        return all(self.states[k].finished for k in self._parents[request_id])
+
+    def request_output(self, request_id: str) -> RequestOutput:
+        """The vLLM-shaped output of ``request_id`` so far (all its samples, by index)."""
+        sts = [self.states[k] for k in self._parents[request_id]]
+        first = sts[0]
+        return RequestOutput(request_id, first.prompt, list(first.prompt_token_ids),
+                             [s.completion() for s in sts], all(s.finished for s in sts),
+                             max(s.num_cached_tokens for s in sts))
 
     def process(self, outputs: Iterable[EngineOutput]) -> ProcessResult:
         ups: list[RequestUpdate] = []
@@ -210,11 +240,17 @@ class OutputProcessor:
                 abort.append(out.request_id)
         return ProcessResult(ups, abort)
 
-    def pop(self, request_id: str) -> RequestState | None:
-        return self.states.pop(request_id, None)
+    def pop(self, request_id: str) -> RequestOutput | None:
+        """Stop tracking ``request_id`` (a parent id: all its samples); returns its output."""
+        if request_id not in self._parents:
+            return None
+        out = self.request_output(request_id)
+        for k in self._parents.pop(request_id):
+            self.states.pop(k, None)
+        return out
 
     def has(self, request_id: str) -> bool:
-        return request_id in self.states
+        return request_id in self._parents
 
 
 __all__ = ["CompletionOutput", "EngineOutput", "Logprob", "OutputProcessor", "ProcessResult",

@@ -22,6 +22,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from xllm_vmm.engine.sampling_params import SamplingParams
 
 
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    """Id of parallel sample ``index`` of ``n``: the request id itself when ``n == 1``, else
+    ``{request_id}#{index}``."""
+    return request_id if n == 1 else f"{request_id}#{index}"
+
+
 class RequestError(ValueError):
     """A request the engine refuses: ``param`` names the field, ``message`` says what to do."""
 
@@ -57,7 +63,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     eos_token_ids: tuple[int, ...] = ()
     parent_id: str | None = None
-    """For a parallel sample: the id the caller used (siblings are ``{parent}#{i}``... see LLMEngine)."""
+    """For a parallel sample (n > 1): the id the caller gave; siblings are
+    :func:`child_request_id` of it. None for a plain request."""
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[Any] = field(default_factory=list)
@@ -123,4 +130,4 @@ class Request:
         return None
 
 
-__all__ = ["Request", "RequestError", "RequestStatus"]
+__all__ = ["Request", "RequestError", "RequestStatus", "child_request_id"]

@@ -1,0 +1,555 @@
+"""``LLMEngine``: the driver side of one engine instance — configuration, sizing, memory,
+scheduler, sampler — over one :class:`~xllm_vmm.engine.worker.Worker`.
+
+Construction (:meth:`LLMEngine.from_flags`), in this order, each step the one way in of its
+package:
+
+1. Flags → :func:`xllm_vmm.config.load` (the engine's flag names, gflags values) → every rule
+   of ``check-config`` plus the sizing rules (:func:`xllm_vmm.planner.checks.check_sizing`):
+   an error finding raises :class:`~xllm_vmm.config.ConfigError` with check-config's finding
+   text; HK-07 (a warning in check-config, an error when serving) raises too.
+2. The plan (:func:`xllm_vmm.planner.make_plan` through ``check_sizing``) for this device's
+   memory: a plan that does not fit raises ``ConfigError`` with the plan's reason (id =
+   the plan's code, e.g. ``MEMORY``, ``CONTEXT``).
+3. Driver (``devices``: empty/auto/cpu → the host driver emulating ``device_memory`` bytes;
+   ``cuda[:i]``, ``npu[:i]``) → :class:`~xllm_vmm.pool.VmmPool` (mode from
+   ``enable_vmm_kvcache``/``vmm_elastic``; arena = the plan's) → weights
+   (:func:`xllm_vmm.weights.load_weights`, into the pool when ``enable_vmm_weights``) →
+   :func:`xllm_vmm.kvcache.build_kv_cache_manager` (fixed/physical: exactly the plan's KV
+   capacity in tokens; elastic: the plan's arena) → ``Worker.create``.
+
+So that the plan and the running cache agree on the host driver, where weights that are not in
+the pool are ordinary process memory, the emulated device is ``device_memory`` minus those
+weights (a real device holds them), and the plan's runtime overhead is 0 (the host driver's
+device holds nothing else).
+
+Engine-only options (not catalogue flags): ``max_model_len`` (tokens; default the model's
+``max_position_embeddings``, lowered to what one request's KV can hold when not given),
+``dtype`` (auto/float32/bfloat16/float16), ``device_memory`` (bytes or a size such as "1GiB";
+default 1 GiB on the host driver, the device's total otherwise), ``attention_backend``,
+``seed`` (default: the ``random_seed`` flag; -1 = random). Flags the CPU engine honours:
+``block_size``, ``enable_vmm_kvcache``, ``vmm_elastic``, ``enable_vmm_weights``,
+``enable_prefix_cache``, ``host_blocks_factor``, ``max_seqs_per_batch``,
+``max_tokens_per_batch``, ``enable_chunked_prefill``, ``max_memory_utilization``,
+``max_cache_size``, ``vmm_memory_reserve_bytes``, ``xxh3_128bits_seed``, ``random_seed``,
+``devices``, ``model_id``; every other flag is validated (as check-config does) and has no
+effect here.
+
+Parallel samples (``SamplingParams.n > 1``) are sibling requests ``{request_id}#{i}``
+(:func:`child_request_id`); their :class:`EngineOutput` carries ``parent_request_id`` and
+``index``; ``abort_request`` of the parent id aborts all of them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from xllm_vmm.engine.output import EngineOutput
+from xllm_vmm.engine.request import Request, RequestError, child_request_id
+from xllm_vmm.engine.sampling_params import SamplingParams
+
+GiB = 1 << 30
+DEFAULT_HOST_DEVICE_MEMORY = 1 * GiB
+"""Emulated device memory of the host (CPU) driver when ``device_memory`` is not given."""
+
+ENGINE_OPTIONS = ("max_model_len", "dtype", "device_memory", "attention_backend", "seed")
+
+
+def _flag_token(name: str, value: Any) -> str:
+    if isinstance(value, bool):
+        value = "true" if value else "false"
+    return f"--{name}={value}"
+
+
+class LLMEngine:
+    """See the module docstring. Build with :meth:`from_flags`."""
+
+    def __init__(self, *, model_dir: str, model_name: str, config: Any, plan: Any, driver: Any,
+                 pool: Any, weights: Any, mgr: Any, worker: Any, tokenizer: Any,
+                 max_model_len: int, seed: int | None, warnings: list | None = None,
+                 is_demo: bool = False, owns_driver: bool = True) -> None:
+        from xllm_vmm.engine.sampler import Sampler
+        from xllm_vmm.engine.scheduler import Scheduler
+
+        self.model_dir = model_dir
+        self.model_name = model_name
+        self.config = config
+        self.plan = plan
+        self.driver = driver
+        self.pool = pool
+        self.weights = weights
+        self.kv_cache_manager = mgr
+        self.worker = worker
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.is_demo = is_demo
+        self.warnings = list(warnings or [])
+        self._owns_driver = owns_driver
+        self.scheduler = Scheduler(
+            mgr, max_tokens_per_batch=int(config["max_tokens_per_batch"]),
+            max_seqs_per_batch=int(config["max_seqs_per_batch"]), max_model_len=max_model_len,
+            enable_chunked_prefill=bool(config["enable_chunked_prefill"]), pool=pool)
+        self.sampler = Sampler(seed)
+        self._eos = tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self._children: dict[str, list[str]] = {}
+        self._parent: dict[str, tuple[str, int]] = {}
+        self._sleeper = None
+        self._closed = False
+        self.num_steps = 0
+        self.finished_reasons: dict[str, int] = {}
+
+    # -- construction --------------------------------------------------------------------
+    @classmethod
+    def from_flags(cls, model: str | os.PathLike[str] | None = None, **flags: Any) -> LLMEngine:
+        """An engine for ``model`` (a local Hugging Face directory; None: the embedded demo
+        model) with the engine's flags (see the module docstring)."""
+        from xllm_vmm.config import ConfigError, Finding, load
+
+        opts = {k: flags.pop(k) for k in ENGINE_OPTIONS if k in flags}
+        is_demo = model is None
+        if is_demo:
+            from xllm_vmm.engine.demo import demo_model_dir
+
+            model = demo_model_dir()
+        model_dir = str(Path(model).expanduser())
+        if "model" in flags:
+            raise ConfigError([Finding("CFG-CONFLICT", "error", "give the model once: as "
+                                       "LLMEngine.from_flags(model=...) / LLM(model=...), not "
+                                       "also as a 'model' flag", flags={"model": flags["model"]})])
+        tokens = [_flag_token("model", model_dir)] + [_flag_token(k, v) for k, v in flags.items()]
+        cfg = load(tokens, env=None, label="engine flags")
+        sized = _size(cfg, model_dir, opts)
+        return _build(cls, sized, model_dir, opts, is_demo)
+
+    # -- requests ------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request (``params.n`` siblings when n > 1). Raises :class:`RequestError`
+        naming the parameter: empty prompt, a token id outside the vocabulary, a prompt of
+        ``max_model_len`` tokens or more, or one whose KV cannot fit the whole cache."""
+        if not isinstance(params, SamplingParams):
+            raise RequestError(param="sampling_params",
+                               message=f"expected SamplingParams, got {type(params).__name__}")
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise RequestError(param="prompt", message="the prompt is empty: give at least one token")
+        vocab = self.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+                    or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(param="prompt_token_ids",
+                               message=f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(param="prompt", message=(
+                f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
+                "which must leave room for at least one output token: shorten the prompt"))
+        cap = self.kv_cache_manager.capacity().total_tokens
+        if len(ids) + 1 > cap:
+            raise RequestError(param="prompt", message=(
+                f"the prompt has {len(ids)} tokens; the KV cache holds {cap} tokens in all: "
+                "shorten the prompt or give the cache more memory"))
+        if request_id in self._children or request_id in self.scheduler.requests:
+            raise RequestError(param="request_id", message=f"request id {request_id!r} is in use")
+        t = time.monotonic() if arrival_time is None else arrival_time
+        n = params.n
+        kids = [child_request_id(request_id, i, n) for i in range(n)]
+        self._children[request_id] = kids
+        for i, kid in enumerate(kids):
+            p = params if n == 1 else params.for_sibling(i)
+            self._parent[kid] = (request_id, i)
+            self.scheduler.add_request(Request(kid, list(ids), p, arrival_time=t,
+                                               eos_token_ids=self._eos,
+                                               parent_id=request_id if n > 1 else None))
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Abort requests (a parent id aborts its parallel samples); frees everything they hold
+        (blocks under a copy stay pinned until it ends). Unknown ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            for kid in self._children.pop(rid, [rid]):
+                if self.scheduler.abort(kid) is not None:
+                    self._count_finish("abort")
+                parent = self._parent.pop(kid, None)
+                if parent is not None and parent[0] != rid:
+                    left = self._children.get(parent[0])
+                    if left is not None and kid in left:
+                        left.remove(kid)
+                        if not left:
+                            del self._children[parent[0]]
+
+    def step(self) -> list[EngineOutput]:
+        """One engine iteration: schedule, execute, sample, update. Returns one output per
+        request that produced a token or finished. Does nothing while asleep."""
+        if self.is_sleeping():
+            return []
+        sched = self.scheduler
+        out = sched.schedule()
+        if out.step is None:
+            results = sched.update(out) if out.finished else []
+        else:
+            so = self.worker.execute(out.step)
+            rows = out.sampled
+            if rows:
+                s = self.sampler.sample(so.logits, rows)
+                toks, lps = s.token_ids, s.logprobs
+            else:
+                toks, lps = [], None
+            results = sched.update(out, toks, lps, int(so.execution_peak_bytes or 0))
+            self.num_steps += 1
+        now = time.monotonic()
+        for r in results:
+            parent, index = self._parent.get(r.request_id, (r.request_id, 0))
+            r.parent_request_id, r.index = parent, index
+            req = sched.requests.get(r.request_id)
+            if req is not None and req.first_token_time is None and r.new_token_ids:
+                req.first_token_time = now
+            if r.finished:
+                self._count_finish(r.finish_reason or "stop")
+                self._parent.pop(r.request_id, None)
+                kids = self._children.get(parent)
+                if kids is not None and r.request_id in kids:
+                    kids.remove(r.request_id)
+                    if not kids:
+                        del self._children[parent]
+        return results
+
+    def _count_finish(self, reason: str) -> None:
+        self.finished_reasons[reason] = self.finished_reasons.get(reason, 0) + 1
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.plan.spec.vocab_size)
+
+    @property
+    def block_size(self) -> int:
+        return int(self.kv_cache_manager.block_size)
+
+    # -- introspection -------------------------------------------------------------------
+    @property
+    def sizing(self) -> dict[str, Any]:
+        """The plan this engine was sized by (``plan``'s JSON) plus the running cache's
+        figures (``running``: the same quantities as built)."""
+        from xllm_vmm.planner.report import plan_to_dict
+
+        d = plan_to_dict(self.plan)
+        cap = self.kv_cache_manager.capacity()
+        d["running"] = {
+            "mode": self.pool.mode.value,
+            "kv_capacity_tokens": cap.total_tokens,
+            "kv_capacity_blocks": dict(cap.total_blocks),
+            "block_size": cap.block_size,
+            "arena_bytes": self.pool.stats().reserved_bytes,
+            "max_model_len": self.max_model_len,
+            "weights_in_pool": bool(getattr(self.weights, "vmm", False)),
+        }
+        return d
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and gauges for ``/metrics`` (vLLM's names where they exist)."""
+        s = self.scheduler
+        kv = self.kv_cache_manager.stats()
+        ps = self.pool.stats()
+        return {
+            "num_requests_running": s.num_running,
+            "num_requests_waiting": s.num_waiting,
+            "num_preemptions": s.num_preemptions,
+            "prompt_tokens": s.prompt_tokens,
+            "generation_tokens": s.generation_tokens,
+            "request_success": dict(self.finished_reasons),
+            "prefix_cache_queries": kv["prefix_query_tokens"],
+            "prefix_cache_hits": kv["prefix_hit_tokens"],
+            "kv_cache_usage_perc": kv["usage"],
+            "kv_mapped_bytes": kv["mapped_bytes"],
+            "kv_live_blocks": kv["live_blocks"],
+            "kv_cached_blocks": kv["cached_blocks"],
+            "pool_mapped_bytes": ps.mapped_bytes,
+            "pool_held_bytes": ps.held_bytes,
+            "pool_tenant_mapped_bytes": dict(ps.per_tenant_mapped_bytes),
+            "execution_peak_bytes": ps.execution_peak_bytes,
+            "observed_execution_peak_bytes": s.execution_peak_bytes,
+            "live_budget_bytes": ps.budget_left_bytes,
+            "capacity_finished": s.capacity_finished,
+            "steps": self.num_steps,
+            "sleeping": self.is_sleeping(),
+            "kvcache": kv,
+        }
+
+    # -- sleep / wake / fork -------------------------------------------------------------
+    def _controller(self) -> Any:
+        if self._sleeper is None:
+            from xllm_vmm.weights import SleepController
+
+            self._sleeper = SleepController(self.weights if getattr(self.weights, "vmm", False)
+                                            else None, [self.kv_cache_manager])
+        return self._sleeper
+
+    def sleep(self, level: int = 1, drain: bool = False, timeout: float | None = None) -> dict:
+        """Release device memory: the KV cache (cached prefixes go to the host tier when there
+        is one) and the weights (level 1: host copy kept; 2: dropped). Refused
+        (:class:`~xllm_vmm.weights.SleepRefused`) while requests run, unless ``drain``: then
+        the engine steps until they finish (at most ``timeout`` seconds). Needs weights in the
+        pool (W-02: :class:`~xllm_vmm.weights.WeightVmmRequired`)."""
+        from xllm_vmm.weights import SleepRefused
+
+        ctl = self._controller()
+        if self.has_unfinished_requests():
+            if not drain:
+                raise SleepRefused(self.num_running + self.num_waiting)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while self.has_unfinished_requests():
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise SleepRefused(self.num_running + self.num_waiting)
+                self.step()
+        rep = ctl.sleep(level, busy=0)
+        return {"level": rep.level, "state": rep.state, "bytes_freed": rep.bytes_freed,
+                "kv_bytes_freed": rep.tenants_bytes_freed, "host_bytes_freed": rep.host_bytes_freed,
+                "seconds": rep.seconds}
+
+    def wake_up(self) -> dict:
+        """Map the weights back (host copy or checkpoint) and allow KV pages again. Idempotent."""
+        rep = self._controller().wake_up()
+        return {"state": rep.state, "source": rep.source, "bytes_mapped": rep.bytes_mapped,
+                "seconds": rep.seconds}
+
+    def is_sleeping(self) -> bool:
+        return self._sleeper is not None and self._sleeper.is_sleeping()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; returns the device blocks dropped."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def fork(self) -> LLMEngine:
+        """Another engine over the same weight pages (no byte copied or mapped: weights VMM,
+        W-02) with its own pool for its KV cache on the same driver, the same flags and plan."""
+        from xllm_vmm.weights import require_weight_vmm
+
+        w = require_weight_vmm(self.weights, "fork").fork()
+        sized = _Sized(self.config, self.plan, self.max_model_len, self.warnings)
+        return _build(type(self), sized, self.model_dir, self._opts, self.is_demo,
+                      weights=w, driver=self.driver)
+
+    _opts: dict[str, Any] = {}
+
+    def shutdown(self) -> None:
+        """Abort everything and release the worker, the cache, the weights, the pool and the
+        driver (a fork's driver stays with its parent). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for rid in list(self.scheduler.requests):
+            self.scheduler.abort(rid)
+        close = getattr(self.worker, "close", None)
+        if close is not None:
+            close()
+        self.kv_cache_manager.close()
+        wclose = getattr(self.weights, "close", None)
+        if wclose is not None:
+            wclose()
+        self.pool.close()
+        if self._owns_driver:
+            self.driver.close()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+# -- construction helpers ------------------------------------------------------------------
+class _Sized:
+    def __init__(self, cfg: Any, plan: Any, max_model_len: int, warnings: list) -> None:
+        self.cfg, self.plan, self.max_model_len, self.warnings = cfg, plan, max_model_len, warnings
+
+
+def _device_kind(cfg: Any) -> tuple[str, int]:
+    """(driver kind, device index) from the ``devices`` flag (one device: tp_size 1)."""
+    from xllm_vmm.config import ConfigError, Finding
+
+    text = str(cfg["devices"] or "").strip().lower()
+    if text in ("", "auto", "cpu"):
+        return "host", 0
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if len(parts) != 1 or int(cfg["tp_size"]) != 1:
+        raise ConfigError([Finding(
+            "CFG-CONFLICT", "error", f"devices={cfg['devices']}: this engine runs one worker "
+            "(tp_size=1, one device); several workers come with tensor parallelism",
+            flags={"devices": cfg["devices"], "tp_size": cfg["tp_size"]},
+            hint="list one device, e.g. devices=cpu or devices=cuda:0")])
+    kind, _, idx = parts[0].partition(":")
+    return {"cuda": "cuda", "npu": "acl"}.get(kind, kind), int(idx or 0)
+
+
+def _parse_memory(value: Any) -> int:
+    from xllm_vmm.config import ConfigError, Finding
+    from xllm_vmm.config.values import parse_size
+
+    try:
+        n = value if isinstance(value, int) and not isinstance(value, bool) else parse_size(str(value))
+    except ValueError:
+        n = -1
+    if n <= 0:
+        raise ConfigError([Finding("CFG-TYPE", "error", f"device_memory={value!r} is not a "
+                                   "positive size", flags={"device_memory": value},
+                                   hint="give bytes or a size such as 2GiB")])
+    return int(n)
+
+
+def _size(cfg: Any, model_dir: str, opts: dict[str, Any]) -> _Sized:
+    """Rules + plan (module docstring, steps 1 and 2)."""
+    from xllm_vmm.config import ConfigError, Finding
+    from xllm_vmm.models import ModelConfigError, load_model_spec
+    from xllm_vmm.planner.checks import Memory, check_sizing, host_memory
+
+    try:
+        spec = load_model_spec(model_dir)
+    except ModelConfigError as e:
+        raise ConfigError([Finding("CFG-MODEL", "error", f"model {model_dir!r}: {e}",
+                                   flags={"model": model_dir}, hint=getattr(e, "hint", ""))]) from None
+    kind, index = _device_kind(cfg)
+    if opts.get("device_memory") is not None:
+        total = _parse_memory(opts["device_memory"])
+    elif kind == "host":
+        total = DEFAULT_HOST_DEVICE_MEMORY
+    else:  # a real device: its total memory
+        from xllm_vmm.vmm import open_driver
+
+        d = open_driver(kind, device_index=index)
+        try:
+            total = d.mem_info().total
+        finally:
+            d.close()
+    user_len = opts.get("max_model_len")
+    if user_len is not None and (not isinstance(user_len, int) or user_len < 2):
+        raise ConfigError([Finding("CFG-TYPE", "error", f"max_model_len={user_len!r} must be an "
+                                   "integer of at least 2 tokens", flags={"max_model_len": user_len})])
+    ctx = user_len or spec.max_position_embeddings or 2048
+    dev = Memory(total, "device_memory") if total is not None else None
+    host = host_memory()
+
+    def plan_for(length: int):
+        try:
+            return check_sizing(cfg, device=dev, host=host, spec=spec, always_plan=True,
+                                context_len=length, runtime_overhead_bytes=0 if kind == "host" else None,
+                                device_name="cpu" if kind == "host" else kind)
+        except ModelConfigError as e:
+            raise ConfigError([Finding("CFG-CONFLICT", "error", str(e), hint=getattr(e, "hint", ""))]) from None
+
+    checked = plan_for(ctx)
+    report = checked.report
+    from xllm_vmm.planner.sizing import SERVE_ERROR_RULES
+
+    errors = [f for f in report.findings if f.severity == "error" or f.id in SERVE_ERROR_RULES]
+    if errors:
+        raise ConfigError(errors)
+    plan = checked.plan
+    if (user_len is None and plan is not None and not plan.fits and plan.max_context_len
+            and any(r.code == "CONTEXT" for r in plan.reasons)):
+        ctx = min(ctx, plan.max_context_len)
+        checked = plan_for(ctx)
+        plan = checked.plan
+    if plan is None or plan.layout is None or not plan.fits:
+        reasons = [r for r in (plan.reasons if plan is not None else []) if r.severity == "error"]
+        raise ConfigError([Finding(r.code, "error", r.message, hint=r.hint) for r in reasons]
+                          or [Finding("MEMORY", "error", "the configuration cannot be sized")])
+    return _Sized(report.resolved, plan, ctx, [f for f in report.findings if f.severity == "warning"])
+
+
+def _build(cls: type, sized: _Sized, model_dir: str, opts: dict[str, Any], is_demo: bool,
+           *, weights: Any = None, driver: Any = None) -> LLMEngine:
+    """Driver → pool → weights → KV cache manager → worker (module docstring, step 3)."""
+    from xllm_vmm.engine.tokenizer import Tokenizer
+    from xllm_vmm.engine.worker import Worker, resolve_dtype
+    from xllm_vmm.kvcache import build_kv_cache_manager
+    from xllm_vmm.pool import BudgetConfig, VmmPool
+    from xllm_vmm.pool.budget import BudgetMode
+    from xllm_vmm.vmm import open_driver
+    from xllm_vmm.weights import load_weights
+
+    cfg, plan = sized.cfg, sized.plan
+    wp = plan.workers[0]
+    vmm_kv = bool(cfg["enable_vmm_kvcache"])
+    vmm_w = bool(cfg["enable_vmm_weights"])
+    elastic = vmm_kv and bool(cfg["vmm_elastic"])
+    kind, index = _device_kind(cfg)
+    owns = driver is None
+    if driver is None:
+        total = plan.inputs.device_memory_bytes
+        outside = wp.weights_bytes if (kind == "host" and not vmm_w) else 0
+        driver = open_driver(kind, device_index=index,
+                             device_memory=total - outside if kind == "host" else None)
+    mode = BudgetMode.ELASTIC if elastic else (BudgetMode.FIXED if vmm_kv else BudgetMode.PHYSICAL)
+    page = driver.granularity
+    arena = wp.arena_bytes if vmm_kv else wp.kv_pool_bytes
+    if vmm_w and weights is None and not plan.inputs.shared_pool:
+        arena += -(-wp.weights_bytes // page) * page
+    arena = max(arena, page)
+    budget = BudgetConfig(mode=mode, max_memory_utilization=float(cfg["max_memory_utilization"]),
+                          max_cache_size=int(cfg["max_cache_size"]),
+                          reserve_bytes=int(cfg["vmm_memory_reserve_bytes"]),
+                          execution_peak_bytes=wp.execution_peak_bytes)
+    pool = mgr = worker = None
+    own_weights = weights is None
+    try:
+        pool = VmmPool(driver, budget, arena)
+        from xllm_vmm.engine.models.config import ModelConfig
+
+        dtype = resolve_dtype(opts.get("dtype", "auto"), ModelConfig.from_dir(model_dir).dtype)
+        if weights is None:
+            weights = load_weights(model_dir, pool=pool if vmm_w else None, dtype=dtype)
+        from xllm_vmm.kvcache import fit_tokens
+
+        if elastic:  # the virtual size: the plan's arena for the KV cache
+            kv_arena = wp.arena_bytes - (wp.weights_bytes if plan.inputs.shared_pool else 0)
+            max_tokens = fit_tokens(plan.layout, page, kv_arena)
+        elif vmm_kv:
+            max_tokens = wp.kv_capacity_tokens
+        else:  # physical: the plan counts blocks, the cache maps whole pages per tensor
+            max_tokens = min(wp.kv_capacity_tokens, fit_tokens(plan.layout, page, wp.kv_pool_bytes))
+        mgr = build_kv_cache_manager(
+            pool, plan.layout, enable_prefix_cache=bool(cfg["enable_prefix_cache"]),
+            host_blocks_factor=float(cfg["host_blocks_factor"]) if vmm_kv else 0.0,
+            max_tokens=max_tokens, hash_seed=int(cfg["xxh3_128bits_seed"]))
+        worker = Worker.create(model_dir, pool=pool, kv_cache=mgr.cache, dtype=dtype,
+                               weights=weights,
+                               attention_backend=opts.get("attention_backend", "auto"))
+        tok = Tokenizer.from_dir(model_dir)
+    except BaseException:
+        if worker is not None:
+            worker.close()
+        if mgr is not None:
+            mgr.close()
+        if own_weights and weights is not None and hasattr(weights, "close"):
+            weights.close()
+        if pool is not None:
+            pool.close()
+        if owns:
+            driver.close()
+        raise
+    seed = opts.get("seed")
+    if seed is None:
+        seed = int(cfg["random_seed"])
+    name = str(cfg["model_id"] or "") or ("xllm-vmm-demo" if is_demo else Path(model_dir).name)
+    eng = cls(model_dir=model_dir, model_name=name, config=cfg, plan=plan, driver=driver,
+              pool=pool, weights=weights, mgr=mgr, worker=worker, tokenizer=tok,
+              max_model_len=sized.max_model_len, seed=None if seed < 0 else seed,
+              warnings=sized.warnings, is_demo=is_demo, owns_driver=owns)
+    eng._opts = dict(opts)
+    return eng
+
+
+__all__ = ["DEFAULT_HOST_DEVICE_MEMORY", "ENGINE_OPTIONS", "LLMEngine", "child_request_id"]
