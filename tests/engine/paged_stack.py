@@ -30,7 +30,7 @@ class PagedStack:
         if kv_dtype is None:
             kv_dtype = dtype if isinstance(dtype, str) and dtype != "auto" else "auto"
         self.layout = cache_layout(spec, block_size=block_size, kv_dtype=kv_dtype)
-        if driver == "acl":
+        if driver == "acl":  # the bundled ACL emulation ("npu": a real NPU through libascendcl)
             self.driver = open_driver("acl", library="emulation", device_memory=512 * MiB)
         else:
             self.driver = open_driver(driver, device_memory=512 * MiB)
