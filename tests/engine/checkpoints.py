@@ -251,3 +251,43 @@ def hf_greedy(model_dir_or_model, prompt_ids: list[int], max_new_tokens: int) ->
                              max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                              eos_token_id=None, pad_token_id=token_id(EOS))
     return out[0, len(prompt_ids):].tolist()
+
+
+# --- issue 15: MLA and hybrid families (appended; helper F) ---------------------------------
+
+FAMILIES["deepseek_v3"] = dict(
+    architectures=["DeepseekV3ForCausalLM"], rope_theta=10000.0, num_key_value_heads=4,
+    q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+    n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+    first_k_dense_replace=1, moe_intermediate_size=32, routed_scaling_factor=2.5,
+    norm_topk_prob=True, rope_interleave=True)
+
+
+def _rewrite_tensors(model_dir: Path, edit) -> None:
+    """Apply ``edit(name, tensor) -> tensor`` to every tensor of a single-file checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(model_dir) / "model.safetensors"
+    tensors = load_file(str(path))
+    save_file({k: edit(k, v).contiguous() for k, v in tensors.items()}, str(path),
+              metadata={"format": "pt"})
+
+
+def deepseek_v3_checkpoint(out_dir, *, seed: int = 0, **kw) -> Path:
+    """DeepSeek-V3: MLA (q LoRA 32, kv LoRA 32, rope 8 interleaved, nope 16, v 16), layer 0
+    dense, layer 1 MoE (8 routed experts in 2 groups, top-2 from 1 group, 1 shared expert,
+    scaling 2.5). The router's ``e_score_correction_bias`` (a buffer transformers leaves at 0)
+    is drawn too, so the routing test sees it."""
+    import torch
+
+    out = build_checkpoint(out_dir, "deepseek_v3", seed=seed, **kw)
+    gen = torch.Generator().manual_seed(seed + 15)
+
+    def edit(name, t):
+        if name.endswith("e_score_correction_bias"):
+            return 0.3 * torch.randn(t.shape, generator=gen, dtype=t.dtype)
+        return t
+
+    if kw.get("max_shard_size") is None:
+        _rewrite_tensors(out, edit)
+    return out

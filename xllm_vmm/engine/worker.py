@@ -139,12 +139,17 @@ class Worker:
         if model.dtype != compute_dtype:
             raise ValueError(f"the weights are {model.dtype}, the worker was asked for "
                              f"{compute_dtype}; load them with dtype={compute_dtype}")
-        heads_kv = max(1, cfg.num_kv_heads // tp.world_size)
-        views = KVCacheViews(kv_cache, num_layers=cfg.num_layers, num_kv_heads=heads_kv,
-                             head_dim=cfg.head_dim, compute_dtype=compute_dtype)
-        backend = select_backend(attention_backend, views.geometry,
-                                 num_heads=cfg.num_heads // tp.world_size,
-                                 num_kv_heads=heads_kv, head_dim=cfg.head_dim, device=device)
+        make_kv = getattr(model, "make_kv", None)
+        if make_kv is not None:  # families with their own cache groups (MLA, hybrid; issue 15)
+            views, backend = make_kv(kv_cache, compute_dtype=compute_dtype,
+                                     attention_backend=attention_backend, device=device)
+        else:
+            heads_kv = max(1, cfg.num_kv_heads // tp.world_size)
+            views = KVCacheViews(kv_cache, num_layers=cfg.num_layers, num_kv_heads=heads_kv,
+                                 head_dim=cfg.head_dim, compute_dtype=compute_dtype)
+            backend = select_backend(attention_backend, views.geometry,
+                                     num_heads=cfg.num_heads // tp.world_size,
+                                     num_kv_heads=heads_kv, head_dim=cfg.head_dim, device=device)
         runner = ModelRunner(model, views, backend, device, check_loaded=check_loaded)
         return cls(model_dir=model_dir, model_spec=spec, hf_config=cfg, weights=weights,
                    model=model, kv_views=views, runner=runner, pool=pool, kv_cache=kv_cache,

@@ -5,8 +5,9 @@ Cache (see :mod:`xllm_vmm.models.layout`): tensor ``layer{i}.latent`` of group `
 per token, ``kv_lora_rank + qk_rope_head_dim`` elements — the normed compressed KV ``c`` (first
 ``kv_lora_rank``) followed by the rotated shared rope key ``k_rope`` — replicated on every
 worker (MLA has no KV heads to split). Geometry as :mod:`.kv` describes it for K/V tensors:
-``slots`` ``(S, Bps * block_size, L)`` for writes, ``blocks`` ``(S, Bps, block_size, L)`` for
-gathers, ``L`` = latent elements.
+``slots`` ``(S, Bps * block_size, L)`` for writes, ``blocks`` ``(S, Bps, block_size, L)``, and
+``rows`` (``g``-element rows, ``g = gcd(page elements, block elements)``) for gathers (one
+``index_select`` into a reused buffer), ``L`` = latent elements.
 
 Attention is computed in the *absorbed* form (DeepSeek-V2 §2.1.2): the layer folds the
 key up-projection into the query (``q_lat = W_uk^T q_nope``), so scores are
@@ -23,6 +24,7 @@ an offset gathering their blocks, padding entries of a block table never read) i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +46,7 @@ class PagedLatent:
 
     slots: Tensor  # (S, Bps * block_size, L)
     blocks: Tensor  # (S, Bps, block_size, L)
+    rows: Tensor  # (S * page_elems / g, g): the gather form (KVGeometry.block_rows)
 
 
 class LatentCacheViews:
@@ -71,8 +74,10 @@ class LatentCacheViews:
         elem = width // latent_dim
         self.dtype = kv_torch_dtype(elem, compute_dtype)
         bs, bps, page = geo.group.block_size, geo.blocks_per_slot, geo.page_bytes
-        self.geometry = KVGeometry(group, bs, bps, geo.num_blocks)
         page_elems = page // elem
+        g = math.gcd(page_elems, bs * latent_dim)
+        self.geometry = KVGeometry(group, bs, bps, geo.num_blocks, g, bs * latent_dim // g,
+                                   page_elems // g)
         driver = cache.pool.driver
         self.layers: list[PagedLatent] = []
         for i in range(num_layers):
@@ -86,7 +91,7 @@ class LatentCacheViews:
                                     (page_elems, latent_dim, 1))
             blocks = flat.as_strided((geo.num_slots, bps, bs, latent_dim),
                                      (page_elems, bs * latent_dim, latent_dim, 1))
-            self.layers.append(PagedLatent(slots, blocks))
+            self.layers.append(PagedLatent(slots, blocks, flat.view(-1, g)))
 
     def close(self) -> None:
         """Drop the views (the reservation can be released only once no view is alive)."""
@@ -112,6 +117,7 @@ class MLATorchBackend:
         self.device = device
         self._index = TorchSDPABackend(geometry, num_heads=num_heads, num_kv_heads=1,
                                        head_dim=latent_dim, device=device)
+        self._buffer: Tensor | None = None
 
     def prepare(self, step: StepInput) -> SDPAMetadata:
         """Per-step row / block indices (the same as the K/V backend's)."""
@@ -120,6 +126,21 @@ class MLATorchBackend:
     def write(self, kv: PagedLatent, latent: Tensor, meta: SDPAMetadata) -> None:
         """Store the step's new latents ``(T, L)`` into their slots (in place, in the arena)."""
         kv.slots.index_put_((meta.write_page, meta.write_off), latent.to(kv.slots.dtype))
+
+    def _gather(self, kv: PagedLatent, rows: Tensor, nb: int) -> Tensor:
+        """Latents of ``rows`` (whole blocks, ``nb`` per sequence) as ``(n_seqs, nb *
+        block_size, L)``, a view of a buffer reused across layers and steps (grown on demand)."""
+        import torch
+
+        g = self.geometry.row_elems
+        n = rows.numel()
+        buf = self._buffer
+        if buf is None or buf.numel() < n * g or buf.dtype != kv.rows.dtype:
+            size = max(n * g, 2 * (buf.numel() if buf is not None else 0))
+            buf = self._buffer = torch.empty(size, dtype=kv.rows.dtype, device=kv.rows.device)
+        dst = buf[:n * g].view(n, g)
+        torch.index_select(kv.rows, 0, rows, out=dst)
+        return dst.view(-1, nb * self.geometry.block_size, self.latent_dim)
 
     def _sdpa(self, q: Tensor, keys: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
         """``q`` (B, H, n, L), ``keys`` (B, N, L) -> (B, H, n, value_dim)."""
@@ -133,11 +154,9 @@ class MLATorchBackend:
     def attend(self, q: Tensor, latent: Tensor, kv: PagedLatent, meta: SDPAMetadata) -> Tensor:
         """Output ``(T, H, value_dim)`` in the latent space; ``latent`` are the step's own new
         latents (already written by :meth:`write`), used for chunks starting at position 0."""
-        bs, L = self.geometry.block_size, self.latent_dim
         out = q.new_empty((q.shape[0], self.num_heads, self.value_dim))
         if meta.decode_rows is not None:
-            bd, nb = meta.decode_pages.shape
-            keys = kv.blocks[meta.decode_pages, meta.decode_inpage].reshape(bd, nb * bs, L)
+            keys = self._gather(kv, meta.decode_block_rows, meta.decode_nb)
             o = self._sdpa(q[meta.decode_rows].unsqueeze(2), keys, meta.decode_mask, False)
             if meta.decode_all and not meta.prefills:
                 return o.squeeze(2)
@@ -147,9 +166,8 @@ class MLATorchBackend:
             if p.start == 0:
                 o = self._sdpa(qp, latent[p.q0:p.q1].unsqueeze(0), None, True)
             else:
-                nb = p.pages.shape[0]
-                keys = kv.blocks[p.pages, p.inpage].reshape(nb * bs, L)[:p.seq_len]
-                o = self._sdpa(qp, keys.unsqueeze(0), p.mask, False)
+                keys = self._gather(kv, p.rows, p.nb)[:, :p.seq_len]
+                o = self._sdpa(qp, keys, p.mask, False)
             out[p.q0:p.q1] = o[0].transpose(0, 1)
         return out
 
