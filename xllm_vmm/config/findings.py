@@ -27,12 +27,15 @@ INPUT_IDS = {
     "CFG-UNRESOLVED": "a value of a launch script that depends on what the script cannot know "
                       "here (an unset variable, the environment, $(command)): listed as not "
                       "checked, never an error",
+    "CFG-MODEL-CONFIG": "a --model directory here whose config.json holds what cannot be (a "
+                        "string for a number or a bool, KV heads that do not divide the heads, "
+                        "zero, negative or absurd sizes): unreadable input",
     "CFG-SHELL": "a line of a launch script that starts with --: a continuation of the launch "
                  "command broken by a comment or blank line, which the shell runs on its own",
 }
 
 #: Input findings that make the input unreadable (exit code 2 rather than 1).
-UNREADABLE_IDS = frozenset({"CFG-READ", "CFG-SYNTAX"})
+UNREADABLE_IDS = frozenset({"CFG-READ", "CFG-SYNTAX", "CFG-MODEL-CONFIG"})
 
 
 @dataclass(frozen=True)

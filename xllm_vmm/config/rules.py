@@ -854,11 +854,26 @@ def model_path_finding(cfg: ResolvedConfig, reason: str) -> Finding | None:
         why = reason
     except ModelConfigError as err:
         why = err.message + (f" ({err.source})" if err.source and err.source != ref else "")
+        if _has_config_json(ref):
+            # The model is here and its config.json holds what cannot be: unreadable input.
+            return Finding("CFG-MODEL-CONFIG", "error",
+                           f"CFG-MODEL-CONFIG: {err.message} ({err.source or ref})",
+                           flags={"model": cfg["model"]},
+                           sources={"model": cfg.provenance("model")},
+                           hint=err.hint, input=getattr(cfg, "label", ""))
     return Finding("CFG-MODEL", "warning",
                    f"CFG-MODEL: {cfg.describe('model')} is a local path but not a readable model "
                    f"directory here: {why}; its model rules are not checked",
                    flags={"model": cfg["model"]}, sources={"model": cfg.provenance("model")},
                    hint=hint, input=getattr(cfg, "label", ""))
+
+
+def _has_config_json(ref: str) -> bool:
+    import os
+
+    path = os.path.expanduser(ref.strip())
+    return os.path.isfile(os.path.join(path, "config.json")) or (
+        os.path.isfile(path) and path.endswith(".json"))
 
 
 def check_all(cfg: ResolvedConfig, **kwargs) -> Report:
