@@ -69,7 +69,8 @@ def load_model_weights(model_dir: str | Path, *, pool: VmmPool | None = None,
     """The one way the engine loads a checkpoint's tensors.
 
     Uses :func:`xllm_vmm.weights.load_weights` (``pool`` given: tensors view the arena; None:
-    plain tensors). Only when that package is not importable here, falls back to
+    plain tensors, moved to ``device`` when that is not the CPU). Only when that package is
+    not importable here, falls back to
     ``safetensors.torch.load_file`` over every ``*.safetensors`` of the directory (plain
     tensors, converted to ``dtype`` and moved to ``device``).
     """
@@ -78,7 +79,10 @@ def load_model_weights(model_dir: str | Path, *, pool: VmmPool | None = None,
     except ImportError:
         load_weights = None
     if load_weights is not None:
-        return load_weights(str(model_dir), pool=pool, dtype=dtype)
+        weights = load_weights(str(model_dir), pool=pool, dtype=dtype)
+        if pool is None and device != "cpu":  # plain tensors: the device's own copies
+            return {name: t.to(device) for name, t in weights.items()}
+        return weights
     if pool is not None:
         raise RuntimeError("weights in the VMM pool need xllm_vmm.weights, which is not available")
     from safetensors.torch import load_file
