@@ -1,5 +1,6 @@
 """Fixtures for the virtual KV cache tests: hand-made cache layouts, drivers, a fake slot
-backing with a slot budget, and a tiny fake retention policy (the prefix cache's interface)."""
+backing with a slot budget, and a stand-in for the prefix cache
+(retains, keeps an LRU, evicts before an allocation is retried)."""
 
 from __future__ import annotations
 
@@ -64,9 +65,11 @@ class FakeBacking:
         return self.move_ok
 
 
-class KeepAllPolicy:
-    """Keeps every block whose ref drops to 0 (unless ``keep`` is False); evicts in release
-    order (LRU), whole slots first when asked; records every call."""
+class KeepAll:
+    """Stands in for the prefix cache over a :class:`BlockAllocator`: while ``keep`` is set
+    every block it sees allocated is retained (so it becomes cached at ref 0); it keeps the
+    LRU of cached blocks from what ``free`` returns, and gives them up oldest first (whole
+    evictable slots first when asked), *before* an allocation is retried — never inside one."""
 
     def __init__(self, allocator=None, keep: bool = True) -> None:
         self.allocator = allocator
@@ -74,41 +77,39 @@ class KeepAllPolicy:
         self.lru: dict[tuple[str, int], None] = {}
         self.calls: list[tuple] = []
 
-    def on_zero_ref(self, group, block):
-        self.calls.append(("zero", group, block))
-        if self.keep:
-            self.lru[(group, block)] = None
-        return self.keep
+    def allocated(self, got):
+        if got is not None and self.keep:
+            for g, bs in got.items():
+                self.allocator.retain(g, bs)
+        return got
 
-    def on_revive(self, group, block):
-        self.calls.append(("revive", group, block))
-        del self.lru[(group, block)]
+    def free(self, blocks) -> None:
+        for g, bs in self.allocator.free(blocks).items():
+            for b in bs:
+                self.lru[(g, b)] = None
 
-    def num_evictable(self, group):
+    def touch(self, group, block) -> None:
+        if self.allocator.touch(group, block):
+            del self.lru[(group, block)]
+
+    def num_evictable(self, group) -> int:
         return sum(1 for g, _ in self.lru if g == group)
 
-    pinned: set = frozenset()  # (group, block) a "transfer" holds: compaction must not move
-
-    def can_move(self, group, block):
-        return (group, block) not in self.pinned
-
-    def on_move(self, group, moves):
-        self.calls.append(("move", group, dict(moves)))
+    def on_move(self, group, moves) -> None:
         self.lru = {(g, moves.get(b, b) if g == group else b): None for g, b in self.lru}
 
-    def evict(self, group, n_blocks, prefer_slot_emptying=True):
+    def evict(self, group, n_blocks, prefer_slot_emptying=True) -> int:
         self.calls.append(("evict", group, n_blocks, prefer_slot_emptying))
+        a = self.allocator
         out: list[int] = []
-        if prefer_slot_emptying and self.allocator is not None:
-            a = self.allocator
+        if prefer_slot_emptying:
             for (g, b) in list(self.lru):
                 if g != group or len(out) >= n_blocks or b in out:
                     continue
                 slot = a.slot_of(g, b)
-                if a.slot_live(g, slot) == 0:
-                    for bb in a.blocks_of_slot(g, slot):
-                        if (g, bb) in self.lru and bb not in out:
-                            out.append(bb)
+                if a.slot_evictable(g, slot):
+                    out.extend(bb for bb in a.blocks_of_slot(g, slot)
+                               if (g, bb) in self.lru and bb not in out)
         for (g, b) in list(self.lru):
             if len(out) >= n_blocks:
                 break
@@ -116,7 +117,33 @@ class KeepAllPolicy:
                 out.append(b)
         for b in out:
             del self.lru[(group, b)]
-        return out
+        a.release_cached(group, out)
+        return len(out)
+
+    def allocate(self, counts, near=None):
+        """``allocator.allocate``; on "not now" evict (the short groups' shortfall, then one
+        slot of every group at a time) and retry, as the manager does."""
+        a = self.allocator
+        got = a.allocate(counts, near)
+        if got is not None:
+            return self.allocated(got)
+        n = sum(self.evict(g, c - a.num_free_blocks(g)) for g, c in counts.items()
+                if c > a.num_free_blocks(g))
+        while True:
+            if n:
+                got = a.allocate(counts, near)
+                if got is not None:
+                    return self.allocated(got)
+            n = sum(self.evict(g, a.shape(g).blocks_per_slot) for g in a.group_names)
+            if not n:
+                return None
+
+    def release_all(self) -> None:
+        for name in self.allocator.group_names:
+            cached = [b for (g, b) in self.lru if g == name]
+            for b in cached:
+                del self.lru[(name, b)]
+            self.allocator.release_cached(name, cached)
 
 
 @pytest.fixture
@@ -125,7 +152,8 @@ def backing():
 
 def make(backing, slots=4, bps=4, draft=None, policy=None):
     """A BlockAllocator over ``backing``: group "attn" of ``slots`` slots of ``bps`` blocks,
-    optionally a "draft" group (``(slots, bps)``) and a retention ``policy`` wired to it."""
+    optionally a "draft" group (``(slots, bps)``); a :class:`KeepAll` ``policy`` is bound to
+    it."""
     from xllm_vmm.kvcache import BlockAllocator, GroupShape
 
     shapes = [GroupShape("attn", slots, bps)]
@@ -134,5 +162,4 @@ def make(backing, slots=4, bps=4, draft=None, policy=None):
     a = BlockAllocator(shapes, backing)
     if policy is not None:
         policy.allocator = a
-        a.set_retention(policy)
     return a

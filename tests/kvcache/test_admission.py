@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.kvcache.conftest import PAGE, KeepAllPolicy, toy_layout
+from tests.kvcache.conftest import PAGE, KeepAll, toy_layout
 from xllm_vmm.kvcache import Admission, SequenceSlots, VirtualKVCache, blocks_for_tokens
 from xllm_vmm.models.spec import CacheGroup, CacheLayout, CacheTensor, ResidentState
 from xllm_vmm.pool import BudgetConfig, VmmPool
@@ -64,23 +64,24 @@ def test_minimum_across_workers_with_unequal_capacity():
     assert (d.admit, d.worker) == (False, 1)
     assert adm.check_prefill(192).admit
     # the small worker fills up: its free blocks count, then nothing more
-    got = small.allocate({"attn": 11})
+    got = small.allocator.allocate({"attn": 11})
     assert got is not None and adm.available_tokens() == 16
-    big.allocate({"attn": 1})
+    big.allocator.allocate({"attn": 1})
     assert adm.available_tokens() == 16
 
 
 def test_free_blocks_and_evictable_blocks_count_as_available():
     lay = toy_layout(layers=2, blocks_per_page=4, block_size=16)
     _, c = worker(16, lay)  # two slots
-    p = KeepAllPolicy(c.allocator)
-    c.allocator.set_retention(p)
-    x = c.allocate({"attn": 5})["attn"]  # slot 0 full, slot 1 one block
-    adm = Admission([c])
-    assert adm.available_tokens() == 3 * 16  # the 3 free blocks of slot 1
-    c.free({"attn": x})  # all five cached (evictable)
-    assert adm.available_tokens() == 8 * 16
-    assert c.allocate({"attn": 8}) is not None  # evicts the cached blocks to get there
+    p = KeepAll(c.allocator)
+    x = p.allocate({"attn": 5})["attn"]  # slot 0 full, slot 1 one block
+    assert c.capacity({"attn": p.num_evictable("attn")}).fits({"attn": 3})
+    assert not c.capacity({"attn": p.num_evictable("attn")}).fits({"attn": 4})
+    p.free({"attn": x})  # all five cached (evictable)
+    cap = c.capacity({"attn": p.num_evictable("attn")})
+    assert cap.fits({"attn": 8}) and not cap.fits({"attn": 9})
+    assert not c.capacity().fits({"attn": 8})  # without the evictable count: 3 free blocks
+    assert p.allocate({"attn": 8}) is not None  # evicts the cached blocks to get there
 
 
 def test_sequence_slots_are_needed_for_a_new_sequence_but_not_for_growth():

@@ -1,11 +1,12 @@
 """BlockAllocator on a fake slot backing: exact block ids, slots, packing, release, the
-retention extension point (with a tiny fake policy), all-or-nothing across groups."""
+retained and pinned blocks, eviction only before a retried allocation (the prefix cache's
+stand-in does it), all-or-nothing across groups."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.kvcache.conftest import FakeBacking, KeepAllPolicy, make
+from tests.kvcache.conftest import FakeBacking, KeepAll, make
 from xllm_vmm.kvcache import BlockAllocator, BlockInfo, SlotInfo
 
 
@@ -105,111 +106,145 @@ def test_touch_adds_references_and_refuses_free_blocks(backing):
     (b,) = a.allocate({"attn": 1})["attn"]
     a.touch("attn", b)
     assert a.block_info("attn", b) == BlockInfo("attn", 0, 0, ref_count=2, cached=False)
-    a.free("attn", [b])  # one-group form
+    a.free({"attn": [b]})
     assert a.ref_count("attn", b) == 1
-    a.free("attn", [b])
+    a.free({"attn": [b]})
     with pytest.raises(ValueError, match="touch of free block 0 in group 'attn'"):
         a.touch("attn", b)
 
 
-# -- the retention extension point ---------------------------------------------------------
+# -- retained and pinned blocks; eviction before a retried allocation ----------------------
 
-def test_zero_ref_blocks_kept_by_the_policy_stay_allocated_and_mapped(backing):
-    p = KeepAllPolicy()
-    a = make(backing, policy=p)
+def test_retained_blocks_become_cached_at_zero_and_stay_mapped(backing):
+    a = make(backing)
     x = a.allocate({"attn": 3})["attn"]
-    a.free({"attn": x})
-    assert p.calls == [("zero", "attn", 0), ("zero", "attn", 1), ("zero", "attn", 2)]
+    a.retain("attn", x)
+    assert a.free({"attn": x}) == {"attn": [0, 1, 2]}  # what became cached, in order
     assert [a.is_cached("attn", b) for b in x] == [True, True, True]
     assert a.slot_info("attn", 0) == SlotInfo("attn", 0, True, live=0, cached=3, free=1)
     assert backing.active == {("attn", 0)}
-    assert a.num_evictable("attn") == 3
     # a new allocation takes the free block first, not the cached ones
     assert a.allocate({"attn": 1}) == {"attn": [3]}
     a.check_invariants()
 
 
 def test_touch_revives_a_cached_block(backing):
-    p = KeepAllPolicy()
-    a = make(backing, policy=p)
+    a = make(backing)
     x = a.allocate({"attn": 2})["attn"]
+    a.retain("attn", x)
     a.free({"attn": x})
-    a.touch("attn", 1)
-    assert p.calls[-1] == ("revive", "attn", 1)
-    assert a.block_info("attn", 1) == BlockInfo("attn", 1, 0, ref_count=1, cached=False)
+    assert a.touch("attn", 1) is True  # revived (the prefix cache drops it from its LRU)
+    assert a.touch("attn", 1) is False  # live: one more reference
+    assert a.block_info("attn", 1) == BlockInfo("attn", 1, 0, ref_count=2, cached=False,
+                                                retained=True)
     assert a.num_cached_blocks("attn") == 1 and a.num_live_blocks("attn") == 1
     a.check_invariants()
 
 
-def test_policy_saying_no_frees_the_block_and_releases_the_slot(backing):
-    p = KeepAllPolicy(keep=False)
-    a = make(backing, policy=p)
+def test_unretained_blocks_are_freed_and_the_slot_released(backing):
+    a = make(backing)
     x = a.allocate({"attn": 2})["attn"]
-    a.free({"attn": x})
+    assert a.free({"attn": x}) == {}
     assert a.active_slots("attn") == [] and backing.calls[-1] == ("deactivate", {"attn": [0]})
+    y = a.allocate({"attn": 2})["attn"]
+    a.retain("attn", y)
+    a.free({"attn": y})
+    assert a.unretain("attn", y) == 2  # cached, unpinned: freed now
+    assert a.active_slots("attn") == []
+    a.check_invariants()
 
 
-def test_shortage_evicts_what_the_policy_gives_up_and_retries():
-    b = FakeBacking(budget_slots=2)
-    p = KeepAllPolicy()
+def test_a_pinned_block_stays_until_unpinned_then_goes_unless_retained(backing):
+    a = make(backing)
+    x = a.allocate({"attn": 2})["attn"]
+    a.pin("attn", 0)
+    a.pin("attn", 1)
+    a.retain("attn", [1])
+    assert a.free({"attn": x}) == {"attn": [0, 1]}  # both kept: 0 pinned, 1 retained+pinned
+    with pytest.raises(ValueError, match="block 0 in group 'attn' is pinned by a transfer"):
+        a.release_cached("attn", [0])
+    assert a.compact().blocks_moved == 0  # pinned blocks never move
+    assert a.unpin("attn", 0) is True  # neither pinned nor retained any more: freed
+    assert a.unpin("attn", 1) is False and a.is_cached("attn", 1)  # still retained
+    with pytest.raises(ValueError, match="unpin of block 1 in group 'attn', which is not"):
+        a.unpin("attn", 1)
+    with pytest.raises(ValueError, match="pin of free block 0"):
+        a.pin("attn", 0)
+    a.check_invariants()
+
+
+def test_allocation_never_evicts_it_says_not_now_and_changes_nothing():
+    b = FakeBacking(budget_slots=1)
+    p = KeepAll()
     a = make(b, slots=4, bps=4, policy=p)
-    s0 = a.allocate({"attn": 4})["attn"]  # slot 0
-    s1 = a.allocate({"attn": 4})["attn"]  # slot 1
-    a.free({"attn": s1})  # slot 1: all cached, first in LRU
-    a.free({"attn": s0[:2]})  # slot 0: two cached, two live
-    # 3 blocks: no free block, budget full -> evict(attn, 3): the policy gives up slot 1 whole
-    got = a.allocate({"attn": 3})
-    assert ("evict", "attn", 3, True) in p.calls
+    x = p.allocate({"attn": 4})["attn"]
+    p.free({"attn": x[:3]})  # 0, 1, 2 cached; 3 live
+    assert a.allocate({"attn": 2}) is None  # the allocator alone: no eviction
+    assert [a.is_cached("attn", y) for y in x[:3]] == [True] * 3 and p.calls == []
+    a.check_invariants()
+
+
+def test_shortage_evicts_whole_slots_first_then_retries():
+    b = FakeBacking(budget_slots=2)
+    p = KeepAll()
+    a = make(b, slots=4, bps=4, policy=p)
+    s0 = p.allocate({"attn": 4})["attn"]  # slot 0
+    s1 = p.allocate({"attn": 4})["attn"]  # slot 1
+    p.free({"attn": s1})  # slot 1: all cached, first in LRU
+    p.free({"attn": s0[:2]})  # slot 0: two cached, two live
+    # 3 blocks: no free block, budget full -> evict(attn, 3): slot 1 goes whole
+    got = p.allocate({"attn": 3})
+    assert p.calls[0] == ("evict", "attn", 3, True)
     assert got == {"attn": [4, 5, 6]}  # slot 1 released, then mapped again, lowest ids first
-    assert a.evictions == 4
     assert [a.is_cached("attn", x) for x in (0, 1)] == [True, True]
     a.check_invariants()
 
 
 def test_eviction_of_blocks_in_a_live_slot_frees_positions_there():
     b = FakeBacking(budget_slots=1)
-    p = KeepAllPolicy()
+    p = KeepAll()
     a = make(b, slots=4, bps=4, policy=p)
-    x = a.allocate({"attn": 4})["attn"]
-    a.free({"attn": x[:3]})  # 0, 1, 2 cached; 3 live
-    assert a.allocate({"attn": 2}) == {"attn": [1, 0]}  # LRU 0, 1 evicted, reused LIFO
+    x = p.allocate({"attn": 4})["attn"]
+    p.free({"attn": x[:3]})  # 0, 1, 2 cached; 3 live
+    assert p.allocate({"attn": 2}) == {"attn": [1, 0]}  # LRU 0, 1 evicted, reused LIFO
     assert a.is_cached("attn", 2)
     a.check_invariants()
 
 
 def test_still_short_after_eviction_is_none_and_keeps_live_blocks():
     b = FakeBacking(budget_slots=1)
-    p = KeepAllPolicy()
+    p = KeepAll()
     a = make(b, slots=4, bps=4, policy=p)
-    x = a.allocate({"attn": 4})["attn"]
-    a.free({"attn": [x[0]]})
-    assert a.allocate({"attn": 4}) is None  # only one evictable block
+    x = p.allocate({"attn": 4})["attn"]
+    p.free({"attn": [x[0]]})
+    assert p.allocate({"attn": 4}) is None  # only one evictable block
     assert [a.ref_count("attn", y) for y in x[1:]] == [1, 1, 1]
     a.check_invariants()
 
 
-def test_other_groups_are_asked_when_the_short_group_has_nothing_to_give():
+def test_other_groups_give_up_slots_when_the_short_group_has_nothing():
     b = FakeBacking(budget_slots=2)
-    p = KeepAllPolicy()
+    p = KeepAll()
     a = make(b, slots=4, bps=4, draft=(4, 4), policy=p)
-    d = a.allocate({"draft": 4})["draft"]
+    d = p.allocate({"draft": 4})["draft"]
     a.allocate({"attn": 4})
-    a.free({"draft": d})  # the draft slot is all cached
-    assert a.allocate({"attn": 1}) == {"attn": [4]}
+    p.free({"draft": d})  # the draft slot is all cached
+    assert p.allocate({"attn": 1}) == {"attn": [4]}
     assert ("evict", "draft", 4, True) in p.calls
     assert a.active_slots("draft") == []
+    a.check_invariants()
 
 
-def test_release_cached_refuses_pinned_blocks(backing):
-    p = KeepAllPolicy()
-    a = make(backing, policy=p)
+def test_release_cached_refuses_live_blocks(backing):
+    a = make(backing)
     x = a.allocate({"attn": 2})["attn"]
+    a.retain("attn", x)
     a.free({"attn": [x[0]]})
     with pytest.raises(ValueError, match="block 1 in group 'attn' is live, not cached"):
         a.release_cached("attn", [0, 1])
     assert a.is_cached("attn", 0)
     a.release_cached("attn", [0])
-    assert a.slot_info("attn", 0).free == 3
+    assert a.slot_info("attn", 0).free == 3 and not a.is_retained("attn", 0)
 
 
 def test_near_keeps_a_sequences_blocks_in_its_own_slot(backing):
@@ -230,11 +265,11 @@ def test_decode_growth_out_of_a_full_slot_goes_to_the_roomiest_partial_slot(back
     a.free({"attn": [other[4]]})  # slot 2: 1 free (block 8), three live
     # near slot 0 is full: the roomiest partial slot (1) takes the block, most recently
     # freed first, not the one-block hole in slot 2; the next block follows it there
-    assert a.allocate_group("attn", 1, seq[-1]) == [6]
-    assert a.allocate_group("attn", 1, 6) == [5]
+    assert a.allocate({"attn": 1}, {"attn": seq[-1]})["attn"] == [6]
+    assert a.allocate({"attn": 1}, {"attn": 6})["attn"] == [5]
     # without a hint: the fullest partial slot (slots 1 and 2 have one free block each;
     # slot 2 got there first)
-    assert a.allocate_group("attn", 1) == [8]
+    assert a.allocate({"attn": 1})["attn"] == [8]
     assert a.num_active_slots("attn") == 3
     a.check_invariants()
 
@@ -257,8 +292,7 @@ def _snapshot(a, group="attn"):
             [list(b) for b in g.buckets], sorted(g.inactive), g.free_active, g.n_active)
 
 
-@pytest.mark.parametrize("form", ["one-group", "dict"])
-def test_a_double_free_late_in_the_list_undoes_what_the_pass_did(backing, form):
+def test_a_double_free_late_in_the_list_is_refused_before_anything_changes(backing):
     a = make(backing, slots=4, bps=4)
     x = a.allocate({"attn": 10})["attn"]  # slots 0, 1 full, slot 2: 8, 9
     a.free({"attn": [1, 5]})  # slots 0 and 1 in bucket 1 (slot 0 first)
@@ -267,10 +301,10 @@ def test_a_double_free_late_in_the_list_undoes_what_the_pass_did(backing, form):
     bad = [0, 2, 3, 4, 6, 7, 8, 9, 5]  # empties slots 0 and 2 ... then 5 is already free
     with pytest.raises(ValueError, match=r"free of block 5 in group 'attn' that holds no "
                                          r"reference \(double free\)"):
-        a.free("attn", bad) if form == "one-group" else a.free({"attn": bad})
+        a.free({"attn": bad})
     assert _snapshot(a) == before and backing.calls == calls
     # nothing moved: the fullest partial slot taken first is still slot 0, then slot 1
-    assert a.allocate_group("attn", 2) == [1, 5]
+    assert a.allocate({"attn": 2})["attn"] == [1, 5]
     a.check_invariants()
     assert x == list(range(10))
 
@@ -279,14 +313,14 @@ def test_free_of_shared_blocks_frees_each_when_its_last_reference_goes(backing):
     a = make(backing, slots=4, bps=4)
     a.allocate({"attn": 4})
     a.touch("attn", 1)  # block 1: two references
-    a.free("attn", (1, 0, 1))  # a tuple; block 1 reaches 0 at its second entry
+    a.free({"attn": (1, 0, 1)})  # a tuple; block 1 reaches 0 at its second entry
     assert [a.ref_count("attn", b) for b in range(4)] == [0, 0, 1, 1]
     assert a.slot_info("attn", 0).free == 2
     # most recently freed first: block 1 (freed after block 0)
-    assert a.allocate_group("attn", 2) == [1, 0]
+    assert a.allocate({"attn": 2})["attn"] == [1, 0]
     with pytest.raises(ValueError, match=r"block 2 in group 'attn': 2 frees, 1 references"):
-        a.free("attn", [2, 2])
-    a.free("attn", range(2, 4))  # any sequence of ints
+        a.free({"attn": [2, 2]})
+    a.free({"attn": range(2, 4)})  # any sequence of ints
     assert [a.ref_count("attn", b) for b in range(4)] == [1, 1, 0, 0]
     a.check_invariants()
 
@@ -296,24 +330,22 @@ def test_a_near_hint_outside_the_group_is_no_hint(backing):
     a.allocate({"attn": 12, "draft": 12})  # slots 0-2 full
     a.free({"attn": [0, 1, 2], "draft": [0, 1, 2]})  # slot 0: 3 free
     a.free({"attn": [4], "draft": [4]})  # slot 1: 1 free (the fullest partial slot)
-    assert a.allocate_group("attn", 1, 99) == [4]
+    assert a.allocate({"attn": 1}, {"attn": 99})["attn"] == [4]
     assert a.allocate({"attn": 1, "draft": 1}, {"attn": 99, "draft": 99}) == \
         {"attn": [2], "draft": [4]}
     a.check_invariants()
 
 
-@pytest.mark.parametrize("form", ["list", "dict"])
-def test_one_group_decode_growth_places_the_same_in_both_apis(backing, form):
-    """The dict API of a one-group allocator (VirtualKVCache's path, decode growth inline)
-    places exactly as allocate_group: near slot, roomiest out of a full one, out-of-group
-    hint = no hint = fullest."""
+@pytest.mark.parametrize("form", ["negative hint", "no hint"])
+def test_one_group_decode_growth_placement(backing, form):
+    """One-block growth of a one-group allocator: near slot, roomiest out of a full one,
+    out-of-group hint = no hint (a negative one too) = fullest."""
     a = make(backing, slots=4, bps=4)
 
     def grow(near=-1):
-        if form == "list":
-            return a.allocate_group("attn", 1, near)
-        got = a.allocate({"attn": 1}, {"attn": near} if near >= 0 else None)
-        return got["attn"]
+        if form == "negative hint" or near >= 0:
+            return a.allocate({"attn": 1}, {"attn": near})["attn"]
+        return a.allocate({"attn": 1})["attn"]
 
     a.allocate({"attn": 12})  # slots 0-2 full
     a.free({"attn": [4, 5, 6]})  # slot 1: 3 free

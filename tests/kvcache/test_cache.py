@@ -44,14 +44,14 @@ def test_slots_of_every_group_map_in_one_batched_call_and_release_at_once(driver
     d = driver_factory(64 * MiB)
     lay = toy_layout(layers=2, blocks_per_page=4, draft_blocks_per_page=8)
     pool, c = make_cache(d, lay, 256)
-    got = c.allocate({"attn": 5, "draft": 5})
+    got = c.allocator.allocate({"attn": 5, "draft": 5})
     assert got == {"attn": [0, 1, 2, 3, 4], "draft": [0, 1, 2, 3, 4]}
     s = pool.stats()
     assert (s.map_calls, s.pages_mapped_total) == (1, 2 * 4 + 2)  # 2 attn slots, 1 draft slot
     assert d.mem_info().free == 64 * MiB - 10 * PAGE
     assert all(c.check_mapped("attn", b) for b in got["attn"])
     assert not c.check_mapped("attn", 8)
-    c.free(got)
+    c.allocator.free(got)
     assert pool.stats().unmap_calls == 1 and pool.mapped_bytes == 0
     assert d.mem_info().free == 64 * MiB
     pool.close()
@@ -61,8 +61,8 @@ def test_budget_refusal_is_not_now_and_changes_nothing(driver_factory):
     d = driver_factory(24 * MiB)
     lay = toy_layout(layers=2, blocks_per_page=4, draft_blocks_per_page=8)
     pool, c = make_cache(d, lay, 256)
-    assert c.allocate({"attn": 8, "draft": 1})  # 2 attn slots (16 MiB) + 1 draft (4 MiB)
-    assert c.allocate({"attn": 1, "draft": 1}) is None  # a third attn slot needs 8 MiB
+    assert c.allocator.allocate({"attn": 8, "draft": 1})  # 2 attn slots (16 MiB) + 1 draft (4 MiB)
+    assert c.allocator.allocate({"attn": 1, "draft": 1}) is None  # a third attn slot needs 8 MiB
     assert c.allocator.num_live_blocks("draft") == 1
     assert pool.stats().failed_maps == 1
     c.allocator.check_invariants()
@@ -78,12 +78,12 @@ def test_fixed_cache_is_sized_by_the_ratio_and_activates_without_driver_calls(dr
     assert c.geometry["attn"].num_slots == 6  # 50 MiB -> 6 slots of 8 MiB
     assert d.mem_info().free == 52 * MiB
     calls = pool.stats().map_calls
-    x = c.allocate({"attn": 24})
+    x = c.allocator.allocate({"attn": 24})
     assert x["attn"] == list(range(24))
-    c.free(x)
+    c.allocator.free(x)
     assert pool.stats().map_calls == calls and pool.stats().unmap_calls == 0
     assert d.mem_info().free == 52 * MiB
-    assert c.allocate({"attn": 25}) is None
+    assert c.allocator.allocate({"attn": 25}) is None
     pool.close()
 
 
@@ -114,10 +114,10 @@ def test_copy_into_a_released_block_is_caught_on_the_sim_driver():
 
     d = SimDriver(64 * MiB)
     pool, c = make_cache(d, toy_layout(), 256)
-    (b,) = c.allocate({"attn": 1})["attn"]
+    (b,) = c.allocator.allocate({"attn": 1})["attn"]
     va = c.block_address("attn", 0, b)
     d.copy(va, 0x1000, 64, CopyKind.H2D)
-    c.free({"attn": [b]})
+    c.allocator.free({"attn": [b]})
     with pytest.raises(VmmNotMapped, match="destination not mapped"):
         d.copy(va, 0x1000, 64, CopyKind.H2D)
     pool.close()
@@ -134,12 +134,12 @@ _FAULT_CHILD = textwrap.dedent("""
     lay = toy_layout()
     pool = VmmPool(d, BudgetConfig(execution_peak_bytes=0), VirtualKVCache.arena_bytes(lay, PAGE, 256))
     c = VirtualKVCache.for_tokens(pool, lay, 256)
-    (b,) = c.allocate({{"attn": 1}})["attn"]
+    (b,) = c.allocator.allocate({{"attn": 1}})["attn"]
     va = c.block_address("attn", 0, b)
     ctypes.memset(va, 7, 64)
     assert ctypes.string_at(va, 2) == b"\\x07\\x07"
     print("written", flush=True)
-    c.free({{"attn": [b]}})
+    c.allocator.free({{"attn": [b]}})
     ctypes.memset(va, 7, 64)
     print("NOT FAULTED", flush=True)
 """)
@@ -172,30 +172,28 @@ def test_host_release_is_real_shared_memory_drops():
     d = open_driver("host", device_memory=128 * MiB)
     lay = toy_layout(layers=2, blocks_per_page=4)
     pool, c = make_cache(d, lay, 1024)
-    x = c.allocate({"attn": 16})["attn"]  # 4 slots × 4 pages = 32 MiB
+    x = c.allocator.allocate({"attn": 16})["attn"]  # 4 slots × 4 pages = 32 MiB
     for b in x:
         for t in range(4):
             ctypes.memset(c.block_address("attn", t, b), 1, PAGE // 4)
     held = _rss_shmem_kib()
-    c.free({"attn": x})
+    c.allocator.free({"attn": x})
     dropped = held - _rss_shmem_kib()
     assert dropped >= 30 * 1024, f"RssShmem dropped by {dropped} KiB, expected ~32 MiB"
     pool.close()
     d.close()
 
 
-def test_allocate_and_free_are_the_allocators_own_methods(driver_factory):
-    """The product's path is BlockAllocator.allocate/free with no call on top (what
-    `bench kvcache`'s alloc_vs_freelist_ratio measures); one group maps and releases."""
-    from xllm_vmm.kvcache import BlockAllocator
-
+def test_one_group_maps_and_releases_through_its_allocator(driver_factory):
+    """The cache is its allocator's slot backing: one batched map for a new slot, one unmap
+    when it empties; its allocate / free are the allocator's, called through (not rebound)."""
     d = driver_factory(64 * MiB)
     pool, c = make_cache(d, toy_layout(layers=1, blocks_per_page=4), 256)
-    assert c.allocate.__func__ is BlockAllocator.allocate and c.allocate.__self__ is c.allocator
-    assert c.free.__func__ is BlockAllocator.free and c.free.__self__ is c.allocator
-    seq = c.allocate({"attn": 3})["attn"]
+    assert "allocate" not in vars(c) and "free" not in vars(c)
+    seq = c.allocator.allocate({"attn": 3})["attn"]
     assert seq == [0, 1, 2] and pool.stats().map_calls == 1
-    assert c.allocate({"attn": 1}, {"attn": seq[-1]}) == {"attn": [3]}
-    c.free({"attn": seq + [3]})
+    assert c.allocator.allocate({"attn": 1}, {"attn": seq[-1]}) == {"attn": [3]}
+    c.allocator.free({"attn": seq + [3]})
     assert pool.mapped_bytes == 0 and pool.stats().unmap_calls == 1
+    assert c.allocate({"attn": 1}) == {"attn": [0]} and c.free({"attn": [0]}) == {}
     pool.close()

@@ -1,11 +1,11 @@
 """BlockAllocator.compact on a fake backing: exact moves, slots released, pins and exclusions,
-caps, a failed copy, several groups, and the policy hooks."""
+caps, a failed copy, several groups, cached and retained blocks."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.kvcache.conftest import FakeBacking, KeepAllPolicy, make
+from tests.kvcache.conftest import FakeBacking, KeepAll, make
 from xllm_vmm.kvcache import BlockAllocator, Compaction
 
 
@@ -46,28 +46,28 @@ def test_as_many_slots_as_free_blocks_allow_are_emptied(backing):
     a.check_invariants()
 
 
-def test_cached_blocks_move_with_their_flag_and_the_policy_follows(backing):
-    p = KeepAllPolicy()
+def test_cached_blocks_move_with_their_flags(backing):
+    p = KeepAll()
     a = make(backing, policy=p)
-    scattered(a)  # the freed blocks are cached: nothing is free, nothing to compact
+    x = p.allocate({"attn": 12})["attn"]
+    p.free({"attn": [0, 1, 2, 6, 7, 11]})  # cached: nothing is free, nothing to compact
     assert a.compact().blocks_moved == 0
-    a.release_cached("attn", [0, 1, 2, 6, 7, 11])
-    for (g, b) in [("attn", x) for x in (0, 1, 2, 6, 7, 11)]:
-        del p.lru[(g, b)]
-    a.free({"attn": [3]})  # block 3 is cached now (kept by the policy)
+    p.release_all()
+    p.free({"attn": [3]})  # block 3 is cached now (retained)
     c = a.compact()
     assert c.moves == {"attn": {3: 11}}
     assert a.is_cached("attn", 11) and not a.is_cached("attn", 3)
-    assert p.calls[-1] == ("move", "attn", {3: 11}) and ("attn", 11) in p.lru
-    assert a.slot_info("attn", 2).cached == 1
+    assert a.is_retained("attn", 11) and not a.is_retained("attn", 3)
+    p.on_move("attn", c.moves["attn"])  # the caller's index follows
+    assert ("attn", 11) in p.lru and a.slot_info("attn", 2).cached == 1
+    assert x == list(range(12))
     a.check_invariants()
 
 
 def test_pinned_and_excluded_blocks_stay_and_keep_their_slot(backing):
-    p = KeepAllPolicy(keep=False)
-    p.pinned = {("attn", 3)}
-    a = make(backing, policy=p)
+    a = make(backing)
     scattered(a)
+    a.pin("attn", 3)
     c = a.compact()  # slot 0 is pinned: slot 1 (2 blocks) goes instead
     assert c.released_slots == {"attn": (1,)} and sorted(c.moves["attn"]) == [4, 5]
     a.check_invariants()
@@ -117,13 +117,6 @@ def test_misuse_is_refused_with_what_to_do(backing):
         a.compact(["mla"])
     with pytest.raises(ValueError, match="max_blocks must be >= 0, got -1"):
         a.compact(max_blocks=-1)
-
-    class NoMovePolicy(KeepAllPolicy):
-        on_move = None
-
-    a.set_retention(NoMovePolicy())
-    with pytest.raises(TypeError, match="has no on_move"):
-        a.compact()
 
     class NoCopy:
         def activate(self, slots):

@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tests.kvcache.conftest import PAGE, KeepAllPolicy, toy_layout
+from tests.kvcache.conftest import PAGE, KeepAll, toy_layout
 from xllm_vmm.kvcache import Admission, VirtualKVCache
 from xllm_vmm.pool import BudgetConfig, VmmPool
 from xllm_vmm.vmm import CopyKind, open_driver
@@ -58,8 +58,7 @@ class CacheMachine(RuleBasedStateMachine):
         tokens = 8 * 4 * 12  # attn: 12 slots (2 pages each), draft: 24 slots
         self.pool = VmmPool(self.d, cfg, VirtualKVCache.arena_bytes(self.layout, PAGE, tokens))
         self.c = VirtualKVCache.for_tokens(self.pool, self.layout, tokens)
-        self.policy = KeepAllPolicy(self.c.allocator)
-        self.c.allocator.set_retention(self.policy)
+        self.policy = KeepAll(self.c.allocator)  # the prefix cache's stand-in
         self.adm = Admission([self.c])
         self.seqs: dict[int, tuple[int, dict[str, list[int]]]] = {}  # id -> (tokens, blocks)
         self.next_id = 0
@@ -75,7 +74,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.held_before = self.pool.held_bytes
         live_before = {(g, b) for _, blocks in self.seqs.values() for g, bs in blocks.items()
                        for b in bs}
-        got = self.c.allocate(counts)
+        got = self.policy.allocate(counts)  # evicts before a retry, never inside
         self._after_growth_check()
         for g, b in live_before:  # invariant 4: referenced blocks survive any eviction
             assert self.c.allocator.ref_count(g, b) >= 1
@@ -140,13 +139,13 @@ class CacheMachine(RuleBasedStateMachine):
     def finish(self, data):
         sid = data.draw(st.sampled_from(sorted(self.seqs)))
         _, blocks = self.seqs.pop(sid)
-        self.c.free(blocks)
+        self.policy.free(blocks)
 
     @precondition(lambda self: self.policy.lru)
     @rule(data=st.data())
     def hit_cached_block(self, data):
         g, b = data.draw(st.sampled_from(sorted(self.policy.lru)))
-        self.c.allocator.touch(g, b)
+        self.policy.touch(g, b)
         other = "draft" if g == "attn" else "attn"
         self.seqs[self.next_id] = (0, {g: [b], other: []})
         self.next_id += 1
@@ -165,6 +164,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert not c.error
         assert self.pool.held_bytes == held - c.bytes_released  # never maps anything
         for g, moves in c.moves.items():
+            self.policy.on_move(g, moves)
             for blocks in (bl for _, bls in self.seqs.values() for bl in (bls.get(g, ()),)):
                 blocks[:] = [moves.get(b, b) for b in blocks]
             old_tags = {b: self.tags.pop((g, b)) for b in moves if (g, b) in self.tags}
@@ -216,12 +216,8 @@ class CacheMachine(RuleBasedStateMachine):
         if self.sim:
             self.d._fail = {"create": [], "map": []}
         for _, blocks in self.seqs.values():
-            self.c.free(blocks)
-        for name in self.c.geometry:
-            cached = [b for (g, b) in list(self.policy.lru) if g == name]
-            for b in cached:
-                del self.policy.lru[(name, b)]
-            self.c.allocator.release_cached(name, cached)
+            self.policy.free(blocks)
+        self.policy.release_all()
         assert self._driver_bytes() == (0, 0)
         assert self.pool.stats().pages_in_use == 0
         self.pool.close()

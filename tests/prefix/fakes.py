@@ -1,11 +1,13 @@
-"""Small fakes for the prefix-cache tests: a page-aware block allocator that calls the retention
-policy exactly as the virtual KV cache does, a byte-backed "device", and a driver whose batched
-copies finish only when the test says so (or fail on demand)."""
+"""Small fakes for the prefix-cache unit tests: the real block allocator over a byte-backed
+fake "device" with a slot budget (eviction before a retried allocation, as the manager does),
+a driver whose batched copies finish only when the test says so (or fail on demand), and a
+unit-level request driver. The engine's path — the manager — is tested in
+``tests/kvcache/test_manager*.py`` and ``tests/prefix/test_stateful_real.py``."""
 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from xllm_vmm.vmm.driver import CopyKind, VmmError
 
@@ -16,133 +18,109 @@ class FakeGroup:
     num_slots: int  # virtual capacity in slots
     tensors: int = 2  # tensors per group (K and V)
     tensor_block_bytes: int = 16
-    ref: dict[int, int] = field(default_factory=dict)  # allocated block -> ref count
-    cached: set[int] = field(default_factory=set)
-    mapped: set[int] = field(default_factory=set)  # mapped slots
+
+
+class _GroupView:
+    """The old test-facing view of one group, computed from the real allocator's state."""
+
+    def __init__(self, alloc: "FakeAllocator", name: str) -> None:
+        self._a, self._n = alloc, name
+
+    @property
+    def ref(self) -> dict[int, int]:
+        """Allocated (live or cached) block -> ref count."""
+        a, n = self._a.allocator, self._n
+        return {b: a.ref_count(n, b) for s in a.active_slots(n) for b in a.blocks_of_slot(n, s)
+                if a.ref_count(n, b) or a.is_cached(n, b)}
+
+    @property
+    def cached(self) -> set[int]:
+        a, n = self._a.allocator, self._n
+        return {b for s in a.active_slots(n) for b in a.blocks_of_slot(n, s)
+                if a.is_cached(n, b)}
+
+    @property
+    def mapped(self) -> set[int]:
+        return set(self._a.allocator.active_slots(self._n))
 
 
 class FakeAllocator:
-    """Blocks ``slot * blocks_per_slot + i``. ``budget_slots`` caps the mapped slots over all
-    groups (the live budget). Allocation fills the fullest mapped slot first (best fit), then
-    maps a new slot; short of memory it asks the policy to evict (slot-emptying first)."""
+    """A real :class:`~xllm_vmm.kvcache.allocator.BlockAllocator` over a byte-backed fake
+    device whose mapped slots are capped at ``budget_slots`` over all groups (the live
+    budget). :meth:`allocate` does what the manager does: the allocator answers "not now",
+    then the prefix cache (``policy``) evicts — before the retry, never inside it."""
 
     def __init__(self, groups: dict[str, FakeGroup], budget_slots: int, policy=None) -> None:
-        self.groups = groups
+        from xllm_vmm.kvcache.allocator import BlockAllocator, GroupShape
+
+        self.spec = groups
         self.budget_slots = budget_slots
         self.policy = policy
         self.released_slots: list[tuple[str, int]] = []
         self.mapped_peak = 0
+        self._active: set[tuple[str, int]] = set()
+        self.allocator = BlockAllocator(
+            [GroupShape(n, g.num_slots, g.blocks_per_slot) for n, g in groups.items()], self)
+        self.groups = {n: _GroupView(self, n) for n in groups}
         # "device" memory: one buffer per group per tensor, capacity num_slots * bps blocks
         self.mem: dict[str, list[ctypes.Array]] = {}
         for name, g in groups.items():
             n = g.num_slots * g.blocks_per_slot * g.tensor_block_bytes
             self.mem[name] = [(ctypes.c_char * n)() for _ in range(g.tensors)]
 
+    # ---- SlotBacking
+    def activate(self, slots) -> bool:
+        n = sum(len(v) for v in slots.values())
+        if len(self._active) + n > self.budget_slots:
+            return False
+        for g, ss in slots.items():
+            self._active.update((g, s) for s in ss)
+        self.mapped_peak = max(self.mapped_peak, len(self._active))
+        return True
+
+    def deactivate(self, slots) -> None:
+        for g, ss in slots.items():
+            for s in ss:
+                self._active.remove((g, s))
+                self.released_slots.append((g, s))
+
     # ---- helpers
     def mapped_total(self) -> int:
-        return sum(len(g.mapped) for g in self.groups.values())
-
-    def _slot_occupancy(self, g: FakeGroup, slot: int) -> int:
-        lo = slot * g.blocks_per_slot
-        return sum(1 for b in range(lo, lo + g.blocks_per_slot) if b in g.ref)
-
-    def _free_positions(self, name: str) -> list[int]:
-        g = self.groups[name]
-        slots = sorted(g.mapped, key=lambda s: (-self._slot_occupancy(g, s), s))
-        out = []
-        for s in slots:
-            lo = s * g.blocks_per_slot
-            out.extend(b for b in range(lo, lo + g.blocks_per_slot) if b not in g.ref)
-        return out
+        return len(self._active)
 
     def available(self, name: str) -> int:
-        g = self.groups[name]
-        spare = min(self.budget_slots - self.mapped_total(), g.num_slots - len(g.mapped))
-        n = len(self._free_positions(name)) + max(0, spare) * g.blocks_per_slot
+        a = self.allocator
+        g = self.spec[name]
+        spare = min(self.budget_slots - self.mapped_total(), a.num_inactive_slots(name))
+        n = a.num_free_blocks(name) + max(0, spare) * g.blocks_per_slot
         if self.policy is not None:
             n += self.policy.num_evictable(name)
         return n
 
-    # ---- allocator API
     def allocate(self, name: str, n: int) -> list[int] | None:
-        g = self.groups[name]
-        for attempt in range(3):
-            got = self._try(name, n)
-            if got is not None:
-                for b in got:
-                    g.ref[b] = 1
-                return got
-            if self.policy is None:
-                return None
-            short = n - len(self._free_positions(name))
-            victims = self.policy.evict(name, short, prefer_slot_emptying=True)
-            if not victims:
-                return None
-            for b in victims:
-                assert g.ref.get(b) == 0, f"policy evicted block {b} with ref {g.ref.get(b)}"
-                assert self.policy.pin_count(name, b) == 0, f"policy evicted pinned block {b}"
-                g.cached.discard(b)
-                self._release(name, b)
-        return None
-
-    def _try(self, name: str, n: int) -> list[int] | None:
-        g = self.groups[name]
-        free = self._free_positions(name)
-        added = []
-        while len(free) < n:
-            new = [s for s in range(g.num_slots) if s not in g.mapped]
-            if self.mapped_total() >= self.budget_slots or not new:
-                g.mapped.difference_update(added)  # all or nothing, like the real pool
-                return None
-            g.mapped.add(new[0])
-            added.append(new[0])
-            self.mapped_peak = max(self.mapped_peak, self.mapped_total())
-            free = self._free_positions(name)
-        return free[:n]
-
-    def _release(self, name: str, b: int) -> None:
-        g = self.groups[name]
-        del g.ref[b]
-        slot = b // g.blocks_per_slot
-        if self._slot_occupancy(g, slot) == 0:
-            g.mapped.discard(slot)
-            self.released_slots.append((name, slot))
+        a = self.allocator
+        got = a.allocate({name: n})
+        if got is None and self.policy is not None:
+            short = n - a.num_free_blocks(name)
+            while self.policy.evict(name, max(short, 1), prefer_slot_emptying=True):
+                got = a.allocate({name: n})
+                if got is not None:
+                    break
+                short = n - a.num_free_blocks(name)
+        return None if got is None else got[name]
 
     def free(self, name: str, blocks) -> None:
-        g = self.groups[name]
-        for b in blocks:
-            assert g.ref.get(b, 0) > 0, f"free of block {b} with ref {g.ref.get(b)}"
-            g.ref[b] -= 1
-            if g.ref[b] == 0:
-                keep = self.policy is not None and self.policy.on_zero_ref(name, b)
-                if keep:
-                    g.cached.add(b)
-                else:
-                    self._release(name, b)
-
-    def touch(self, name: str, block: int) -> None:
-        g = self.groups[name]
-        assert block in g.ref, f"touch of unallocated block {block}"
-        if g.ref[block] == 0:
-            g.cached.discard(block)
-            g.ref[block] = 1
-            self.policy.on_revive(name, block)
-        else:
-            g.ref[block] += 1
-
-    def slot_of(self, name: str, block: int) -> int:
-        return block // self.groups[name].blocks_per_slot
-
-    def slot_live(self, name: str, slot: int) -> int:
-        g = self.groups[name]
-        lo = slot * g.blocks_per_slot
-        return sum(1 for b in range(lo, lo + g.blocks_per_slot) if g.ref.get(b, 0) > 0)
+        """A request's references dropped (unpublished blocks: no prefix cache needed)."""
+        self.allocator.free({name: list(blocks)})
 
     # ---- addresses (BlockAddresses)
     def block_segments(self, name: str, block: int):
-        g = self.groups[name]
-        assert block in g.ref, f"address of unallocated block {block} (invariant 1)"
-        assert block // g.blocks_per_slot in g.mapped, f"block {block} on an unmapped slot"
+        a = self.allocator
+        g = self.spec[name]
+        assert a.ref_count(name, block) or a.is_cached(name, block), \
+            f"address of unallocated block {block} (invariant 1)"
+        assert (name, block // g.blocks_per_slot) in self._active, \
+            f"block {block} on an unmapped slot"
         return [(ctypes.addressof(t) + block * g.tensor_block_bytes, g.tensor_block_bytes)
                 for t in self.mem[name]]
 
@@ -272,8 +250,9 @@ class Runner:
         self.prefix.publish(req.blocks, req.hashes[first:], first_block=first)
 
     def finish(self, req) -> None:
-        self.prefix.release(req.blocks)
+        hashes = self.prefix.release(req.blocks)
         if self.host is not None:
+            self.host.offload(hashes)
             self.host.step()
 
 
@@ -284,3 +263,5 @@ class Req:
     blocks: dict
     hit: int
     restore: object = None
+    rid: str = ""  # the manager's request id (real stack)
+    host: int = 0  # blocks restored from the host tier (real stack)

@@ -1,5 +1,5 @@
-"""Helpers to run the prefix cache and host tier over a real VirtualKVCache on a real driver
-(the host driver; the ACL emulation where it can be opened)."""
+"""Helpers to run the manager's stack (prefix cache, host tier, VirtualKVCache) on a real
+driver (the host driver; the ACL emulation where it can be opened), through its verbs."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import ctypes
 import pytest
 
 from tests.prefix.fakes import Req  # one request record for the fake and the real stack
-from xllm_vmm.kvcache import VirtualKVCache
+from xllm_vmm.kvcache import build_kv_cache_manager
 from xllm_vmm.kvcache.hashing import block_hashes
-from xllm_vmm.kvcache.prefix_setup import attach_host_tier, attach_prefix_cache
 from xllm_vmm.models.spec import CacheGroup, CacheLayout, CacheTensor
 from xllm_vmm.pool.budget import BudgetConfig, BudgetMode
 from xllm_vmm.pool.pool import VmmPool
@@ -108,9 +107,31 @@ class StepCopies:
         self.complete(len(self._queue))
 
 
+class RestoreView:
+    """A request's host restore as the tests look at it, through the manager's verbs."""
+
+    def __init__(self, stack: "Stack", req: Req) -> None:
+        self._s, self._req = stack, req
+        self.num_blocks = req.host
+
+    def done(self) -> bool:
+        return self._s.mgr.ready(self._req.rid)
+
+    def wait(self) -> bool:
+        """Runs the copies until the request is ready; ``True`` when the restore succeeded."""
+        m = self._s.mgr
+        while not m.ready(self._req.rid):
+            m.host.wait_all()
+        return m.num_computed_tokens(self._req.rid) == (self._req.hit + self.num_blocks) * BS
+
+    def cancel(self) -> None:
+        """Nothing to do: :meth:`Stack.finish` (the manager's ``free``) cancels it."""
+
+
 class Stack:
-    """driver → pool (elastic, ``budget`` bytes quota) → VirtualKVCache → PrefixCache →
-    HostTier."""
+    """driver → pool (elastic, ``budget`` bytes quota) → the manager's stack, built by
+    :func:`build_kv_cache_manager` (VirtualKVCache → PrefixCache → HostTier). Requests go
+    through the manager's verbs."""
 
     def __init__(self, kind: str, layout: CacheLayout, *, budget: int, max_tokens: int,
                  host_factor: float = 0.0, step_copies: bool = False) -> None:
@@ -120,17 +141,21 @@ class Stack:
         self.pool = VmmPool(self.driver, BudgetConfig(mode=BudgetMode.ELASTIC,
                                                       max_cache_size=budget,
                                                       execution_peak_bytes=0), 128 * MiB)
-        self.cache = VirtualKVCache.for_tokens(self.pool, layout, max_tokens)
-        self.prefix = attach_prefix_cache(self.cache)
         self.copies = StepCopies(self.driver) if step_copies else None
-        self.host = attach_host_tier(self.cache, self.prefix, self.copies or self.driver,
-                                     host_factor, populate=False)
-        self.groups = self.prefix.group_names
+        self.mgr = build_kv_cache_manager(self.pool, layout, enable_prefix_cache=True,
+                                          host_blocks_factor=host_factor,
+                                          max_tokens=max_tokens,
+                                          driver=self.copies or self.driver,
+                                          host_populate=False, compact=False)
+        self.cache = self.mgr.cache
+        self.prefix = self.mgr.prefix
+        self.host = self.mgr.host
+        self.groups = self.mgr.group_names
         self._scratch = {}
+        self._n = 0
 
     def close(self) -> None:
-        if self.host is not None:
-            self.host.close()
+        self.mgr.close()
         self.pool.close()
         self.driver.close()
 
@@ -163,44 +188,38 @@ class Stack:
             out.append(bytes(buf))
         return b"".join(out)
 
-    # -- request lifecycle (what the engine does)
-    def start(self, tokens, *, restore: bool = True):
-        hashes = block_hashes(tokens, BS)
-        n_blocks = -(-len(tokens) // BS)
-        cap = (len(tokens) - 1) // BS
-        hit = self.prefix.lookup(hashes, max_blocks=cap)
-        self.prefix.acquire(hit)
-        need = n_blocks - hit.num_blocks
-        new = self.cache.allocate({g: need for g in self.groups}) if need else \
-            {g: [] for g in self.groups}
-        if new is None:
-            self.prefix.release({g: list(hit.blocks[g]) for g in self.groups})
+    # -- request lifecycle, through the manager (what the engine does)
+    def start(self, tokens):
+        """lookup + allocate of the whole prompt; ``None`` on "not now" (the hit dropped)."""
+        rid = f"r{self._n}"
+        self._n += 1
+        hit = self.mgr.lookup(rid, tokens)
+        t = self.mgr.allocate(rid, len(tokens) - hit.num_tokens, hit=hit)
+        if t is None:
+            self.mgr.drop(rid)
             return None
-        blocks = {g: list(hit.blocks[g]) + new[g] for g in self.groups}
-        r = None
-        if self.host is not None and restore:
-            m = self.host.match(hashes, hit.num_blocks, max_blocks=cap)
-            if m:
-                r = self.host.restore(hashes[hit.num_blocks:hit.num_blocks + m], hit.num_blocks,
-                                      {g: new[g][:m] for g in self.groups})
-                r.update(blocks)  # positions that joined another restore use its blocks
-        return Req(list(tokens), hashes, blocks, hit.num_blocks, r)
+        req = Req(list(tokens), block_hashes(tokens, BS), t, hit.num_device_tokens // BS)
+        req.rid = rid
+        req.host = hit.num_host_tokens // BS
+        if req.host:
+            req.restore = RestoreView(self, req)
+        return req
 
     def compute(self, req: Req) -> None:
+        """Wait for a restore, write every block not hit nor restored, commit the prompt."""
         first = req.hit
-        if req.restore is not None:
-            if req.restore.wait():
-                first += req.restore.num_blocks
+        if req.restore is not None and req.restore.wait():
+            first += req.restore.num_blocks
         for i in range(first, len(req.blocks[self.groups[0]])):
             seed = req.hashes[i] if i < len(req.hashes) else 12345
             for g in self.groups:
                 self.write(g, req.blocks[g][i], seed)
-        self.prefix.publish(req.blocks, req.hashes[first:], first_block=first)
+        self.mgr.commit(req.rid, len(req.tokens), req.tokens)
 
     def finish(self, req: Req) -> None:
-        self.prefix.release(req.blocks)
-        if self.host is not None:
-            self.host.step()
+        """free (cancels a restore in flight) + step (write-through submitted)."""
+        self.mgr.free(req.rid)
+        self.mgr.step()
 
     def expected(self, group: str, h: int) -> bytes:
         geo = self.cache.geometry[group]

@@ -1,5 +1,6 @@
-"""Compaction under the prefix cache: moved blocks keep their bytes, the index, LRU and slot
-bookkeeping follow the move (``PrefixCache.on_move``), pinned blocks stay put."""
+"""Compaction through the manager under the prefix cache: moved blocks keep their bytes, the
+index and LRU follow the move (``PrefixCache.on_move``), the manager rewrites the request's
+block table in place, pinned blocks stay put."""
 
 import pytest
 
@@ -15,13 +16,13 @@ def kind(request):
 
 def _sparse(s):
     """Slot 0 keeps only a's first block (7, cached); slot 1 holds a's blocks 8, 9 (cached)."""
-    filler = s.cache.allocate({"attn": 7})["attn"]
+    filler = s.mgr.allocate("filler", 7 * BS)["attn"]
     assert filler == list(range(7))
     a = s.start(toks(1, 2, 3))  # 13 tokens: 4 blocks, 7 | 8 9 10
     assert a.blocks["attn"] == [7, 8, 9, 10]
     s.compute(a)
     s.finish(a)  # 7, 8, 9 cached (published); 10 (partial) freed
-    s.cache.free({"attn": filler})
+    s.mgr.free("filler")  # never committed: freed
     assert s.pool.mapped_bytes == 8 * MiB
     return a
 
@@ -32,7 +33,7 @@ def test_moved_cached_block_is_byte_exact_and_a_hit_returns_the_new_id(kind):
         a = _sparse(s)
         before = s.read("attn", 7)
         assert before == s.expected("attn", a.hashes[0])
-        c = s.cache.compact()
+        c = s.mgr.compact()
         assert c.moves == {"attn": {7: 10}} and c.released_slots == {"attn": (0,)}
         assert c.bytes_copied == 2 * BS * (1 << 16) and c.bytes_released == 4 * MiB
         assert s.pool.mapped_bytes == 4 * MiB  # slot 0 released at once
@@ -62,7 +63,7 @@ def test_a_pinned_block_does_not_move_the_other_slot_empties_instead(kind):
     try:
         a = _sparse(s)
         s.prefix.pin("attn", 7)  # a transfer reads block 7
-        c = s.cache.compact()
+        c = s.mgr.compact()
         assert 7 not in c.moves["attn"] and sorted(c.moves["attn"]) == [8, 9]
         assert c.released_slots == {"attn": (1,)}
         new8, new9 = c.moves["attn"][8], c.moves["attn"][9]
@@ -78,16 +79,17 @@ def test_a_pinned_block_does_not_move_the_other_slot_empties_instead(kind):
         s.close()
 
 
-def test_live_blocks_move_and_the_caller_rewrites_its_table(kind):
+def test_live_blocks_move_and_the_manager_rewrites_the_table(kind):
     s = Stack(kind, flat_layout(), budget=16 * MiB, max_tokens=4 * 8 * BS)
     try:
-        filler = s.cache.allocate({"attn": 7})["attn"]
+        s.mgr.allocate("filler", 7 * BS)
         a = s.start(toks(1, 2, 3))  # live: 7 | 8 9 10
         s.compute(a)
-        s.cache.free({"attn": filler})
-        c = s.cache.compact()
+        s.mgr.free("filler")
+        table = s.mgr.block_tables(a.rid)["attn"]
+        c = s.mgr.compact()
         assert c.moves == {"attn": {7: 11}}
-        a.blocks["attn"] = [c.moves["attn"].get(b, b) for b in a.blocks["attn"]]
+        assert table == [11, 8, 9, 10] and a.blocks["attn"] is table  # rewritten in place
         assert s.cache.allocator.ref_count("attn", 11) == 1
         assert s.cache.allocator.ref_count("attn", 7) == 0
         assert s.read("attn", 11) == s.expected("attn", a.hashes[0])

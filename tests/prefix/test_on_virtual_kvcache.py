@@ -4,12 +4,8 @@ import pytest
 
 from xllm_vmm.kvcache.hashing import block_hashes
 from xllm_vmm.kvcache.host_pool import HostPoolTooLarge
-from xllm_vmm.kvcache.prefix_setup import (
-    HostTierUnsupported,
-    attach_host_tier,
-    attach_prefix_cache,
-    plan_host_pool,
-)
+from xllm_vmm.kvcache import build_kv_cache_manager
+from xllm_vmm.kvcache.prefix_setup import HostTierUnsupported, plan_host_pool
 from xllm_vmm.models.spec import CacheGroup, CacheLayout, CacheTensor, ResidentState
 from tests.prefix.real import BS, MiB, Stack, flat_layout, mla_index_layout, toks
 
@@ -101,15 +97,15 @@ def test_cancel_during_restore_keeps_blocks_until_the_copy_is_reaped(kind):
         s.prefix.reset()
         assert s.pool.mapped_bytes == 0
         b = s.start(toks(1, 2, 3))
-        r = b.restore
-        r.cancel()
-        s.prefix.release(b.blocks)  # the request is gone at once
+        assert b.restore is not None and not b.restore.done()
+        restored = list(b.blocks["attn"][:2])
+        s.mgr.free(b.rid)  # the request is gone at once, its restore in flight
         alloc = s.cache.allocator
-        for x in b.blocks["attn"][:2]:
+        for x in restored:
             assert alloc.is_cached("attn", x) and s.prefix.pin_count("attn", x) == 1
         assert s.pool.mapped_bytes == 4 * MiB  # the page under the copy stays mapped
         s.host.wait_all()
-        assert r.finished and r.ok
+        assert s.host.stats.restored_blocks == 2 and s.host.stats.restores_cancelled == 1
         assert s.prefix.lookup(a.hashes, record=False).num_blocks == 2  # valid, cached
         assert s.prefix.reset() == 2 and s.pool.mapped_bytes == 0  # nothing leaked
         alloc.check_invariants()
@@ -125,11 +121,33 @@ def test_host_pool_sizing_follows_device_capacity_hk06(kind):
         assert size.device_capacity_bytes == 16 * MiB
         assert (size.block_bytes, size.blocks, size.bytes) == (512 * 1024, 64, 32 * MiB)
         assert s.host.pool.capacity == 64
-        with pytest.raises(HostPoolTooLarge, match=r"needs 33554432 bytes .* only 1048576 bytes"):
-            attach_host_tier(s.cache, s.prefix, s.driver, 2.0, available_bytes=1 * MiB)
-        assert attach_host_tier(s.cache, s.prefix, s.driver, 1.0) is None
     finally:
         s.close()
+
+
+def test_factory_refuses_a_host_pool_too_large_hk07_and_keeps_none_at_factor_1(kind):
+    from xllm_vmm.pool.budget import BudgetConfig
+    from xllm_vmm.pool.pool import VmmPool
+    from tests.prefix.real import open_test_driver
+
+    d = open_test_driver(kind, 64 * MiB)
+    pool = VmmPool(d, BudgetConfig(max_cache_size=8 * MiB, execution_peak_bytes=0), 32 * MiB)
+    try:
+        with pytest.raises(HostPoolTooLarge, match=r"needs 33554432 bytes .* only 1048576 bytes"):
+            build_kv_cache_manager(pool, flat_layout(), enable_prefix_cache=True,
+                                   host_blocks_factor=2.0, max_tokens=4 * 8 * BS,
+                                   host_available_bytes=1 * MiB, host_populate=False)
+    finally:
+        pool.close()
+    pool = VmmPool(d, BudgetConfig(max_cache_size=8 * MiB, execution_peak_bytes=0), 32 * MiB)
+    try:
+        m = build_kv_cache_manager(pool, flat_layout(), enable_prefix_cache=True,
+                                   host_blocks_factor=1.0, max_tokens=4 * 8 * BS)
+        assert m.host is None  # HK-03: a factor of 1 or less keeps no host tier
+        m = None
+    finally:
+        pool.close()
+        d.close()
 
 
 def test_hk05_layouts_are_refused():

@@ -11,9 +11,9 @@ BS = 4
 
 def make(bps=4, slots=8, budget=8, groups=("attn",), hybrid=False):
     fg = {g: FakeGroup(blocks_per_slot=bps, num_slots=slots) for g in groups}
-    prefix = PrefixCache({g: 32 for g in groups}, BS, hybrid=hybrid)
-    alloc = FakeAllocator(fg, budget, prefix)
-    prefix.bind(alloc)
+    alloc = FakeAllocator(fg, budget)
+    prefix = PrefixCache(alloc.allocator, {g: 32 for g in groups}, BS, hybrid=hybrid)
+    alloc.policy = prefix
     return alloc, prefix, Runner(alloc, prefix, BS)
 
 
@@ -126,17 +126,13 @@ def _scattered():
     b = run.start(toks(5, 6, 7, 8, tail=0))
     run.compute(b)
     run.finish(b)
-    alloc.touch("attn", 0)  # a request holds block 0 again
+    prefix.touch("attn", 0)  # a request holds block 0 again
     assert prefix.lru_order("attn") == [3, 2, 1, 7, 6, 5, 4]
     return alloc, prefix
 
 
 def _evict_and_free(alloc, prefix, n, prefer):
-    victims = prefix.evict("attn", n, prefer_slot_emptying=prefer)
-    for b in victims:
-        alloc.groups["attn"].cached.discard(b)
-        alloc._release("attn", b)
-    return victims
+    return prefix.evict("attn", n, prefer_slot_emptying=prefer)  # frees them itself
 
 
 def test_plain_lru_eviction_frees_no_page_when_survivors_are_scattered():
@@ -147,7 +143,7 @@ def test_plain_lru_eviction_frees_no_page_when_survivors_are_scattered():
 
 def test_slot_emptying_eviction_gives_up_a_whole_slot_first():
     alloc, prefix = _scattered()
-    assert _evict_and_free(alloc, prefix, 2, prefer=True) == [7, 6, 5, 4]
+    assert _evict_and_free(alloc, prefix, 2, prefer=True) == [4, 5, 6, 7]  # slot 1 whole
     assert alloc.released_slots == [("attn", 1)] and alloc.mapped_total() == 1
     assert prefix.stats.evicted_slots_emptied == 1
     # nothing emptiable left: falls back to LRU
@@ -165,7 +161,7 @@ def test_pinned_blocks_are_never_evicted_and_return_to_lru_after_unpin():
     assert prefix.is_cached("attn", 1)
     prefix.unpin("attn", 1)
     assert prefix.lru_order("attn") == [1]
-    with pytest.raises(PrefixCacheError, match="not pinned"):
+    with pytest.raises(ValueError, match="not pinned"):
         prefix.unpin("attn", 1)
 
 
@@ -176,9 +172,8 @@ def test_pinned_unpublished_block_survives_release_until_unpinned():
     prefix.release(a.blocks)  # cancelled before computing: nothing was published
     assert alloc.groups["attn"].ref == {0: 0}
     assert prefix.num_evictable("attn") == 0
-    prefix.unpin("attn", 0)  # copy finished (failed): the block is an orphan
-    assert prefix.lru_order("attn") == [0]
-    assert prefix.release_orphans() == 1
+    prefix.unpin("attn", 0)  # copy finished (failed): nothing keeps it, freed at once
+    assert prefix.lru_order("attn") == []
     assert alloc.groups["attn"].ref == {} and alloc.mapped_total() == 0
 
 
@@ -203,10 +198,9 @@ def test_two_groups_hit_together_and_eviction_in_one_withdraws_both():
     assert prefix.lookup(block_hashes(toks(1, 2), BS), record=False).blocks == {
         "attn": (0, 1), "draft": (0, 1)}
     assert prefix.evict("draft", 1, prefer_slot_emptying=False) == [1]
-    # the hash of block 1 is gone from both groups; attn's block 1 is an orphan, first to go
+    # the hash of block 1 is gone from both groups; attn's block 1 is freed with it
     assert prefix.lookup(block_hashes(toks(1, 2), BS), record=False).num_blocks == 1
-    assert prefix.lru_order("attn")[0] == 1
-    assert prefix.release_orphans() == 1
+    assert prefix.lru_order("attn") == [0]
     assert sorted(alloc.groups["attn"].ref) == [0]
 
 

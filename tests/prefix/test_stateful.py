@@ -1,8 +1,7 @@
 """Property-based stateful test: random request streams with shared prefixes, cancellations,
-budget pressure and injected copy failures, over the prefix cache + host tier on fakes.
+budget pressure and injected copy failures, over the prefix cache + host tier on the real allocator over a fake device.
 
-Checked after every step: pinned blocks are never evicted (the fake allocator asserts it on
-every victim), blocks under a copy in flight stay allocated, the device and host indexes are
+Checked after every step: pinned blocks are never evicted (the allocator refuses it), blocks under a copy in flight stay allocated, the device and host indexes are
 consistent with the bytes they name, reference counts match the running requests (no leaks),
 the budget is respected; and at the end, with everything cancelled and drained, nothing is left.
 """
@@ -33,10 +32,10 @@ class PrefixMachine(RuleBasedStateMachine):
         super().__init__()
         fg = {g: FakeGroup(blocks_per_slot=2, num_slots=16, tensor_block_bytes=TBB)
               for g in GROUPS}
-        self.prefix = PrefixCache({g: 2 * TBB for g in GROUPS}, BS)
         self.budget = 6
-        self.alloc = FakeAllocator(fg, self.budget, self.prefix)
-        self.prefix.bind(self.alloc)
+        self.alloc = FakeAllocator(fg, self.budget)
+        self.prefix = PrefixCache(self.alloc.allocator, {g: 2 * TBB for g in GROUPS}, BS)
+        self.alloc.policy = self.prefix
         size = host_pool_size(6 * 2 * TBB * len(GROUPS), 1.5, 2 * TBB * len(GROUPS))
         self.pool = HostPool(size)
         self.driver = ManualDriver(auto_complete=False)
@@ -89,7 +88,7 @@ class PrefixMachine(RuleBasedStateMachine):
             return
         self.running.remove(req)
         self.computed.discard(id(req))
-        self.prefix.release(req.blocks)
+        self.tier.offload(self.prefix.release(req.blocks))
         self.tier.step()
 
     @precondition(lambda self: self.driver.transfers)
@@ -127,9 +126,8 @@ class PrefixMachine(RuleBasedStateMachine):
     @invariant()
     def budget_respected(self):
         assert self.alloc.mapped_total() <= max(self.alloc.budget_slots, self.budget)
-        for g in self.alloc.groups.values():
-            for slot in g.mapped:
-                assert self.alloc._slot_occupancy(g, slot) > 0, "empty slot left mapped"
+        a = self.alloc.allocator
+        a.check_invariants()  # among them: every active (mapped) slot holds a block
 
     @invariant()
     def references_match_running_requests(self):
@@ -165,7 +163,6 @@ class PrefixMachine(RuleBasedStateMachine):
             for h, b in grp.hash_to_block.items():
                 assert grp.block_hash[b] == h
                 assert b in self.alloc.groups[g].ref
-                exp = FakeAllocator.__new__(FakeAllocator)
                 data = self.alloc.read_block(g, b)
                 assert data == _expected(self.alloc, g, Runner.payload(h)), \
                     f"{g} block {b} does not hold the KV of its hash"
@@ -188,7 +185,6 @@ class PrefixMachine(RuleBasedStateMachine):
         self.tier.step()
         self.tier.wait_all()
         self.prefix.reset()
-        self.prefix.release_orphans()
         for g in GROUPS:
             assert self.alloc.groups[g].ref == {}, f"{g}: blocks leaked {self.alloc.groups[g].ref}"
             assert self.alloc.groups[g].mapped == set()
@@ -198,7 +194,7 @@ class PrefixMachine(RuleBasedStateMachine):
 
 
 def _expected(alloc, g, payload):
-    grp = alloc.groups[g]
+    grp = alloc.spec[g]
     out = []
     for i in range(grp.tensors):
         nb = grp.tensor_block_bytes

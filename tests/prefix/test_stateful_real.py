@@ -1,6 +1,9 @@
-"""The prefix-cache state machine over the real stack: host driver → elastic pool (a quota of
-two slots) → VirtualKVCache → PrefixCache → HostTier (write-through offload, restores), with
-real bytes, on the host driver and on the ACL emulation.
+"""The state machine over the KV cache manager on the real stack: host driver → elastic pool
+(a quota of two slots) → ``build_kv_cache_manager`` (VirtualKVCache, PrefixCache, HostTier:
+write-through offload, restores), with real bytes, on the host driver and on the ACL emulation.
+Requests go through the manager's verbs only: they arrive (lookup + allocate), are computed
+(commit), grow by decode tokens (allocate + commit), finish or are cancelled (free); host copies
+complete in random order; compaction runs (the manager rewrites the block tables).
 
 The host tier's asynchronous copies are queued and run (for real, through the driver's batched
 copy) only when the ``complete_copies`` rule says so — the oldest first, sometimes with an
@@ -12,8 +15,9 @@ Each computed block gets a tag derived from its hash (16 bytes at the start and 
 every tensor's part of the block, plus the tensor's index); copies to and from the host tier
 carry whole blocks, so the tags travel with them. Checked after every step: every block in the
 hash index holds the tags of its hash (the index is consistent with the contents), every block
-a running request holds — hits, restored and computed blocks alike — is still allocated and
-still holds its tags (pinned blocks are never evicted or overwritten), blocks under a copy in
+a running request holds — hits, restored and computed blocks alike, through its block table as
+the manager keeps it — is still allocated and still holds its tags (pinned blocks are never
+evicted or overwritten; compaction moves the data with the ids), blocks under a copy in
 flight stay allocated and pinned, the pool never maps beyond its quota; at teardown, with
 everything cancelled and drained, no block, mapping, handle or pin is left.
 """
@@ -24,6 +28,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from xllm_vmm.kvcache.hashing import block_hashes
 from xllm_vmm.vmm import CopyKind
 from tests.prefix.real import BS, MiB, Stack, flat_layout
 from tests._hyp import examples
@@ -75,16 +80,15 @@ class RealPrefixMachine(RuleBasedStateMachine):
         return True
 
     # ---- rules
-    @rule(sp=st.integers(0, len(SYSTEM_PROMPTS) - 1), suffix=st.integers(0, 2),
-          restore=st.booleans())
-    def start(self, sp, suffix, restore):
+    @rule(sp=st.integers(0, len(SYSTEM_PROMPTS) - 1), suffix=st.integers(0, 2))
+    def start(self, sp, suffix):
         # Copies still queued pin their blocks: this request may get "not now" because of them
         # (deterministically: copies complete only through rules).
         toks = list(SYSTEM_PROMPTS[sp])
         for _ in range(suffix * BS + 1):
             toks.append(self.next_tok % 3 + 1)  # few distinct suffixes: some are shared too
             self.next_tok += 1
-        req = self.s.start(toks, restore=restore)  # None: "not now" (memory held by others)
+        req = self.s.start(toks)  # None: "not now" (memory held by others)
         if req is not None:
             self.running.append(req)
 
@@ -95,12 +99,37 @@ class RealPrefixMachine(RuleBasedStateMachine):
         if req.restore is not None and req.restore.wait():
             first += req.restore.num_blocks
         n = len(req.blocks[self.groups[0]])
-        for i in range(first, n):
+        self._write_blocks(req, first, n)
+        self.s.mgr.commit(req.rid, len(req.tokens), req.tokens)  # publishes complete blocks
+        self.computed[id(req)] = len(req.hashes)
+
+    def _write_blocks(self, req, first: int, end: int) -> None:
+        for i in range(first, end):
             h = req.hashes[i] if i < len(req.hashes) else 0  # the incomplete last block
             for g in self.groups:
                 self._write(g, req.blocks[g][i], h)
-        self.s.prefix.publish(req.blocks, req.hashes[first:], first_block=first)
+
+    @precondition(lambda self: any(id(r) in self.computed for r in self.running))
+    @rule(i=st.integers(0, 100), n=st.integers(1, BS + 1))
+    def decode(self, i, n):
+        """``n`` generated tokens: allocate room (None: not now), write them, commit."""
+        reqs = [r for r in self.running if id(r) in self.computed]
+        req = reqs[i % len(reqs)]
+        old = len(req.tokens)
+        if self.s.mgr.allocate(req.rid, n) is None:
+            return
+        req.tokens.extend(7 + (old + k) % 3 for k in range(n))
+        req.hashes = block_hashes(req.tokens, BS)
+        self._write_blocks(req, old // BS, -(-len(req.tokens) // BS))
+        self.s.mgr.commit(req.rid, len(req.tokens), req.tokens)
         self.computed[id(req)] = len(req.hashes)
+
+    @rule(cap=st.none() | st.integers(1, 8))
+    def compact(self, cap):
+        """Between steps the manager compacts; block tables are rewritten in place."""
+        c = self.s.mgr.compact(max_blocks=cap)
+        assert not c.error
+        assert self.s.pool.mapped_bytes <= BUDGET
 
     @precondition(lambda self: self.running)
     @rule(i=st.integers(0, 100))
@@ -112,18 +141,15 @@ class RealPrefixMachine(RuleBasedStateMachine):
     def finish(self, i, cancel):
         """Complete (computing first if needed) or, sometimes, cancel a request."""
         req = self.running[i % len(self.running)]
-        if cancel:
-            if req.restore is not None:
-                req.restore.cancel()
-        else:
+        if not cancel:
             self._compute(req)
         self.running.remove(req)
         self.computed.pop(id(req), None)
-        self.s.finish(req)  # releases its references; the host tier reaps finished copies
+        self.s.finish(req)  # free (a restore in flight is cancelled) + step
 
     @rule()
     def poll(self):
-        self.s.host.step()
+        self.s.mgr.step()
 
     @precondition(lambda self: self.s.copies.queued)
     @rule(k=st.integers(1, 3), fail=st.integers(0, 4).map(lambda x: x == 0))
@@ -140,8 +166,7 @@ class RealPrefixMachine(RuleBasedStateMachine):
     def memory_pressure(self):
         """Every evictable device block goes (slot-emptying order); pinned ones must stay."""
         for g in self.groups:
-            victims = self.s.prefix.evict(g, self.alloc.num_evictable(g))
-            self.alloc.release_cached(g, victims)
+            self.s.prefix.evict(g, self.s.prefix.num_evictable(g))  # frees them
 
     @rule()
     def operator_reset(self):
@@ -151,7 +176,7 @@ class RealPrefixMachine(RuleBasedStateMachine):
     @invariant()
     def budget_respected(self):
         assert self.s.pool.mapped_bytes <= BUDGET
-        self.alloc.check_invariants()
+        self.s.mgr.check_invariants()
 
     @invariant()
     def index_matches_contents(self):
@@ -186,21 +211,18 @@ class RealPrefixMachine(RuleBasedStateMachine):
         s = self.s
         try:
             for req in self.running:
-                if req.restore is not None:
-                    req.restore.cancel()
-                s.prefix.release(req.blocks)
+                s.mgr.free(req.rid)
             self.running.clear()
-            s.host.step()  # submits the write-through of the blocks just released
+            s.mgr.step()  # submits the write-through of the blocks just released
             s.host.wait_all()
-            s.prefix.reset()
-            s.prefix.release_orphans()
+            s.mgr.reset_prefix_cache()
             for g in self.groups:
                 assert self.alloc.num_live_blocks(g) == 0, f"{g}: live blocks leaked"
                 assert self.alloc.num_cached_blocks(g) == 0
             assert s.pool.mapped_bytes == 0 and s.host.in_flight == 0
             assert all(s.host.pool.pin_count(b) == 0 for b in range(s.host.pool.capacity))
             assert s.prefix.stats.cached_blocks == 0
-            s.host.close()
+            s.mgr.close()
             s.pool.close()
             if hasattr(s.driver, "stats"):  # the host driver's native pool
                 stats = s.driver.stats()
@@ -238,20 +260,18 @@ def test_a_request_asks_for_memory_while_a_copy_pins_blocks():
         s.finish(req)  # 3 complete blocks cached, their write-through queued
         assert s.copies.queued == 1 and s.host.in_flight == 1
         assert all(s.prefix.pin_count(g, b) == 1 for b in req.blocks[g][:3])
-        assert s.prefix.evict(g, s.cache.allocator.num_evictable(g)) == []  # pinned: none evictable
+        assert s.prefix.evict(g, 8) == []  # pinned: none evictable
         big = s.start([9000 + i for i in range(13 * BS)] + [1])  # 14 blocks: two slots' worth
         assert big is None  # "not now": 3 blocks are pinned by the queued copy
         assert s.copies.complete(1) == 1
         s.host.step()  # reaps the finished copy: pins released, blocks on the host
         assert s.host.in_flight == 0 and s.host.stats.offloaded_blocks == 3
-        victims = s.prefix.evict(g, s.cache.allocator.num_evictable(g))
+        victims = s.prefix.evict(g, s.prefix.num_evictable(g))
         assert sorted(victims) == sorted(req.blocks[g][:3])
-        s.cache.allocator.release_cached(g, victims)
         big = s.start([9000 + i for i in range(13 * BS)] + [1])
         assert big is not None and len(big.blocks[g]) == 14
-        s.prefix.release(big.blocks)
+        s.mgr.free(big.rid)
         s.host.wait_all()
-        s.prefix.reset()
-        s.prefix.release_orphans()
+        s.mgr.reset_prefix_cache()
     finally:
         s.close()

@@ -6,11 +6,8 @@ measured in the same run (absolute times move from run to run on shared machines
 - ``alloc_vs_freelist_ratio``: operations per second of the page-aware
   :class:`~xllm_vmm.kvcache.BlockAllocator` (bookkeeping only: a backing that maps nothing)
   over those of :class:`FreeListBlockPool` on the same allocate/free trace, the allocator
-  called the way the product calls it: :meth:`VirtualKVCache.allocate` / ``free`` *are*
-  ``BlockAllocator.allocate`` / ``free`` (bound in the cache's constructor), with a dict per
-  call (``allocate({"attn": n}, {"attn": last block})``, ``free({"attn": blocks})``).
-  Target ≥ 0.5. ``alloc_group_list_api_vs_freelist_ratio`` is the same through the one-group
-  list API (``allocate_group`` / ``free(group, blocks)``), which nothing in the product calls.
+  called the way the manager calls it, with a dict per call
+  (``allocate({"attn": n}, {"attn": last block})``, ``free({"attn": blocks})``).
   ``cache_vs_freelist_ratio`` is the same for the whole stack (cache + pool + driver, mapping
   slots on the selected driver).
 - ``admission_us``: the cost of one admission decision (:meth:`Admission.check_prefill`), and
@@ -178,28 +175,10 @@ def _replay_freelist(ops: list[_Op], pool: FreeListBlockPool) -> float:
     return time.perf_counter() - t0
 
 
-def _replay_allocator_group(ops: list[_Op], alloc: Any) -> float:
-    """The allocator on the trace through its one-group list API (``allocate_group`` /
-    ``free(group, blocks)``: lists in, lists out, like the free list's)."""
-    held: dict[int, list[int]] = {}
-    t0 = time.perf_counter()
-    for op in ops:
-        if op.kind == "alloc":
-            mine = held.get(op.seq)
-            got = alloc.allocate_group("attn", op.n, mine[-1] if mine else -1)
-            if got is None:
-                raise RuntimeError("allocator ran out of blocks on the benchmark trace")
-            held.setdefault(op.seq, []).extend(got)
-        elif op.kind == "free":
-            alloc.free("attn", held.pop(op.seq))
-    return time.perf_counter() - t0
-
-
 def _replay_allocator(ops: list[_Op], alloc: Any) -> float:
-    """The allocator on the trace through the path the product uses: the dict API
-    (``allocate({group: n}, {group: last block})`` / ``free({group: blocks})``), which is what
-    :meth:`VirtualKVCache.allocate` / ``free`` are (the allocator's bound methods). The
-    caller builds the dicts per call, as a scheduler does."""
+    """The allocator on the trace through the path the manager uses: the dict API
+    (``allocate({group: n}, {group: last block})`` / ``free({group: blocks})``), the dicts
+    built per call."""
     held: dict[int, list[int]] = {}
     t0 = time.perf_counter()
     for op in ops:
@@ -265,7 +244,7 @@ def _fragmentation(ops: list[_Op], cfg: KvBenchConfig, num_slots: int, generated
         if op.kind == "alloc":
             mine = held.get(op.seq)
             t0 = time.perf_counter()
-            got = cache.allocate({"attn": op.n}, {"attn": mine[-1]} if mine else None)
+            got = cache.allocator.allocate({"attn": op.n}, {"attn": mine[-1]} if mine else None)
             t_cache += time.perf_counter() - t0
             if got is None:
                 raise RuntimeError("virtual KV cache ran out of memory on the benchmark trace")
@@ -282,7 +261,7 @@ def _fragmentation(ops: list[_Op], cfg: KvBenchConfig, num_slots: int, generated
         elif op.kind == "free":
             blocks = held.pop(op.seq)
             t0 = time.perf_counter()
-            cache.free({"attn": blocks})
+            cache.allocator.free({"attn": blocks})
             t_cache += time.perf_counter() - t0
             fblocks = fl_held.pop(op.seq)
             fl.free(fblocks)
@@ -396,13 +375,11 @@ def run_kvcache_bench(cfg: KvBenchConfig = KvBenchConfig()) -> dict[str, Any]:
     n_alloc = sum(1 for op in ops if op.kind != "idle")
 
     # throughput: best of `repeats` on fresh pools (bookkeeping only)
-    fl_best = al_best = one_best = float("inf")
+    fl_best = al_best = float("inf")
     for _ in range(max(1, cfg.repeats)):
         fl_best = min(fl_best, _replay_freelist(ops, FreeListBlockPool(num_slots * bps)))
         alloc = BlockAllocator([GroupShape("attn", num_slots, bps)], _NullBacking())
         al_best = min(al_best, _replay_allocator(ops, alloc))
-        alloc = BlockAllocator([GroupShape("attn", num_slots, bps)], _NullBacking())
-        one_best = min(one_best, _replay_allocator_group(ops, alloc))
 
     frag = _fragmentation(ops, cfg, num_slots, generated)
 
@@ -411,7 +388,7 @@ def run_kvcache_bench(cfg: KvBenchConfig = KvBenchConfig()) -> dict[str, Any]:
     pool = VmmPool(driver, BudgetConfig(mode="elastic", execution_peak_bytes=0),
                    num_slots * layout.groups[0].slot_bytes(_PAGE))
     cache = VirtualKVCache(pool, layout, {"attn": num_slots})
-    cache.allocate({"attn": peak_live // 2})
+    cache.allocator.allocate({"attn": peak_live // 2})
     adm = Admission([cache])
     fl = FreeListBlockPool(num_slots * bps)
     fl.allocate(peak_live // 2)
@@ -434,7 +411,6 @@ def run_kvcache_bench(cfg: KvBenchConfig = KvBenchConfig()) -> dict[str, Any]:
         "freelist_ops_per_s": n_alloc / fl_best,
         "alloc_ops_per_s": n_alloc / al_best,
         "alloc_vs_freelist_ratio": fl_best / al_best,
-        "alloc_group_list_api_vs_freelist_ratio": fl_best / one_best,
         "cache_ops_per_s": n_alloc / frag["cache_seconds"],
         "cache_vs_freelist_ratio": fl_best / frag["cache_seconds"],
         "admission_us": adm_s * 1e6,

@@ -12,18 +12,20 @@ measured in the same run.
   ``--lookup-blocks`` sets the large size (default 1,048,576; the CI smoke test uses a small
   one); ``lookup_1m_measured_at_blocks`` says what it was.
 - A shared-prefix workload under device memory pressure on the real stack (driver → elastic
-  pool with a ``max_cache_size`` quota below the working set → virtual KV cache → prefix
-  cache → host tier): ``hit_rate_device_only`` (prefix-cache hit tokens / prompt tokens
+  pool with a ``max_cache_size`` quota below the working set → the
+  :class:`~xllm_vmm.kvcache.KVCacheManager` that ``build_kv_cache_manager`` makes, every
+  request through its verbs): ``hit_rate_device_only`` (prefix-cache hit tokens / prompt tokens
   without the host tier), ``hit_rate_with_host`` (device hits + restored tokens, with
   ``host_blocks_factor``), ``host_hit_rate_gain`` (their difference), ``host_restores``.
   Each request's write-through finishes before the next request allocates, so these counts
   are the same on every run of a seed (timing moves only the bandwidth figures).
 - ``restore_vs_memcpy_ratio``: bytes per second of the tier's batched host→device restores in
-  that workload (from ``restore()`` to the end of the copy) over ``memmove`` of the same bytes
+  that workload (from the restore's submission, inside ``allocate``, to ``wait_ready``) over ``memmove`` of the same bytes
   — one ``memmove`` per restore, of that restore's size — from a driver host buffer into mapped
   pages of the same driver whose page tables are present (the kind of destination a restore
   writes, at its best). ``restore_with_map_vs_memcpy_ratio`` also counts the time of the
-  allocation before each restore (mapping the request's new pages, with any eviction), i.e. the
+  allocation before each restore's submission (mapping the request's new pages, with any
+  eviction), i.e. the
   total cost of a restore into newly mapped blocks. The workload's driver populates mappings
   (``populate=True``, host driver); on the host driver the workload runs a second time without
   it, for ``restore_unpopulated_vs_memcpy_ratio`` and
@@ -113,7 +115,7 @@ def populate_index(prefix: PrefixCache, hashes: list[int]) -> None:
     referenced, none in the LRU), built with one dict construction per map instead of one
     publish step per block. For the lookup benchmark only."""
     n = len(hashes)
-    for g in prefix._groups.values():
+    for g in prefix._groups.values():  # noqa: SLF001 - the bench fills the index directly
         if g.hash_to_block or g.block_hash:
             raise ValueError("populate_index needs an empty prefix cache")
         g.hash_to_block = dict(zip(hashes, range(n)))
@@ -121,11 +123,23 @@ def populate_index(prefix: PrefixCache, hashes: list[int]) -> None:
         if len(g.hash_to_block) != n:
             raise ValueError("populate_index needs distinct hashes")
     prefix.stats.published_blocks += n
-    prefix.stats.indexed_hashes += n
+    prefix.stats.indexed_hashes += n  # stats is the live counter object
+
+
+class _NoBacking:
+    def activate(self, slots: Any) -> bool:
+        return False
+
+    def deactivate(self, slots: Any) -> None:
+        return None
 
 
 def _lookup_us(n_cached: int, cfg: PrefixBenchConfig, rng: random.Random) -> float:
-    prefix = PrefixCache({"attn": 1}, cfg.block_size)
+    from xllm_vmm.kvcache.allocator import BlockAllocator, GroupShape
+
+    # the index alone is measured: an allocator of one slot stands behind it (nothing allocated)
+    prefix = PrefixCache(BlockAllocator([GroupShape("attn", 1, 1)], _NoBacking()), {"attn": 1},
+                         cfg.block_size)
     hashes = list({rng.getrandbits(128): None for _ in range(n_cached)})
     populate_index(prefix, hashes)
     n_cached = len(hashes)
@@ -208,25 +222,46 @@ def check_host_pool_fits(cfg: PrefixBenchConfig, available_bytes: int | None = N
     return size.bytes
 
 
+class _SubmitClock:
+    """The workload's driver, noting when each host→device batch (a restore) is submitted:
+    the restore's copy time runs from there to the request's ``wait_ready``."""
+
+    def __init__(self, driver: Any) -> None:
+        self._driver = driver
+        self.last_h2d_submit = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._driver, name)
+
+    def copy_batch_async(self, dsts, srcs, sizes, kind):  # noqa: ANN001 - the driver's
+        from xllm_vmm.vmm import CopyKind
+
+        if kind is CopyKind.H2D:
+            self.last_h2d_submit = time.perf_counter()
+        return self._driver.copy_batch_async(dsts, srcs, sizes, kind)
+
+
 def _workload(cfg: PrefixBenchConfig, with_host: bool, populate: bool | None = None
               ) -> dict[str, Any]:
-    """Many requests over a few long system prompts; device budget below the working set."""
-    from xllm_vmm.kvcache import VirtualKVCache
-    from xllm_vmm.kvcache.prefix_setup import attach_host_tier, attach_prefix_cache
+    """Many requests over a few long system prompts; device budget below the working set.
+    Every request goes through the manager's verbs (lookup, allocate — which starts a host
+    restore —, wait_ready, commit, free, step)."""
+    from xllm_vmm.kvcache import VirtualKVCache, build_kv_cache_manager
     from xllm_vmm.pool import BudgetConfig, VmmPool
 
     layout, bpp, budget, max_tokens = _workload_sizes(cfg)
     g = layout.groups[0]
     page = 2 * _MiB
-    prompt_blocks = cfg.system_prompt_blocks + cfg.suffix_blocks
     populate = cfg.populate if populate is None else populate
     driver = _open_driver(cfg.driver, 16 * budget + 64 * _MiB, populate)
+    clock = _SubmitClock(driver)
     pool = VmmPool(driver, BudgetConfig(mode="elastic", max_cache_size=budget,
                                         execution_peak_bytes=0),
                    VirtualKVCache.arena_bytes(layout, page, max_tokens))
-    cache = VirtualKVCache.for_tokens(pool, layout, max_tokens)
-    prefix = attach_prefix_cache(cache)
-    host = attach_host_tier(cache, prefix, driver, cfg.host_blocks_factor) if with_host else None
+    mgr = build_kv_cache_manager(pool, layout, enable_prefix_cache=True,
+                                 host_blocks_factor=cfg.host_blocks_factor if with_host else 0.0,
+                                 max_tokens=max_tokens, driver=clock, compact=False)
+    host = mgr.host
     rng = random.Random(cfg.seed)
     bs = cfg.block_size
     systems = [[rng.randrange(152_000) for _ in range(cfg.system_prompt_blocks * bs)]
@@ -236,50 +271,41 @@ def _workload(cfg: PrefixBenchConfig, with_host: bool, populate: bool | None = N
     restore_sizes: list[int] = []  # bytes of each restore
     refused = 0
     try:
-        for _ in range(cfg.requests):
+        for n in range(cfg.requests):
+            rid = f"r{n}"
             toks = systems[rng.randrange(cfg.system_prompts)] + [
                 rng.randrange(152_000) for _ in range(cfg.suffix_blocks * bs + 1)]
-            hashes = block_hashes(toks, bs)
-            cap = (len(toks) - 1) // bs
-            if host is not None:
-                host.step()  # the scheduler's per-iteration call: reap finished copies
-            hit = prefix.lookup(hashes, max_blocks=cap)
-            prefix.acquire(hit)
-            need = prompt_blocks + 1 - hit.num_blocks
+            mgr.step()  # the scheduler's per-iteration call: finished copies reaped
+            hit = mgr.lookup(rid, toks)
             t_alloc = time.perf_counter()
-            new = cache.allocate({"attn": need})
-            t_alloc = time.perf_counter() - t_alloc
-            if new is None and host is not None:
+            tables = mgr.allocate(rid, len(toks) - hit.num_tokens, hit=hit)
+            if tables is None and host is not None:
                 # "not now": blocks pinned by copies in flight; the scheduler retries once
                 # they are done
                 host.wait_all()
-                new = cache.allocate({"attn": need})
-            if new is None:
+                mgr.step()
+                t_alloc = time.perf_counter()
+                tables = mgr.allocate(rid, len(toks) - hit.num_tokens, hit=hit)
+            if tables is None:
                 refused += 1
-                prefix.release({"attn": list(hit.blocks["attn"])})
+                mgr.drop(rid)
                 continue
-            blocks = list(hit.blocks["attn"]) + new["attn"]
             prompt_tokens += len(toks)
-            hit_tokens += hit.num_blocks * bs
-            first = hit.num_blocks
+            hit_tokens += hit.num_device_tokens
+            if hit.num_host_tokens:
+                t_submit = clock.last_h2d_submit
+                ok = mgr.wait_ready(rid)
+                if ok and t_submit >= t_alloc:  # a restore of its own (not a join)
+                    restore_s += time.perf_counter() - t_submit
+                    restore_map_s += t_submit - t_alloc
+                    restore_sizes.append(hit.num_host_tokens // bs * g.block_bytes)
+                    restored_tokens += hit.num_host_tokens
+                    restores += 1
+            # the forward pass would write the rest here; commit publishes the complete blocks
+            mgr.commit(rid, len(toks), toks)
+            mgr.free(rid)
             if host is not None:
-                m = host.match(hashes, first, max_blocks=cap)
-                if m:
-                    t = time.perf_counter()
-                    r = host.restore(hashes[first:first + m], first, {"attn": new["attn"][:m]})
-                    r.update({"attn": blocks})
-                    if r.wait():
-                        restore_s += time.perf_counter() - t
-                        restore_map_s += t_alloc
-                        restore_sizes.append(r.num_blocks * g.block_bytes)
-                        restored_tokens += r.num_blocks * bs
-                        restores += 1
-                        first += r.num_blocks
-            # the forward pass would write blocks[first:] here; publish the complete ones
-            prefix.publish({"attn": blocks}, hashes[first:], first_block=first)
-            prefix.release({"attn": blocks})
-            if host is not None:
-                host.step()  # submits this request's write-through
+                mgr.step()  # submits this request's write-through
                 # ... and lets it finish before the next request: which blocks are pinned when
                 # the next one allocates must not depend on the copy thread's timing, so the
                 # counts (restores, hit rates, refusals) are the same on every run of a seed
@@ -290,7 +316,7 @@ def _workload(cfg: PrefixBenchConfig, with_host: bool, populate: bool | None = N
             "restored_tokens": restored_tokens,
             "restores": restores,
             "refused": refused,
-            "evictions": prefix.stats.evictions,
+            "evictions": mgr.stats()["prefix_evictions"],
             "restore_s": restore_s,
             "restore_map_s": restore_map_s,
             "restore_sizes": restore_sizes,
@@ -301,12 +327,11 @@ def _workload(cfg: PrefixBenchConfig, with_host: bool, populate: bool | None = N
         if host is not None:
             host.wait_all()
             out["restored_bytes"] = host.stats.restored_bytes
-            out["offload"] = _offload_rate(host, cache, prefix, driver)
+            out["offload"] = _offload_rate(host, mgr.cache, mgr.prefix, driver)
             out["memcpy_s"] = _memcpy_into_driver_pages_s(driver, restore_sizes)
         return out
     finally:
-        if host is not None:
-            host.close()
+        mgr.close()
         pool.close()
         driver.close()
 
@@ -402,7 +427,6 @@ def _eviction_bench(cfg: PrefixBenchConfig) -> dict[str, Any]:
 
 def _evict_once(cfg: PrefixBenchConfig, prefer: bool) -> float:
     from xllm_vmm.kvcache import VirtualKVCache
-    from xllm_vmm.kvcache.prefix_setup import attach_prefix_cache
     from xllm_vmm.pool import BudgetConfig, VmmPool
 
     layout = _flat_layout(cfg)
@@ -416,14 +440,17 @@ def _evict_once(cfg: PrefixBenchConfig, prefer: bool) -> float:
     pool = VmmPool(driver, BudgetConfig(mode="elastic", execution_peak_bytes=0),
                    slots * 2 * page)
     cache = VirtualKVCache(pool, layout, {"attn": slots})
-    prefix = attach_prefix_cache(cache)
+    alloc = cache.allocator
+    # the policy alone is compared: the prefix cache over the cache's allocator, driven
+    # directly (the manager would evict the same way before an allocation)
+    prefix = PrefixCache(alloc, {"attn": g.block_bytes}, cfg.block_size)
     rng = random.Random(cfg.seed)
     try:
         # decode-style interleaving: one block per request per step, so slots mix requests
         owned: list[list[int]] = [[] for _ in range(n_req)]
         for _ in range(per):
             for r in range(n_req):
-                owned[r].extend(cache.allocate({"attn": 1})["attn"])
+                owned[r].extend(alloc.allocate({"attn": 1})["attn"])
         for r in range(n_req):
             prefix.publish({"attn": owned[r]}, [rng.getrandbits(128) for _ in owned[r]])
         order = list(range(n_req))
@@ -431,17 +458,15 @@ def _evict_once(cfg: PrefixBenchConfig, prefer: bool) -> float:
         for r in order[n_req // 8:]:  # seven eighths finish, in random order
             prefix.release({"attn": owned[r]})
         # goal: free half of the slots that hold no live block (what any policy could free)
-        alloc = cache.allocator
         emptiable = sum(1 for sl in alloc.active_slots("attn") if alloc.slot_live("attn", sl) == 0)
         slot_bytes = cache.geometry["attn"].slot_bytes
         target = max(1, emptiable // 2) * slot_bytes
         before = pool.mapped_bytes
         evicted = 0
         while before - pool.mapped_bytes < target:
-            victims = prefix.evict("attn", bpp, prefer_slot_emptying=prefer)
+            victims = prefix.evict("attn", bpp, prefer_slot_emptying=prefer)  # freed by it
             if not victims:
                 break
-            alloc.release_cached("attn", victims)
             evicted += len(victims)
         freed = before - pool.mapped_bytes
         return freed / evicted if evicted else 0.0

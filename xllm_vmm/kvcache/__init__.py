@@ -7,8 +7,8 @@ Public API (stable; other packages import these names from here):
   :class:`PrefixMatch`, :class:`KVCapacity`, :class:`KVCacheManagerError`.
 
 - :class:`VirtualKVCache` — groups of a ``CacheLayout`` over a ``VmmPool`` tenant region.
-- :class:`BlockAllocator` — reference-counted, page-aware allocation; the retention extension
-  point for the prefix cache (:class:`RetentionPolicy`, documented in
+- :class:`BlockAllocator` — reference-counted, page-aware allocation, the one owner of block
+  state (references, cached / retained flags, transfer pins; see
   :mod:`xllm_vmm.kvcache.allocator`); :class:`Compaction`, what
   :meth:`VirtualKVCache.compact` did (old → new block ids per group, slots released, bytes).
 - :class:`Admission`, :class:`AdmissionDecision` — AD-01…AD-04 across workers.
@@ -21,7 +21,6 @@ from xllm_vmm.kvcache.allocator import (
     BlockInfo,
     Compaction,
     GroupShape,
-    RetentionPolicy,
     SlotBacking,
     SlotInfo,
 )
@@ -60,7 +59,6 @@ __all__ = [
     "KVCacheManagerError",
     "KVCapacity",
     "PrefixMatch",
-    "RetentionPolicy",
     "SequenceSlots",
     "SlotBacking",
     "SlotInfo",

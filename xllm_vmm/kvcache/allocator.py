@@ -1,5 +1,5 @@
-"""Page-aware block allocation over slots, with reference counts, a retention hook and
-compaction.
+"""Page-aware block allocation over slots: the one owner of block state (reference counts,
+cached / retained flags, transfer pins), with compaction.
 
 Terms (per cache group): a *slot* is one page offset across every tensor of the group; slot
 ``s`` holds blocks ``[s × B, (s + 1) × B)`` where ``B`` is the group's blocks per slot (a block
@@ -7,6 +7,19 @@ never straddles a page). Block ids are dense per group: ``0 … num_slots × B �
 *active* while it holds at least one live or cached block; only active slots have memory
 under them (the :class:`SlotBacking` maps a slot when it becomes active and releases it the
 moment it empties — EL-01).
+
+Block states (every block is in exactly one):
+
+- *free* — no memory claim; in its slot's free stack (or its slot is inactive);
+- *live* — ``ref ≥ 1`` (requests, held prefix hits);
+- *cached* — ``ref == 0`` but kept: it is *retained* (it holds a published prefix; the prefix
+  cache set the flag with :meth:`BlockAllocator.retain`) or *pinned* (a transfer reads or
+  writes it, :meth:`BlockAllocator.pin`). A cached block that is neither any more is freed at
+  once (:meth:`BlockAllocator.unretain`, :meth:`BlockAllocator.unpin`).
+
+The allocator never calls up: it does not evict. When memory is short, :meth:`allocate` answers
+``None`` and changes nothing; the caller (the :class:`~xllm_vmm.kvcache.manager.KVCacheManager`)
+asks the prefix cache to give up cached blocks (:meth:`release_cached`) and tries again.
 
 Allocation is page-aware: a new block comes from the *fullest* partially used active slot
 (fewest free blocks; among equals, the one that entered that state first), then from newly
@@ -16,67 +29,30 @@ block at a time for many sequences, therefore packs into few slots instead of sc
 A ``near`` hint (the sequence's last block) puts a sequence's blocks in its own slot first;
 when that slot is full, one-block decode growth goes to the *roomiest* partial slot instead
 (most free blocks; among equals, the one that entered that state first), so that the
-sequence's next blocks follow it there rather than each landing in a different one-block hole:
-a sequence's blocks share fewer slots, and its free touches fewer (on the bench trace 1,426
-slot updates for 3,877 blocks instead of 1,883). One-block holes are still filled first by
-allocations without a hint (a new prompt), and a prompt that needs new slots takes every free
-block of the active slots first, so live blocks stay packed.
+sequence's next blocks follow it there rather than each landing in a different one-block hole.
+One-block holes are still filled first by allocations without a hint (a new prompt), and a
+prompt that needs new slots takes every free block of the active slots first, so live blocks
+stay packed.
 
-Bookkeeping (what makes that O(1) amortised per block, with no per-block objects): every
-active slot has a free *stack* (a list of its free block ids, top = next one handed out);
-``buckets[k]`` is an insertion-ordered set of the active slots with exactly ``k`` free blocks
-(``1 ≤ k < B``), so "fullest partial slot" is the first slot of the first non-empty bucket (at
-most ``B − 1`` probes; the roomiest is the first slot of the last non-empty one). A call moves
-a slot between buckets once per run of blocks it takes from or returns to that slot, not once
-per block. Occupancy and the live count are derived (``B − len(stack)``,
-``active × B − free − cached``), not stored. A fresh slot's stack is one slice of a per-group
-list of every block id, highest first. Without a retention policy, :meth:`BlockAllocator.free`
-is one pass over the blocks (drop the reference, push a block that reached 0, note where each
-run of one slot starts), then one bucket move per run; a double free found during the pass
-undoes the pass before any bucket moved, so a refused free changes nothing, bucket order
-included. With a policy, blocks are checked first and ``on_zero_ref`` is asked block by
-block, in order.
+Bookkeeping (O(1) amortised per block, no per-block objects): every active slot has a free
+*stack* (a list of its free block ids, top = next one handed out); ``buckets[k]`` is an
+insertion-ordered set of the active slots with exactly ``k`` free blocks (``1 ≤ k < B``), so
+"fullest partial slot" is the first slot of the first non-empty bucket (at most ``B − 1``
+probes; the roomiest is the first slot of the last non-empty one). A call moves a slot between
+buckets once per run of blocks it takes from or returns to that slot, not once per block.
+Occupancy and the live count are derived (``B − len(stack)``, ``active × B − free − cached``),
+not stored. A fresh slot's stack is one slice of a per-group list of every block id, highest
+first. :meth:`BlockAllocator.free` checks its input first (a refused free changes nothing), then
+makes one pass: drop the reference; at 0 a retained or pinned block becomes cached, any other is
+pushed on its slot's stack; then one bucket move per run of one slot.
 
-Invariants (checked by the tests after every step):
+Invariants (:meth:`BlockAllocator.check_invariants`, run by the tests after every step):
 
-- a block is *free*, *live* (ref ≥ 1) or *cached* (ref 0, kept by the retention policy);
+- every block is free, live or cached; a cached block is retained or pinned;
 - every live or cached block lies in an active slot; every active slot holds ≥ 1 of them;
 - all groups of one :meth:`BlockAllocator.allocate` call succeed or none do (SD-01: target and
-  draft are allocated and released together); a failed call changes nothing except that it may
-  have evicted cached blocks.
-
-Extension point for the prefix cache (``xllm_vmm.kvcache.prefix`` implements it)
----------------------------------------------------------------------------------
-
-Blocks are reference counted. :meth:`BlockAllocator.free` decrements; when a block's count
-reaches 0 the allocator asks the optional retention policy (:class:`RetentionPolicy`, set with
-:meth:`BlockAllocator.set_retention`):
-
-- ``policy.on_zero_ref(group, block) -> bool``: ``True`` keeps the block as a *cached*
-  (evictable) block: it stays allocated and its slot stays mapped; ``False`` frees it (and an
-  emptied slot is released at once, EL-01).
-- ``allocator.touch(group, block)`` revives a cached block (ref 0 → 1) on a cache hit and calls
-  ``policy.on_revive(group, block)``; on a live block it just adds a reference.
-- When an allocation cannot get memory (no free block in active slots and the backing refuses a
-  new slot), the allocator calls ``policy.evict(group, n_blocks, prefer_slot_emptying=True) ->
-  list[int]``: the cached blocks (ref 0) the policy gives up, in the order it chose. The
-  allocator frees them (releasing emptied slots) and retries. It asks the short group first,
-  then, if the budget still refuses, every group for one slot's worth at a time. Still short →
-  ``None`` ("not now"), never an exception.
-- ``policy.num_evictable(group) -> int`` is what admission counts as available beside free
-  blocks.
-- :meth:`BlockAllocator.release_cached` lets the policy drop cached blocks on its own (a cap,
-  host offload finished): they are freed without another ``on_zero_ref``.
-- Compaction hooks (needed only by a policy set on an allocator that is compacted):
-  ``policy.can_move(group, block) -> bool`` (optional; ``False`` for a block a transfer has
-  pinned) and ``policy.on_move(group, moves)`` with ``moves`` a dict old block → new block,
-  called after the allocator moved them, so the policy's index follows (see
-  :meth:`BlockAllocator.compact`).
-- Introspection for page-aware eviction: :meth:`block_info` (group, slot, ref count, cached),
-  :meth:`slot_info` (live / cached / free counts of a slot), :meth:`slot_live`,
-  :meth:`slot_cached`, :meth:`slot_of`, :meth:`blocks_of_slot`.
-- ``free`` also takes the one-group form ``free(group, blocks)``, so a
-  :class:`BlockAllocator` is the prefix cache's ``BlockBackend`` as it is.
+  draft are allocated and released together); a refused call changes nothing;
+- a pinned block is never released by :meth:`release_cached` nor moved by :meth:`compact`.
 
 Compaction
 ----------
@@ -86,51 +62,37 @@ in slots shared with short sequences, and when those finish their slots stay map
 two blocks. :meth:`BlockAllocator.compact` undoes that when the caller chooses (idle or lightly
 loaded, between engine steps): it moves every live and cached block out of the sparsest slots
 into free blocks of the densest ones and releases the emptied slots at once. It never activates
-a slot (the budget cannot be exceeded), never moves a block the policy says is pinned or the
-caller excludes, and returns the old → new mapping per group: the caller rewrites its block
-tables with it. The data is copied by the backing's ``move(moves) -> bool`` (the virtual KV
-cache: one batched device-to-device copy across every tensor of the group); ``False`` (a copy
-failed) changes nothing.
+a slot (the budget cannot be exceeded), never moves a pinned block or one the caller excludes,
+and returns the old → new mapping per group: the caller (the manager) rewrites its block tables
+and the prefix cache's index with it. The data is copied by the backing's ``move(moves) ->
+bool`` (the virtual KV cache: one batched device-to-device copy across every tensor of the
+group); ``False`` (a copy failed) changes nothing.
 """
 
 from __future__ import annotations
 
 import heapq
-from heapq import heappop, heappush
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Protocol, Sequence, runtime_checkable
+from heapq import heappop, heappush
+from typing import Iterable, Mapping, Protocol, Sequence
 
 __all__ = [
     "BlockAllocator",
     "BlockInfo",
     "Compaction",
     "GroupShape",
-    "RetentionPolicy",
     "SlotBacking",
     "SlotInfo",
 ]
-
-
-@runtime_checkable
-class RetentionPolicy(Protocol):
-    """What the prefix cache implements (see the module docstring; ``can_move`` and
-    ``on_move`` are optional and only needed for :meth:`BlockAllocator.compact`)."""
-
-    def on_zero_ref(self, group: str, block: int) -> bool: ...
-
-    def on_revive(self, group: str, block: int) -> None: ...
-
-    def evict(self, group: str, n_blocks: int, prefer_slot_emptying: bool = True) -> list[int]: ...
-
-    def num_evictable(self, group: str) -> int: ...
 
 
 class SlotBacking(Protocol):
     """Puts memory under slots. ``activate`` is all-or-nothing over every group it is given
     (one batched map) and returns ``False`` for "not now"; ``deactivate`` releases at once.
     Optional, for :meth:`BlockAllocator.compact`: ``move(moves) -> bool`` copies the contents
-    of every ``(old, new)`` block pair per group (all or nothing; ``False`` = nothing moved)."""
+    of every ``(old, new)`` block pair per group (all or nothing; ``False`` = nothing moved).
+    One object of this shape per worker set (issue 14: a fan-out to several workers)."""
 
     def activate(self, slots: Mapping[str, Sequence[int]]) -> bool: ...
 
@@ -157,6 +119,8 @@ class BlockInfo:
     slot: int
     ref_count: int
     cached: bool
+    retained: bool = False
+    pins: int = 0
 
 
 @dataclass(frozen=True)
@@ -165,7 +129,7 @@ class SlotInfo:
     slot: int
     active: bool
     live: int  # blocks with ref >= 1
-    cached: int  # blocks with ref 0 kept by the retention policy
+    cached: int  # blocks with ref 0 kept (retained or pinned)
     free: int  # free blocks (0 for an inactive slot: it has no memory)
 
 
@@ -193,14 +157,16 @@ class Compaction:
 
 
 _NO_SLOTS: Mapping[str, list[int]] = {}  # no new slots (never written)
+_NOTHING_CACHED: Mapping[str, list[int]] = {}  # free() kept no block (never written)
 
 
 class _Group:
     """Mutable state of one group (internal). ``stacks[s]`` is slot ``s``'s free stack, or
     ``None`` while the slot is inactive."""
 
-    __slots__ = ("name", "num_slots", "bps", "nblocks", "ref", "cached", "stacks", "ncached",
-                 "buckets", "inactive", "free_active", "n_cached", "n_active", "desc", "asc", "rbuckets")
+    __slots__ = ("name", "num_slots", "bps", "nblocks", "ref", "cached", "keep", "pins",
+                 "stacks", "ncached", "buckets", "rbuckets", "inactive", "free_active",
+                 "n_cached", "n_active", "desc", "asc")
 
     def __init__(self, shape: GroupShape) -> None:
         if shape.num_slots < 0 or shape.blocks_per_slot < 1:
@@ -212,10 +178,12 @@ class _Group:
         n = shape.num_blocks
         self.nblocks = n
         self.ref = [0] * n
+        self.cached = bytearray(n)  # ref 0 and kept
+        self.keep = bytearray(n)  # retained: kept at ref 0 (holds a published prefix)
+        self.pins: dict[int, int] = {}  # block -> transfer pins (few at a time)
         # every block id, highest first: a fresh slot's free stack is one slice of it
         self.desc = list(range(n - 1, -1, -1))
         self.asc = self.desc[::-1]  # lowest first (the same int objects)
-        self.cached = bytearray(n)
         self.stacks: list[list[int] | None] = [None] * shape.num_slots
         self.ncached = [0] * shape.num_slots
         # buckets[k]: active slots with exactly k free blocks, 1 <= k < bps (ordered sets)
@@ -237,30 +205,18 @@ class _Group:
 
 
 class BlockAllocator:
-    """Reference-counted, page-aware block allocator over the slots of several groups.
+    """Reference-counted, page-aware block allocator over the slots of several groups; the one
+    owner of block state (see the module docstring). ``backing`` maps and releases slots."""
 
-    ``backing`` maps and releases slots (see :class:`SlotBacking`); ``retention`` is the
-    optional prefix-cache policy (see the module docstring).
-    """
-
-    def __init__(self, shapes: Iterable[GroupShape], backing: SlotBacking,
-                 retention: RetentionPolicy | None = None) -> None:
+    def __init__(self, shapes: Iterable[GroupShape], backing: SlotBacking) -> None:
         self._groups: dict[str, _Group] = {}
         for s in shapes:
             if s.name in self._groups:
                 raise ValueError(f"duplicate group name {s.name!r}")
             self._groups[s.name] = _Group(s)
-        # the only group when there is one (the fast paths of allocate and free use it)
-        self._sole: _Group | None = (next(iter(self._groups.values()))
-                                     if len(self._groups) == 1 else None)
         self.backing = backing
-        self.retention = retention
-        self.evictions = 0  # blocks given up by the policy under memory pressure
 
     # -- configuration / shape -----------------------------------------------------------
-    def set_retention(self, policy: RetentionPolicy | None) -> None:
-        self.retention = policy
-
     @property
     def group_names(self) -> tuple[str, ...]:
         return tuple(self._groups)
@@ -285,290 +241,92 @@ class BlockAllocator:
         (its last one). Free blocks in that block's slot are taken first, so that one
         sequence's blocks stay together and a finished sequence empties whole slots; when that
         slot is full, a one-block request (decode growth) takes the roomiest partial slot,
-        where the sequence's next blocks can follow it.
+        where the sequence's next blocks can follow it. A hint outside the group is no hint.
 
-        Returns the new block ids per group (each with ref count 1), or ``None`` when the
-        memory is not there now (after evicting what the retention policy gave up).
-        """
-        # An allocator of one group (most models; VirtualKVCache.allocate is this method):
-        # decode growth runs here, with no call below; everything else is allocate_group's
-        g = self._sole
-        if g is not None and len(counts) == 1:
-            name = g.name
-            n = counts.get(name)
-            if n is None:  # not this group's name
-                return self._allocate_groups(counts, near)  # raises: unknown group
-        elif len(counts) != 1:
-            return self._allocate_groups(counts, near)
-        else:
-            for name, n in counts.items():
-                pass
-            return self._allocate_one(name, n, near)
-        hint = near.get(name, -1) if near else -1
-        if n == 1 and g.free_active:  # the same steps as allocate_group's
+        Returns the new block ids per group (each with ref count 1), or ``None`` ("not now")
+        when a group's virtual range or the backing's budget cannot take them; then nothing
+        changed. Nothing is evicted here (see the module docstring)."""
+        groups = self._groups
+        short = False
+        for name, n in counts.items():
+            g = groups.get(name) or self._g(name)
+            if n > g.free_active:
+                short = True
+            elif n < 0:
+                raise ValueError(f"negative block count {n} for group {name!r}")
+        new_slots = _NO_SLOTS
+        if short:  # new slots (a prompt): planned and activated in one call
+            new_slots = self._activate_for(counts)  # type: ignore[assignment]
+            if new_slots is None:
+                return None
+        take = self._take
+        if near is None:
+            return {name: take(groups[name], n, -1, new_slots.get(name))
+                    for name, n in counts.items()}
+        return {name: take(groups[name], n, near.get(name, -1), new_slots.get(name))
+                for name, n in counts.items()}
+
+    def _take(self, g: _Group, n: int, hint: int, new: list[int] | None) -> list[int]:
+        """Hand out ``n`` blocks of ``g``: the hint's slot, then partial slots (fullest first;
+        one-block growth out of a full hinted slot: the roomiest), then the ``new`` slots
+        (just activated: all full but the last, lowest ids first). The only allocation path."""
+        if not 0 <= hint < g.nblocks:
+            hint = -1
+        if n == 1 and new is None:  # decode growth: one block from an active slot
             stacks = g.stacks
             buckets = g.buckets
-            stack = None
-            if hint >= 0:
-                slot = hint // g.bps
-                try:
-                    stack = stacks[slot]
-                except IndexError:  # not a block of this group: no hint
-                    hint = -1
+            stack = stacks[hint // g.bps] if hint >= 0 else None
             if stack:
-                k = len(stack)
-                bucket = buckets[k]
-            else:
+                slot = hint // g.bps
+                bucket = buckets[len(stack)]
+            else:  # the hinted slot is full: the roomiest; no hint: the fullest
                 for bucket in (g.rbuckets if hint >= 0 else buckets):
                     if bucket:
                         break
                 for slot in bucket:
                     break
                 stack = stacks[slot]
-                k = len(stack)  # type: ignore[arg-type]
+            k = len(stack)  # type: ignore[arg-type]
             b = stack.pop()  # type: ignore[union-attr]
             g.ref[b] = 1
             del bucket[slot]
             if k > 1:
                 buckets[k - 1][slot] = None
             g.free_active -= 1
-            return {name: [b]}
-        got = self.allocate_group(name, n, hint)
-        return None if got is None else {name: got}
-
-    def _allocate_one(self, name: str, n: int,
-                      near: Mapping[str, int] | None) -> dict[str, list[int]] | None:
-        """One group of an allocator of several (e.g. the target group alone)."""
-        got = self.allocate_group(name, n, near.get(name, -1) if near else -1)
-        return None if got is None else {name: got}
-
-    def allocate_group(self, group: str, n: int, near: int = -1) -> list[int] | None:
-        """``allocate({group: n}, {group: near})`` for a model with one cache group (or a
-        caller that allocates one group at a time): the new block ids, or ``None`` for "not
-        now". ``near`` < 0: no hint. The same placement, eviction and errors."""
-        g = self._groups.get(group)
-        if g is None:
-            return self._allocate_groups({group: n}, None)  # raises: unknown group
-        fa = g.free_active
-        if n == 1 and fa:  # decode growth: one block from an active slot, no call below
-            stacks = g.stacks
-            buckets = g.buckets
-            stack = None
-            if near >= 0:
-                slot = near // g.bps
-                try:
-                    stack = stacks[slot]
-                except IndexError:  # not a block of this group: no hint
-                    near = -1
-            if stack:
-                k = len(stack)
-                bucket = buckets[k]
-            else:
-                # the sequence's slot is full: the roomiest partial slot (the sequence's next
-                # blocks follow it there); no hint: the fullest one (bucket 0 stays empty)
-                for bucket in (g.rbuckets if near >= 0 else buckets):
-                    if bucket:
-                        break
-                for slot in bucket:
-                    break
-                stack = stacks[slot]
-                k = len(stack)  # type: ignore[arg-type]
-            b = stack.pop()  # type: ignore[union-attr]
-            g.ref[b] = 1
-            del bucket[slot]
-            if k > 1:
-                buckets[k - 1][slot] = None
-            g.free_active = fa - 1
             return [b]
-        if 0 <= n <= fa:
-            out: list[int] = []
-            if near >= 0:
-                n = self._take_near(g, near, n, out)
-            if n:
-                self._take_partial(g, n, out)
+        out: list[int] = []
+        if n == 0:
             return out
-        if n > 0:  # new slots needed (a prompt): first try without eviction
-            bps = g.bps
-            k = -(-(n - fa) // bps)
-            inactive = g.inactive
-            if k <= len(inactive):
-                chosen = [heappop(inactive)]
-                if k > 1:
-                    for _ in range(k - 1):
-                        chosen.append(heappop(inactive))
-                if self.backing.activate({group: chosen}):
-                    out = []
-                    ref = g.ref
-                    stacks = g.stacks
-                    if fa:  # n > fa: every free block of the active slots goes first
-                        if near >= 0:
-                            n = self._take_near(g, near, n, out)
-                        n -= g.free_active
-                        g.free_active = 0
-                        for bucket in g.buckets:  # fullest first, each stack from its top
-                            if bucket:
-                                for s in bucket:
-                                    stack = stacks[s]
-                                    stack.reverse()  # type: ignore[union-attr]
-                                    out.extend(stack)  # type: ignore[arg-type]
-                                    for b in stack:  # type: ignore[union-attr]
-                                        ref[b] = 1
-                                    stacks[s] = []
-                                bucket.clear()
-                    # then the new slots: all full but the last, lowest block ids first
-                    asc = g.asc
-                    for slot in chosen:
-                        base = slot * bps
-                        if n >= bps:
-                            ref[base:base + bps] = [1] * bps
-                            out += asc[base:base + bps]
-                            stacks[slot] = []
-                            n -= bps
-                        else:
-                            ref[base:base + n] = [1] * n
-                            out += asc[base:base + n]
-                            top = g.nblocks - base  # desc[top - bps] is block base + bps - 1
-                            stacks[slot] = g.desc[top - bps:top - n]
-                            left = bps - n
-                            g.free_active += left
-                            g.buckets[left][slot] = None
-                    g.n_active += k
-                    return out
-                for slot in chosen:
-                    heappush(inactive, slot)
-        got = self._allocate_groups({group: n}, {group: near} if near >= 0 else None)
-        return None if got is None else got[group]
-
-    def _allocate_groups(self, counts: Mapping[str, int],
-                         near: Mapping[str, int] | None) -> dict[str, list[int]] | None:
-        groups = self._groups
-        short = False
-        for name, n in counts.items():
-            if n < 0:
-                raise ValueError(f"negative block count {n} for group {name!r}")
-            g = groups.get(name) or self._g(name)
-            if n > g.free_active:
-                short = True
-        if short:  # new slots (a prompt): planned, activated in one call, evicting if need be
-            new_slots = self._activate_for(counts)
-            if new_slots is None:
-                return None
-        else:  # every group fits in its active slots (decode growth): no plan to build
-            new_slots = _NO_SLOTS
-        result: dict[str, list[int]] = {}
-        for name, n in counts.items():
-            g = groups[name]
-            out = []
-            if near and name in near:
-                hint = near[name]
-                left = self._take_near(g, hint, n, out)
-                if n == 1 and left and 0 <= hint < g.nblocks and g.free_active:
-                    # decode growth out of a full slot: the roomiest partial slot, as in
-                    # allocate_group
-                    for bucket in g.rbuckets:
-                        if bucket:
-                            break
-                    for slot in bucket:
-                        break
-                    stack = g.stacks[slot]
-                    self._take_from(g, slot, stack, len(stack), 1, out)  # type: ignore[arg-type]
-                    left = 0
-                n = left
-            rest = self._take_partial(g, n, out)
-            for slot in new_slots.get(name, ()):
-                rest = self._take_new_slot(g, slot, rest, out)
-            assert rest == 0
-            result[name] = out
-        return result
-
-    @staticmethod
-    def _take_from(g: _Group, slot: int, stack: list[int], k: int, take: int,
-                   out: list[int]) -> None:
-        """Move the top ``take`` of the ``k`` free blocks of active ``slot`` to ``out`` (top
-        first, ref 1) and move the slot to its new bucket."""
-        got = stack[-take:]
-        del stack[-take:]
-        got.reverse()
-        ref = g.ref
-        for blk in got:
-            ref[blk] = 1
-        out.extend(got)
-        del g.buckets[k][slot]
-        if k - take:
-            g.buckets[k - take][slot] = None
-        g.free_active -= take
+        if hint >= 0:
+            n = self._take_near(g, hint, n, out)
+        if n:
+            n = self._take_partial(g, n, out)
+        if new:
+            for slot in new:
+                n = self._take_new_slot(g, slot, n, out)
+        assert n == 0, "allocator planned fewer blocks than it hands out"
+        return out
 
     def _take_near(self, g: _Group, block: int, n: int, out: list[int]) -> int:
         """Take up to ``n`` free blocks from the slot of ``block``; returns what is left."""
-        if not n or not 0 <= block < g.nblocks:
-            return n
         slot = block // g.bps
         stack = g.stacks[slot]
         if not stack:
             return n
         k = len(stack)
         take = k if n >= k else n
-        self._take_from(g, slot, stack, k, take, out)
+        got = stack[-take:]
+        del stack[-take:]
+        got.reverse()
+        ref = g.ref
+        for b in got:
+            ref[b] = 1
+        out.extend(got)
+        del g.buckets[k][slot]
+        if k - take:
+            g.buckets[k - take][slot] = None
+        g.free_active -= take
         return n - take
-
-    def _plan(self, counts: Mapping[str, int]) -> dict[str, int] | None:
-        """New slots needed per group; ``None`` when a group lacks inactive slots."""
-        need: dict[str, int] = {}
-        for name, n in counts.items():
-            g = self._groups[name]
-            short = n - g.free_active
-            if short > 0:
-                k = -(-short // g.bps)
-                if k > len(g.inactive):
-                    return None
-                need[name] = k
-        return need
-
-    def _activate_for(self, counts: Mapping[str, int]) -> dict[str, list[int]] | None:
-        """Activate the slots ``counts`` needs beyond free blocks, evicting cached blocks when
-        the backing refuses. Returns the new slots per group, or ``None``."""
-        stage_all = False
-        while True:
-            need = self._plan(counts)
-            if need is not None:
-                if not need:
-                    return {}
-                chosen = {name: [heapq.heappop(self._groups[name].inactive) for _ in range(k)]
-                          for name, k in need.items()}
-                if self.backing.activate(chosen):
-                    return chosen
-                for name, slots in chosen.items():
-                    inactive = self._groups[name].inactive
-                    for s in slots:
-                        heapq.heappush(inactive, s)
-            policy = self.retention
-            if policy is None:
-                return None
-            evicted = 0
-            if not stage_all:
-                for name, n in counts.items():
-                    g = self._groups[name]
-                    short = n - g.free_active
-                    if short > 0:
-                        evicted += self._evict(name, short)
-                if evicted == 0:
-                    stage_all = True
-            if stage_all:
-                for name, g in self._groups.items():
-                    evicted += self._evict(name, g.bps)
-                if evicted == 0:
-                    return None
-
-    def _evict(self, name: str, n: int) -> int:
-        g = self._groups[name]
-        if g.n_cached == 0:
-            return 0
-        blocks = self.retention.evict(name, n, prefer_slot_emptying=True)  # type: ignore[union-attr]
-        if not blocks:
-            return 0
-        self.release_cached(name, blocks)
-        self.evictions += len(blocks)
-        return len(blocks)
 
     def _take_partial(self, g: _Group, n: int, out: list[int]) -> int:
         """Take up to ``n`` blocks from active slots, fullest first (each slot's stack from
@@ -577,12 +335,10 @@ class BlockAllocator:
         stacks = g.stacks
         ref = g.ref
         want = n
-        while n:
+        while n and g.free_active > want - n:
             for bucket in buckets:  # bucket 0 stays empty
                 if bucket:
                     break
-            else:
-                break
             for slot in bucket:
                 break
             stack = stacks[slot]
@@ -607,7 +363,7 @@ class BlockAllocator:
         take = n if n < bps else bps
         g.ref[base:base + take] = [1] * take
         out += g.asc[base:base + take]
-        top = g.nblocks - base
+        top = g.nblocks - base  # desc[top - bps] is block base + bps - 1
         g.stacks[slot] = g.desc[top - bps:top - take]
         g.n_active += 1
         left = bps - take
@@ -616,61 +372,88 @@ class BlockAllocator:
             g.buckets[left][slot] = None
         return n - take
 
-    # -- references ----------------------------------------------------------------------
-    def free(self, blocks: Mapping[str, Sequence[int]] | str,
-             group_blocks: Sequence[int] | None = None) -> None:
-        """Drop one reference from each block, in the order given. At 0 the retention policy
-        may keep a block as cached; otherwise it is freed, and every slot this empties is
-        released in one call. Freeing a block that holds no reference raises ``ValueError``
-        and changes nothing.
+    def _activate_for(self, counts: Mapping[str, int]) -> dict[str, list[int]] | None:
+        """Activate, in one backing call, the slots ``counts`` needs beyond the free blocks of
+        active slots (lowest inactive slots first). ``None`` (nothing changed) when a group
+        lacks inactive slots or the backing refuses."""
+        need: dict[str, int] = {}
+        for name, n in counts.items():
+            if n < 0:
+                raise ValueError(f"negative block count {n} for group {name!r}")
+            g = self._groups[name]
+            short = n - g.free_active
+            if short > 0:
+                k = -(-short // g.bps)
+                if k > len(g.inactive):
+                    return None
+                need[name] = k
+        chosen = {name: [heappop(self._groups[name].inactive) for _ in range(k)]
+                  for name, k in need.items()}
+        if self.backing.activate(chosen):
+            return chosen
+        for name, slots in chosen.items():
+            inactive = self._groups[name].inactive
+            for s in slots:
+                heappush(inactive, s)
+        return None
 
-        Two call forms: ``free({group: blocks, ...})`` (several groups together, SD-01) and
-        ``free(group, blocks)`` (one group; the prefix cache's ``BlockBackend`` form)."""
-        if blocks.__class__ is dict or (group_blocks is None and not isinstance(blocks, str)):
-            # the dict form; one group without a policy (what VirtualKVCache.free is for most
-            # models) runs the one-pass path below, with no call in between
-            if self.retention is not None or len(blocks) != 1:
-                self._free_groups(blocks)  # type: ignore[arg-type]
-                return
-            g = self._sole  # type: ignore[assignment]
-            blks = blocks.get(g.name) if g is not None else None  # type: ignore[union-attr]
-            if blks is None:
-                for name, blks in blocks.items():  # type: ignore[union-attr]
-                    pass
-                g = self._groups.get(name) or self._g(name)
-        else:
-            g = self._groups.get(blocks) or self._g(blocks)  # type: ignore[arg-type]
-            blks = group_blocks if group_blocks is not None else ()
-            if self.retention is not None:
-                emptied: dict[str, list[int]] = {}
-                self._check_free(g, blks)
-                self._free_blocks(g, blks, emptied)
-                if emptied:
-                    self.backing.deactivate(emptied)
-                return
-        # No retention policy: one pass drops the references; a block reaching 0 is pushed
-        # on its slot's stack. Runs of blocks of one slot are recorded, then each moves its
-        # slot to its new bucket once (or releases it, EL-01), in order: the same end state
-        # as block by block. A double free is found in the pass, before any bucket moved:
-        # what the pass did is undone (_undo_free), ValueError, nothing changed.
-        if blks.__class__ is not list and blks.__class__ is not tuple:
-            blks = list(blks)
+    # -- references ----------------------------------------------------------------------
+    def free(self, blocks: Mapping[str, Sequence[int]]) -> Mapping[str, list[int]]:
+        """Drop one reference from each block, every group together (SD-01), in the order
+        given. At 0 a retained or pinned block becomes *cached*; any other is freed, and every
+        slot this empties is released in one backing call. Returns the blocks that became
+        cached, per group (only groups with some; the prefix cache puts them in its LRU).
+        Freeing a block that holds no reference raises ``ValueError`` and changes nothing."""
+        groups = self._groups
+        for name, blks in blocks.items():
+            self._check_free(groups.get(name) or self._g(name), blks)
+        kept: Mapping[str, list[int]] = _NOTHING_CACHED
+        emptied: dict[str, list[int]] | None = None
+        for name, blks in blocks.items():
+            g = groups[name]
+            k, released = self._free_group(g, blks)
+            if k:
+                if kept is _NOTHING_CACHED:
+                    kept = {}
+                kept[name] = k  # type: ignore[index]
+            if released:
+                if emptied is None:
+                    emptied = {}
+                emptied[name] = released
+        if emptied:
+            self.backing.deactivate(emptied)
+        return kept
+
+    @staticmethod
+    def _free_group(g: _Group, blks: Sequence[int]) -> tuple[list[int] | None, list[int]]:
+        """One pass over checked ``blks``: drop references; push freed blocks on their
+        slot's stack, noting each run of one slot; then one bucket move (or release) per run.
+        Returns (blocks that became cached, slots released)."""
         ref = g.ref
+        keep = g.keep
+        pins = g.pins
         stacks = g.stacks
         bps = g.bps
+        kept: list[int] | None = None
         runs: list[tuple[int, int, int]] = []  # (slot, free before the run, free after it)
         cur = -1
         k0 = 0
-        stack: list[int] = []
-        it = iter(blks)
         lo = hi = 0  # the blocks of slot cur
-        for b in it:
+        stack: list[int] = []
+        for b in blks:
             r = ref[b] - 1
             ref[b] = r
             if r:
-                if r > 0:
-                    continue
-                self._undo_free(g, blks, len(blks) - it.__length_hint__(), runs, cur, k0)
+                continue
+            if keep[b] or (pins and b in pins):
+                g.cached[b] = 1
+                g.ncached[b // bps] += 1
+                g.n_cached += 1
+                if kept is None:
+                    kept = [b]
+                else:
+                    kept.append(b)
+                continue
             if lo <= b < hi:
                 stack.append(b)
                 continue
@@ -683,7 +466,7 @@ class BlockAllocator:
             k0 = len(stack)
             stack.append(b)
         if cur < 0:
-            return
+            return kept, []
         runs.append((cur, k0, len(stack)))
         buckets = g.buckets
         released: list[int] = []
@@ -704,138 +487,38 @@ class BlockAllocator:
             inactive = g.inactive
             for s in released:
                 heappush(inactive, s)
-            self.backing.deactivate({g.name: released})
-
-    def _free_groups(self, blocks: Mapping[str, Sequence[int]]) -> None:
-        """``free({group: blocks, ...})`` with several groups or a retention policy: every
-        group is checked before any changes (a refused free changes nothing), then freed."""
-        groups = self._groups
-        emptied: dict[str, list[int]] = {}
-        for name, blks in blocks.items():
-            self._check_free(groups.get(name) or self._g(name), blks)
-        for name, blks in blocks.items():
-            self._free_blocks(groups[name], blks, emptied)
-        if emptied:
-            self.backing.deactivate(emptied)
-
-    def _undo_free(self, g: _Group, blks: Sequence[int], done: int,
-                   runs: list[tuple[int, int, int]], cur: int, k0: int) -> None:
-        """A double free found at entry ``done − 1`` (its count went below 0): give back
-        the references the first ``done`` entries dropped, cut the stacks back to where they
-        were and raise ``ValueError`` naming the block."""
-        ref = g.ref
-        for b in blks[:done]:
-            ref[b] += 1
-        first: dict[int, int] = {}
-        for s, k, _ in runs:
-            first.setdefault(s, k)
-        if cur >= 0:
-            first.setdefault(cur, k0)
-        for s, k in first.items():
-            del g.stacks[s][k:]  # type: ignore[index]
-        self._check_free(g, blks)
-        raise AssertionError("unreachable: _check_free accepted a double free")
+        return kept, released
 
     @staticmethod
     def _check_free(g: _Group, blks: Sequence[int]) -> None:
         """Refuse (``ValueError``, nothing changed) a free of a block without a reference."""
+        if not blks:
+            return
         ref = g.ref
-        if len(blks) == 1 or len(set(blks)) == len(blks):
-            if blks and min(map(ref.__getitem__, blks)) <= 0:
-                b = next(b for b in blks if ref[b] <= 0)
-                raise ValueError(f"free of block {b} in group {g.name!r} that holds no "
-                                 "reference (double free)")
-        else:
+        try:
+            low = min(map(ref.__getitem__, blks))
+        except (IndexError, TypeError):
+            bad = next(b for b in blks if not isinstance(b, int) or not 0 <= b < g.nblocks)
+            raise ValueError(f"free of block {bad!r}: not a block of group {g.name!r} "
+                             f"(0..{g.nblocks - 1})") from None
+        if low <= 0:
+            b = next(b for b in blks if ref[b] <= 0)
+            raise ValueError(f"free of block {b} in group {g.name!r} that holds no "
+                             "reference (double free)")
+        if len(blks) > 1 and len(set(blks)) != len(blks):
             for b, c in Counter(blks).items():
                 if ref[b] < c:
                     raise ValueError(f"free of block {b} in group {g.name!r}: {c} frees, "
                                      f"{ref[b]} references (double free)")
 
-    def _free_blocks(self, g: _Group, blks: Sequence[int],
-                     emptied: dict[str, list[int]]) -> None:
-        """Drop one reference from each of ``blks`` (checked) in order; at 0 ask the policy."""
-        policy = self.retention
-        ref = g.ref
-        bps = g.bps
-        stacks = g.stacks
-        buckets = g.buckets
-        name = g.name
-        # blocks freed in a row from one slot are pushed on its stack one by one; the slot
-        # changes bucket once per run (the same end state as block by block)
-        cur = -1
-        run = 0
-        fa = 0  # change of free blocks in active slots, written back once
-        stack: list[int] = []
-        for b in blks:
-            r = ref[b] - 1
-            ref[b] = r
-            if r:
-                continue
-            if policy is not None:
-                if run:
-                    g.free_active += fa
-                    fa = 0
-                    self._flush(g, cur, run, emptied)
-                    run = 0
-                    cur = -1
-                if policy.on_zero_ref(name, b):
-                    g.cached[b] = 1
-                    g.ncached[b // bps] += 1
-                    g.n_cached += 1
-                    continue
-            s = b // bps
-            if s != cur:
-                if run:  # inline _flush of the previous run
-                    k = len(stack)
-                    if k - run:
-                        del buckets[k - run][cur]
-                    if k == bps:
-                        fa -= k - run
-                        self._release(g, cur, 0, emptied)
-                    else:
-                        buckets[k][cur] = None
-                        fa += run
-                    run = 0
-                cur = s
-                stack = stacks[s]  # type: ignore[assignment]
-            stack.append(b)
-            run += 1
-        g.free_active += fa
-        if run:
-            self._flush(g, cur, run, emptied)
-
-    @staticmethod
-    def _flush(g: _Group, slot: int, m: int, emptied: dict[str, list[int]]) -> None:
-        """``m`` blocks of ``slot`` were just pushed on its free stack: move the slot to its
-        bucket, or release it when it emptied (EL-01)."""
-        k = len(g.stacks[slot])  # type: ignore[arg-type]
-        old = k - m
-        if old:
-            del g.buckets[old][slot]
-        if k == g.bps:
-            BlockAllocator._release(g, slot, old, emptied)
-            return
-        g.buckets[k][slot] = None
-        g.free_active += m
-
-    @staticmethod
-    def _release(g: _Group, slot: int, old_free: int, emptied: dict[str, list[int]]) -> None:
-        """``slot`` (which had ``old_free`` free blocks before this call) emptied: it becomes
-        inactive and is released with the rest of the call's emptied slots (EL-01)."""
-        g.stacks[slot] = None
-        g.free_active -= old_free
-        g.n_active -= 1
-        heapq.heappush(g.inactive, slot)
-        emptied.setdefault(g.name, []).append(slot)
-
-    def touch(self, group: str, block: int) -> None:
-        """Add a reference to ``block``: a cached block is revived (ref 0 → 1,
-        ``policy.on_revive`` is called); a live block gets one more reference. Touching a
-        free block raises ``ValueError`` (its contents are gone)."""
+    def touch(self, group: str, block: int) -> bool:
+        """Add a reference to ``block``: a cached block is revived (ref 0 → 1; returns
+        ``True``: the prefix cache takes it out of its LRU); a live block gets one more
+        reference (``False``). Touching a free block raises ``ValueError``."""
         g = self._g(group)
         if g.ref[block] > 0:
             g.ref[block] += 1
-            return
+            return False
         if not g.cached[block]:
             raise ValueError(f"touch of free block {block} in group {group!r}: only live or "
                              "cached blocks can be referenced")
@@ -843,13 +526,59 @@ class BlockAllocator:
         g.ncached[block // g.bps] -= 1
         g.n_cached -= 1
         g.ref[block] = 1
-        if self.retention is not None:
-            self.retention.on_revive(group, block)
+        return True
+
+    def retain(self, group: str, blocks: Sequence[int]) -> None:
+        """Keep ``blocks`` (live or cached) when their last reference goes: they hold a
+        published prefix (the prefix cache calls this on publish)."""
+        g = self._g(group)
+        for b in blocks:
+            if not (g.ref[b] or g.cached[b]):
+                raise ValueError(f"retain of free block {b} in group {group!r}")
+            g.keep[b] = 1
+
+    def unretain(self, group: str, blocks: Sequence[int]) -> int:
+        """Stop keeping ``blocks`` (their prefix was withdrawn): a live one is freed when its
+        last reference goes, a cached unpinned one is freed now, a pinned one when its
+        transfer ends. Returns the blocks freed now."""
+        g = self._g(group)
+        now = []
+        for b in blocks:
+            g.keep[b] = 0
+            if g.cached[b] and not g.pins.get(b):
+                now.append(b)
+        if now:
+            self.release_cached(group, now)
+        return len(now)
+
+    def pin(self, group: str, block: int) -> None:
+        """Hold ``block`` (live or cached) for a transfer: never freed, evicted or moved until
+        :meth:`unpin` (invariant 4)."""
+        g = self._g(group)
+        if not (g.ref[block] or g.cached[block]):
+            raise ValueError(f"pin of free block {block} in group {group!r}")
+        g.pins[block] = g.pins.get(block, 0) + 1
+
+    def unpin(self, group: str, block: int) -> bool:
+        """Drop one transfer pin; a cached block left neither pinned nor retained is freed
+        (returns ``True``)."""
+        g = self._g(group)
+        c = g.pins.get(block, 0)
+        if c <= 0:
+            raise ValueError(f"unpin of block {block} in group {group!r}, which is not pinned")
+        if c > 1:
+            g.pins[block] = c - 1
+            return False
+        del g.pins[block]
+        if g.cached[block] and not g.keep[block]:
+            self.release_cached(group, [block])
+            return True
+        return False
 
     def release_cached(self, group: str, blocks: Sequence[int]) -> None:
-        """Free cached (ref 0) blocks that the retention policy gives up; emptied slots are
-        released at once. A block that is not cached raises ``ValueError`` and nothing
-        changes."""
+        """Free cached, unpinned blocks (eviction, a withdrawn prefix); their retained flag
+        goes with them and emptied slots are released at once, in one call. A block that is
+        not cached or is pinned raises ``ValueError`` and nothing changes."""
         g = self._g(group)
         if len(set(blocks)) != len(blocks):
             raise ValueError(f"release_cached: duplicate blocks in group {group!r}")
@@ -857,19 +586,35 @@ class BlockAllocator:
             if not g.cached[b]:
                 state = "live" if g.ref[b] else "free"
                 raise ValueError(f"release_cached: block {b} in group {group!r} is {state}, "
-                                 "not cached (a pinned block is never evicted)")
-        emptied: dict[str, list[int]] = {}
+                                 "not cached (a referenced block is never evicted)")
+            if g.pins.get(b):
+                raise ValueError(f"release_cached: block {b} in group {group!r} is pinned by "
+                                 "a transfer (invariant 4: never evicted while it runs)")
         bps = g.bps
+        buckets = g.buckets
+        released: list[int] = []
         for b in blocks:
             g.cached[b] = 0
+            g.keep[b] = 0
             s = b // bps
             g.ncached[s] -= 1
             g.n_cached -= 1
-            g.stacks[s].append(b)  # type: ignore[union-attr]
-            self._flush(g, s, 1, emptied)
-        if emptied:
-            self.backing.deactivate(emptied)
-
+            stack = g.stacks[s]
+            k0 = len(stack)  # type: ignore[arg-type]
+            stack.append(b)  # type: ignore[union-attr]
+            if k0:
+                del buckets[k0][s]
+            if k0 + 1 == bps:
+                g.stacks[s] = None
+                g.free_active -= k0
+                g.n_active -= 1
+                heappush(g.inactive, s)
+                released.append(s)
+            else:
+                buckets[k0 + 1][s] = None
+                g.free_active += 1
+        if released:
+            self.backing.deactivate({group: released})
     # -- compaction ----------------------------------------------------------------------
     def compact(self, groups: Iterable[str] | None = None, *, max_blocks: int | None = None,
                 exclude: Mapping[str, Iterable[int]] | None = None) -> Compaction:
@@ -880,14 +625,13 @@ class BlockAllocator:
         slots whose every used block may move are chosen (fewest blocks copied; among equals
         the highest slot id), their blocks go to the free blocks of the fullest remaining
         slots, lowest source block first. Nothing new is mapped. A block does not move when
-        the retention policy's ``can_move`` says no (pinned by a transfer) or it is in
-        ``exclude[group]``; its slot is then kept. ``max_blocks`` caps the blocks moved over
+        it is pinned by a transfer or is in ``exclude[group]``; its slot is then kept. ``max_blocks`` caps the blocks moved over
         all groups (whole slots only). ``groups``: the groups to compact (default: all).
 
         The backing copies the data first (``backing.move``); then the allocator moves ref
-        counts and cached flags, the policy's ``on_move(group, {old: new})`` follows, and the
-        emptied slots are released in one call. Returns the :class:`Compaction` (old → new per
-        group: rewrite block tables with it). A failed copy changes nothing (``error`` says
+        counts and cached / retained flags and releases the emptied slots in one call. Returns
+        the :class:`Compaction` (old → new per group: the caller rewrites its block tables and
+        the prefix index with it). A failed copy changes nothing (``error`` says
         why). The caller must not touch the moved blocks' old ids afterwards, and must not
         compact while a kernel reads or writes blocks that may move.
         """
@@ -896,17 +640,10 @@ class BlockAllocator:
             self._g(name)
         if max_blocks is not None and max_blocks < 0:
             raise ValueError(f"compact: max_blocks must be >= 0, got {max_blocks}")
-        policy = self.retention
-        on_move = getattr(policy, "on_move", None) if policy is not None else None
-        if policy is not None and on_move is None:
-            raise TypeError(f"compact: the retention policy {type(policy).__name__} has no "
-                            "on_move(group, moves); moving blocks would leave its block index "
-                            "stale. Implement on_move or compact without a policy")
         move = getattr(self.backing, "move", None)
         if move is None:
             raise TypeError(f"compact: the slot backing {type(self.backing).__name__} has no "
                             "move(moves) to copy block contents")
-        can_move = getattr(policy, "can_move", None) if policy is not None else None
         budget = max_blocks
         plans: dict[str, tuple[list[int], dict[int, int], dict[int, int]]] = {}
         for name in names:
@@ -915,6 +652,7 @@ class BlockAllocator:
             if k_max == 0 or (budget is not None and budget <= 0):
                 continue
             excl = set(exclude.get(name, ())) if exclude else set()
+            excl.update(g.pins)  # a transfer reads or writes them (invariant 4)
             ref = g.ref
             cached = g.cached
             bps = g.bps
@@ -925,7 +663,7 @@ class BlockAllocator:
                 ok = True
                 for b in range(s * bps, (s + 1) * bps):
                     if ref[b] or cached[b]:
-                        if b in excl or (can_move is not None and not can_move(name, b)):
+                        if b in excl:
                             ok = False
                             break
                 if ok:
@@ -977,6 +715,7 @@ class BlockAllocator:
             g = self._groups[name]
             ref = g.ref
             cached = g.cached
+            keep = g.keep
             ncached = g.ncached
             bps = g.bps
             for s, t in taken.items():  # destination stacks give up their top t blocks
@@ -990,6 +729,8 @@ class BlockAllocator:
             for old, new in mapping.items():
                 ref[new] = ref[old]
                 ref[old] = 0
+                keep[new] = keep[old]
+                keep[old] = 0
                 if cached[old]:
                     cached[old] = 0
                     cached[new] = 1
@@ -1003,9 +744,6 @@ class BlockAllocator:
                 g.n_active -= 1
                 heapq.heappush(g.inactive, s)
             emptied[name] = sorted(sources)
-        if on_move is not None:
-            for name, p in plans.items():
-                on_move(name, dict(p[1]))
         self.backing.deactivate(emptied)
         return Compaction({n: (plans[n][1] if n in plans else {}) for n in names},
                           {n: tuple(emptied.get(n, ())) for n in names})
@@ -1033,11 +771,32 @@ class BlockAllocator:
         """Cached (ref 0, retained) blocks of ``slot``."""
         return self._g(group).ncached[slot]
 
+    def is_retained(self, group: str, block: int) -> bool:
+        return bool(self._g(group).keep[block])
+
+    def pin_count(self, group: str, block: int) -> int:
+        return self._g(group).pins.get(block, 0)
+
+    def pinned_blocks(self, group: str) -> Mapping[int, int]:
+        """Blocks pinned by transfers now -> pin count (read only)."""
+        return self._g(group).pins
+
+    def slot_evictable(self, group: str, slot: int) -> bool:
+        """True when every used block of active ``slot`` is cached and unpinned: giving them
+        up releases the slot's pages."""
+        g = self._g(group)
+        stack = g.stacks[slot]
+        if stack is None or g.bps - len(stack) != g.ncached[slot]:
+            return False
+        bps = g.bps
+        return not any(p // bps == slot for p in g.pins)
+
     def block_info(self, group: str, block: int) -> BlockInfo:
         g = self._g(group)
         if not 0 <= block < len(g.ref):
             raise IndexError(f"block {block} outside group {group!r} ({len(g.ref)} blocks)")
-        return BlockInfo(group, block, block // g.bps, g.ref[block], bool(g.cached[block]))
+        return BlockInfo(group, block, block // g.bps, g.ref[block], bool(g.cached[block]),
+                         bool(g.keep[block]), g.pins.get(block, 0))
 
     def slot_info(self, group: str, slot: int) -> SlotInfo:
         g = self._g(group)
@@ -1066,12 +825,6 @@ class BlockAllocator:
     def num_cached_blocks(self, group: str) -> int:
         return self._g(group).n_cached
 
-    def num_evictable(self, group: str) -> int:
-        """Cached blocks the retention policy says it can give up (0 without a policy)."""
-        if self.retention is None:
-            return 0
-        return self.retention.num_evictable(group)
-
     def check_invariants(self) -> None:
         """Recount everything from scratch and raise ``AssertionError`` on any mismatch."""
         for g in self._groups.values():
@@ -1085,6 +838,13 @@ class BlockAllocator:
                 assert all(not (g.ref[b] and g.cached[b]) for b in blocks), \
                     f"{g.name}: a block in slot {s} is both live and cached"
                 assert all(g.ref[b] >= 0 for b in blocks)
+                for b in blocks:
+                    if g.cached[b]:
+                        assert g.keep[b] or g.pins.get(b), \
+                            f"{g.name}: cached block {b} neither retained nor pinned"
+                    if g.keep[b] or g.pins.get(b):
+                        assert g.ref[b] or g.cached[b], \
+                            f"{g.name}: free block {b} still retained or pinned"
                 stack = g.stacks[s]
                 if stack is None:
                     assert live == cached == 0, f"{g.name}: slot {s} inactive but holds blocks"

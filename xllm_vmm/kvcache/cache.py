@@ -28,7 +28,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-from xllm_vmm.kvcache.allocator import BlockAllocator, Compaction, GroupShape, RetentionPolicy
+from xllm_vmm.kvcache.allocator import BlockAllocator, Compaction, GroupShape
 from xllm_vmm.models.spec import CacheGroup, CacheLayout
 from xllm_vmm.pool.pool import Region, VmmPool
 
@@ -189,14 +189,18 @@ class CacheCapacity:
 
 class VirtualKVCache:
     """The virtual KV cache of one worker: groups over the pool's ``tenant`` region, slots,
-    and the :class:`~xllm_vmm.kvcache.allocator.BlockAllocator` over them.
+    and the :class:`~xllm_vmm.kvcache.allocator.BlockAllocator` over them (:attr:`allocator`,
+    the one owner of block state; the engine goes through
+    :class:`~xllm_vmm.kvcache.manager.KVCacheManager`). The cache is the allocator's slot
+    backing: :meth:`activate` / :meth:`deactivate` map and unmap a slot's pages, :meth:`move`
+    copies blocks for compaction.
 
     ``slots`` gives the slots per group (the device KV tensor capacity); see
     :meth:`for_tokens` and :meth:`for_budget` to derive it.
     """
 
     def __init__(self, pool: VmmPool, layout: CacheLayout, slots: Mapping[str, int], *,
-                 tenant: str = "kv", retention: RetentionPolicy | None = None) -> None:
+                 tenant: str = "kv") -> None:
         page = pool.page_bytes
         self.pool = pool
         self.layout = layout
@@ -223,12 +227,7 @@ class VirtualKVCache:
         self.last_move_error = ""
         self.allocator = BlockAllocator(
             [GroupShape(name, geo.num_slots, geo.blocks_per_slot)
-             for name, geo in self.geometry.items()], backing=self, retention=retention)
-        # allocate and free are the allocator's own bound methods (the class methods below
-        # document them): the product's path adds no call on top of BlockAllocator.allocate /
-        # free, and `bench kvcache`'s alloc_vs_freelist_ratio measures exactly this path
-        self.allocate = self.allocator.allocate  # type: ignore[method-assign]
-        self.free = self.allocator.free  # type: ignore[method-assign]
+             for name, geo in self.geometry.items()], backing=self)
 
     # -- construction helpers ------------------------------------------------------------
     @classmethod
@@ -319,8 +318,9 @@ class VirtualKVCache:
         ones and release the emptied slots at once (see
         :meth:`~xllm_vmm.kvcache.allocator.BlockAllocator.compact` for the choice of slots,
         pins, ``max_blocks`` and ``exclude``). Call it when the cache is idle or lightly
-        loaded, between engine steps; rewrite every block table with the returned
-        ``moves[group]`` (old → new). Never maps a slot. ``bytes_copied``: device-to-device
+        loaded, between engine steps; the returned ``moves[group]`` (old → new) must be
+        applied to every block table and the prefix index (the manager's
+        :meth:`~xllm_vmm.kvcache.manager.KVCacheManager.compact` does). Never maps a slot. ``bytes_copied``: device-to-device
         bytes (every tensor of a group); ``bytes_released``: bytes unmapped."""
         c = self.allocator.compact(groups, max_blocks=max_blocks, exclude=exclude)
         copied = sum(len(m) * self.geometry[n].group.tensor_block_bytes
@@ -332,17 +332,15 @@ class VirtualKVCache:
     # -- blocks --------------------------------------------------------------------------
     def allocate(self, counts: Mapping[str, int],
                  near: Mapping[str, int] | None = None) -> dict[str, list[int]] | None:
-        """Blocks per group, all groups or none; ``None`` = "not now" (see
-        :meth:`BlockAllocator.allocate`, also for ``near``). An instance's ``allocate`` is
-        the allocator's bound method itself (set in ``__init__``: no extra call); with one
-        cache group, decode growth and frees run inline there."""
+        """:meth:`BlockAllocator.allocate` (blocks per group, all or none; ``None`` = "not
+        now", nothing evicted), for tools and tests that place blocks without requests. The
+        engine allocates through :class:`~xllm_vmm.kvcache.manager.KVCacheManager`."""
         return self.allocator.allocate(counts, near)
 
-    def free(self, blocks: Mapping[str, Sequence[int]]) -> None:
-        """Drop one reference from each block, every group together (SD-01); see
-        :meth:`BlockAllocator.free`. Like ``allocate``, an instance's ``free`` is the
-        allocator's bound method (it also takes the one-group form ``free(group, blocks)``)."""
-        self.allocator.free(blocks)
+    def free(self, blocks: Mapping[str, Sequence[int]]) -> Mapping[str, list[int]]:
+        """:meth:`BlockAllocator.free` (every group together, SD-01), for the same callers
+        as :meth:`allocate`."""
+        return self.allocator.free(blocks)
 
     def demand(self, tokens: int) -> dict[str, int]:
         """Blocks one sequence of ``tokens`` tokens needs in every group (AD-01)."""
@@ -359,10 +357,13 @@ class VirtualKVCache:
         return all(self.pool.is_mapped(self.region, p) for p in geo.slot_pages(slot))
 
     # -- capacity and statistics ---------------------------------------------------------
-    def capacity(self) -> CacheCapacity:
+    def capacity(self, evictable: Mapping[str, int] | None = None) -> CacheCapacity:
+        """What the cache could take now; ``evictable``: cached blocks per group the prefix
+        cache could give up (the manager passes them; none without a prefix cache)."""
         a = self.allocator
+        ev = evictable or {}
         groups = {
-            name: GroupCapacity(name, a.num_free_blocks(name), a.num_evictable(name),
+            name: GroupCapacity(name, a.num_free_blocks(name), ev.get(name, 0),
                                 a.num_inactive_slots(name), geo.blocks_per_slot,
                                 geo.slot_bytes)
             for name, geo in self.geometry.items()
@@ -403,5 +404,4 @@ class VirtualKVCache:
             },
             "active_bytes": self.active_bytes(),
             "packed_floor_bytes": self.packed_floor_bytes(),
-            "evictions": a.evictions,
         }

@@ -2,10 +2,10 @@
 restored from it into newly mapped VMM blocks when their device copy was evicted.
 
 Policy: **write-through on completion.** When a request releases its blocks and a published
-hash becomes cached on the device (:meth:`PrefixCache.on_zero_ref` → :meth:`HostTier.on_cached`),
-the tier queues a device→host copy of it; :meth:`HostTier.step` submits the queue as one batched
-asynchronous copy. Why not offload on eviction: eviction runs inside an allocation that is short
-of memory and must hand blocks back at once (the allocator frees them and retries), whereas an
+hash becomes cached on the device (:meth:`PrefixCache.release` returns it; the manager hands it
+to :meth:`HostTier.offload`), the tier queues a device→host copy of it; :meth:`HostTier.step`
+submits the queue as one batched asynchronous copy. Why not offload on eviction: eviction runs
+just before an allocation that is short of memory and must hand blocks back at once, whereas an
 offload copy takes time; waiting for it would stall the allocating request, and pinning the
 victims until the copy ends would free nothing now. Copying at completion keeps eviction
 instant and the copy off the critical path; its cost is copying blocks that may never be
@@ -170,15 +170,20 @@ class HostTier:
         # hash -> (its restore copy in flight, the device block it is copied into, per group)
         self._restoring: dict[BlockHash, tuple[_InFlight, dict[str, int]]] = {}
         self.stats = HostTierStats(host_capacity_blocks=pool.capacity)
-        prefix.add_listener(self)
 
     # ------------------------------------------------------------------ write-through
-    def on_cached(self, h: BlockHash) -> None:
-        """A hash's blocks were released by their last request: queue its copy to the host."""
-        if self.pool.capacity == 0 or h in self.pool or h in self._offloading or h in self._pending:
+    def offload(self, hashes: Sequence[BlockHash]) -> None:
+        """These hashes' blocks were released by their last request: queue their copies to the
+        host (submitted by the next :meth:`step`; a hash already there or on its way is not
+        copied again)."""
+        if self.pool.capacity == 0:
             return
-        self._pending[h] = None
-        self.stats.offload_queued += 1
+        pool, off, pending = self.pool, self._offloading, self._pending
+        for h in hashes:
+            if h in pool or h in off or h in pending:
+                continue
+            pending[h] = None
+            self.stats.offload_queued += 1
 
     def _segments(self, blocks: Mapping[str, int]) -> list[tuple[int, int]]:
         segs: list[tuple[int, int]] = []
@@ -279,7 +284,6 @@ class HostTier:
         dropped: dict[str, list[int]] = {g: [] for g in groups}
         joined: dict[int, _InFlight] = {}
         copy_at: list[int] = []
-        backend = self.prefix.backend
         for j, h in enumerate(hs):
             lead = self._restoring.get(h)
             if lead is None:
@@ -287,7 +291,7 @@ class HostTier:
                 continue
             t, ids = lead
             for g in groups:
-                backend.touch(g, ids[g])  # this request's reference on the shared block
+                self.prefix.touch(g, ids[g])  # this request's reference on the shared block
                 result[g][j] = ids[g]
                 dropped[g].append(own[g][j])
             joined[id(t)] = t
@@ -324,13 +328,7 @@ class HostTier:
         return r
 
     # ------------------------------------------------------------------ completion
-    def reap(self) -> int:
-        """Finish the copies that are done without freeing anything through the allocator
-        (safe inside an allocator callback: :meth:`PrefixCache.evict` calls it). Blocks they
-        leave orphaned are freed at the next :meth:`poll`."""
-        return self.poll(release=False)
-
-    def poll(self, release: bool = True) -> int:
+    def poll(self) -> int:
         """Finish every copy that is done; returns how many finished."""
         n = 0
         still: list[_InFlight] = []
@@ -340,13 +338,11 @@ class HostTier:
                     t.transfer.wait()
                 except Exception as e:
                     t.error = e
-                self._finish(t, release)
+                self._finish(t)
                 n += 1
             else:
                 still.append(t)
         self._inflight = still
-        if release:
-            self.prefix.release_orphans()
         return n
 
     def wait_all(self) -> None:
@@ -363,7 +359,10 @@ class HostTier:
     def in_flight(self) -> int:
         return len(self._inflight)
 
-    def _finish(self, t: _InFlight, release: bool = True) -> None:
+    def _finish(self, t: _InFlight) -> None:
+        """A copy ended (or never started): index what it brought, release its pins (a
+        device block no hash keeps is freed by the allocator then, e.g. a cancelled request's
+        block whose restore failed)."""
         ok = t.error is None
         if t.kind is CopyKind.D2H:
             for h, hb in zip(t.hashes, t.host):
@@ -394,8 +393,6 @@ class HostTier:
         for n, ids in t.device.items():
             for b in ids:
                 self.prefix.unpin(n, b)
-        if release:
-            self.prefix.release_orphans()
         t.finished = True
         self._sync_stats()
 

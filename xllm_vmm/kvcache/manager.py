@@ -61,11 +61,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from xllm_vmm.kvcache.allocator import Compaction
 from xllm_vmm.kvcache.cache import CacheLayoutError, VirtualKVCache, fit_tokens
 from xllm_vmm.kvcache.hashing import DEFAULT_SEED, BlockHash, MediaSpan, block_hashes
+from xllm_vmm.kvcache.host_pool import HostPool, check_host_pool_fits
 from xllm_vmm.kvcache.host_tier import HostTier, Restore
 from xllm_vmm.kvcache.prefix import PrefixCache
-from xllm_vmm.kvcache.prefix_setup import attach_host_tier, attach_prefix_cache
+from xllm_vmm.kvcache.prefix_setup import (
+    HostTierUnsupported,
+    KvBlockAddresses,
+    host_tier_unsupported_reason,
+    plan_host_pool,
+)
 
 __all__ = [
     "KVCacheManager",
@@ -270,7 +277,7 @@ class KVCacheManager:
         """Give back a held hit (device references, host pins)."""
         if req.held is not None:
             if self.prefix is not None and any(req.held.values()):
-                self.prefix.release(req.held)
+                self._offload(self.prefix.release(req.held))
             req.held = None
         if req.held_host:
             pool = self.host.pool  # type: ignore[union-attr]
@@ -317,9 +324,12 @@ class KVCacheManager:
         if need <= 0:
             return tables
         near = {g: t[-1] for g, t in tables.items()} if first else None
-        new = self._cache.allocator.allocate({g: need for g in self.group_names}, near)
+        counts = {g: need for g in self.group_names}
+        new = self._alloc.allocate(counts, near)
         if new is None:
-            return None
+            new = self._evict_and_allocate(counts, near)
+            if new is None:
+                return None
         for g, ids in new.items():
             tables[g].extend(ids)
         return tables
@@ -344,13 +354,18 @@ class KVCacheManager:
         groups = self.group_names
         if prompt + lookahead > total:  # a first chunk: admit on the whole prompt (AD-04)
             foot = -(-(prompt + lookahead) // bs) - n_dev
-            if not self._cache.capacity().fits({g: foot for g in groups}):
+            if not self._cache.capacity(self._evictable()).fits({g: foot for g in groups}):
                 return None
         need = n_blocks - n_dev
-        new = self._alloc.allocate({g: need for g in groups}) if need > 0 else \
-            {g: [] for g in groups}
-        if new is None:
-            return None
+        if need > 0:
+            counts = {g: need for g in groups}
+            new = self._alloc.allocate(counts)
+            if new is None:
+                new = self._evict_and_allocate(counts, None)
+                if new is None:
+                    return None
+        else:
+            new = {g: [] for g in groups}
         if req is None:
             req = self._reqs[request_id] = self._new(request_id)
         if hit is None:
@@ -393,6 +408,17 @@ class KVCacheManager:
             return False
         self._finish_restore(req, r)
         return True
+
+    def wait_ready(self, request_id: str) -> bool:
+        """Block until :meth:`ready`; ``True`` unless a host restore failed (then the engine
+        computes from :meth:`num_computed_tokens`)."""
+        req = self._req(request_id)
+        r = req.restore
+        if r is None:
+            return True
+        r.wait()
+        self._finish_restore(req, r)
+        return r.ok
 
     def _finish_restore(self, req: _Request, r: Restore) -> None:
         req.restore = None
@@ -456,9 +482,50 @@ class KVCacheManager:
             return
         tables = req.tables
         if self.prefix is not None:
-            self.prefix.release(tables)
+            self._offload(self.prefix.release(tables))
         elif tables[self.group_names[0]]:
             self._alloc.free(tables)
+
+    def _offload(self, hashes: list) -> None:
+        """Write-through: hashes whose blocks just became cached go to the host tier."""
+        if hashes and self.host is not None:
+            self.host.offload(hashes)
+
+    def _evictable(self) -> dict[str, int] | None:
+        p = self.prefix
+        return None if p is None else {g: p.num_evictable(g) for g in self.group_names}
+
+    def _evict_and_allocate(self, counts: Mapping[str, int], near: Mapping[str, int] | None
+                            ) -> dict[str, list[int]] | None:
+        """The allocator said "not now": give up cached blocks *before* the next attempt
+        (never inside one). First each short group's shortfall (whole evictable slots
+        first), then, while the shared budget still refuses, one slot's worth of every group
+        at a time. Copies that have finished are reaped once when nothing is evictable (their
+        pins end). ``None`` when nothing more can go."""
+        prefix = self.prefix
+        if prefix is None:
+            return None
+        a = self._alloc
+        evicted = 0
+        for g, n in counts.items():
+            short = n - a.num_free_blocks(g)
+            if short > 0:
+                evicted += len(prefix.evict(g, short))
+        polled = False
+        while True:
+            if evicted:
+                new = a.allocate(counts, near)
+                if new is not None:
+                    return new
+            evicted = 0
+            for g in self.group_names:
+                evicted += len(prefix.evict(g, a.shape(g).blocks_per_slot))
+            if not evicted:
+                if polled or self.host is None or not self.host.in_flight:
+                    return None
+                self.host.poll()  # finished copies unpin their blocks
+                polled = True
+                evicted = 1  # retry the allocation once
 
     def drop(self, request_id: str) -> None:
         """Give back a held hit of a request that will not be allocated now (same as
@@ -489,15 +556,18 @@ class KVCacheManager:
         if worth:
             self.compact(max_blocks=self._compact_max_blocks)
 
-    def compact(self, max_blocks: int | None = None) -> int:
-        """Compact now (see :meth:`VirtualKVCache.compact`) and apply the moves to every block
-        table and held hit. Returns the bytes released."""
+    def compact(self, max_blocks: int | None = None) -> Compaction:
+        """Compact now (see :meth:`VirtualKVCache.compact`: pinned blocks stay, nothing is
+        mapped) and apply the moves to every block table, held hit and the prefix index.
+        Call it between model steps only. Returns what it did."""
         c = self._cache.compact(max_blocks=max_blocks)
         if c.error or not c.blocks_moved:
-            return 0
+            return c
         for g, moves in c.moves.items():
             if not moves:
                 continue
+            if self.prefix is not None:
+                self.prefix.on_move(g, moves)
             get = moves.get
             for req in self._reqs.values():
                 t = req.tables[g]
@@ -514,7 +584,7 @@ class KVCacheManager:
         self.compactions += 1
         self.blocks_compacted += c.blocks_moved
         self.bytes_compacted_released += c.bytes_released
-        return c.bytes_released
+        return c
 
     # -- queries -------------------------------------------------------------------------
     def block_tables(self, request_id: str) -> dict[str, list[int]]:
@@ -524,7 +594,7 @@ class KVCacheManager:
 
     def capacity(self) -> KVCapacity:
         """Live capacity (see :class:`KVCapacity`)."""
-        cap = self._cache.capacity()
+        cap = self._cache.capacity(self._evictable())
         a = self._alloc
         total, used, cached, avail = {}, {}, {}, {}
         for g, geo in self._cache.geometry.items():
@@ -562,7 +632,7 @@ class KVCacheManager:
             "free_blocks": sum(a.num_free_blocks(g) for g in self.group_names),
             "mapped_bytes": self._cache.active_bytes(),
             "packed_floor_bytes": self._cache.packed_floor_bytes(),
-            "evictions": a.evictions,
+            "evictions": self.prefix.stats.evictions if self.prefix is not None else 0,
             "compactions": self.compactions,
             "blocks_compacted": self.blocks_compacted,
             "compaction_released_bytes": self.bytes_compacted_released,
@@ -707,13 +777,21 @@ def build_kv_cache_manager(pool: Any, layout: Any, *, enable_prefix_cache: bool,
             f"bytes, arena {pool.arena_bytes_left()} bytes left); raise "
             "max_memory_utilization / max_cache_size or pass max_tokens")
     cache = VirtualKVCache.for_tokens(pool, layout, tokens)
-    prefix = attach_prefix_cache(cache) if enable_prefix_cache else None
-    host = None
-    if prefix is not None and host_blocks_factor > 1:
-        host = attach_host_tier(cache, prefix, driver or pool.driver, host_blocks_factor,
-                                vision=vision,
-                                available_bytes=tuning.get("host_available_bytes"),
-                                populate=tuning.get("host_populate", True))
+    prefix = host = None
+    if enable_prefix_cache:
+        prefix = PrefixCache(cache.allocator,
+                             {n: geo.group.block_bytes for n, geo in cache.geometry.items()},
+                             cache.layout.groups[0].block_size,
+                             hybrid=layout.resident is not None)  # PC-02
+    if prefix is not None and host_blocks_factor > 1:  # HK-01 (HK-02/HK-03: no host tier)
+        reason = host_tier_unsupported_reason(layout, vision=vision)
+        if reason:
+            raise HostTierUnsupported(f"{reason}; set host_blocks_factor=0 (or <= 1) to run "
+                                      "without the host tier")
+        size = plan_host_pool(cache, host_blocks_factor)  # HK-06
+        check_host_pool_fits(size, tuning.get("host_available_bytes"))  # HK-07
+        hpool = HostPool(size, driver or pool.driver, populate=tuning.get("host_populate", True))
+        host = HostTier(prefix, hpool, driver or pool.driver, KvBlockAddresses(cache))
     kw = {k: tuning[k] for k in ("compact", "compact_min_slots", "compact_max_blocks")
           if k in tuning}
     return KVCacheManager(cache, prefix=prefix, host=host, hash_seed=hash_seed, **kw)

@@ -1,24 +1,14 @@
-"""Wiring of the prefix cache and the host KV tier onto a :class:`VirtualKVCache`.
-
-:func:`attach_prefix_cache` makes a :class:`~xllm_vmm.kvcache.prefix.PrefixCache` the cache's
-retention policy (PC-01; PC-02 for a layout with resident linear state).
-:func:`attach_host_tier` sizes (HK-06), checks (HK-05, HK-07) and preallocates the host pool and
-returns the :class:`~xllm_vmm.kvcache.host_tier.HostTier`, or ``None`` when the factor is 1 or
-less (HK-03). Units: bytes, blocks.
+"""What the host KV tier needs from a :class:`VirtualKVCache`: block addresses, the HK-05
+support criterion and the HK-06 pool size (the manager's factory,
+:func:`~xllm_vmm.kvcache.manager.build_kv_cache_manager`, builds the tier with them).
+Units: bytes, blocks.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from xllm_vmm.kvcache.host_pool import (
-    HostPool,
-    HostPoolSize,
-    check_host_pool_fits,
-    host_pool_size,
-)
-from xllm_vmm.kvcache.host_tier import HostTier
-from xllm_vmm.kvcache.prefix import PrefixCache
+from xllm_vmm.kvcache.host_pool import HostPoolSize, host_pool_size
 
 if TYPE_CHECKING:  # pragma: no cover
     from xllm_vmm.kvcache.cache import VirtualKVCache
@@ -64,21 +54,6 @@ def host_tier_unsupported_reason(layout: "CacheLayout", *, vision: bool = False)
     return None
 
 
-def attach_prefix_cache(cache: "VirtualKVCache", *, hybrid: bool | None = None) -> PrefixCache:
-    """A prefix cache over every group of ``cache``, set as its allocator's retention policy.
-    ``hybrid`` defaults to whether the layout has resident linear state (PC-02)."""
-    if hybrid is None:
-        hybrid = cache.layout.resident is not None
-    groups = {n: geo.group.block_bytes for n, geo in cache.geometry.items()}
-    block_sizes = {geo.group.block_size for geo in cache.geometry.values()}
-    if len(block_sizes) != 1:
-        raise ValueError(f"prefix caching needs one block_size across cache groups, got "
-                         f"{sorted(block_sizes)}")
-    prefix = PrefixCache(groups, block_sizes.pop(), backend=cache.allocator, hybrid=hybrid)
-    cache.allocator.set_retention(prefix)
-    return prefix
-
-
 def device_capacity_bytes(cache: "VirtualKVCache") -> int:
     """The configured device KV tensor capacity: every slot of every group (HK-06)."""
     return sum(geo.num_slots * geo.slot_bytes for geo in cache.geometry.values())
@@ -92,22 +67,3 @@ def host_block_bytes(cache: "VirtualKVCache") -> int:
 def plan_host_pool(cache: "VirtualKVCache", host_blocks_factor: float) -> HostPoolSize:
     return host_pool_size(device_capacity_bytes(cache), host_blocks_factor,
                           host_block_bytes(cache))
-
-
-def attach_host_tier(cache: "VirtualKVCache", prefix: PrefixCache, driver: Any,
-                     host_blocks_factor: float, *, vision: bool = False,
-                     available_bytes: int | None = None, populate: bool = True
-                     ) -> HostTier | None:
-    """Preallocate the host pool and start the write-through host tier. ``None`` when
-    ``host_blocks_factor <= 1`` (HK-03). Raises :class:`HostTierUnsupported` (HK-05) and
-    :class:`~xllm_vmm.kvcache.host_pool.HostPoolTooLarge` (HK-07, with the numbers)."""
-    if host_blocks_factor <= 1:
-        return None
-    reason = host_tier_unsupported_reason(cache.layout, vision=vision)
-    if reason:
-        raise HostTierUnsupported(f"{reason}; set host_blocks_factor=0 (or <= 1) to run "
-                                  "without the host tier")
-    size = plan_host_pool(cache, host_blocks_factor)
-    check_host_pool_fits(size, available_bytes)
-    pool = HostPool(size, driver, populate=populate)
-    return HostTier(prefix, pool, driver, KvBlockAddresses(cache))
