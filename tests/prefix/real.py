@@ -103,6 +103,17 @@ class StepCopies:
             ran += 1
         return ran
 
+    def complete_at(self, i: int, *, fail: bool = False) -> None:
+        """Runs queued copy ``i`` (0 = the oldest) now, failing it instead when ``fail``."""
+        t = self._queue.pop(i)
+        try:
+            if fail:
+                raise VmmError("copy_batch", 5, "injected copy failure")
+            t._run()
+        except Exception as e:  # noqa: BLE001 - the transfer carries it, like a device error
+            t.error = e
+        t.finished = True
+
     def synchronize(self) -> None:
         self.complete(len(self._queue))
 

@@ -23,6 +23,7 @@ everything cancelled and drained, no block, mapping, handle or pin is left.
 """
 
 import ctypes
+import hashlib
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -103,9 +104,15 @@ class RealPrefixMachine(RuleBasedStateMachine):
         self.s.mgr.commit(req.rid, len(req.tokens), req.tokens)  # publishes complete blocks
         self.computed[id(req)] = len(req.hashes)
 
+    @staticmethod
+    def _partial_tag(req, i: int) -> int:
+        """The tag of an incomplete block: the request's own (no other request has it)."""
+        d = hashlib.blake2b(f"{req.rid}/{i}".encode(), digest_size=8).digest()
+        return int.from_bytes(d, "little") | (1 << 100)
+
     def _write_blocks(self, req, first: int, end: int) -> None:
         for i in range(first, end):
-            h = req.hashes[i] if i < len(req.hashes) else 0  # the incomplete last block
+            h = req.hashes[i] if i < len(req.hashes) else self._partial_tag(req, i)
             for g in self.groups:
                 self._write(g, req.blocks[g][i], h)
 
@@ -158,9 +165,24 @@ class RealPrefixMachine(RuleBasedStateMachine):
         the host tier notices at its next poll."""
         self.s.copies.complete(k, fail_first=fail)
 
+    @precondition(lambda self: self.s.copies.queued)
+    @rule(i=st.integers(0, 100), fail=st.integers(0, 4).map(lambda x: x == 0))
+    def complete_a_copy_out_of_order(self, i, fail):
+        """Any queued copy runs (not only the oldest): completions in random order."""
+        self.s.copies.complete_at(i % self.s.copies.queued, fail=fail)
+
     @rule()
     def drain_copies(self):
         self.s.host.wait_all()
+
+    @precondition(lambda self: not self.running)
+    @rule(offload=st.booleans())
+    def sleep_and_wake(self, offload):
+        """Invariant 6 (the KV part): sleep with no request releases every KV page; after
+        wake_up the cache maps on demand again."""
+        self.s.mgr.sleep(offload=offload)
+        assert self.s.pool.mapped_bytes == 0 and self.s.host.in_flight == 0
+        self.s.mgr.wake_up()
 
     @rule()
     def memory_pressure(self):
@@ -190,6 +212,7 @@ class RealPrefixMachine(RuleBasedStateMachine):
     @invariant()
     def running_requests_keep_their_blocks(self):
         for req in self.running:
+            computed = id(req) in self.computed
             done = self.computed.get(id(req), req.hit)  # hits hold their tags from the start
             for g in self.groups:
                 for i, b in enumerate(req.blocks[g]):
@@ -197,6 +220,18 @@ class RealPrefixMachine(RuleBasedStateMachine):
                     if i < done:
                         assert self._holds(g, b, req.hashes[i]), \
                             f"{g} block {b} of a running request was overwritten"
+                    elif computed:  # its own incomplete block: nobody else's data
+                        assert self._holds(g, b, self._partial_tag(req, i)), \
+                            f"{g} block {b} (incomplete) of a running request was overwritten"
+
+    @invariant()
+    def mapped_pages_are_exactly_the_used_slots(self):
+        """Invariant 2: a page is mapped iff its slot holds a live or cached block."""
+        pages = set()
+        for g, geo in self.s.cache.geometry.items():
+            for slot in self.alloc.active_slots(g):
+                pages.update(geo.slot_pages(slot))
+        assert set(self.s.pool.pages_in_use(self.s.cache.region)) == pages
 
     @invariant()
     def copies_in_flight_hold_their_blocks(self):
