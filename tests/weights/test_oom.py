@@ -44,6 +44,20 @@ class FaultyDriver:
             raise VmmError("copy_batch", errno.EIO, "", "injected copy failure")
         return self._inner.copy_batch(dsts, srcs, sizes, kind)
 
+    def copy_batch_async(self, dsts, srcs, sizes, kind):
+        if self.fail_h2d and CopyKind(kind) is CopyKind.H2D:
+            self.fail_h2d = False
+            return _FailedTransfer()  # the error comes out of wait(), as from a device
+        return self._inner.copy_batch_async(dsts, srcs, sizes, kind)
+
+
+class _FailedTransfer:
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout=None) -> None:
+        raise VmmError("copy_batch_async", errno.EIO, "", "injected copy failure")
+
 
 def _leak_free(inner, pool, host_buffers: int) -> None:
     stats = inner.stats() if hasattr(inner, "stats") else None
@@ -115,3 +129,22 @@ def test_real_shortage_names_the_missing_bytes(tmp_path, driver_kind):
     w = None
     pool.close()
     d.close()
+
+
+def test_failed_load_copy_leaves_nothing(tmp_path, driver_kind):
+    model = save_checkpoint(tmp_path / "m", {"a": torch.randn(PAGE // 4 * 3)})
+    inner = open_test_driver(driver_kind, 256 << 20)
+    d = FaultyDriver(inner)
+    pool = make_pool(d, 32 << 20)
+    for keep in (True, False):
+        d.fail_h2d = True
+        with pytest.raises(VmmError, match="injected copy failure"):
+            load_weights(model, pool=pool, keep_host_copy=keep)
+        assert not pool.has_tenant("weights")
+        _leak_free(inner, pool, 0)
+    w = load_weights(model, pool=pool)  # and a load without the fault succeeds
+    assert w.state == "WAKEUP" and pool.held_bytes == w.device_bytes
+    w.close()
+    w = None
+    pool.close()
+    inner.close()

@@ -90,20 +90,48 @@ class WeightImage:
     def tensor_bytes(self) -> int:
         return sum(p.nbytes for p in self.placed)
 
+    def windows(self, limit: int) -> list[tuple[int, int, tuple[Placed, ...]]]:
+        """Consecutive ranges ``(lo, hi, tensors)`` covering ``[0, nbytes)`` exactly, each at
+        most ``limit`` bytes unless one tensor alone is larger (copy and staging units)."""
+        out: list[tuple[int, int, tuple[Placed, ...]]] = []
+        placed, i, lo = self.placed, 0, 0
+        while i < len(placed):
+            j = i + 1
+            while j < len(placed) and placed[j].offset + placed[j].nbytes - lo <= limit:
+                j += 1
+            hi = placed[j].offset if j < len(placed) else self.nbytes
+            out.append((lo, hi, placed[i:j]))
+            lo, i = hi, j
+        if not out:
+            out.append((0, self.nbytes, ()))
+        return out
+
     def fill(self, dst: int, placed: Iterable[Placed], *, base: int = 0,
-             progress: Callable[[int], None] | None = None) -> None:
+             span: tuple[int, int] | None = None,
+             progress: Callable[[int], None] | None = None, files: dict | None = None) -> None:
         """Writes each of ``placed`` to host address ``dst + p.offset - base`` (the caller owns
-        ``[dst, dst + span)``), then calls ``progress(p.nbytes)``."""
-        files: dict = {}
+        the memory), then calls ``progress(p.nbytes)``. With ``span=(lo, hi)`` the bytes of
+        ``[lo, hi)`` that no tensor covers (alignment padding) are zeroed too. ``files``: open
+        file objects to reuse across calls (the caller closes them); None opens and closes."""
+        own = files is None
+        files = {} if own else files
+        cursor = None if span is None else span[0]
         try:
             for p in placed:
+                if cursor is not None and p.offset > cursor:
+                    zero(dst + cursor - base, p.offset - cursor)
                 if p.nbytes:
                     self._fill_one(p, dst + p.offset - base, files)
+                if cursor is not None:
+                    cursor = max(cursor, p.offset + p.nbytes)
                 if progress is not None:
                     progress(p.nbytes)
+            if span is not None and cursor < span[1]:
+                zero(dst + cursor - base, span[1] - cursor)
         finally:
-            for fh in files.values():
-                fh.close()
+            if own:
+                for fh in files.values():
+                    fh.close()
 
     def _fill_one(self, p: Placed, addr: int, files: dict) -> None:
         e = p.entry

@@ -41,7 +41,7 @@ from xllm_vmm.pool.pool import Region, VmmPool
 from xllm_vmm.vmm.driver import CopyKind, VmmError, VmmOutOfMemory
 from xllm_vmm.weights.errors import (WakeupFailed, WakeupOutOfMemory, WeightsError,
                                      WeightsOutOfMemory)
-from xllm_vmm.weights.image import WeightImage, zero
+from xllm_vmm.weights.image import WeightImage
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -189,8 +189,10 @@ class WeightStore:
         self.driver.copy_batch([host + o for o in offs], vas, sizes, CopyKind.D2H)
 
     def _fill_from_files(self, progress: Callable[[int, int], None] | None) -> None:
-        """Reads the checkpoint into the mapped region: through a new host copy when it is
-        kept, else through a staging buffer of COPY_CHUNK_BYTES (or the largest tensor)."""
+        """Reads the checkpoint into the mapped region, window by window (COPY_CHUNK_BYTES,
+        or one larger tensor): each window is read into the host copy (when kept) or into one
+        of two staging buffers, then copied host-to-device asynchronously while the next
+        window is read. Waits for every copy before returning or raising."""
         total = self.image.tensor_bytes
         done = [0]
 
@@ -201,36 +203,53 @@ class WeightStore:
 
         if progress is not None:
             progress(0, total)
+        windows = self.image.windows(COPY_CHUNK_BYTES)
+        staging: list[int] = []
         if self.keep_host_copy:
             host = self._alloc_host()
-            zero(host, self.host_bytes)
-            self.image.fill(host, self.image.placed, progress=tick)
-            self._copy_h2d(host, 0, self.image.nbytes)
         else:
-            self._stream_from_files(tick)
+            size = _round_up(max(hi - lo for lo, hi, _ in windows), _HOST_ALIGN)
+            for _ in range(min(2, len(windows))):
+                staging.append(self.driver.alloc_host(size))
+        pending: list = [None] * max(1, len(staging))
+        files: dict = {}
+        error: BaseException | None = None
+        try:
+            for k, (lo, hi, placed) in enumerate(windows):
+                if staging:
+                    slot = k % len(staging)
+                    if pending[slot] is not None:  # the buffer's previous copy must be done
+                        t, pending[slot] = pending[slot], None
+                        t.wait()
+                    buf, base = staging[slot], lo
+                else:
+                    slot, buf, base = 0, host, 0
+                self.image.fill(buf, placed, base=base, span=(lo, hi), progress=tick,
+                                files=files)
+                t = self.driver.copy_batch_async([self.region.base_va + lo], [buf + lo - base],
+                                                 [hi - lo], CopyKind.H2D)
+                if staging:
+                    pending[slot] = t
+                else:
+                    pending.append(t)
+        except BaseException as exc:
+            error = exc
+        finally:
+            for fh in files.values():
+                fh.close()
+            for t in pending:
+                if t is None:
+                    continue
+                try:
+                    t.wait()
+                except BaseException as exc:  # the first error wins
+                    error = error or exc
+            for addr in staging:
+                self.driver.free_host(addr)
+        if error is not None:
+            raise error
         if progress is not None:
             progress(total, total)
-
-    def _stream_from_files(self, tick: Callable[[int], None]) -> None:
-        placed = self.image.placed
-        biggest = max((p.nbytes for p in placed), default=1)
-        window = _round_up(max(COPY_CHUNK_BYTES, biggest), _HOST_ALIGN)
-        window = min(window, _round_up(self.image.nbytes, _HOST_ALIGN))
-        staging = self.driver.alloc_host(window)
-        try:
-            i = 0
-            while i < len(placed):
-                base = placed[i].offset
-                j = i
-                while j < len(placed) and placed[j].offset + placed[j].nbytes - base <= window:
-                    j += 1
-                end = placed[j - 1].offset + placed[j - 1].nbytes
-                zero(staging, end - base)
-                self.image.fill(staging, placed[i:j], base=base, progress=tick)
-                self._copy_h2d(staging, base, end, host_base=base)
-                i = j
-        finally:
-            self.driver.free_host(staging)
 
     # -- transitions (called by ModelWeights with the lock held) ---------------------------
     def awake_holders(self, but=None) -> int:
