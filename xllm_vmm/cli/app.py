@@ -55,5 +55,6 @@ def _check_config(ctx: typer.Context) -> None:
 # Command modules register themselves on `app` (keep this list sorted).
 from xllm_vmm.cli import bench  # noqa: E402,F401
 from xllm_vmm.cli import flags  # noqa: E402,F401
+from xllm_vmm.cli import generate  # noqa: E402,F401
 from xllm_vmm.cli import plan  # noqa: E402,F401
 from xllm_vmm.cli import schema  # noqa: E402,F401

@@ -106,23 +106,36 @@ class LLMEngine:
     def from_flags(cls, model: str | os.PathLike[str] | None = None, **flags: Any) -> LLMEngine:
         """An engine for ``model`` (a local Hugging Face directory; None: the embedded demo
         model) with the engine's flags (see the module docstring)."""
-        from xllm_vmm.config import ConfigError, Finding, load
+        from xllm_vmm.config import ConfigError, Finding
 
         opts = {k: flags.pop(k) for k in ENGINE_OPTIONS if k in flags}
+        if "model" in flags:
+            raise ConfigError([Finding("CFG-CONFLICT", "error", "give the model once: as "
+                                       "LLMEngine.from_flags(model=...) / LLM(model=...), not "
+                                       "also as a 'model' flag", flags={"model": flags["model"]})])
+        return cls.from_args(model, [_flag_token(k, v) for k, v in flags.items()], **opts)
+
+    @classmethod
+    def from_args(cls, model: str | os.PathLike[str] | None, args: list[str],
+                  **options: Any) -> LLMEngine:
+        """:meth:`from_flags` with the flags as command-line tokens in the engine's gflags
+        syntax (``["--block_size=16", "--enable_vmm_kvcache=true"]``), as ``check-config``
+        reads them; ``options`` are the engine-only options."""
+        from xllm_vmm.config import load
+
+        unknown = sorted(set(options) - set(ENGINE_OPTIONS))
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {', '.join(unknown)}; known: "
+                            f"{', '.join(ENGINE_OPTIONS)}")
         is_demo = model is None
         if is_demo:
             from xllm_vmm.engine.demo import demo_model_dir
 
             model = demo_model_dir()
         model_dir = str(Path(model).expanduser())
-        if "model" in flags:
-            raise ConfigError([Finding("CFG-CONFLICT", "error", "give the model once: as "
-                                       "LLMEngine.from_flags(model=...) / LLM(model=...), not "
-                                       "also as a 'model' flag", flags={"model": flags["model"]})])
-        tokens = [_flag_token("model", model_dir)] + [_flag_token(k, v) for k, v in flags.items()]
-        cfg = load(tokens, env=None, label="engine flags")
-        sized = _size(cfg, model_dir, opts)
-        return _build(cls, sized, model_dir, opts, is_demo)
+        cfg = load([_flag_token("model", model_dir), *args], env=None, label="engine flags")
+        sized = _size(cfg, model_dir, options)
+        return _build(cls, sized, model_dir, options, is_demo)
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -418,7 +431,8 @@ def _size(cfg: Any, model_dir: str, opts: dict[str, Any]) -> _Sized:
     try:
         spec = load_model_spec(model_dir)
     except ModelConfigError as e:
-        raise ConfigError([Finding("CFG-MODEL", "error", f"model {model_dir!r}: {e}",
+        raise ConfigError([Finding("CFG-MODEL", "error",
+                                   f"model {model_dir!r}: {getattr(e, 'message', None) or e}",
                                    flags={"model": model_dir}, hint=getattr(e, "hint", ""))]) from None
     kind, index = _device_kind(cfg)
     if opts.get("device_memory") is not None:
@@ -529,16 +543,22 @@ def _build(cls: type, sized: _Sized, model_dir: str, opts: dict[str, Any], is_de
                                attention_backend=opts.get("attention_backend", "auto"))
         tok = Tokenizer.from_dir(model_dir)
     except BaseException:
-        if worker is not None:
-            worker.close()
-        if mgr is not None:
-            mgr.close()
-        if own_weights and weights is not None and hasattr(weights, "close"):
-            weights.close()
-        if pool is not None:
-            pool.close()
-        if owns:
-            driver.close()
+        # undo in reverse; a failure while undoing must not hide the error that matters
+        import contextlib
+        import gc
+
+        steps = [getattr(worker, "close", None), getattr(mgr, "close", None),
+                 getattr(weights, "close", None) if own_weights else None]
+        for close in steps:
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    close()
+        worker = mgr = weights = None
+        gc.collect()  # tensor views over the arena must be gone before it is released
+        for close in (getattr(pool, "close", None), driver.close if owns else None):
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    close()
         raise
     seed = opts.get("seed")
     if seed is None:
