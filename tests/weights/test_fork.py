@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from tests.weights.conftest import (PAGE, checksums, make_pool, open_test_driver,  # noqa: E402
@@ -113,8 +113,9 @@ OPS = st.lists(st.tuples(st.sampled_from(["sleep1", "sleep2", "wake", "fork", "c
                          st.integers(0, 3)), min_size=1, max_size=25)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=OPS, keep=st.booleans())
+@example(ops=[("sleep1", 0), ("fork", 0), ("sleep2", 0), ("close", 1)], keep=False)
 def test_reference_counts_under_random_operations(tmp_path_factory, ops, keep):
     """Random sleep / wake / fork / close over instances of one checkpoint: pages are mapped
     exactly while some instance is awake, every awake instance reads the checkpoint's bytes,

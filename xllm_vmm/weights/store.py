@@ -333,6 +333,9 @@ class WeightStore:
             except WeightsError:
                 self._unmap()
         self.holders.remove(holder)
+        if self.holders and not (self.light_holders()
+                                 or (self.awake_holders() and self.keep_host_copy)):
+            self._free_host()  # nobody left needs the host copy (the same rule as a sleep)
         if not self.holders and not self.closed:
             self.tensors.clear()
             self._region_view = None
