@@ -81,3 +81,56 @@ def test_a_full_output_is_one_line_and_exit_2(argv):
                            stderr=subprocess.PIPE, text=True)
     assert p.returncode == 2
     assert p.stderr == "error: cannot write the output: No space left on device\n"
+
+
+@pytest.mark.parametrize("argv", [
+    ["check-config", "--cmd", "xllm --port=1 --model=Qwen/Qwen3-8B --enable_vmm_kvcache"],
+    ["check-config", "-f", "json", "tests/config/data/official/multi_machine_1.sh"],
+], ids=["text", "json-script"])
+def test_check_config_start_up_imports_little(argv):
+    """check-config starts within a few times `python -c pass` (issue 9: 4x). Measured as
+    import work, not wall-clock time: the modules it imports beyond a bare interpreter stay few,
+    and none of the heavy libraries (typer/click, pydantic, numpy, torch, safetensors, httpx)."""
+    code = ("import sys\nbase = set(sys.modules)\n"
+            f"sys.argv = ['xllm-vmm', *{argv!r}, '--no-env']\n"
+            "from xllm_vmm.cli import main\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "new = sorted(set(sys.modules) - base)\n"
+            "sys.stderr.write('MODULES=' + ','.join(new))\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=__import__("os").path.dirname(__import__("os").path.dirname(
+                           __file__)))
+    new = p.stderr.rsplit("MODULES=", 1)[1].split(",")
+    heavy = {m.split(".")[0] for m in new} & {"typer", "click", "pydantic", "numpy", "torch",
+                                              "safetensors", "httpx", "tomli_w", "hypothesis"}
+    assert not heavy, heavy
+    assert len(new) <= 110, len(new)
+
+
+def test_bench_tables_show_units_targets_and_plain_numbers():
+    import io
+
+    from xllm_vmm.cli import bench
+
+    assert bench.plain(1.976e6) == "1,976,000" and bench.plain(0.000123456) == "0.0001235"
+    assert bench.plain(12345) == "12,345" and bench.plain(2.0) == "2" and "e" not in \
+        bench.plain(1e-12)
+    assert bench.unit_of("batched_us_per_page") == "µs/page"
+    assert bench.unit_of("copy_vs_memcpy_ratio") == "×" and bench.unit_of("total_bytes") == "bytes"
+    assert bench.target_text("copy_vs_memcpy_ratio", 0.79) == ("≥ 0.8", "no")
+    assert bench.target_text("copy_vs_memcpy_ratio", 0.8) == ("≥ 0.8", "yes")
+    assert bench.target_text("total_bytes", 5) == ("", "")
+    buf = io.StringIO()
+    import rich.console
+
+    real = rich.console.Console
+    rich.console.Console = lambda *a, **k: real(file=buf, width=200)  # type: ignore[misc]
+    try:
+        bench.emit("t", {"copy_vs_memcpy_ratio": 1.05, "memcpy_gbps": 1976000.0,
+                         "data_verified": True}, bench.OutputFormat.table)
+    finally:
+        rich.console.Console = real
+    out = buf.getvalue()
+    assert "1,976,000" in out and "e+06" not in out and "GB/s" in out
+    row = next(line for line in out.splitlines() if "copy_vs_memcpy_ratio" in line)
+    assert "1.05" in row and "×" in row and "≥ 0.8" in row and "yes" in row

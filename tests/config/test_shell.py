@@ -153,3 +153,18 @@ def test_json_report_has_the_same_keys_whatever_the_status(tmp_path):
             keys = set(entry)
         assert set(entry) == keys
     assert {"implied", "not_checked", "resolved", "derived", "launch_notes"} <= keys
+
+
+def test_cfg_dup_names_both_places(tmp_path):
+    code, entry = check("xllm --port=1 --port=2\n", tmp_path)
+    (f,) = entry["findings"]
+    p = tmp_path / "launch.sh"
+    assert f["id"] == "CFG-DUP" and f"{p}:1:6" in f["message"] and f"{p}:1:15" in f["message"]
+    j = tmp_path / "d.json"
+    j.write_text('{"port": 1,\n "port": 2}')
+    out = io.StringIO()
+    run([str(j), "-f", "json"], out=out, env={})
+    (f,) = json.loads(out.getvalue())["inputs"][0]["findings"]
+    assert f"{j}:1:2" in f["message"] and f"{j}:2:2" in f["message"]
+    # nearest non-trigger: the same value twice is accepted
+    assert check("xllm --port=1 --port=1\n", tmp_path)[0] == 0

@@ -63,8 +63,12 @@ def test_config_rule_errors_are_reported_and_fail():
 def test_list_models():
     r = run("--list-models", "--format", "json")
     assert r.exit_code == 0
-    names = [m["name"] for m in json.loads(r.stdout)]
-    assert "Qwen/Qwen3-8B" in names and len(names) == 13
+    models = {m["name"]: m for m in json.loads(r.stdout)}
+    assert "Qwen/Qwen3-8B" in models and len(models) == 13
+    # the checkpoint's stored weight dtype, not the activation dtype
+    assert models["deepseek-ai/DeepSeek-V3"]["weight_dtype"] == "FP8"
+    assert models["openai/gpt-oss-20b"]["weight_dtype"] == "MXFP4"
+    assert models["Qwen/Qwen3-8B"]["weight_dtype"] == "bfloat16"
 
 
 def test_list_models_table_is_not_cut_when_piped():
@@ -72,7 +76,7 @@ def test_list_models_table_is_not_cut_when_piped():
     assert r.exit_code == 0 and "…" not in r.stdout
     rows = [line for line in r.stdout.splitlines() if "deepseek-ai/DeepSeek-V3.2-Exp" in line]
     assert [c.strip() for c in rows[0].split("│")[1:-1]] == [
-        "deepseek-ai/DeepSeek-V3.2-Exp", "61", "671.9B", "bfloat16", "163,840",
+        "deepseek-ai/DeepSeek-V3.2-Exp", "61", "671.9B", "FP8 (bfloat16 rest)", "163,840",
         "MLA, MTP x1, MoE 256"]
 
 

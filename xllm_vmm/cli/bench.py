@@ -22,8 +22,63 @@ class OutputFormat(str, Enum):
     json = "json"
 
 
+#: The targets of docs/benchmarks.md, by result field: (comparison, value). The table says
+#: whether each holds; JSON output is the bare results.
+TARGETS: dict[str, tuple[str, float]] = {
+    "batched_vs_raw_ratio": ("<=", 1.2), "python_overhead_us_per_page": ("<=", 1.0),
+    "copy_vs_memcpy_ratio": (">=", 0.8), "alloc_vs_freelist_ratio": (">=", 0.5),
+    "peak_footprint_ratio": ("<=", 1.1), "idle_footprint_ratio": ("<=", 1.15),
+    "hash_vs_sha256_ratio": (">=", 2.0), "host_hit_rate_gain": (">", 0.0),
+    "bytes_freed_per_eviction_ratio": (">", 1.0), "wakeup_vs_reload_ratio": ("<=", 0.5),
+}
+
+#: Units by field-name ending (the longest ending that matches wins).
+_UNITS = (("_us_per_page", "µs/page"), ("_us_1k", "µs"), ("_us_1m", "µs"), ("_us", "µs"),
+          ("_ms", "ms"), ("_seconds", "s"), ("_s", "s"), ("_bytes", "bytes"), ("_gbps", "GB/s"),
+          ("_per_s", "/s"), ("_ratio", "×"), ("_fraction", "fraction"), ("_rate", "fraction"),
+          ("_gain", "fraction"), ("_pct", "%"), ("_blocks", "blocks"), ("_pages", "pages"),
+          ("_tokens", "tokens"))
+
+
+def unit_of(field: str) -> str:
+    """The unit of a result field from its name (``batched_us_per_page`` → ``µs/page``)."""
+    for end, unit in _UNITS:
+        if field.endswith(end):
+            return unit
+    return ""
+
+
+def plain(value: Any) -> str:
+    """A number as plain digits, never in exponent notation: integers with thousands
+    separators, floats with four significant digits (``1,976,000``, ``0.0001234``)."""
+    import math
+
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if not math.isfinite(value):
+        return str(value)
+    if value == 0:
+        return "0"
+    digits = max(0, 3 - math.floor(math.log10(abs(value))))
+    text = f"{value:,.{min(digits, 12)}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def target_text(field: str, value: Any) -> tuple[str, str]:
+    """(the target, whether it holds: ``yes``/``no``) of ``field``, or ``("", "")``."""
+    if field not in TARGETS or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "", ""
+    op, goal = TARGETS[field]
+    holds = {"<=": value <= goal, ">=": value >= goal, ">": value > goal, "<": value < goal}[op]
+    shown = {"<=": "≤", ">=": "≥", ">": ">", "<": "<"}[op]
+    return f"{shown} {goal:g}", "yes" if holds else "no"
+
+
 def emit(title: str, results: dict[str, Any], fmt: OutputFormat) -> None:
-    """Print one benchmark's results as a rich table or as JSON on stdout."""
+    """Print one benchmark's results as a rich table (metric, value in plain numbers, unit,
+    target and whether it holds) or as JSON on stdout."""
     if fmt is OutputFormat.json:
         typer.echo(json.dumps(results, indent=2, sort_keys=True, default=str))
         return
@@ -32,13 +87,14 @@ def emit(title: str, results: dict[str, Any], fmt: OutputFormat) -> None:
 
     table = Table(title=title)
     table.add_column("metric")
-    table.add_column("value", justify="right")
+    table.add_column("value", justify="right", no_wrap=True)
+    table.add_column("unit")
+    table.add_column("target", no_wrap=True)
+    table.add_column("holds")
     for key, value in results.items():
-        if isinstance(value, float):
-            text = f"{value:.4g}"
-        else:
-            text = str(value)
-        table.add_row(key, text)
+        goal, holds = target_text(key, value)
+        table.add_row(key, plain(value), unit_of(key) if isinstance(value, (int, float))
+                      and not isinstance(value, bool) else "", goal, holds)
     Console().print(table)
 
 
@@ -113,7 +169,7 @@ def bench_map(
                                                     "100000)."),
     repeats: int = typer.Option(3, "--repeats", help="Measurements; the best is kept (1 to 100)."),
     acl_library: Optional[str] = typer.Option(None, "--acl-library", help=_ACL_HELP),
-    fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
+    fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f", help="table or json."),
 ) -> None:
     from xllm_vmm.bench import map as map_bench
 
@@ -144,7 +200,7 @@ def bench_copy(
     max_block: int = typer.Option(2 * 1024 * 1024, "--max-block", help="Largest block, bytes (≤ 2 MiB)."),
     repeats: int = typer.Option(5, "--repeats", help="Measurements; the best is kept (1 to 100)."),
     acl_library: Optional[str] = typer.Option(None, "--acl-library", help=_ACL_HELP),
-    fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
+    fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f", help="table or json."),
 ) -> None:
     from xllm_vmm.bench import copy as copy_bench
 
@@ -181,7 +237,7 @@ def bench_kvcache(
                                            "--sequences that does)."),
     seed: int = typer.Option(0, help="Seed of the trace."),
     repeats: int = typer.Option(3, help="Throughput runs (the best one counts; 1 to 100)."),
-    fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
+    fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f", help="table or json."),
 ) -> None:
     from xllm_vmm.bench.kvcache import MAX_BLOCK_SIZE, KvBenchConfig, run_kvcache_bench
 
@@ -225,7 +281,7 @@ def bench_prefix(
     populate: bool = typer.Option(True, "--populate/--no-populate",
                                   help="Host driver: populate KV slot mappings at map time "
                                        "(and run the workload once more without, to compare)."),
-    fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
+    fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f", help="table or json."),
 ) -> None:
     from xllm_vmm.bench.prefix import PrefixBenchConfig, run_prefix_bench
 
@@ -277,7 +333,7 @@ def bench_weights(
     cycles: int = typer.Option(20, "--cycles", help="Sleep/wake cycles for cycle_growth_bytes "
                                                     "(1 to 10000)."),
     acl_library: Optional[str] = typer.Option(None, "--acl-library", help=_ACL_HELP),
-    fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
+    fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f", help="table or json."),
 ) -> None:
     from xllm_vmm.bench import weights as weights_bench
     from xllm_vmm.config.values import parse_size

@@ -22,7 +22,7 @@ OPTIONS = [
     ("--config_json_file FILE", "The engine's JSON config file; its values override the command line."),
     ("--cmd 'COMMAND'", "Check an existing launch command line (repeatable)."),
     ("--cmd-file FILE", "Check the launch command of a shell script (repeatable)."),
-    ("--format text|json|github", "Output format (default text)."),
+    ("-f, --format text|json|github", "Output format (default text)."),
     ("--strict", "Treat warnings as errors."),
     ("--show-config", "Also print the explicitly set and derived values with their sources."),
     ("--write-resolved FILE", "Write the resolved configuration (set and derived values) as TOML."),
@@ -37,7 +37,7 @@ OPTIONS = [
     ("-h, --help", "Show this help (flags grouped as in `xllm-vmm flags`)."),
 ]
 
-_VALUE_OPTS = {"--config", "--cmd", "--cmd-file", "--cmd_file", "--format", "--write-resolved",
+_VALUE_OPTS = {"--config", "--cmd", "--cmd-file", "--cmd_file", "--format", "-f", "--write-resolved",
                "--write_resolved", "--explain", "--device-memory", "--device_memory",
                "--host-memory", "--host_memory", "--device"}
 _BOOL_OPTS = {"--strict", "--show-config", "--show_config", "--no-env", "--no_env",
@@ -71,7 +71,7 @@ def parse_argv(argv: list[str]) -> dict:
                     raise UsageError(f"{name} needs a value")
                 value = argv[i]
                 i += 1
-            key = name.lstrip("-").replace("-", "_")
+            key = "format" if name == "-f" else name.lstrip("-").replace("-", "_")
             if key in ("config", "cmd", "cmd_file"):
                 opts[key].append(value)
             else:

@@ -43,7 +43,8 @@ def _list_models(fmt: PlanFormat) -> None:
         s = load_model_spec(name)
         rows.append({"name": name, "architecture": s.architecture, "layers": s.num_layers,
                      "params": s.param_count, "weights_bytes": s.served_weight_bytes,
-                     "dtype": s.dtype, "max_position_embeddings": s.max_position_embeddings,
+                     "weight_dtype": s.weight_dtype, "dtype": s.dtype,
+                     "max_position_embeddings": s.max_position_embeddings,
                      "mla": s.mla is not None, "hybrid": s.is_hybrid, "vision": s.vision,
                      "mtp_layers": s.mtp_layers, "experts": s.num_experts})
     if fmt is PlanFormat.json:
@@ -60,14 +61,16 @@ def _list_models(fmt: PlanFormat) -> None:
     from rich.table import Table
 
     t = Table(title="Model catalogue (xllm-vmm plan --model NAME)")
-    for col in ("name", "layers", "params", "dtype", "context", "features"):
+    for col in ("name", "layers", "params", "weights", "context", "features"):
         t.add_column(col, justify="right" if col in ("layers", "params", "context") else "left",
                      no_wrap=col == "name")
     for r in rows:
         feats = [f for f, on in (("MLA", r["mla"]), ("hybrid", r["hybrid"]), ("VLM", r["vision"]),
                                  (f"MTP x{r['mtp_layers']}", r["mtp_layers"]),
                                  (f"MoE {r['experts']}", r["experts"])) if on]
-        t.add_row(r["name"], str(r["layers"]), f"{r['params'] / 1e9:,.1f}B", r["dtype"],
+        weights = r["weight_dtype"] if r["weight_dtype"] == r["dtype"] else \
+            f"{r['weight_dtype']} ({r['dtype']} rest)"
+        t.add_row(r["name"], str(r["layers"]), f"{r['params'] / 1e9:,.1f}B", weights,
                   f"{r['max_position_embeddings']:,}", ", ".join(feats))
     # On a terminal the table fits its width; piped or redirected (no terminal: rich would
     # assume 80 columns and cut cells to "bflo…") every value is printed in full.

@@ -113,6 +113,14 @@ class ResolvedConfig:
         return f"{name}={shown} ({self.provenance(name)})"
 
 
+def _place(src: Source) -> str:
+    """Where a value was written, precise enough to tell two places apart: ``file:line:col``,
+    else the source with the text as written (``command line: --port=1``)."""
+    if src.location() and src.col:
+        return str(src)
+    return f"{src}: {src.text}" if src.text else str(src)
+
+
 def _layer(assignments: list[Assignment], findings: list[Finding]) -> dict[str, Assignment]:
     """One source's assignments → {name: assignment}, reporting conflicting repeats."""
     out: dict[str, Assignment] = {}
@@ -123,9 +131,9 @@ def _layer(assignments: list[Assignment], findings: list[Finding]) -> dict[str, 
             findings.append(Finding(
                 "CFG-DUP", "error",
                 f"{a.name} is given twice with different values: "
-                f"{format_value(flag, prev.value)} ({prev.source}) and "
-                f"{format_value(flag, a.value)} ({a.source})",
-                flags={a.name: a.value}, sources={a.name: a.source},
+                f"{format_value(flag, prev.value)} ({_place(prev.source)}) and "
+                f"{format_value(flag, a.value)} ({_place(a.source)})",
+                flags={a.name: a.value}, sources={a.name: a.source, f"{a.name} (first)": prev.source},
                 hint=f"keep one {a.name}", where=a.source))
         out[a.name] = a
     return out

@@ -574,6 +574,17 @@ def json_position(text: str, key: str) -> tuple[int | None, int | None, str | No
     return line, col, text.splitlines()[line - 1].strip()
 
 
+def json_positions(text: str, key: str) -> list[tuple[int, int, str]]:
+    """(line, col, line text) of every ``"key":`` in a JSON text, in order."""
+    out = []
+    lines = text.splitlines()
+    for m in re.finditer(r'"' + re.escape(key) + r'"\s*:', text):
+        line = text.count("\n", 0, m.start()) + 1
+        col = m.start() - (text.rfind("\n", 0, m.start()) + 1) + 1
+        out.append((line, col, lines[line - 1].strip() if line <= len(lines) else ""))
+    return out
+
+
 def read_json(path: str, text: str | None = None) -> tuple[list[Assignment], list[Finding]]:
     """The engine's JSON config file → assignments (kind ``json``). Keys are flag names (flat, or
     inside objects named after groups); a key given twice is reported as CFG-DUP."""
@@ -622,10 +633,14 @@ def read_json(path: str, text: str | None = None) -> tuple[list[Assignment], lis
     out: list[Assignment] = []
     findings: list[Finding] = []
     for name in dups:
-        where = src(name)
+        places = json_positions(text, name)
+        where = Source("json", path, *places[0]) if places else src(name)
+        later = Source("json", path, *places[-1]) if len(places) > 1 else where
         findings.append(Finding("CFG-DUP", "error",
-                                f"{where.location()}: {name!r} is given twice with different values",
-                                flags={name: None}, sources={name: where},
+                                f"{where.location()}: {name!r} is given twice with different "
+                                f"values: at {where.location()} and at {later.location()}",
+                                flags={name: None},
+                                sources={name: later, f"{name} (first)": where},
                                 hint="keep one of them", where=where))
 
     def take(name: str, value):

@@ -127,6 +127,15 @@ class ModelSpec:
         return self.weight_bytes if self.weight_bytes is not None else self.estimated_weight_bytes
 
     @property
+    def weight_dtype(self) -> str:
+        """The dtype the checkpoint stores its weights in: the quantization method when it has
+        one (``FP8`` for DeepSeek-V3, ``MXFP4`` for gpt-oss: their large matrices; norms and
+        embeddings stay in :attr:`dtype`), else :attr:`dtype`."""
+        if self.quantization:
+            return self.quantization.upper()
+        return self.dtype
+
+    @property
     def weight_bytes_exact(self) -> bool:
         return self.weight_bytes is not None
 
