@@ -213,7 +213,7 @@ def spec_from_config(cfg: Any, *, name: str, source: str) -> ModelSpec:
 
     ``name`` is what the user called the model (catalogue name or directory); ``source`` is
     where the dict came from, used in error messages. The parameter estimate is filled in by
-    :func:`xllm_vmm.models.weights.with_estimate`.
+    :func:`xllm_vmm.models.weight_estimates.with_estimate`.
     """
     if not isinstance(cfg, dict):
         raise ModelConfigError(f"config.json must hold a JSON object, got {type(cfg).__name__}",

@@ -20,7 +20,7 @@ from xllm_vmm.models.config_reader import spec_from_config
 from xllm_vmm.models.errors import ModelConfigError
 from xllm_vmm.models.safetensors_header import totals
 from xllm_vmm.models.spec import ModelSpec
-from xllm_vmm.models.weights import with_estimate
+from xllm_vmm.models.weight_estimates import with_estimate
 
 _LIST_HINT = "`xllm-vmm plan --list-models` lists the catalogue"
 

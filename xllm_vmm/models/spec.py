@@ -113,7 +113,7 @@ class ModelSpec:
     weight_bytes: int | None = None  # exact, from safetensors headers, when known
     quantization: str | None = None  # quant_method from quantization_config, if any
     extra: dict = field(default_factory=dict, compare=False, hash=False)
-    # Added by the model reader (xllm_vmm.models.weights): the architecture's estimate.
+    # Added by the model reader (xllm_vmm.models.weight_estimates): the architecture's estimate.
     param_count: int = 0  # parameters of the served model (MTP layers excluded, vision included)
     estimated_weight_bytes: int = 0  # bytes of those parameters at their stored dtypes
     mtp_param_count: int = 0  # parameters of the MTP layers (loaded with an MTP draft)
