@@ -202,3 +202,13 @@ def test_failed_load_leaves_nothing_in_the_pool(tmp_path, stack):
     w = load_weights(model, pool=pool, dtype=torch.bfloat16)  # 3 MiB: 2 pages fit
     assert torch.equal(w["big.weight"], sd["big.weight"].to(torch.bfloat16))
     w.close()
+
+
+def test_importing_the_package_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, xllm_vmm.weights, xllm_vmm.weights.sleep, xllm_vmm.weights.runtime_rules; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
