@@ -354,3 +354,57 @@ def bench_weights(
     finally:
         driver.close()
     emit("bench weights", results, fmt)
+
+
+@bench_app.command(
+    "engine", short_help="LLM.generate against Hugging Face generate on the same checkpoint and prompts.",
+    help=(
+        'LLM.generate (continuous batching over the VMM pool) vs Hugging Face generate (padded '
+        'static batches) on the same checkpoint and prompts, side by side in one run (fields '
+        'vs_hf_generate_ratio, ttft_s_*, tpot_s_*, tokens/s by batch size, '
+        'peak_mapped_over_live_kv). Needs transformers.'))
+def bench_engine(
+    model: Optional[str] = typer.Option(None, "--model", help="Local model directory (default: a "
+                                        "Llama built locally from --layers/--hidden/--dtype)."),
+    prompts: int = typer.Option(128, help="Prompts in the trace (1 to 4096)."),
+    min_prompt: int = typer.Option(64, help="Shortest prompt, tokens."),
+    max_prompt: int = typer.Option(512, help="Longest prompt, tokens."),
+    new_tokens: int = typer.Option(128, help="New tokens per prompt."),
+    hf_batch: int = typer.Option(32, help="Prompts per padded HF batch."),
+    batch_sizes: str = typer.Option("1,8,32", help="Batch sizes of the equal-prompt runs."),
+    equal_prompt: int = typer.Option(128, help="Prompt tokens of the equal-prompt runs."),
+    repeats: int = typer.Option(2, help="Alternating engine/HF runs of the trace (1 to 100)."),
+    layers: int = typer.Option(4, help="Layers of the built model (1 to 64)."),
+    hidden: int = typer.Option(512, help="Hidden size of the built model (64 to 8192)."),
+    dtype: str = typer.Option("float32", help="float32 or bfloat16."),
+    elastic: bool = typer.Option(True, "--elastic/--fixed", help="Elastic or fixed VMM pool."),
+    block_size: int = typer.Option(16, help="Tokens per KV block."),
+    device_memory: str = typer.Option("4GiB", help="Emulated device memory the engine sizes for."),
+    threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's)."),
+    seed: int = typer.Option(0, help="Seed of the trace."),
+    fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
+) -> None:
+    from xllm_vmm.bench import engine as engine_bench
+
+    _check("--prompts", prompts, 1, 4096)
+    _check("--max-prompt", max_prompt, 1, 32768)
+    _check("--new-tokens", new_tokens, 1, 32768)
+    _check("--repeats", repeats, 1, _MAX_REPEATS)
+    _check("--layers", layers, 1, 64)
+    _check("--hidden", hidden, 64, 8192)
+    try:
+        sizes = [int(x) for x in batch_sizes.split(",") if x.strip()]
+    except ValueError:
+        raise _fail(2, f"--batch-sizes must be comma-separated integers, got {batch_sizes!r}") from None
+    from xllm_vmm.config import ConfigError
+
+    try:
+        results = _run("bench engine", lambda: engine_bench.run(
+            model=model, prompts=prompts, min_prompt=min_prompt, max_prompt=max_prompt,
+            new_tokens=new_tokens, hf_batch=hf_batch, batch_sizes=sizes,
+            equal_prompt=equal_prompt, repeats=repeats, layers=layers, hidden=hidden,
+            dtype=dtype, seed=seed, elastic=elastic, block_size=block_size,
+            device_memory=device_memory, threads=threads))
+    except ConfigError as exc:
+        raise _fail(2, f"bench engine: {exc}") from None
+    emit("bench engine (output tokens/s)", results, fmt)

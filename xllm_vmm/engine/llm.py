@@ -36,6 +36,7 @@ class LLM:
     def __init__(self, model: str | None = None, **flags: Any) -> None:
         self.llm_engine = LLMEngine.from_flags(model, **flags)
         self._ids = itertools.count()
+        self._step_hook = None  # called after every engine step of generate (benchmarks)
 
     # -- accessors -----------------------------------------------------------------------
     def get_tokenizer(self) -> Any:
@@ -126,6 +127,8 @@ class LLM:
         try:
             while eng.has_unfinished_requests():
                 outs = eng.step()
+                if self._step_hook is not None:
+                    self._step_hook()
                 now = time.monotonic()
                 res = proc.process(outs)
                 for u in res.updates:

@@ -1,0 +1,210 @@
+"""``xllm-vmm bench engine``: ``LLM.generate`` against Hugging Face ``generate``, side by side
+in one run, on the same checkpoint and prompts.
+
+- ``vs_hf_generate_ratio``: output tokens/s of ``LLM.generate`` (continuous batching over the
+  whole trace) over those of transformers ``generate`` on padded static batches of
+  ``hf_batch`` prompts (left padding, attention mask), each prompt ``new_tokens`` new tokens
+  (EOS ignored on both sides). The trace: ``prompts`` prompts of uniformly random length in
+  ``[min_prompt, max_prompt]`` (seeded). Engine and HF runs alternate ``repeats`` times; the
+  ratio is computed per repeat (``vs_hf_generate_ratio`` = the median, ``_min`` the least),
+  throughputs are given as min and median.
+- ``ttft_s_*`` / ``tpot_s_*``: per request of the engine's trace run (all prompts arrive at
+  the start, so TTFT includes queueing): time to the first output token, and time per output
+  token after it; median and min.
+- ``engine_tokens_per_s_b{B}`` / ``hf_tokens_per_s_b{B}``: B equal prompts of
+  ``equal_prompt`` tokens + ``new_tokens`` each (one HF batch of B).
+- ``peak_mapped_over_live_kv``: the largest KV bytes the pool had mapped during the trace run
+  over the largest KV bytes live blocks held (blocks × block bytes), sampled after every
+  engine step (the page granularity's overhead; the target in elastic mode is ≤ 1.15).
+- ``greedy_match_fraction``: prompts whose engine tokens equal HF's (greedy; padding can flip
+  a near-tie in HF, so this is a sanity figure, not a test).
+
+The default model is built locally (transformers, seeded init): a Llama of ``layers`` layers,
+``hidden`` hidden size (heads of 64, half as many KV heads), vocabulary 2,048, in ``dtype``,
+cached under the user's cache dir; ``model`` uses a local directory instead (it needs a
+``tokenizer.json``; the bench model gets the demo tokenizer, token ids are never decoded).
+Numbers are noisy on a shared machine: compare within one run.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+
+def bench_model_dir(layers: int, hidden: int, dtype: str, vocab: int = 2048) -> Path:
+    """The locally built benchmark Llama (see the module docstring), built on first use."""
+    from xllm_vmm.engine.demo import cache_root, demo_model_dir
+
+    out = cache_root() / f"bench-llama-{layers}x{hidden}-v{vocab}-{dtype}"
+    if (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file():
+        return out
+    import shutil
+
+    import torch
+    import transformers
+
+    heads = max(1, hidden // 64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2), max_position_embeddings=4096,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(getattr(torch, dtype)).eval()
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    demo = demo_model_dir()
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(demo / f, tmp / f)
+    os.replace(tmp, out)
+    return out
+
+
+def _trace(n: int, lo: int, hi: int, seed: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, min(vocab, 500)) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _hf_generate(hf: Any, prompts: Sequence[Sequence[int]], new_tokens: int, batch: int) -> tuple[float, list[list[int]]]:
+    """Seconds and outputs of HF ``generate`` over padded static batches (left padding)."""
+    import torch
+
+    outs: list[list[int]] = []
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i:i + batch]
+        width = max(len(p) for p in chunk)
+        ids = torch.zeros((len(chunk), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, p in enumerate(chunk):
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        with torch.no_grad():
+            o = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                            min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
+        outs.extend(o[:, width:].tolist())
+    return time.perf_counter() - t0, outs
+
+
+def _engine_generate(llm: Any, prompts: Sequence[Sequence[int]], new_tokens: int,
+                     sample_kv: bool = False) -> tuple[float, list, dict[str, int]]:
+    from xllm_vmm.engine.sampling_params import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
+    peaks = {"mapped": 0, "live": 0}
+    hook = None
+    if sample_kv:
+        cache = llm.llm_engine.kv_cache_manager.cache
+        alloc = cache.allocator
+        block_bytes = {g: geo.group.block_bytes for g, geo in cache.geometry.items()}
+
+        def hook() -> None:
+            peaks["mapped"] = max(peaks["mapped"], cache.active_bytes())
+            peaks["live"] = max(peaks["live"], sum(alloc.num_live_blocks(g) * b
+                                                   for g, b in block_bytes.items()))
+    llm._step_hook = hook
+    try:
+        t0 = time.perf_counter()
+        outs = llm.generate([list(p) for p in prompts], sp)
+        dt = time.perf_counter() - t0
+    finally:
+        llm._step_hook = None
+    return dt, outs, peaks
+
+
+def _stats(xs: Sequence[float]) -> tuple[float, float]:
+    return (min(xs), statistics.median(xs)) if xs else (float("nan"), float("nan"))
+
+
+def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
+        max_prompt: int = 512, new_tokens: int = 128, hf_batch: int = 32,
+        batch_sizes: Sequence[int] = (1, 8, 32), equal_prompt: int = 128, repeats: int = 2,
+        layers: int = 4, hidden: int = 512, dtype: str = "float32", seed: int = 0,
+        elastic: bool = True, block_size: int = 16, device_memory: str = "4GiB",
+        threads: int | None = None) -> dict[str, Any]:
+    """Run the benchmark (module docstring); returns a flat dict of results."""
+    for name, v, lo in (("prompts", prompts, 1), ("min_prompt", min_prompt, 1),
+                        ("new_tokens", new_tokens, 1), ("hf_batch", hf_batch, 1),
+                        ("repeats", repeats, 1), ("equal_prompt", equal_prompt, 1)):
+        if v < lo:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least {lo}, got {v}")
+    if max_prompt < min_prompt:
+        raise ValueError(f"--max-prompt ({max_prompt}) is below --min-prompt ({min_prompt})")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
+    if any(b < 1 for b in batch_sizes):
+        raise ValueError(f"--batch-sizes must be positive, got {list(batch_sizes)}")
+    import torch
+    import transformers
+
+    from xllm_vmm.engine.llm import LLM
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    mdir = Path(model) if model else bench_model_dir(layers, hidden, dtype)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(mdir), dtype=getattr(torch, dtype)).eval()
+    vocab = int(hf.config.vocab_size)
+    trace = _trace(prompts, min_prompt, max_prompt, seed, vocab)
+    longest = max(max_prompt, equal_prompt) + new_tokens
+    flags: dict[str, Any] = dict(
+        block_size=block_size, enable_vmm_kvcache=True, vmm_elastic=elastic,
+        enable_prefix_cache=False, max_seqs_per_batch=256, max_tokens_per_batch=2048,
+        device_memory=device_memory, max_model_len=longest + 1, dtype=dtype)
+    out: dict[str, Any] = {
+        "model": str(mdir) if model else f"built llama {layers}x{hidden} vocab {vocab}",
+        "dtype": dtype, "threads": torch.get_num_threads(), "prompts": prompts,
+        "prompt_tokens_min": min(len(p) for p in trace),
+        "prompt_tokens_max": max(len(p) for p in trace), "new_tokens": new_tokens,
+        "hf_batch": hf_batch, "repeats": repeats, "mode": "elastic" if elastic else "fixed",
+    }
+    with LLM(str(mdir), **flags) as llm:
+        _engine_generate(llm, trace[:2], 2)  # warm-up (both sides)
+        _hf_generate(hf, trace[:2], 2, 2)
+        eng_tps, hf_tps, ratios = [], [], []
+        ttft: list[float] = []
+        tpot: list[float] = []
+        peaks = {"mapped": 0, "live": 0}
+        matched = 0
+        for r in range(repeats):
+            dt, outs, pk = _engine_generate(llm, trace, new_tokens, sample_kv=(r == 0))
+            hdt, houts = _hf_generate(hf, trace, new_tokens, hf_batch)
+            n_out = prompts * new_tokens
+            eng_tps.append(n_out / dt)
+            hf_tps.append(n_out / hdt)
+            ratios.append(hdt / dt)
+            if r == 0:
+                peaks = pk
+                matched = sum(o.outputs[0].token_ids == h for o, h in zip(outs, houts))
+                for o in outs:
+                    m = o.metrics
+                    ttft.append(m["first_token_time"] - m["arrival_time"])
+                    n = len(o.outputs[0].token_ids)
+                    if n > 1:
+                        tpot.append((m["finished_time"] - m["first_token_time"]) / (n - 1))
+        out["engine_tokens_per_s_min"], out["engine_tokens_per_s_median"] = _stats(eng_tps)
+        out["hf_tokens_per_s_min"], out["hf_tokens_per_s_median"] = _stats(hf_tps)
+        out["vs_hf_generate_ratio_min"], out["vs_hf_generate_ratio"] = _stats(ratios)
+        out["ttft_s_min"], out["ttft_s_median"] = _stats(ttft)
+        out["tpot_s_min"], out["tpot_s_median"] = _stats(tpot)
+        out["greedy_match_fraction"] = matched / prompts
+        out["peak_mapped_kv_bytes"] = peaks["mapped"]
+        out["peak_live_kv_bytes"] = peaks["live"]
+        out["peak_mapped_over_live_kv"] = (peaks["mapped"] / peaks["live"]) if peaks["live"] else None
+        for b in batch_sizes:
+            eq = _trace(b, equal_prompt, equal_prompt, seed + b, vocab)
+            dt, _, _ = _engine_generate(llm, eq, new_tokens)
+            hdt, _ = _hf_generate(hf, eq, new_tokens, b)
+            out[f"engine_tokens_per_s_b{b}"] = b * new_tokens / dt
+            out[f"hf_tokens_per_s_b{b}"] = b * new_tokens / hdt
+        st = llm.llm_engine.stats()
+        out["preemptions"] = st["num_preemptions"]
+        out["execution_peak_bytes_observed"] = st["observed_execution_peak_bytes"]
+    return out
+
+
+__all__ = ["bench_model_dir", "run"]
