@@ -212,3 +212,21 @@ def test_importing_the_package_imports_no_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_region_bytes_is_what_the_load_takes(tmp_path, stack):
+    from xllm_vmm.weights import region_bytes
+
+    sd = random_tensors("bfloat16")
+    sd["odd"] = torch.zeros(PAGE // 2 - 3, dtype=torch.bfloat16)  # pushes padding over a page
+    model = save_checkpoint(tmp_path / "m", sd, shards=2)
+    driver, pool = stack()
+    want = region_bytes(model, page_bytes=pool.page_bytes)
+    w = load_weights(model, pool=pool)
+    assert want == w.device_bytes == pool.held_bytes
+    assert want % PAGE == 0 and want >= w.nbytes
+    as_fp32 = region_bytes(model, page_bytes=pool.page_bytes, dtype=torch.float32)
+    assert as_fp32 > want  # twice the bytes once converted
+    w.close()
+    with pytest.raises(ValueError, match="page_bytes"):
+        region_bytes(model, page_bytes=0)

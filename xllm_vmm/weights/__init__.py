@@ -12,14 +12,14 @@ from xllm_vmm.weights.errors import (CheckpointChanged, CheckpointError, Residen
                                      SleepRefused, WakeupFailed, WakeupOutOfMemory,
                                      WeightsError, WeightsNotLoaded, WeightsOutOfMemory,
                                      WeightVmmRequired)
-from xllm_vmm.weights.loader import load_weights
+from xllm_vmm.weights.loader import load_weights, region_bytes
 from xllm_vmm.weights.model_weights import (CLOSED, DEEP_SLEEP, LIGHT_SLEEP, WAKEUP,
                                             ModelWeights, SleepReport, WakeReport)
 from xllm_vmm.weights.runtime_rules import require_resident_pool, require_weight_vmm
 from xllm_vmm.weights.sleep import SleepController, Sleepable, wait_idle
 
 __all__ = [
-    "load_weights", "ModelWeights", "ShardSpec", "SleepReport", "WakeReport",
+    "load_weights", "region_bytes", "ModelWeights", "ShardSpec", "SleepReport", "WakeReport",
     "WAKEUP", "LIGHT_SLEEP", "DEEP_SLEEP", "CLOSED",
     "WeightsError", "CheckpointError", "CheckpointChanged", "WeightsNotLoaded",
     "WeightVmmRequired", "WakeupFailed", "WakeupOutOfMemory", "WeightsOutOfMemory",

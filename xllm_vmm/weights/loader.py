@@ -34,7 +34,19 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from xllm_vmm.pool.pool import VmmPool
 
-__all__ = ["load_weights"]
+__all__ = ["load_weights", "region_bytes"]
+
+
+def region_bytes(model_dir: str | os.PathLike, *, page_bytes: int,
+                 dtype: "torch.dtype | None" = None, shard: ShardHook | None = None) -> int:
+    """Bytes of pool region ``load_weights`` will take for this checkpoint: the tensors at
+    their 512-byte aligned offsets, rounded up to whole pages of ``page_bytes``. Reads the
+    safetensors headers only (no tensor data, no torch unless ``dtype`` is given), so callers
+    can size the arena exactly before loading."""
+    if page_bytes <= 0:
+        raise ValueError(f"page_bytes must be positive, got {page_bytes}")
+    image = plan_image(read_checkpoint(model_dir), dtype, shard)
+    return -(-image.nbytes // page_bytes) * page_bytes
 
 
 def load_weights(model_dir: str | os.PathLike, *, pool: "VmmPool | None" = None,
