@@ -545,21 +545,30 @@ def _hk(x: _Ctx) -> _Out:
 
 @_rule("HK-05")
 def _hk05(x: _Ctx) -> _Out:
+    # One criterion for check-config, plan and serving: xllm_vmm.kvcache.host_support (what the
+    # host tier can copy, decided on the model's cache layout).
     if not x.host_offload:
         return
     backend, how = _backend(x)
-    reasons = []
+    reason = None
     if backend == "vlm":
-        reasons.append(f"the vlm backend ({how})")
-    if x.model is not None:
-        if x.model.has_grouped_caches:
-            reasons.append(f"the grouped KV caches of {x.model.name}")
-        if x.model.is_hybrid:
-            reasons.append(f"the conv/SSM caches of the hybrid model {x.model.name}")
-    if reasons:
+        reason = f"the vlm backend ({how}): VLM backends are unsupported"
+    elif x.model is not None:
+        from xllm_vmm.kvcache.host_support import host_tier_unsupported_reason
+        from xllm_vmm.models import LayoutError, cache_layout
+
+        try:
+            layout = cache_layout(x.model, workers=_tp(x), block_size=int(x.cfg["block_size"]),
+                                  kv_dtype=str(x.cfg["kv_cache_dtype"]), draft=x.mtp)
+        except LayoutError:
+            layout = None  # the layout error is the planner's to report
+        why = host_tier_unsupported_reason(layout) if layout is not None else None
+        if why is not None:
+            reason = f"{x.model.name}: {why.replace(' (HK-05)', '')}"
+    if reason is not None:
         yield x.finding(
-            "HK-05", f"host KV offload ({x.d('host_blocks_factor')}) does not support "
-            + " and ".join(reasons), ("host_blocks_factor", "enable_vmm_kvcache", "model"),
+            "HK-05", f"host KV offload ({x.d('host_blocks_factor')}) is refused for "
+            + reason, ("host_blocks_factor", "enable_vmm_kvcache", "model"),
             "turn host offload off (--host_blocks_factor=0)")
     elif x.model is None:
         yield _not_checked("HK-05", x.model_reason)

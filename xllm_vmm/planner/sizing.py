@@ -33,8 +33,8 @@ parallel, :mod:`xllm_vmm.config.parallel`), in bytes:
 - arena: physical 0; fixed VMM the mapped KV pool; elastic VMM the pool sized for
   ``min(T - Wt, Q)`` (the most it could ever hold); plus ``Wt`` when weights share the pool;
 - host pool (HK-06): ``floor(arena_kv x host_blocks_factor / host_block) x host_block`` when host
-  offload is on, ``host_block`` = one block of every group (as the serving host pool,
-  :func:`xllm_vmm.kvcache.host_pool.host_pool_size`).
+  offload is on, ``host_block`` = one block of every group (the one home of the formula:
+  :func:`xllm_vmm.kvcache.host_support.host_pool_size`, which serving sizes its pool with).
 
 ``T`` is the device total, ``O`` the runtime overhead (default 1 GiB).
 """
@@ -493,9 +493,11 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
 
     host_pool = 0
     if inp.host_offload:
+        from xllm_vmm.kvcache.host_support import host_block_bytes, host_pool_size
+
         base = arena_kv if not physical else used
-        host_block = sum(g.block_bytes for g in layout.groups)
-        host_pool = int(base * inp.host_blocks_factor) // host_block * host_block
+        host_block = host_block_bytes(layout)
+        host_pool = host_pool_size(base, inp.host_blocks_factor, host_block).bytes
         f(Formula("host pool (HK-06)", "floor(device KV tensor capacity x host_blocks_factor / "
                   "host block) x host block (a host block: one block of every group)",
                   f"floor({_n(base)} x {inp.host_blocks_factor:g} / {_n(host_block)}) x "
