@@ -48,3 +48,32 @@ def test_planner_host_pool_is_host_support_formula():
     w = plan.workers[0]
     layout = cache_layout(spec, workers=1)
     assert w.host_pool_bytes == host_pool_size(w.arena_bytes, 2.5, host_block_bytes(layout)).bytes
+
+
+@pytest.mark.parametrize("kv, weights, elastic, quota", [
+    (True, False, False, 0), (True, True, False, 40 << 30), (True, False, True, 0),
+    (True, True, True, 30 << 30), (False, False, False, 0),
+])
+def test_planner_budget_is_the_pools_formula(kv, weights, elastic, quota):
+    from xllm_vmm.planner import PlanInputs, make_plan
+    from xllm_vmm.pool.budget import BudgetConfig, BudgetMode, budget_bytes
+
+    inp = PlanInputs(enable_vmm_kvcache=kv, enable_vmm_weights=weights, vmm_elastic=elastic,
+                     max_cache_size=quota, context_len=4096, execution_peak_bytes=1 << 30,
+                     runtime_overhead_bytes=1 << 30, vmm_memory_reserve_bytes=1 << 29)
+    w = make_plan(load_model_spec("Qwen/Qwen3-8B"), inp).workers[0]
+    T, wt, P = inp.device_memory_bytes, w.weights_bytes, 1 << 30
+    shared = kv and weights
+    mode = BudgetMode.ELASTIC if elastic else BudgetMode.FIXED if kv else BudgetMode.PHYSICAL
+    cfg = BudgetConfig(mode=mode, max_memory_utilization=0.0 if elastic else 0.8,
+                       max_cache_size=quota, reserve_bytes=(1 << 29) if elastic else 0)
+    free = T - wt - (1 << 30) if elastic else T - wt
+    assert w.physical_budget_bytes == budget_bytes(cfg, total=T, free=free, execution_peak=P,
+                                                   held=wt if shared else 0)
+    # the pool's static capacity is the same formula, page-floored
+    if not elastic and not shared:
+        from xllm_vmm.pool.budget import static_capacity_bytes
+
+        page = 2 << 20
+        assert static_capacity_bytes(cfg, free, T, P, page) == \
+            max(0, w.physical_budget_bytes) // page * page

@@ -406,24 +406,40 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
         f(Formula("quota Q", "max_cache_size" + (" - weights (shared pool, VMM-02)"
                                                  if inp.shared_pool else ""),
                   _n(inp.max_cache_size) + (f" - {_n(wt)}" if inp.shared_pool else ""), quota))
-    if inp.mode == "elastic_vmm":
-        free = T - wt - O
-        budget = free - P - inp.vmm_memory_reserve_bytes
+    # The live budget: the pool's own formula (xllm_vmm.pool.budget.budget_bytes), uncapped
+    # then capped by the quota, with the weights held by the pool when it is shared (VMM-02).
+    from xllm_vmm.pool.budget import BudgetConfig, BudgetMode, budget_bytes
+
+    elastic = inp.mode == "elastic_vmm"
+    held = wt if inp.shared_pool else 0
+    free = T - wt - O if elastic else T - wt
+
+    def live_budget(max_cache_size: int) -> int:
+        cfg = BudgetConfig(
+            mode=BudgetMode.ELASTIC if elastic else BudgetMode.FIXED if inp.enable_vmm_kvcache
+            else BudgetMode.PHYSICAL,
+            max_memory_utilization=0.0 if elastic else inp.max_memory_utilization,
+            max_cache_size=max_cache_size,
+            reserve_bytes=inp.vmm_memory_reserve_bytes if elastic else 0)
+        return budget_bytes(cfg, total=T, free=free, execution_peak=P, held=held)
+
+    budget = live_budget(0)
+    if elastic:
         f(Formula("free at start", "total - weights - runtime overhead",
                   f"{_n(T)} - {_n(wt)} - {_n(O)}", free))
         f(Formula("physical budget B (elastic)", "free - execution peak - "
                   "vmm_memory_reserve_bytes" + (", capped by Q" if quota is not None else ""),
                   f"{_n(free)} - {_n(P)} - {_n(inp.vmm_memory_reserve_bytes)}", budget))
     else:
-        usable = int(T * inp.max_memory_utilization)
-        budget = usable - wt - P
         f(Formula(f"physical budget B ({inp.mode})", "floor(total x max_memory_utilization) - "
                   "weights - execution peak" + (", capped by Q" if quota is not None else ""),
                   f"floor({_n(T)} x {inp.max_memory_utilization:g}) - {_n(wt)} - {_n(P)}",
                   budget))
-    if quota is not None and quota < budget:
-        budget = quota
-        f(Formula("physical budget B (capped)", "min(B, Q)", _n(quota), budget))
+    if quota is not None:
+        capped = live_budget(inp.max_cache_size)
+        if capped < budget:
+            budget = capped
+            f(Formula("physical budget B (capped)", "min(B, Q)", _n(quota), budget))
     if quota is not None and quota <= 0:
         plan.reasons.append(Reason(
             "error", "QUOTA", f"max_cache_size={_n(inp.max_cache_size)} leaves nothing for the "

@@ -41,6 +41,7 @@ __all__ = [
     "ExecutionPeak",
     "DEFAULT_EXECUTION_HEADROOM_FRACTION",
     "static_capacity_bytes",
+    "budget_bytes",
 ]
 
 DEFAULT_EXECUTION_HEADROOM_FRACTION = 0.05
@@ -134,12 +135,31 @@ class ExecutionPeak:
         self._observed = nbytes
 
 
+def budget_bytes(cfg: BudgetConfig, *, total: int, free: int, execution_peak: int,
+                 held: int = 0) -> int:
+    """The live budget in bytes, signed (negative: how far short): what the pool may take beyond
+    the ``held`` bytes it holds already, with ``free`` bytes free on the device now (the pool's
+    own pages are not free) out of ``total``. The one home of the formula: the pool and
+    ``plan`` (:mod:`xllm_vmm.planner.sizing`) both call it.
+
+    - physical, fixed: ``min(floor(r × total) − (total − free − held) − execution_peak, Q) −
+      held`` (the pool's whole capacity, less what it holds);
+    - elastic: ``min(free − execution_peak − reserve, Q − held)``;
+
+    with ``Q = max_cache_size`` when positive (no cap otherwise)."""
+    quota = cfg.max_cache_size if cfg.max_cache_size > 0 else None
+    if cfg.mode is BudgetMode.ELASTIC:
+        left = free - execution_peak - cfg.reserve_bytes
+        return left if quota is None else min(left, quota - held)
+    cap = int(cfg.max_memory_utilization * total) - (total - free - held) - execution_peak
+    if quota is not None:
+        cap = min(cap, quota)
+    return cap - held
+
+
 def static_capacity_bytes(cfg: BudgetConfig, free: int, total: int, execution_peak: int,
                           page: int) -> int:
     """Bytes a physical or fixed pool gets at start (see the module docstring), a multiple of
     ``page``; 0 when the ratio leaves nothing."""
-    used = total - free
-    cap = int(cfg.max_memory_utilization * total) - used - execution_peak
-    if cfg.max_cache_size > 0:
-        cap = min(cap, cfg.max_cache_size)
+    cap = budget_bytes(cfg, total=total, free=free, execution_peak=execution_peak)
     return max(0, cap // page * page)
