@@ -51,7 +51,11 @@ def test_fork_adds_no_weight_bytes(model, stack):
         assert _rss_shmem() == shmem
     for name in parent:
         assert child[name].data_ptr() == parent[name].data_ptr()
+    s = child.stats()
+    assert s["instances"] == 2 and s["mapped_bytes"] == s["device_bytes"] == held
+    assert s["state"] == "WAKEUP" and s["tenant"] == "weights" and s["tensors"] == len(parent)
     child.close()
+    assert parent.stats()["instances"] == 1
     parent.close()
     assert pool.held_bytes == 0
 

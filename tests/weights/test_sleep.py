@@ -36,6 +36,7 @@ def test_light_and_deep_cycles_keep_every_byte(model, stack, keep_host_copy):
             assert w.host_copy_bytes > 0  # light sleep keeps (or makes) a host copy
         with pytest.raises(WeightsNotLoaded, match=w.state):
             w.check_loaded()
+        assert w.stats()["mapped_bytes"] == 0 and w.stats()["state"] == w.state
         wake = w.wake_up()
         assert (wake.source, wake.state, wake.bytes_mapped) == (source, WAKEUP, region)
         w.check_loaded()

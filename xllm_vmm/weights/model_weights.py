@@ -161,6 +161,27 @@ class ModelWeights(Mapping):
     def state(self) -> str:
         return self._state
 
+    def stats(self) -> dict:
+        """A snapshot for status routes and metrics: ``state``, ``tenant``, ``tensors``,
+        ``weight_bytes`` (tensors), ``device_bytes`` (the region), ``mapped_bytes`` (device
+        memory under the region now), ``host_copy_bytes``, ``instances`` (sharing the pages,
+        this one included; 1 without a pool)."""
+        store = self._store
+        mapped = 0
+        if store is not None and not store.closed:
+            mapped = len(store.pool.pages_in_use(store.region)) * store.region.page_bytes \
+                if store.mapped else 0
+        return {
+            "state": self._state,
+            "tenant": self.tenant,
+            "tensors": len(self._tensors),
+            "weight_bytes": self.nbytes,
+            "device_bytes": self.device_bytes,
+            "mapped_bytes": mapped,
+            "host_copy_bytes": self.host_copy_bytes,
+            "instances": 1 if store is None else len(store.holders),
+        }
+
     def shares_pages_with(self, other: "ModelWeights") -> bool:
         return self._store is not None and self._store is other._store
 
