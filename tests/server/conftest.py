@@ -102,7 +102,8 @@ class FakeEngine:
         return [4 + (sum(prompt) + 7 * k) % 300 for k in range(n)]
 
     def stats(self):
-        return {"num_running": len(self.reqs), "num_waiting": 0, "kv_cache_usage": 0.0,
+        return {"num_requests_running": len(self.reqs), "num_requests_waiting": 0,
+                "kv_cache_usage_perc": 0.0,
                 "prompt_tokens": 0, "generation_tokens": 0,
                 "pool": {"reserved_bytes": 1 << 30, "mapped_bytes": 0,
                          "per_tenant_mapped_bytes": {"kv": 0, "weights": 0}}}

@@ -58,3 +58,4 @@ from xllm_vmm.cli import flags  # noqa: E402,F401
 from xllm_vmm.cli import generate  # noqa: E402,F401
 from xllm_vmm.cli import plan  # noqa: E402,F401
 from xllm_vmm.cli import schema  # noqa: E402,F401
+from xllm_vmm.cli import serve  # noqa: E402,F401

@@ -129,8 +129,9 @@ def build_app(front: AsyncEngine, settings: Optional[ServerSettings] = None,
             except Exception:  # a failing engine still gets its front-side series
                 stats = {}
             snaps[name] = (stats or {}, {"sleeping": f.sleeping, "in_flight": f.num_in_flight,
-                                         "num_running": f._num_running,
-                                         "num_waiting": f._num_waiting + f._pending_adds})
+                                         "num_requests_running": f._num_running,
+                                         "num_requests_waiting":
+                                             f._num_waiting + f._pending_adds})
         return Response(server.metrics.render(snaps), media_type=CONTENT_TYPE)
 
     from xllm_vmm.server import admin, openai_routes

@@ -254,10 +254,23 @@ class AsyncEngine:
         """Run ``fn(engine)`` on the engine thread between two steps; await its result."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(("call", fn, fut))
-        return await asyncio.wrap_future(fut)
+        try:
+            return await asyncio.wrap_future(fut)
+        except APIError:
+            raise
+        except Exception as exc:  # the engine's typed errors as HTTP answers
+            raise _as_api_error(exc) from exc
 
     async def stats(self) -> dict:
-        return await self.call(lambda e: e.stats())
+        """``engine.stats()`` plus ``pool``: the pool's statistics (``engine.pool.stats()``)."""
+        def read(e):
+            out = dict(e.stats())
+            pool = getattr(e, "pool", None)
+            if pool is not None and "pool" not in out:
+                out["pool"] = pool.stats()
+            return out
+
+        return await self.call(read)
 
     async def sleep(self, level: int = 1, drain: bool = False,
                     timeout: Optional[float] = None) -> dict:
@@ -567,15 +580,29 @@ def _logprobs(token_ids: list[int], entries) -> Optional[list]:
     return norm
 
 
+# The engine's and the weights package's typed errors, by class name (the server sits on the
+# engine; it does not import the packages below it to recognise their errors).
+_STATUS_BY_ERROR = {
+    "WeightsNotLoaded": 503, "EngineSleeping": 503, "WakeupOutOfMemory": 503,
+    "SleepRefused": 409, "WeightVmmRequired": 400, "ResidentPoolRequired": 400,
+    "WakeupFailed": 500, "CheckpointChanged": 409, "ConfigError": 400,
+}
+
+
 def _as_api_error(exc: Exception) -> APIError:
-    """An engine ``RequestError(param, message)`` (or any validation error) as a 400; the
-    engine's typed 'weights not loaded' / sleeping errors as 503."""
-    name = type(exc).__name__
-    if name in ("WeightsNotLoaded", "EngineSleeping"):
-        return APIError(503, str(exc))
+    """An engine ``RequestError(param, message)`` as a 400 naming the parameter; the engine's
+    and the weights package's typed errors with their status (``_STATUS_BY_ERROR``, by class,
+    most specific first); anything else a 500 that says what was raised."""
+    if isinstance(exc, APIError):
+        return exc
+    for cls in type(exc).__mro__:
+        status = _STATUS_BY_ERROR.get(cls.__name__)
+        if status is not None:
+            return APIError(status, str(exc))
     param = getattr(exc, "param", None)
-    message = getattr(exc, "message", None) or str(exc)
-    return APIError(400, message, param=param)
+    if param is not None or type(exc).__name__ == "RequestError":
+        return APIError(400, getattr(exc, "message", None) or str(exc), param=param)
+    return APIError(500, f"the engine failed: {type(exc).__name__}: {exc}")
 
 
 def _plain(report) -> dict:

@@ -10,8 +10,10 @@ Two kinds of series:
 - read from the engine at scrape time (``engine.stats()`` on the engine thread): gauges
   ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
   (0..1), counters ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits`` (tokens),
-  ``vllm:num_preemptions``, ``vllm:prompt_tokens``, ``vllm:generation_tokens``, and the pool's
-  ``xllm_vmm_*`` figures (bytes unless the name says otherwise).
+  ``vllm:num_preemptions``, ``vllm:prompt_tokens``, ``vllm:generation_tokens``, and the
+  ``xllm_vmm_*`` figures of the pool (``stats()["pool"]``: the pool's ``PoolStats``), its
+  tenants and the KV cache manager (``stats()["kvcache"]``); bytes unless the name says
+  otherwise. The tables below are the one home of these names.
 
 Counters are exported as prometheus_client does (``_total`` suffix in the text, as vLLM's).
 Every series carries ``model_name``. Units: seconds, bytes, tokens.
@@ -37,15 +39,23 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 # engine.stats() key -> (metric name, help, kind). Keys the engine does not report are left out
 # of the text rather than exported as a made-up zero.
 ENGINE_SERIES: tuple[tuple[str, str, str, str], ...] = (
-    ("num_running", "vllm:num_requests_running", "Requests in model execution batches.", "gauge"),
-    ("num_waiting", "vllm:num_requests_waiting", "Requests waiting to be processed.", "gauge"),
-    ("kv_cache_usage", "vllm:kv_cache_usage_perc", "KV-cache usage (1 = 100 percent).", "gauge"),
+    ("num_requests_running", "vllm:num_requests_running",
+     "Requests in model execution batches.", "gauge"),
+    ("num_requests_waiting", "vllm:num_requests_waiting",
+     "Requests waiting to be processed (engine queue + the server's inbox).", "gauge"),
+    ("kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "KV-cache usage (1 = 100 percent).",
+     "gauge"),
     ("prefix_cache_queries", "vllm:prefix_cache_queries",
      "Prefix cache queries, in tokens.", "counter"),
     ("prefix_cache_hits", "vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", "counter"),
     ("num_preemptions", "vllm:num_preemptions", "Cumulative preemptions.", "counter"),
     ("prompt_tokens", "vllm:prompt_tokens", "Prefill tokens processed.", "counter"),
     ("generation_tokens", "vllm:generation_tokens", "Generation tokens processed.", "counter"),
+    ("kv_mapped_bytes", "xllm_vmm_kv_mapped_bytes", "Bytes of KV pages mapped now.", "gauge"),
+    ("execution_peak_bytes", "xllm_vmm_execution_peak_bytes",
+     "Observed execution peak (bytes kept free beside the pool).", "gauge"),
+    ("live_budget_bytes", "xllm_vmm_live_budget_left_bytes",
+     "Bytes the pool may still map under the live budget.", "gauge"),
 )
 
 # pool statistics (engine.stats()["pool"], the pool's PoolStats fields) -> xllm_vmm_* series
@@ -57,10 +67,6 @@ POOL_SERIES: tuple[tuple[str, str, str, str], ...] = (
      "gauge"),
     ("ready_bytes", "xllm_vmm_ready_bytes", "Bytes of created handles kept ready.", "gauge"),
     ("pages_in_use", "xllm_vmm_pages_in_use", "Pages in use by tenants.", "gauge"),
-    ("budget_left_bytes", "xllm_vmm_live_budget_left_bytes",
-     "Bytes the pool may still map under the live budget.", "gauge"),
-    ("execution_peak_bytes", "xllm_vmm_execution_peak_bytes",
-     "Observed execution peak (bytes kept free beside the pool).", "gauge"),
     ("map_calls", "xllm_vmm_map_calls", "Map calls (batches).", "counter"),
     ("unmap_calls", "xllm_vmm_unmap_calls", "Unmap calls (batches).", "counter"),
     ("pages_mapped_total", "xllm_vmm_pages_mapped", "Pages mapped since start.", "counter"),
@@ -68,13 +74,18 @@ POOL_SERIES: tuple[tuple[str, str, str, str], ...] = (
     ("failed_maps", "xllm_vmm_failed_maps", "Maps refused (budget, quota or device).", "counter"),
 )
 
-# KV cache statistics (engine.stats()["kv"]) -> xllm_vmm_* series
+# KV cache manager statistics (engine.stats()["kvcache"]) -> xllm_vmm_* series
 KV_SERIES: tuple[tuple[str, str, str, str], ...] = (
+    ("live_blocks", "xllm_vmm_kv_live_blocks", "KV blocks held by requests.", "gauge"),
+    ("cached_blocks", "xllm_vmm_kv_cached_blocks", "KV blocks kept by the prefix cache.",
+     "gauge"),
+    ("packed_floor_bytes", "xllm_vmm_kv_packed_floor_bytes",
+     "Least KV bytes the live and cached blocks need when packed.", "gauge"),
     ("host_offload_bytes", "xllm_vmm_host_offload_bytes", "Bytes offloaded to the host KV tier.",
      "counter"),
     ("host_restore_bytes", "xllm_vmm_host_restore_bytes", "Bytes restored from the host KV tier.",
      "counter"),
-    ("evictions", "xllm_vmm_prefix_cache_evictions", "Cached blocks evicted.", "counter"),
+    ("prefix_evictions", "xllm_vmm_prefix_cache_evictions", "Cached blocks evicted.", "counter"),
 )
 
 
@@ -179,7 +190,7 @@ class _Snapshot:
             for tenant, v in (_get(pool, "per_tenant_mapped_bytes") or {}).items():
                 add("xllm_vmm_tenant_mapped_bytes", "Mapped bytes by pool tenant.", "gauge",
                     {**base, "tenant": str(tenant)}, float(v))
-            kv = _get(stats, "kv")
+            kv = _get(stats, "kvcache")
             for key, name, help_, kind in KV_SERIES:
                 v = _number(_get(kv, key))
                 if v is not None:

@@ -132,7 +132,10 @@ def _completion_logprobs(tok: _Tokens, entries, offset: int) -> dict:
         s = tok(tid)
         out["tokens"].append(s)
         out["token_logprobs"].append(lp)
-        out["top_logprobs"].append({tok(t): v for t, v in top})
+        best: dict[str, float] = {}
+        for t, v in top:  # most likely first: two ids with one text keep the likelier
+            best.setdefault(tok(t), v)
+        out["top_logprobs"].append(best)
         out["text_offset"].append(offset)
         offset += len(s)
     return out
@@ -181,7 +184,8 @@ def register(app: FastAPI, server) -> None:
         now = int(time.time())
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": now, "owned_by": "xllm-vmm",
-             "root": name, "parent": None, "max_model_len": f.max_model_len}
+             "root": name, "parent": None, "max_model_len": f.max_model_len,
+             "vocab_size": getattr(f.tokenizer, "vocab_size", None)}
             for name, f in server.fronts.items()]}
 
     @app.post("/tokenize")
