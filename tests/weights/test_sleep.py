@@ -150,3 +150,28 @@ def test_weight_only_vmm_pages_the_weights_of_a_physical_pool(model, driver_kind
     w = None
     pool.close()
     d.close()
+
+
+def test_sharded_and_converted_weights_come_back_from_a_deep_sleep(model, stack):
+    """A deep wakeup re-reads the files through the same shard hook and dtype conversion."""
+    from xllm_vmm.weights import ShardSpec
+
+    def hook(name, shape):
+        if name.endswith("o_proj.weight"):
+            return ShardSpec.split(1, shape[1], 1, 2)  # a strided (dimension-1) part
+        if name.endswith("q_proj.weight"):
+            return ShardSpec.split(0, shape[0], 0, 2)
+        return None
+
+    driver, pool = stack()
+    for keep in (True, False):
+        w = load_weights(model, pool=pool, shard=hook, dtype=torch.float32, keep_host_copy=keep)
+        want = checksums(w)
+        assert w["model.layers.0.self_attn.o_proj.weight"].shape == (128, 64)
+        w.sleep(2)
+        assert w.wake_up().source == "checkpoint"
+        assert checksums(w) == want
+        w.sleep(1)
+        w.wake_up()
+        assert checksums(w) == want
+        w.close()
