@@ -15,12 +15,15 @@ from xllm_vmm.cli.app import app
 
 def test_bench_kvcache_json_reports_the_named_fields():
     r = CliRunner().invoke(app, ["bench", "kvcache", "--sequences", "12", "--layers", "2",
-                                 "--repeats", "1", "--format", "json"])
+                                 "--repeats", "1", "--min-seconds", "0", "--cycle-requests",
+                                 "64", "--growth-requests", "96", "--format", "json"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
     for key in ("alloc_vs_freelist_ratio", "idle_footprint_ratio", "peak_footprint_ratio",
                 "map_calls_per_1k_tokens", "admission_us", "cache_vs_freelist_ratio",
-                "freelist_idle_footprint_ratio"):
+                "freelist_idle_footprint_ratio", "manager_cycle_vs_freelist_ratio",
+                "manager_cycle_vs_freelist_ratio_median", "cost_growth_4096_vs_64",
+                "freelist_cost_growth_4096_vs_64", "manager_cycle_us_per_op"):
         assert isinstance(out[key], float) and out[key] > 0, key
     assert out["peak_footprint_ratio"] >= 1.0 and out["idle_footprint_ratio"] >= 1.0
     assert out["peak_mapped_bytes"] >= out["peak_packed_floor_bytes"] > 0
@@ -38,7 +41,8 @@ def test_bench_kvcache_json_reports_the_named_fields():
 def test_default_trace_meets_the_footprint_targets_after_compaction():
     from xllm_vmm.bench.kvcache import run_kvcache_bench
 
-    out = run_kvcache_bench(KvBenchConfig(repeats=1))
+    out = run_kvcache_bench(KvBenchConfig(repeats=1, min_seconds=0, cycle_requests=32,
+                                          growth_requests=64))
     assert out["idle_footprint_ratio"] == 1.0 and out["peak_footprint_ratio"] == 1.0
     # decode growth leaving a full slot goes to the roomiest partial slot (a sequence's
     # blocks share fewer slots): 2.3958 before that placement, 2.0833 with it
@@ -55,6 +59,8 @@ def test_default_trace_meets_the_footprint_targets_after_compaction():
     (["--long-fraction", "nan"], "--long-fraction must be in (0, 1), got nan"),
     (["--long-fraction", "inf"], "--long-fraction must be in (0, 1), got inf"),
     (["--driver", "cuda"], "--driver must be 'sim' or 'host', got 'cuda'"),
+    (["--min-seconds", "nan"], "--min-seconds must be in [0, 60], got nan"),
+    (["--cycle-requests", "0"], "--cycle-requests must be an integer in [1, 1048576], got 0"),
 ])
 def test_bench_kvcache_refuses_bad_options_by_name(args, msg):
     r = CliRunner().invoke(app, ["bench", "kvcache"] + args)
@@ -123,3 +129,39 @@ def test_freelist_baseline_is_fifo_and_refcounted():
     assert p.allocate(3) == [0, 1, 2]
     p.free([1])
     assert p.allocate(2) == [3, 1] and p.allocate(1) is None
+
+
+def test_serving_trace_and_the_cycle_baseline_do_the_same_block_operations():
+    """Both sides of manager_cycle_vs_freelist_ratio replay one trace to the same hits."""
+    from xllm_vmm.bench.kvcache import (
+        FreeListPrefixPool,
+        _manager_for,
+        _replay_cycles_baseline,
+        _replay_cycles_manager,
+        _trace_blocks,
+        make_serving_trace,
+    )
+
+    ev = make_serving_trace(8, 40, 16, seed=1)
+    assert sum(1 for e in ev if e[0] == 0) == sum(1 for e in ev if e[0] == 2) == 40
+    n = _trace_blocks(ev, 16)
+    base = FreeListPrefixPool(n, 16)
+    _, ops_b = _replay_cycles_baseline(ev, base)
+    mgr, pool, d = _manager_for(n, 16)
+    try:
+        _, ops_m = _replay_cycles_manager(ev, mgr)
+        assert ops_b == ops_m
+        st = mgr.stats()
+        assert st["requests"] == 0 and st["live_blocks"] == 0
+        assert st["prefix_hit_tokens"] > 0  # the shared system prompts hit
+        # the same prompts hit the baseline's index as deep as the manager's
+        for e in ev:
+            if e[0] == 0:
+                toks = e[2]
+                assert base.lookup("x", toks) == mgr.lookup("x", toks).num_tokens
+                base.reqs.pop("x")
+                mgr.drop("x")
+    finally:
+        mgr.close()
+        pool.close()
+        d.close()

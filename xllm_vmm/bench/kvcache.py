@@ -34,16 +34,19 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import statistics
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from xllm_vmm.kvcache import Admission, BlockAllocator, GroupShape, VirtualKVCache
+from xllm_vmm.kvcache.hashing import block_hashes
 from xllm_vmm.models.spec import CacheGroup, CacheLayout, CacheTensor
 from xllm_vmm.pool import BudgetConfig, VmmPool
 
-__all__ = ["FreeListBlockPool", "KvBenchConfig", "gqa_layout", "make_trace", "run_kvcache_bench"]
+__all__ = ["FreeListBlockPool", "FreeListPrefixPool", "KvBenchConfig", "gqa_layout",
+           "make_serving_trace", "make_trace", "run_kvcache_bench"]
 
 _MiB = 1 << 20
 _PAGE = 2 * _MiB
@@ -112,7 +115,14 @@ class KvBenchConfig:
     block_size: int = 128
     seed: int = 0
     driver: str = "sim"  # "sim" or "host"
-    repeats: int = 3
+    repeats: int = 3  # interleaved repeats of every speed measurement
+    min_seconds: float = 0.2  # each speed measurement replays its trace at least this long
+    # whole request cycles through the manager (serving trace, prefix caching on)
+    cycle_block_size: int = 16
+    cycle_concurrency: int = 64
+    cycle_requests: int = 2048
+    growth_concurrency: tuple[int, int] = (64, 4096)
+    growth_requests: int = 8192
 
 
 @dataclass
@@ -191,6 +201,267 @@ def _replay_allocator(ops: list[_Op], alloc: Any) -> float:
         elif op.kind == "free":
             alloc.free({"attn": held.pop(op.seq)})
     return time.perf_counter() - t0
+
+
+# -- whole request cycles through the manager (prefix caching on) --------------------------
+
+class FreeListPrefixPool:
+    """The cycle baseline: a plain free list plus a dict hash index doing the same block
+    operations as the manager on the same trace — vLLM v1's block-pool shape with prefix
+    caching, at its leanest: one ``OrderedDict`` free queue (least recently freed first; a
+    cached block stays in it, indexed, until it is popped for reuse, which evicts its hash),
+    reference counts, ``hash → block``, and per request its block table and hashes. It hashes
+    with the same XXH3-128 chain (both sides do the same hashing work); it knows no pages."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.free_q: "OrderedDict[int, None]" = OrderedDict.fromkeys(range(num_blocks))
+        self.ref = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.index: dict[int, int] = {}
+        self.bs = block_size
+        self.reqs: dict[str, list] = {}  # rid -> [table, hashes, published, computed]
+
+    def _pop(self, n: int) -> list[int] | None:
+        if n > len(self.free_q):
+            return None
+        pop = self.free_q.popitem
+        out = []
+        ref, bh, index = self.ref, self.block_hash, self.index
+        for _ in range(n):
+            b = pop(last=False)[0]
+            h = bh[b]
+            if h is not None:  # a cached block reused: its hash goes
+                del index[h]
+                bh[b] = None
+            ref[b] = 1
+            out.append(b)
+        return out
+
+    def lookup(self, rid: str, tokens: list[int]) -> int:
+        bs = self.bs
+        hashes = block_hashes(tokens, bs)
+        cap = (len(tokens) - 1) // bs
+        index, ref, fq = self.index, self.ref, self.free_q
+        table = []
+        for h in hashes[:cap]:
+            b = index.get(h)
+            if b is None:
+                break
+            if ref[b] == 0:
+                del fq[b]
+            ref[b] += 1
+            table.append(b)
+        self.reqs[rid] = [table, hashes, len(table), len(table) * bs]
+        return len(table) * bs
+
+    def allocate(self, rid: str, num_new: int) -> list[int] | None:
+        r = self.reqs[rid]
+        table = r[0]
+        need = -(-(r[3] + num_new) // self.bs) - len(table)
+        if need > 0:
+            got = self._pop(need)
+            if got is None:
+                return None
+            table.extend(got)
+        return table
+
+    def commit(self, rid: str, num_computed: int, tokens: list[int]) -> None:
+        r = self.reqs[rid]
+        r[3] = num_computed
+        bs = self.bs
+        full = num_computed // bs
+        first = r[2]
+        if full <= first:
+            return
+        hashes = r[1]
+        have = len(hashes)
+        if have < full:
+            hashes.extend(block_hashes(tokens[have * bs:full * bs], bs,
+                                       parent=hashes[-1] if have else None, first_block=have))
+        table, index, bh = r[0], self.index, self.block_hash
+        for i in range(first, full):
+            h = hashes[i]
+            if h not in index and bh[table[i]] is None:
+                index[h] = table[i]
+                bh[table[i]] = h
+        r[2] = full
+
+    def free(self, rid: str) -> None:
+        table = self.reqs.pop(rid)[0]
+        ref, fq = self.ref, self.free_q
+        for b in reversed(table):
+            c = ref[b] - 1
+            ref[b] = c
+            if c == 0:
+                fq[b] = None
+
+
+def cycle_layout(block_size: int) -> CacheLayout:
+    """One layer's K and V, 8 blocks per 2 MiB page (bookkeeping runs on the sim driver)."""
+    return CacheLayout("cycles", 1, (CacheGroup(
+        "attn", (CacheTensor("k", _PAGE // 8 // block_size),
+                 CacheTensor("v", _PAGE // 8 // block_size)), block_size),))
+
+
+def make_serving_trace(concurrency: int, requests: int, block_size: int, seed: int = 0,
+                       system_prompts: int = 8, system_blocks: int = 4,
+                       suffix_blocks: tuple[int, int] = (1, 3),
+                       decode_tokens: tuple[int, int] = (8, 32)) -> list[tuple]:
+    """A serving trace at ``concurrency`` running requests: each arrival's prompt is one of
+    ``system_prompts`` shared system prompts plus a unique suffix (whole blocks and a partial
+    one); every step each running request decodes one token; a finished request leaves and the
+    next arrives. Events: ``(0, rid, prompt)`` arrive, ``(1, rid, token)`` decode,
+    ``(2, rid)`` finish, ``(3,)`` end of a step."""
+    rng = random.Random(seed)
+    bs = block_size
+    systems = [[rng.randrange(1, 150_000) for _ in range(system_blocks * bs)]
+               for _ in range(system_prompts)]
+    events: list[tuple] = []
+    running: dict[str, int] = {}
+    nxt = 0
+    while nxt < requests or running:
+        while len(running) < concurrency and nxt < requests:
+            rid = f"r{nxt}"
+            nxt += 1
+            suffix = [rng.randrange(1, 150_000)
+                      for _ in range(rng.randint(*suffix_blocks) * bs + rng.randrange(1, bs))]
+            events.append((0, rid, systems[rng.randrange(system_prompts)] + suffix))
+            running[rid] = rng.randint(*decode_tokens)
+        for rid in list(running):
+            if running[rid] == 0:
+                events.append((2, rid))
+                del running[rid]
+            else:
+                events.append((1, rid, rng.randrange(1, 150_000)))
+                running[rid] -= 1
+        events.append((3,))
+    return events
+
+
+def _trace_blocks(events: list[tuple], block_size: int) -> int:
+    """Blocks that hold everything the trace ever writes (nothing needs evicting)."""
+    n = 0
+    for ev in events:
+        if ev[0] == 0:
+            n += -(-len(ev[2]) // block_size) + 1
+        elif ev[0] == 1:
+            n += 1  # at most one block per token (generous)
+    return n // 2 + 64
+
+
+def _replay_cycles_baseline(events: list[tuple], pool: FreeListPrefixPool) -> tuple[float, int]:
+    seqs: dict[str, list[int]] = {}
+    ops = 0
+    t0 = time.perf_counter()
+    for ev in events:
+        k = ev[0]
+        if k == 1:
+            toks = seqs[ev[1]]
+            toks.append(ev[2])
+            if pool.allocate(ev[1], 1) is None:
+                raise RuntimeError("free-list baseline ran out of blocks on the serving trace")
+            pool.commit(ev[1], len(toks), toks)
+            ops += 2
+        elif k == 0:
+            rid, toks = ev[1], list(ev[2])
+            hit = pool.lookup(rid, toks)
+            if pool.allocate(rid, len(toks) - hit) is None:
+                raise RuntimeError("free-list baseline ran out of blocks on the serving trace")
+            pool.commit(rid, len(toks), toks)
+            seqs[rid] = toks
+            ops += 3
+        elif k == 2:
+            pool.free(ev[1])
+            del seqs[ev[1]]
+            ops += 1
+    return time.perf_counter() - t0, ops
+
+
+def _replay_cycles_manager(events: list[tuple], mgr: Any) -> tuple[float, int]:
+    seqs: dict[str, list[int]] = {}
+    ops = 0
+    lookup, allocate, commit, free, step = (mgr.lookup, mgr.allocate, mgr.commit, mgr.free,
+                                            mgr.step)
+    t0 = time.perf_counter()
+    for ev in events:
+        k = ev[0]
+        if k == 1:
+            toks = seqs[ev[1]]
+            toks.append(ev[2])
+            if allocate(ev[1], 1) is None:
+                raise RuntimeError("the manager ran out of blocks on the serving trace")
+            commit(ev[1], len(toks), toks)
+            ops += 2
+        elif k == 0:
+            rid, toks = ev[1], list(ev[2])
+            hit = lookup(rid, toks)
+            if allocate(rid, len(toks) - hit.num_tokens, hit=hit) is None:
+                raise RuntimeError("the manager ran out of blocks on the serving trace")
+            commit(rid, len(toks), toks)
+            seqs[rid] = toks
+            ops += 3
+        elif k == 2:
+            free(ev[1])
+            del seqs[ev[1]]
+            ops += 1
+        else:
+            step()
+    return time.perf_counter() - t0, ops
+
+
+def _manager_for(num_blocks: int, block_size: int) -> tuple[Any, Any, Any]:
+    from xllm_vmm.kvcache import build_kv_cache_manager
+    from xllm_vmm.vmm.sim import SimDriver
+
+    layout = cycle_layout(block_size)
+    slots = -(-num_blocks // 8)
+    arena = slots * 2 * _PAGE
+    driver = SimDriver(arena + 64 * _MiB)
+    pool = VmmPool(driver, BudgetConfig(mode="elastic", execution_peak_bytes=0), arena)
+    mgr = build_kv_cache_manager(pool, layout, enable_prefix_cache=True,
+                                 max_tokens=slots * 8 * block_size)
+    return mgr, pool, driver
+
+
+def _measure_cycles(events: list[tuple], block_size: int, min_seconds: float,
+                    repeats: int) -> dict[str, Any]:
+    """Interleaved repeats of the manager and the baseline on ``events``; each measurement
+    replays the trace as many times as it takes to last ``min_seconds``. Per-op seconds."""
+    nblocks = _trace_blocks(events, block_size)
+    man: list[float] = []
+    base: list[float] = []
+    loops = 1
+    for rep in range(repeats):
+        for kind in ("manager", "baseline"):
+            total = 0.0
+            nops = 0
+            for _ in range(loops):
+                if kind == "manager":
+                    mgr, pool, driver = _manager_for(nblocks, block_size)
+                    try:
+                        s, n = _replay_cycles_manager(events, mgr)
+                    finally:
+                        mgr.close()
+                        pool.close()
+                        driver.close()
+                else:
+                    s, n = _replay_cycles_baseline(events, FreeListPrefixPool(nblocks,
+                                                                              block_size))
+                total += s
+                nops += n
+            (man if kind == "manager" else base).append(total / nops)
+            if rep == 0 and kind == "manager" and total < min_seconds:
+                loops = max(1, int(loops * min_seconds / max(total, 1e-9)) + 1)
+    return {"manager_s_per_op": man, "baseline_s_per_op": base, "loops": loops,
+            "ops_per_replay": nops // loops}
+
+
+def _ratio_fields(prefix: str, num: list[float], den: list[float]) -> dict[str, float]:
+    """``num``/``den`` are per-op seconds of interleaved repeats: the ratio of speeds,
+    best (min time each) and median, and their spread."""
+    ratios = [d / n for n, d in zip(num, den)]
+    return {f"{prefix}": min(den) / min(num), f"{prefix}_median": statistics.median(ratios),
+            f"{prefix}_min": min(ratios), f"{prefix}_max": max(ratios)}
 
 
 def _peak_live_blocks(ops: list[_Op]) -> int:
@@ -374,12 +645,38 @@ def run_kvcache_bench(cfg: KvBenchConfig = KvBenchConfig()) -> dict[str, Any]:
         _check_host_fits(cfg, -(-peak_live // bps) * layout.groups[0].slot_bytes(_PAGE))
     n_alloc = sum(1 for op in ops if op.kind != "idle")
 
-    # throughput: best of `repeats` on fresh pools (bookkeeping only)
-    fl_best = al_best = float("inf")
-    for _ in range(max(1, cfg.repeats)):
-        fl_best = min(fl_best, _replay_freelist(ops, FreeListBlockPool(num_slots * bps)))
-        alloc = BlockAllocator([GroupShape("attn", num_slots, bps)], _NullBacking())
-        al_best = min(al_best, _replay_allocator(ops, alloc))
+    # throughput: interleaved repeats on fresh pools (bookkeeping only), each at least
+    # min_seconds long (the trace replayed `loops` times)
+    fl_runs: list[float] = []
+    al_runs: list[float] = []
+    loops = 1
+    for rep in range(max(1, cfg.repeats)):
+        t_al = t_fl = 0.0
+        for _ in range(loops):
+            alloc = BlockAllocator([GroupShape("attn", num_slots, bps)], _NullBacking())
+            t_al += _replay_allocator(ops, alloc)
+            t_fl += _replay_freelist(ops, FreeListBlockPool(num_slots * bps))
+        if rep == 0 and t_al < cfg.min_seconds:
+            loops = max(1, int(cfg.min_seconds / max(t_al, 1e-9)) + 1)
+            t_al = t_fl = 0.0
+            for _ in range(loops):
+                alloc = BlockAllocator([GroupShape("attn", num_slots, bps)], _NullBacking())
+                t_al += _replay_allocator(ops, alloc)
+                t_fl += _replay_freelist(ops, FreeListBlockPool(num_slots * bps))
+        al_runs.append(t_al / loops)
+        fl_runs.append(t_fl / loops)
+    fl_best, al_best = min(fl_runs), min(al_runs)
+
+    # whole request cycles through the manager against the free list + dict index
+    cyc_events = make_serving_trace(cfg.cycle_concurrency, cfg.cycle_requests,
+                                    cfg.cycle_block_size, cfg.seed)
+    cyc = _measure_cycles(cyc_events, cfg.cycle_block_size, cfg.min_seconds,
+                          max(1, cfg.repeats))
+    growth: dict[int, dict[str, Any]] = {}
+    for conc in cfg.growth_concurrency:
+        ev = make_serving_trace(conc, cfg.growth_requests, cfg.cycle_block_size, cfg.seed)
+        growth[conc] = _measure_cycles(ev, cfg.cycle_block_size, cfg.min_seconds,
+                                       max(1, cfg.repeats))
 
     frag = _fragmentation(ops, cfg, num_slots, generated)
 
@@ -411,10 +708,28 @@ def run_kvcache_bench(cfg: KvBenchConfig = KvBenchConfig()) -> dict[str, Any]:
         "freelist_ops_per_s": n_alloc / fl_best,
         "alloc_ops_per_s": n_alloc / al_best,
         "alloc_vs_freelist_ratio": fl_best / al_best,
+        "alloc_vs_freelist_ratio_median": statistics.median(f / a for f, a in zip(fl_runs,
+                                                                               al_runs)),
+        "alloc_measure_loops": loops,
         "cache_ops_per_s": n_alloc / frag["cache_seconds"],
         "cache_vs_freelist_ratio": fl_best / frag["cache_seconds"],
         "admission_us": adm_s * 1e6,
         "freelist_admission_us": fl_adm_s * 1e6,
     }
+    out.update(_ratio_fields("manager_cycle_vs_freelist_ratio", cyc["manager_s_per_op"],
+                             cyc["baseline_s_per_op"]))
+    out["manager_cycle_us_per_op"] = min(cyc["manager_s_per_op"]) * 1e6
+    out["freelist_cycle_us_per_op"] = min(cyc["baseline_s_per_op"]) * 1e6
+    out["cycle_ops"] = cyc["ops_per_replay"]
+    out["cycle_concurrency"] = cfg.cycle_concurrency
+    lo, hi = cfg.growth_concurrency
+    m_lo, m_hi = growth[lo]["manager_s_per_op"], growth[hi]["manager_s_per_op"]
+    b_lo, b_hi = growth[lo]["baseline_s_per_op"], growth[hi]["baseline_s_per_op"]
+    out[f"cost_growth_{hi}_vs_{lo}"] = min(m_hi) / min(m_lo)
+    out[f"cost_growth_{hi}_vs_{lo}_median"] = statistics.median(m_hi) / statistics.median(m_lo)
+    out[f"freelist_cost_growth_{hi}_vs_{lo}"] = min(b_hi) / min(b_lo)
+    out[f"manager_us_per_op_at_{lo}"] = min(m_lo) * 1e6
+    out[f"manager_us_per_op_at_{hi}"] = min(m_hi) * 1e6
+    out["growth_ops"] = growth[hi]["ops_per_replay"]
     out.update({k: v for k, v in frag.items() if k != "cache_seconds"})
     return out

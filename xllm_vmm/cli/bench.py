@@ -218,8 +218,10 @@ def bench_copy(
 @bench_app.command(
     "kvcache", short_help="Virtual KV cache against a plain free-list block pool: throughput, fragmentation.",
     help=(
-        'Virtual KV cache vs. a plain free-list block pool: allocator throughput, admission cost,'
-        ' fragmentation (idle and peak footprint over the packed floor) and map calls per 1k '
+        'Virtual KV cache vs. a plain free-list block pool: allocator throughput, whole request '
+        'cycles through the KV cache manager (prefix caching on) against a free list with a '
+        'dict hash index, per-op cost growth from 64 to 4096 running requests, admission cost, '
+        'fragmentation (idle and peak footprint over the packed floor) and map calls per 1k '
         'tokens.'))
 def bench_kvcache(
     sequences: int = typer.Option(256, help="Sequences in the staggered-decode burst (1 to "
@@ -236,7 +238,15 @@ def bench_kvcache(
                                            "does not fit is refused, naming the largest "
                                            "--sequences that does)."),
     seed: int = typer.Option(0, help="Seed of the trace."),
-    repeats: int = typer.Option(3, help="Throughput runs (the best one counts; 1 to 100)."),
+    repeats: int = typer.Option(3, help="Interleaved repeats of every speed measurement (min "
+                                        "and median reported; 1 to 100)."),
+    min_seconds: float = typer.Option(0.2, help="Each speed measurement replays its trace at "
+                                                "least this long (seconds, 0 to 60)."),
+    cycle_requests: int = typer.Option(2048, help="Requests of the serving trace whose whole "
+                                                  "cycles run through the manager (1 to "
+                                                  "1048576)."),
+    growth_requests: int = typer.Option(8192, help="Requests of each cost-growth trace (at 64 "
+                                                   "and 4096 running; 1 to 1048576)."),
     fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f", help="table or json."),
 ) -> None:
     from xllm_vmm.bench.kvcache import MAX_BLOCK_SIZE, KvBenchConfig, run_kvcache_bench
@@ -250,8 +260,14 @@ def bench_kvcache(
     _check("--seed", seed, 0, 2 ** 63 - 1)
     if not 0.0 < long_fraction < 1.0:  # NaN fails this too
         raise _fail(2, f"--long-fraction must be in (0, 1), got {long_fraction}")
+    if not 0.0 <= min_seconds <= 60.0:  # NaN fails this too
+        raise _fail(2, f"--min-seconds must be in [0, 60], got {min_seconds}")
+    _check("--cycle-requests", cycle_requests, 1, 1 << 20)
+    _check("--growth-requests", growth_requests, 1, 1 << 20)
     cfg = KvBenchConfig(sequences=sequences, layers=layers, block_size=block_size,
-                        long_fraction=long_fraction, driver=driver, seed=seed, repeats=repeats)
+                        long_fraction=long_fraction, driver=driver, seed=seed, repeats=repeats,
+                        min_seconds=min_seconds, cycle_requests=cycle_requests,
+                        growth_requests=growth_requests)
     emit("bench kvcache", _run(f"bench kvcache --driver {driver}",
                                lambda: run_kvcache_bench(cfg)), fmt)
 

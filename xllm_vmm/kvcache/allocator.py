@@ -247,57 +247,77 @@ class BlockAllocator:
         when a group's virtual range or the backing's budget cannot take them; then nothing
         changed. Nothing is evicted here (see the module docstring)."""
         groups = self._groups
-        short = False
+        if len(counts) == 1:  # most models: one group (and each group of several, below)
+            for name, n in counts.items():
+                pass
+            g = groups.get(name) or self._g(name)
+            hint = near.get(name, -1) if near else -1
+            if n == 1 and g.free_active:
+                # decode growth, the one place it is written: one block from an active
+                # slot — the hint's slot, else (hinted slot full) the roomiest partial slot,
+                # else (no hint) the fullest
+                stacks = g.stacks
+                buckets = g.buckets
+                if 0 <= hint < g.nblocks:
+                    slot = hint // g.bps
+                    stack = stacks[slot]
+                    roomiest = True
+                else:
+                    stack = roomiest = None
+                if stack:
+                    bucket = buckets[len(stack)]
+                else:
+                    for bucket in (g.rbuckets if roomiest else buckets):
+                        if bucket:
+                            break
+                    for slot in bucket:
+                        break
+                    stack = stacks[slot]
+                k = len(stack)  # type: ignore[arg-type]
+                b = stack.pop()  # type: ignore[union-attr]
+                g.ref[b] = 1
+                del bucket[slot]
+                if k > 1:
+                    buckets[k - 1][slot] = None
+                g.free_active -= 1
+                return {name: [b]}
+            if n <= g.free_active:
+                if n < 0:
+                    raise ValueError(f"negative block count {n} for group {name!r}")
+                return {name: self._take(g, n, hint, None)}
+            new = self._activate_for(counts)
+            if new is None:
+                return None
+            return {name: self._take(g, n, hint, new[name])}
+        new_slots: Mapping[str, list[int]] = _NO_SLOTS
         for name, n in counts.items():
             g = groups.get(name) or self._g(name)
             if n > g.free_active:
-                short = True
+                new_slots = None  # type: ignore[assignment]
             elif n < 0:
                 raise ValueError(f"negative block count {n} for group {name!r}")
-        new_slots = _NO_SLOTS
-        if short:  # new slots (a prompt): planned and activated in one call
+        if new_slots is None:  # new slots (a prompt): planned and activated in one call
             new_slots = self._activate_for(counts)  # type: ignore[assignment]
             if new_slots is None:
                 return None
-        take = self._take
-        if near is None:
-            return {name: take(groups[name], n, -1, new_slots.get(name))
-                    for name, n in counts.items()}
-        return {name: take(groups[name], n, near.get(name, -1), new_slots.get(name))
-                for name, n in counts.items()}
+        out: dict[str, list[int]] = {}
+        for name, n in counts.items():
+            slots = new_slots.get(name)
+            if slots is None:  # fits in its active slots: the one-group path above
+                out[name] = self.allocate({name: n}, near)[name]  # type: ignore[index]
+            else:
+                out[name] = self._take(groups[name], n, near.get(name, -1) if near else -1,
+                                       slots)
+        return out
 
     def _take(self, g: _Group, n: int, hint: int, new: list[int] | None) -> list[int]:
-        """Hand out ``n`` blocks of ``g``: the hint's slot, then partial slots (fullest first;
-        one-block growth out of a full hinted slot: the roomiest), then the ``new`` slots
-        (just activated: all full but the last, lowest ids first). The only allocation path."""
-        if not 0 <= hint < g.nblocks:
-            hint = -1
-        if n == 1 and new is None:  # decode growth: one block from an active slot
-            stacks = g.stacks
-            buckets = g.buckets
-            stack = stacks[hint // g.bps] if hint >= 0 else None
-            if stack:
-                slot = hint // g.bps
-                bucket = buckets[len(stack)]
-            else:  # the hinted slot is full: the roomiest; no hint: the fullest
-                for bucket in (g.rbuckets if hint >= 0 else buckets):
-                    if bucket:
-                        break
-                for slot in bucket:
-                    break
-                stack = stacks[slot]
-            k = len(stack)  # type: ignore[arg-type]
-            b = stack.pop()  # type: ignore[union-attr]
-            g.ref[b] = 1
-            del bucket[slot]
-            if k > 1:
-                buckets[k - 1][slot] = None
-            g.free_active -= 1
-            return [b]
+        """Hand out ``n`` blocks of ``g`` (not the one-block growth of :meth:`allocate`): the
+        hint's slot, then partial slots (fullest first), then the ``new`` slots (just
+        activated: all full but the last, lowest ids first)."""
         out: list[int] = []
         if n == 0:
             return out
-        if hint >= 0:
+        if 0 <= hint < g.nblocks:
             n = self._take_near(g, hint, n, out)
         if n:
             n = self._take_partial(g, n, out)
@@ -405,13 +425,20 @@ class BlockAllocator:
         cached, per group (only groups with some; the prefix cache puts them in its LRU).
         Freeing a block that holds no reference raises ``ValueError`` and changes nothing."""
         groups = self._groups
-        for name, blks in blocks.items():
+        if len(blocks) == 1:  # one group: checked during its one pass (undone on a refusal)
+            for name, blks in blocks.items():
+                pass
+            g = groups.get(name) or self._g(name)
+            k, released = self._free_group(g, blks, True)
+            if released:
+                self.backing.deactivate({name: released})
+            return {name: k} if k else _NOTHING_CACHED
+        for name, blks in blocks.items():  # several: every group checked before any changes
             self._check_free(groups.get(name) or self._g(name), blks)
         kept: Mapping[str, list[int]] = _NOTHING_CACHED
         emptied: dict[str, list[int]] | None = None
         for name, blks in blocks.items():
-            g = groups[name]
-            k, released = self._free_group(g, blks)
+            k, released = self._free_group(groups[name], blks, False)
             if k:
                 if kept is _NOTHING_CACHED:
                     kept = {}
@@ -424,47 +451,63 @@ class BlockAllocator:
             self.backing.deactivate(emptied)
         return kept
 
-    @staticmethod
-    def _free_group(g: _Group, blks: Sequence[int]) -> tuple[list[int] | None, list[int]]:
-        """One pass over checked ``blks``: drop references; push freed blocks on their
-        slot's stack, noting each run of one slot; then one bucket move (or release) per run.
-        Returns (blocks that became cached, slots released)."""
+    def _free_group(self, g: _Group, blks: Sequence[int], check: bool
+                    ) -> tuple[list[int] | None, list[int]]:
+        """One pass over ``blks``: drop references; a retained or pinned block reaching 0 is
+        cached, any other is pushed on its slot's stack, noting each run of one slot; then one
+        bucket move (or release) per run. With ``check``, a reference going below 0 (or a block
+        outside the group) undoes the pass and raises ``ValueError``; without, ``blks`` were
+        checked already. Returns (blocks that became cached, slots released)."""
         ref = g.ref
         keep = g.keep
         pins = g.pins
         stacks = g.stacks
         bps = g.bps
+        nb = g.nblocks
         kept: list[int] | None = None
         runs: list[tuple[int, int, int]] = []  # (slot, free before the run, free after it)
         cur = -1
         k0 = 0
         lo = hi = 0  # the blocks of slot cur
         stack: list[int] = []
-        for b in blks:
-            r = ref[b] - 1
-            ref[b] = r
-            if r:
-                continue
-            if keep[b] or (pins and b in pins):
-                g.cached[b] = 1
-                g.ncached[b // bps] += 1
-                g.n_cached += 1
-                if kept is None:
-                    kept = [b]
-                else:
-                    kept.append(b)
-                continue
-            if lo <= b < hi:
+        it = iter(blks)
+        try:
+            for b in it:
+                r = ref[b] - 1
+                ref[b] = r
+                if r:
+                    if r > 0:
+                        continue
+                    raise IndexError  # a double free: refused below
+                if lo <= b < hi:
+                    if keep[b] or (pins and b in pins):
+                        pass  # cached: handled below
+                    else:
+                        stack.append(b)
+                        continue
+                elif not 0 <= b < nb:
+                    raise IndexError
+                if keep[b] or (pins and b in pins):
+                    g.cached[b] = 1
+                    g.ncached[b // bps] += 1
+                    g.n_cached += 1
+                    if kept is None:
+                        kept = [b]
+                    else:
+                        kept.append(b)
+                    continue
+                if cur >= 0:
+                    runs.append((cur, k0, len(stack)))
+                cur = b // bps
+                lo = cur * bps
+                hi = lo + bps
+                stack = stacks[cur]  # type: ignore[assignment]
+                k0 = len(stack)
                 stack.append(b)
-                continue
-            if cur >= 0:
-                runs.append((cur, k0, len(stack)))
-            cur = b // bps
-            lo = cur * bps
-            hi = lo + bps
-            stack = stacks[cur]  # type: ignore[assignment]
-            k0 = len(stack)
-            stack.append(b)
+        except (IndexError, TypeError):
+            done = len(blks) - it.__length_hint__()  # entries consumed, the refused one too
+            self._undo_free(g, blks, done, runs, cur, k0, kept)
+            raise AssertionError("unreachable: _undo_free raises")  # pragma: no cover
         if cur < 0:
             return kept, []
         runs.append((cur, k0, len(stack)))
@@ -488,6 +531,38 @@ class BlockAllocator:
             for s in released:
                 heappush(inactive, s)
         return kept, released
+
+    def _undo_free(self, g: _Group, blks: Sequence[int], done: int,
+                   runs: list[tuple[int, int, int]], cur: int, k0: int,
+                   kept: list[int] | None) -> None:
+        """Entry ``done - 1`` of a checked free was refused: give back the references the
+        first ``done`` entries dropped, cut the stacks back, un-cache what was cached, and
+        raise ``ValueError`` naming the block."""
+        ref = g.ref
+        items = list(blks)[:done]
+        bad = items[-1] if items else None
+        for b in items:  # every entry that got past ``ref[b] - 1`` dropped a reference
+            try:
+                ref[b] += 1
+            except (IndexError, TypeError):
+                pass
+        first: dict[int, int] = {}
+        for s, k, _ in runs:
+            first.setdefault(s, k)
+        if cur >= 0:
+            first.setdefault(cur, k0)
+        for s, k in first.items():
+            del g.stacks[s][k:]  # type: ignore[index]
+        for b in kept or ():
+            g.cached[b] = 0
+            g.ncached[b // g.bps] -= 1
+            g.n_cached -= 1
+        if not isinstance(bad, int) or not 0 <= bad < g.nblocks:
+            raise ValueError(f"free of block {bad!r}: not a block of group {g.name!r} "
+                             f"(0..{g.nblocks - 1})")
+        self._check_free(g, blks)
+        raise ValueError(f"free of block {bad} in group {g.name!r} that holds no reference "
+                         "(double free)")  # pragma: no cover - _check_free names it
 
     @staticmethod
     def _check_free(g: _Group, blks: Sequence[int]) -> None:

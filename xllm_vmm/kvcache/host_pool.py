@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from xllm_vmm.kvcache.hashing import BlockHash
+from xllm_vmm.kvcache.host_support import HostPoolSize, host_pool_size  # noqa: F401 (HK-06 lives there)
 
 _GiB = 1 << 30
 
@@ -54,37 +55,6 @@ class HostPoolTooLarge(RuntimeError):
             f"Lower host_blocks_factor to at most {max_factor:.3f} (offload needs > 1), or cap "
             f"the device KV capacity with max_cache_size <= {max_cache} bytes "
             f"({_gib(max_cache)}), or free host memory.")
-
-
-@dataclass(frozen=True)
-class HostPoolSize:
-    """HK-06 sizing. ``blocks`` host blocks of ``block_bytes`` each (``bytes`` in all)."""
-
-    blocks: int
-    block_bytes: int
-    bytes: int
-    factor: float
-    device_capacity_bytes: int
-
-
-def host_pool_size(device_capacity_bytes: int, host_blocks_factor: float,
-                   host_block_bytes: int) -> HostPoolSize:
-    """HK-06: the host pool for a device KV tensor capacity of ``device_capacity_bytes`` (every
-    VMM KV tensor of every group, the configured capacity, not what is mapped now).
-    A factor of 1 or less means no host tier (HK-03): 0 blocks."""
-    if host_block_bytes <= 0:
-        raise ValueError(f"host_block_bytes={host_block_bytes}: must be > 0")
-    if not math.isfinite(host_blocks_factor):
-        raise ValueError(f"host_blocks_factor={host_blocks_factor}: must be a finite number")
-    if host_blocks_factor < 0:
-        raise ValueError(f"host_blocks_factor={host_blocks_factor}: must be >= 0 (HK-08)")
-    if device_capacity_bytes < 0:
-        raise ValueError(f"device_capacity_bytes={device_capacity_bytes}: must be >= 0")
-    if host_blocks_factor <= 1:
-        return HostPoolSize(0, host_block_bytes, 0, host_blocks_factor, device_capacity_bytes)
-    blocks = int(device_capacity_bytes * host_blocks_factor) // host_block_bytes
-    return HostPoolSize(blocks, host_block_bytes, blocks * host_block_bytes, host_blocks_factor,
-                        device_capacity_bytes)
 
 
 def available_host_memory() -> int:

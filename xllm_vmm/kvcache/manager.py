@@ -67,12 +67,8 @@ from xllm_vmm.kvcache.hashing import DEFAULT_SEED, BlockHash, MediaSpan, block_h
 from xllm_vmm.kvcache.host_pool import HostPool, check_host_pool_fits
 from xllm_vmm.kvcache.host_tier import HostTier, Restore
 from xllm_vmm.kvcache.prefix import PrefixCache
-from xllm_vmm.kvcache.prefix_setup import (
-    HostTierUnsupported,
-    KvBlockAddresses,
-    host_tier_unsupported_reason,
-    plan_host_pool,
-)
+from xllm_vmm.kvcache.host_support import host_tier_unsupported_reason
+from xllm_vmm.kvcache.prefix_setup import HostTierUnsupported, KvBlockAddresses, plan_host_pool
 
 __all__ = [
     "KVCacheManager",
@@ -434,10 +430,13 @@ class KVCacheManager:
         return self._req(request_id).num_computed
 
     def commit(self, request_id: str, num_computed_tokens: int,
-               token_ids: Sequence[int]) -> None:
+               token_ids: Sequence[int],
+               checkpoints: Mapping[int, tuple[Any, int]] | None = None) -> None:
         """``num_computed_tokens`` tokens of ``token_ids`` (the request's tokens so far: prompt
         then output) now hold KV: publish every block that became complete (PC-01), hashing
-        only the new complete blocks (the chain continues from the last hash)."""
+        only the new complete blocks (the chain continues from the last hash).
+        ``checkpoints`` (hybrid models, PC-02): request block index -> ``(state, nbytes)``, the
+        linear-state checkpoint at the end of that block, published with it."""
         req = self._req(request_id)
         if not req.admitted:
             raise KVCacheManagerError(f"commit({request_id!r}) before allocate()")
@@ -464,7 +463,8 @@ class KVCacheManager:
                 token_ids[have * bs:full * bs], bs, seed=self.hash_seed, media=req.media,
                 parent=hashes[-1] if have else None, first_block=have))
         first = req.published
-        prefix.publish(req.tables, hashes[first:full], first_block=first)
+        prefix.publish(req.tables, hashes[first:full], first_block=first,
+                       checkpoints=checkpoints)
         req.published = full
 
     def free(self, request_id: str) -> None:

@@ -1,22 +1,24 @@
-"""What the host KV tier needs from a :class:`VirtualKVCache`: block addresses, the HK-05
-support criterion and the HK-06 pool size (the manager's factory,
-:func:`~xllm_vmm.kvcache.manager.build_kv_cache_manager`, builds the tier with them).
-Units: bytes, blocks.
+"""What the host KV tier needs from a :class:`VirtualKVCache`: block addresses and the
+HK-06 pool size of this cache (the manager's factory,
+:func:`~xllm_vmm.kvcache.manager.build_kv_cache_manager`, builds the tier with them). The
+HK-05 criterion and the HK-06 formula have one home, :mod:`xllm_vmm.kvcache.host_support`
+(re-exported here). Units: bytes, blocks.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from xllm_vmm.kvcache.host_pool import HostPoolSize, host_pool_size
+from xllm_vmm.kvcache import host_support
+from xllm_vmm.kvcache.host_support import (  # noqa: F401 (HK-05 lives there; re-exported)
+    HOST_TIER_GROUPS,
+    HostPoolSize,
+    host_pool_size,
+    host_tier_unsupported_reason,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from xllm_vmm.kvcache.cache import VirtualKVCache
-    from xllm_vmm.models.spec import CacheLayout
-
-# Cache groups the host tier can copy: flat KV, MLA latent + index (HK-05 "flat KV and
-# MLA+INDEX"), and the MTP draft, which is flat KV of its own width.
-HOST_TIER_GROUPS = frozenset({"attn", "mla", "index", "draft"})
 
 
 class HostTierUnsupported(ValueError):
@@ -39,29 +41,15 @@ class KvBlockAddresses:
         return [(addr(group, t, block), nb) for t in range(nt)]
 
 
-def host_tier_unsupported_reason(layout: "CacheLayout", *, vision: bool = False) -> str | None:
-    """Why HK-05 refuses host offload for ``layout`` (None when it is supported)."""
-    if vision:
-        return "VLM backends are unsupported for VMM host KV offload (HK-05)"
-    if layout.resident is not None:
-        return ("hybrid linear-attention conv/SSM caches are unsupported for VMM host KV "
-                "offload (HK-05)")
-    bad = [g.name for g in layout.groups if g.name not in HOST_TIER_GROUPS
-           or g.max_tokens_per_seq is not None]
-    if bad:
-        return (f"grouped caches ({', '.join(bad)}) are unsupported for VMM host KV offload "
-                "(HK-05)")
-    return None
-
-
 def device_capacity_bytes(cache: "VirtualKVCache") -> int:
     """The configured device KV tensor capacity: every slot of every group (HK-06)."""
     return sum(geo.num_slots * geo.slot_bytes for geo in cache.geometry.values())
 
 
 def host_block_bytes(cache: "VirtualKVCache") -> int:
-    """Bytes of one host block: one block of every tensor of every group."""
-    return sum(geo.group.block_bytes for geo in cache.geometry.values())
+    """Bytes of one host block: one block of every tensor of every group (HK-06's, in
+    :mod:`~xllm_vmm.kvcache.host_support`)."""
+    return host_support.host_block_bytes(cache.layout)
 
 
 def plan_host_pool(cache: "VirtualKVCache", host_blocks_factor: float) -> HostPoolSize:
