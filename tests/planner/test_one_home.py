@@ -77,3 +77,24 @@ def test_planner_budget_is_the_pools_formula(kv, weights, elastic, quota):
         page = 2 << 20
         assert static_capacity_bytes(cfg, free, T, P, page) == \
             max(0, w.physical_budget_bytes) // page * page
+
+
+@pytest.mark.parametrize("weights", [False, True])
+def test_el06_check_config_and_plan_agree_at_the_boundary(weights):
+    from xllm_vmm.planner import make_plan
+    from xllm_vmm.planner.from_config import inputs_from_config
+
+    spec = load_model_spec("Qwen/Qwen3-8B")
+    base = ["--enable_vmm_kvcache", "--model=Qwen/Qwen3-8B"] + (
+        ["--enable_vmm_weights"] if weights else [])
+    cfg = load(base)
+    layout = cache_layout(spec, workers=1)
+    page = int(cfg["phy_page_granularity_size"])
+    shared = -(-spec.served_weight_bytes // 1) if weights else 0
+    least = layout.least_quota_bytes(page, shared)
+    for quota, fires in ((least - 1, True), (least, False)):
+        c = load(base + [f"--max_cache_size={quota}"])
+        rule = "EL-06" in check(c, spec).rule_ids()
+        plan = make_plan(spec, inputs_from_config(c, context_len=4096))
+        planned = any(r.code == "EL-06" for r in plan.reasons)
+        assert rule is fires and planned is fires, (quota, least)

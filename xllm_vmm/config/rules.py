@@ -694,11 +694,11 @@ def _el06(x: _Ctx, model) -> _Out:
         return
     tensors = sum(len(g.tensors) for g in layout.groups)
     page = int(x.cfg["phy_page_granularity_size"])
-    least = tensors * page
+    least = layout.least_pool_bytes(page)
     # VMM-02: with weight VMM on too, the quota covers the shared pool, weights included (the
     # architecture's estimate: check-config reads only config.json).
     weights = -(-model.served_weight_bytes // _tp(x)) if x.cfg["enable_vmm_weights"] else 0
-    if quota < least + weights:
+    if quota < layout.least_quota_bytes(page, weights):
         shared = (f" plus {format_size(weights)} ({weights} bytes) of weights per worker in the "
                   "pool they share (VMM-02)") if weights else ""
         yield x.finding(

@@ -234,6 +234,17 @@ class CacheLayout:
     def bytes_per_token(self) -> int:
         return sum(g.bytes_per_token for g in self.groups if g.max_tokens_per_seq is None)
 
+    def least_pool_bytes(self, page_bytes: int) -> int:
+        """The least a VMM pool can map for this layout, in bytes: one slot of every group (one
+        page in each VMM tensor)."""
+        return sum(g.slot_bytes(page_bytes) for g in self.groups)
+
+    def least_quota_bytes(self, page_bytes: int, shared_weights_bytes: int = 0) -> int:
+        """EL-06, the one home of its formula (``check-config`` and ``plan`` call it): the least
+        ``max_cache_size`` that lets the pool map anything, :meth:`least_pool_bytes` plus the
+        weights per worker when they share the pool (VMM-02)."""
+        return self.least_pool_bytes(page_bytes) + shared_weights_bytes
+
     def group(self, name: str) -> CacheGroup:
         for g in self.groups:
             if g.name == name:

@@ -446,11 +446,13 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
             f"KV cache after the weights ({_n(wt)} bytes per worker) in the shared pool",
             f"raise max_cache_size above {_n(wt)} or set it to 0 (no quota)"))
 
-    min_pool = sum(u.unit_bytes for u in units)
+    min_pool = layout.least_pool_bytes(page) if not physical else \
+        sum(u.unit_bytes for u in units)
     if not physical:
         f(Formula("least pool (one slot per group)", "sum of slot bytes", " + ".join(
             _n(u.unit_bytes) for u in units), min_pool))
-        if quota is not None and 0 < quota < min_pool:
+        if quota is not None and quota > 0 and \
+                inp.max_cache_size < layout.least_quota_bytes(page, held):
             plan.reasons.append(Reason(
                 "error", "EL-06", f"max_cache_size={_n(inp.max_cache_size)} is smaller than one "
                 f"page for every VMM tensor: the least the pool can map is {_n(min_pool)} bytes"
