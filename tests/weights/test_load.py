@@ -230,3 +230,39 @@ def test_region_bytes_is_what_the_load_takes(tmp_path, stack):
     w.close()
     with pytest.raises(ValueError, match="page_bytes"):
         region_bytes(model, page_bytes=0)
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(0, 5000), min_size=0, max_size=30),
+       limit=st.integers(512, 8192))
+def test_image_placement_and_windows(sizes, limit):
+    """Tensors are placed in order at 512-byte aligned, disjoint offsets; the copy windows tile
+    [0, nbytes) exactly, their tensors within the limit unless one tensor alone is larger."""
+    from pathlib import Path
+
+    from xllm_vmm.weights.checkpoint import Checkpoint, TensorEntry
+    from xllm_vmm.weights.image import TENSOR_ALIGN, plan_image
+
+    entries = tuple(TensorEntry(f"t{i}", "U8", (n,), Path("x"), 8, n) for i, n in enumerate(sizes))
+    image = plan_image(Checkpoint(Path("."), entries, {}, {}))
+    end = 0
+    for p in image.placed:
+        assert p.offset % TENSOR_ALIGN == 0 and p.offset >= end
+        end = p.offset + p.nbytes
+    assert image.nbytes == max(end, 1)
+    windows = image.windows(limit)
+    assert windows[0][0] == 0 and windows[-1][1] == image.nbytes
+    for (lo, hi, ts), nxt in zip(windows, windows[1:] + [None]):
+        if nxt is not None:
+            assert hi == nxt[0]
+        assert all(lo <= p.offset and p.offset + p.nbytes <= hi for p in ts)
+        if not ts:  # no tensors at all: one empty window
+            assert (lo, hi) == (0, image.nbytes) and not image.placed
+            continue
+        assert ts[-1].offset + ts[-1].nbytes - lo <= limit or len(ts) == 1
+        assert hi - (ts[-1].offset + ts[-1].nbytes) < TENSOR_ALIGN or nxt is None
+    assert [p for _, _, ts in windows for p in ts] == list(image.placed)

@@ -91,8 +91,10 @@ class WeightImage:
         return sum(p.nbytes for p in self.placed)
 
     def windows(self, limit: int) -> list[tuple[int, int, tuple[Placed, ...]]]:
-        """Consecutive ranges ``(lo, hi, tensors)`` covering ``[0, nbytes)`` exactly, each at
-        most ``limit`` bytes unless one tensor alone is larger (copy and staging units)."""
+        """Consecutive ranges ``(lo, hi, tensors)`` covering ``[0, nbytes)`` exactly (copy and
+        staging units). The tensors of a window end within ``limit`` bytes of ``lo`` unless one
+        tensor alone is larger; the window also takes the padding up to the next tensor (less
+        than :data:`TENSOR_ALIGN` bytes)."""
         out: list[tuple[int, int, tuple[Placed, ...]]] = []
         placed, i, lo = self.placed, 0, 0
         while i < len(placed):
