@@ -34,7 +34,6 @@ Units: bytes; ``seconds`` are wall-clock seconds (``time.perf_counter``).
 from __future__ import annotations
 
 import threading
-import time
 from typing import TYPE_CHECKING, Callable
 
 from xllm_vmm.pool.pool import Region, VmmPool
