@@ -603,10 +603,33 @@ class BlockAllocator:
         g.ref[block] = 1
         return True
 
+    def touch_many(self, group: str, blocks: Sequence[int]) -> list[int] | None:
+        """:meth:`touch` of every block in one call; returns the blocks revived from cached
+        (``None`` when none was)."""
+        g = self._groups.get(group) or self._g(group)
+        ref = g.ref
+        revived = None
+        for b in blocks:
+            if ref[b] > 0:
+                ref[b] += 1
+                continue
+            if not g.cached[b]:
+                raise ValueError(f"touch of free block {b} in group {group!r}: only live or "
+                                 "cached blocks can be referenced")
+            g.cached[b] = 0
+            g.ncached[b // g.bps] -= 1
+            g.n_cached -= 1
+            ref[b] = 1
+            if revived is None:
+                revived = [b]
+            else:
+                revived.append(b)
+        return revived
+
     def retain(self, group: str, blocks: Sequence[int]) -> None:
         """Keep ``blocks`` (live or cached) when their last reference goes: they hold a
         published prefix (the prefix cache calls this on publish)."""
-        g = self._g(group)
+        g = self._groups.get(group) or self._g(group)
         for b in blocks:
             if not (g.ref[b] or g.cached[b]):
                 raise ValueError(f"retain of free block {b} in group {group!r}")
@@ -854,7 +877,7 @@ class BlockAllocator:
 
     def pinned_blocks(self, group: str) -> Mapping[int, int]:
         """Blocks pinned by transfers now -> pin count (read only)."""
-        return self._g(group).pins
+        return (self._groups.get(group) or self._g(group)).pins
 
     def slot_evictable(self, group: str, slot: int) -> bool:
         """True when every used block of active ``slot`` is cached and unpinned: giving them

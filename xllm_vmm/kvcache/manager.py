@@ -129,7 +129,7 @@ class KVCapacity:
         return min(self.total_blocks.values()) * self.block_size
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Request:
     """The manager's state of one request."""
 
@@ -147,6 +147,7 @@ class _Request:
     # a restore in flight (allocate → ready)
     restore: Restore | None = None
     restore_dev_blocks: int = 0
+    first: list[int] = field(default_factory=list)  # tables[first group] (the same list)
 
 
 _TUNING = {
@@ -177,7 +178,10 @@ class KVCacheManager:
             raise ValueError(f"compact_max_blocks must be >= 1 or None, got {compact_max_blocks}")
         self._cache = cache
         self.block_size: int = sizes.pop()
+        self._bs_1 = self.block_size - 1
         self.group_names: tuple[str, ...] = tuple(cache.geometry)
+        self._g0 = self.group_names[0]
+        self._sole = len(self.group_names) == 1
         self.prefix = prefix
         self.host = host
         self.hash_seed = hash_seed
@@ -299,25 +303,40 @@ class KVCacheManager:
 
         ``None`` = "not now": nothing changed (see the module docstring); retry later or
         preempt something."""
+        req = self._reqs.get(request_id)
+        if req is not None and req.admitted and hit is None and num_new_tokens >= 0 <= lookahead:
+            # a running request (decode growth): the hot path (never asleep: sleep needs no
+            # request to hold blocks)
+            first = req.first
+            need = (req.num_computed + num_new_tokens + lookahead + self._bs_1) \
+                // self.block_size - len(first)
+            if need <= 0:
+                return req.tables
+            return self._grow(req, req.tables, first, need)
         if self._asleep:
             raise KVCacheManagerError("allocate while the KV cache is asleep: wake_up() first")
         if num_new_tokens < 0 or lookahead < 0:
             raise ValueError(f"allocate({request_id!r}): num_new_tokens={num_new_tokens} and "
                              f"lookahead={lookahead} must be >= 0 tokens")
-        req = self._reqs.get(request_id)
         if req is not None and req.admitted:
-            if hit is not None:
-                raise KVCacheManagerError(f"allocate({request_id!r}, hit=...): the request is "
-                                          "already running; a hit applies to its first "
-                                          "allocation only")
-            return self._grow(req, req.num_computed + num_new_tokens + lookahead)
+            raise KVCacheManagerError(f"allocate({request_id!r}, hit=...): the request is "
+                                      "already running; a hit applies to its first "
+                                      "allocation only")
         return self._admit(request_id, req, num_new_tokens, hit, lookahead, num_prompt_tokens)
 
-    def _grow(self, req: _Request, tokens: int) -> dict[str, list[int]] | None:
-        tables = req.tables
-        first = tables[self.group_names[0]]
-        need = -(-tokens // self.block_size) - len(first)
-        if need <= 0:
+    def _grow(self, req: _Request, tables: dict[str, list[int]], first: list[int], need: int
+              ) -> dict[str, list[int]] | None:
+        """``need`` more blocks in every group, next to the request's last ones."""
+        if self._sole:
+            g = self._g0
+            counts = {g: need}
+            near = {g: first[-1]} if first else None
+            new = self._alloc.allocate(counts, near)
+            if new is None:
+                new = self._evict_and_allocate(counts, near)
+                if new is None:
+                    return None
+            first.extend(new[g])
             return tables
         near = {g: t[-1] for g, t in tables.items()} if first else None
         counts = {g: need for g in self.group_names}
@@ -370,6 +389,7 @@ class KVCacheManager:
         else:
             held = req.held or {g: [] for g in groups}
         req.tables = {g: held[g] + new[g] for g in groups}
+        req.first = req.tables[self._g0]
         req.held = None
         req.match = None
         req.admitted = True
@@ -437,25 +457,17 @@ class KVCacheManager:
         only the new complete blocks (the chain continues from the last hash).
         ``checkpoints`` (hybrid models, PC-02): request block index -> ``(state, nbytes)``, the
         linear-state checkpoint at the end of that block, published with it."""
-        req = self._req(request_id)
-        if not req.admitted:
-            raise KVCacheManagerError(f"commit({request_id!r}) before allocate()")
-        if req.restore is not None:
-            raise KVCacheManagerError(f"commit({request_id!r}) while its host restore is in "
-                                      "flight: wait until ready() is True")
+        req = self._reqs.get(request_id)
         bs = self.block_size
-        covered = len(req.tables[self.group_names[0]]) * bs
-        if not 0 <= num_computed_tokens <= min(covered, len(token_ids)):
-            raise ValueError(f"commit({request_id!r}): num_computed_tokens="
-                             f"{num_computed_tokens} must be within 0..min(tokens in its "
-                             f"blocks {covered}, len(token_ids) {len(token_ids)})")
-        req.num_computed = num_computed_tokens
+        if (req is None or not req.admitted or req.restore is not None
+                or not 0 <= num_computed_tokens <= len(req.first) * bs
+                or num_computed_tokens > len(token_ids)):
+            self._refuse_commit(request_id, num_computed_tokens, token_ids)
+        req.num_computed = num_computed_tokens  # type: ignore[union-attr]
         prefix = self.prefix
-        if prefix is None:
-            return
+        if prefix is None or num_computed_tokens < (req.published + 1) * bs:  # type: ignore
+            return  # no block became complete
         full = num_computed_tokens // bs
-        if full <= req.published:
-            return
         hashes = req.hashes
         have = len(hashes)
         if have < full:
@@ -467,6 +479,19 @@ class KVCacheManager:
                        checkpoints=checkpoints)
         req.published = full
 
+    def _refuse_commit(self, request_id: str, num_computed_tokens: int,
+                       token_ids: Sequence[int]) -> None:
+        req = self._req(request_id)
+        if not req.admitted:
+            raise KVCacheManagerError(f"commit({request_id!r}) before allocate()")
+        if req.restore is not None:
+            raise KVCacheManagerError(f"commit({request_id!r}) while its host restore is in "
+                                      "flight: wait until ready() is True")
+        covered = len(req.tables[self._g0]) * self.block_size
+        raise ValueError(f"commit({request_id!r}): num_computed_tokens={num_computed_tokens} "
+                         f"must be within 0..min(tokens in its blocks {covered}, "
+                         f"len(token_ids) {len(token_ids)})")
+
     def free(self, request_id: str) -> None:
         """The request is finished or aborted: its blocks are given back tail first (published
         ones stay cached, the rest are freed; blocks a copy still uses stay pinned until it
@@ -474,7 +499,8 @@ class KVCacheManager:
         req = self._reqs.pop(request_id, None)
         if req is None:
             return
-        self._release_hold(req)
+        if req.match is not None or req.held is not None or req.held_host:
+            self._release_hold(req)
         if req.restore is not None:
             req.restore.cancel()
             req.restore = None

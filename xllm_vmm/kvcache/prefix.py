@@ -169,11 +169,14 @@ class PrefixCache:
     # ------------------------------------------------------------------ requests
     def acquire(self, hit: PrefixHit) -> None:
         """Reference every block of ``hit`` for a request (shared, never copied)."""
-        touch = self.allocator.touch
+        if not hit.num_blocks:
+            return
+        touch_many = self.allocator.touch_many
         for name in self._order:
-            lru = self._groups[name].lru
-            for b in hit.blocks[name]:
-                if touch(name, b):
+            revived = touch_many(name, hit.blocks[name])
+            if revived:
+                lru = self._groups[name].lru
+                for b in revived:
                     lru.pop(b, None)
 
     def touch(self, group: str, block: int) -> None:
@@ -189,23 +192,25 @@ class PrefixCache:
         if not kept:
             return []
         g = self._sole
+        a = self.allocator
         if g is not None:
             lru = g.lru
             bh = g.block_hash
+            pins = a.pinned_blocks(g.name)
             out = []
             for b in kept[g.name]:
                 h = bh.get(b)
-                if h is not None and not self.allocator.pin_count(g.name, b):
+                if h is not None and b not in pins:
                     lru[b] = None
                     out.append(h)
             return out
-        a = self.allocator
         cand: dict[BlockHash, None] = {}
         for name, bs in kept.items():
             gg = self._groups[name]
+            pins = a.pinned_blocks(name)
             for b in bs:
                 h = gg.block_hash.get(b)
-                if h is not None and not a.pin_count(name, b):
+                if h is not None and b not in pins:
                     gg.lru[b] = None
                     cand[h] = None
         return [h for h in cand
@@ -233,6 +238,7 @@ class PrefixCache:
         a = self.allocator
         new = 0
         sole = self._sole
+        retained: list[int] | None = None  # the sole group's newly indexed blocks
         for j, h in enumerate(hashes):
             i = first_block + j
             if sole is not None:
@@ -253,7 +259,10 @@ class PrefixCache:
                             "hash (a block's content changed after it was published?)")
                     sole.hash_to_block[h] = b
                     sole.block_hash[b] = h
-                    a.retain(sole.name, (b,))
+                    if retained is None:
+                        retained = [b]
+                    else:
+                        retained.append(b)
                     new += 1
             else:
                 if any(i >= len(blocks[n]) for n in order):
@@ -280,6 +289,8 @@ class PrefixCache:
                 state, nbytes = checkpoints[i]
                 self._checkpoints[h] = _Checkpoint(state, int(nbytes))
                 self._stats.checkpoint_bytes += int(nbytes)
+        if retained:
+            a.retain(sole.name, retained)  # type: ignore[union-attr]
         self._stats.published_blocks += new
         self._stats.indexed_hashes += new
         return new
