@@ -156,8 +156,11 @@ def test_200_concurrent_streams_with_disconnects_none_lost(served):
     with _http(srv) as c:
         before = sum(float(line.rsplit(" ", 1)[1]) for line in c.get("/metrics").text.splitlines()
                      if line.startswith("vllm:request_success_total{"))
-    plan = [(rng.randrange(4, 300, 1), rng.randint(2, 12), rng.random() < 0.3)
-            for _ in range(200)]
+    plan = []
+    for _ in range(200):  # a third leave after their first token, long before their end
+        leave = rng.random() < 0.3
+        plan.append((rng.randrange(4, 300), rng.randint(150, 200) if leave else
+                     rng.randint(2, 12), leave))
 
     async def one(client, i, first, n_tokens, disconnect):
         prompt = [first + k for k in range(rng.randint(3, 40))]
@@ -199,6 +202,9 @@ def test_200_concurrent_streams_with_disconnects_none_lost(served):
     after = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                 if line.startswith("vllm:request_success_total{"))
     assert after - before == 200
+    aborted = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith('vllm:request_success_total{finished_reason="abort"'))
+    assert aborted >= kinds.count("cancelled") // 2  # most left while running: aborted
     stats = _kv(srv)
     assert stats["num_requests_running"] == 0 and stats["num_requests_waiting"] == 0
     assert stats["kvcache"]["live_blocks"] == 0 and stats["kvcache"]["requests"] == 0
@@ -222,13 +228,23 @@ def test_sleep_refused_while_running_and_outputs_identical_after_wakeup(served, 
     eng, front, srv = served
     before = _greedy(client)
     with _http(srv) as c:
-        with hold_engine(front, srv):
-            with c.stream("POST", "/v1/completions", json={
-                    "prompt": "x", "max_tokens": 20, "stream": True, "ignore_eos": True}) as s:
-                r = c.post("/sleep", params={"level": level})
-                assert r.status_code == 409, r.text
-                assert "in flight" in r.json()["error"]["message"]
-                assert not eng.is_sleeping()
+        done = {}
+        with hold_engine(front, srv):  # a request arrives and stays in flight while we ask
+            t = threading.Thread(target=lambda: done.setdefault("r", c.post(
+                "/v1/completions", json={"prompt": "x", "max_tokens": 20, "ignore_eos": True})))
+            t.start()
+            for _ in range(600):
+                if front.num_in_flight:
+                    break
+                threading.Event().wait(0.01)
+            assert front.num_in_flight == 1
+            r = c.post("/sleep", params={"level": level})
+            assert r.status_code == 409, r.text
+            assert "in flight" in r.json()["error"]["message"]
+            assert not eng.is_sleeping()
+        t.join(30)
+        assert done["r"].status_code == 200  # the request it protected ran to its end
+        assert done["r"].json()["usage"]["completion_tokens"] == 20
         assert c.get("/is_sleeping").json() == {"is_sleeping": False}
         r = c.post("/sleep", params={"level": level})
         assert r.status_code == 200, r.text
