@@ -54,54 +54,39 @@ def parse_argv(argv: list[str]) -> dict:
     Catalogue flags keep their order. A token that follows a non-bool catalogue flag written
     without ``=`` is that flag's value, not a file.
     """
-    from xllm_vmm.config.inputs import takes_value
+    from xllm_vmm.config.inputs import split_argv
 
     opts: dict = {"config": [], "cmd": [], "cmd_file": [], "files": [], "flags": [],
                   "format": "text", "strict": False, "show_config": False,
                   "write_resolved": None, "explain": None, "device_memory": None,
                   "host_memory": None, "device": None, "no_env": False, "help": False}
-    i = 0
-    while i < len(argv):
-        tok = argv[i]
-        i += 1
-        name, eq, value = tok.partition("=")
-        if name in _VALUE_OPTS:
-            if not eq:
-                if i >= len(argv):
-                    raise UsageError(f"{name} needs a value")
-                value = argv[i]
-                i += 1
-            key = "format" if name == "-f" else name.lstrip("-").replace("-", "_")
-            if key in ("config", "cmd", "cmd_file"):
-                opts[key].append(value)
-            else:
-                opts[key] = value
-            continue
+    try:
+        split = split_argv(argv, value_options=_VALUE_OPTS, switches=_BOOL_OPTS)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    for name, value in split.options:
         if name in _BOOL_OPTS:
-            if eq:
-                raise UsageError(f"{name} takes no value")
             key = "help" if name in ("-h", "--help") else name.lstrip("-").replace("-", "_")
             opts[key] = True
             continue
-        if tok.startswith("-") and tok != "-":
-            opts["flags"].append(tok)
-            if takes_value(tok) and i < len(argv):
-                opts["flags"].append(argv[i])
-                i += 1
-            continue
-        opts["files"].append(tok)
+        key = "format" if name == "-f" else name.lstrip("-").replace("-", "_")
+        if key in ("config", "cmd", "cmd_file"):
+            opts[key].append(value)
+        else:
+            opts[key] = value
+    opts["flags"], opts["files"] = split.flags, split.files
     if opts["format"] not in ("text", "json", "github"):
         raise UsageError(f"--format must be text, json or github, not {opts['format']!r}")
     for key in ("device_memory", "host_memory"):
         if opts[key] is not None:
-            from xllm_vmm.config.values import parse_size
+            from xllm_vmm.config.values import MAX_MEMORY_BYTES, parse_size
 
             try:
                 text, opts[key] = opts[key], parse_size(opts[key])
             except ValueError:
                 raise UsageError(f"--{key.replace('_', '-')} must be a size such as 64GiB, "
                                  f"not {opts[key]!r}") from None
-            if opts[key] > 1 << 50:  # xllm_vmm.planner.devices.MAX_MEMORY_BYTES
+            if opts[key] > MAX_MEMORY_BYTES:
                 raise UsageError(f"--{key.replace('_', '-')} {text} is more than 1 PiB: no "
                                  "machine has that")
     return opts
@@ -189,7 +174,7 @@ def run(argv: list[str], out: TextIO | None = None, err: TextIO | None = None,
 
     from xllm_vmm.config.inputs import resolve_inputs
     from xllm_vmm.config.render import Result, exit_code, render_github, render_json, render_text
-    from xllm_vmm.config.rules import check, find_model
+    from xllm_vmm.planner.checks import check_sizing, host_memory
 
     device = None
     if opts["device"] is not None or opts["device_memory"] is not None:
@@ -213,19 +198,10 @@ def run(argv: list[str], out: TextIO | None = None, err: TextIO | None = None,
             results.append(Result(r.label, None, list(r.findings),
                                   launch_command=r.launch_command, notes=r.notes))
             continue
-        spec, why = find_model(r.config)
-        report = check(r.config, spec, model_reason=why,
-                       device_memory=device.bytes if device else None)
-        if "HK-07" in report.not_checked:
-            # Sizing rules need the planner (imported only here: start-up time).
-            from xllm_vmm.planner.checks import decide_sizing, host_memory
-
-            try:
-                host = host_memory(opts["host_memory"])
-            except ValueError as e:  # DeviceError: an impossible --host-memory
-                err.write(f"error: {e}\nusage: {USAGE}  (see --help)\n")
-                return 2
-            decide_sizing(report, r.config, spec, why, device=device, host=host)
+        # Every rule, with HK-07 decided by the planner when it applies (the one home of that
+        # sizing: planner.checks.check_sizing; the host's memory is read only then).
+        report = check_sizing(r.config, device=device,
+                              host=lambda: host_memory(opts["host_memory"])).report
         results.append(Result(r.label, report, list(r.findings) + report.findings,
                               launch_command=r.launch_command, notes=r.notes))
     if opts["write_resolved"] and results[0].report is not None:

@@ -56,24 +56,61 @@ def takes_value(token: str) -> bool:
     return not eq and flag is not None and not flag.is_bool
 
 
-def split_args(tokens: Iterable[str]) -> tuple[list[str], list[str]]:
-    """Split command-line ``tokens`` into catalogue flags in gflags syntax (in order, each with
-    its value where the value is the next token) and positional files (inputs)."""
+@dataclass
+class Argv:
+    """A command line split by :func:`split_argv`: the command's own ``options`` in order as
+    ``(name, value)`` (``None`` for a switch), the catalogue ``flags`` in gflags syntax (each
+    with its value where the value is the next token) and the positional ``files``."""
+
+    options: list[tuple[str, str | None]] = field(default_factory=list)
+    flags: list[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+
+
+def split_argv(tokens: Iterable[str], *, value_options: Iterable[str] = (),
+               switches: Iterable[str] = ()) -> Argv:
+    """The one argv splitter of the commands that take catalogue flags beside their own options
+    (``check-config``, ``plan``, ``serve``).
+
+    ``value_options``: own options that take a value (``--format json`` or ``--format=json``);
+    ``switches``: own options without one. Any other token starting with ``-`` is a catalogue
+    flag; a non-bool one written without ``=`` takes the next token as its value
+    (:func:`takes_value`), so that value is never read as a file. Raises ValueError naming the
+    option for a value option at the end without its value, or a switch given ``=value``."""
     tokens = list(tokens)
-    flags: list[str] = []
-    files: list[str] = []
+    value_options, switches = set(value_options), set(switches)
+    out = Argv()
     i = 0
     while i < len(tokens):
         tok = tokens[i]
         i += 1
-        if tok.startswith("-") and tok != "-":
-            flags.append(tok)
+        name, eq, value = tok.partition("=")
+        if name in value_options:
+            if not eq:
+                if i >= len(tokens):
+                    raise ValueError(f"{name} needs a value")
+                value = tokens[i]
+                i += 1
+            out.options.append((name, value))
+        elif name in switches:
+            if eq:
+                raise ValueError(f"{name} takes no value")
+            out.options.append((name, None))
+        elif tok.startswith("-") and tok != "-":
+            out.flags.append(tok)
             if takes_value(tok) and i < len(tokens):
-                flags.append(tokens[i])
+                out.flags.append(tokens[i])
                 i += 1
         else:
-            files.append(tok)
-    return flags, files
+            out.files.append(tok)
+    return out
+
+
+def split_args(tokens: Iterable[str]) -> tuple[list[str], list[str]]:
+    """Split command-line ``tokens`` into catalogue flags in gflags syntax and positional files
+    (:func:`split_argv` for a command without options of its own)."""
+    argv = split_argv(tokens)
+    return argv.flags, argv.files
 
 
 def _resolve(label: str, *, cli: list, config_files: list, json_file, env, env_tokens=(),

@@ -31,6 +31,12 @@ _UNITS = {
 }
 
 
+#: The most memory one device, or one host, is taken to have (1 PiB): a larger figure is a typo
+#: (``--device-memory 99999999999999999999GiB``), not a machine. The one home of the cap
+#: (``check-config``'s and ``plan``'s memory options, :mod:`xllm_vmm.planner.devices`).
+MAX_MEMORY_BYTES = 1 << 50
+
+
 def parse_size(text: str) -> int:
     """``"512MiB"`` → 536870912. Raises ValueError for anything that is not a whole byte count."""
     match = _SIZE_RE.match(text)

@@ -20,6 +20,8 @@ one batch holds at most ``max_tokens_per_batch`` prefill tokens).
 
 from __future__ import annotations
 
+from xllm_vmm.models.search import largest  # noqa: F401  (the one home; re-exported)
+
 from dataclasses import dataclass
 
 
@@ -71,31 +73,6 @@ def demand(units: list[Unit], seqs: int, tokens: int) -> int:
                for u in units)
 
 
-def largest(pred, lo: int, hi: int | None = None, limit: int = 1 << 62) -> int | None:
-    """The largest integer ``x >= lo`` with ``pred(x)`` true, for a ``pred`` that is true up to
-    some point and false after it; ``lo - 1`` when ``pred(lo)`` is false; None when ``pred``
-    still holds at ``limit``. Exponential search for an upper bound, then bisection."""
-    if not pred(lo):
-        return lo - 1
-    good = lo
-    bad = hi
-    if bad is None or pred(bad):
-        step = max(1, lo)
-        while True:
-            probe = good + step
-            if probe >= limit:
-                return None if pred(limit) else largest(pred, good, limit, limit)
-            if not pred(probe):
-                bad = probe
-                break
-            good, step = probe, step * 2
-    while bad - good > 1:
-        mid = (good + bad) // 2
-        if pred(mid):
-            good = mid
-        else:
-            bad = mid
-    return good
 
 
 def max_seqs(units: list[Unit], tokens: int, budget: int, per_seq_extra: int = 0) -> int:

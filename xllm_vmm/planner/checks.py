@@ -18,14 +18,16 @@ The HK-07 finding and the plan's HK-07 reason are one: the same text, from
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from xllm_vmm.config.findings import Finding
 from xllm_vmm.config.rules import Report, check, find_model
 from xllm_vmm.models import ModelConfigError
 from xllm_vmm.planner.devices import DeviceError, get_profile
 from xllm_vmm.planner.from_config import draft_from_config, inputs_from_config
-from xllm_vmm.planner.sizing import Plan, make_plan
+
+if TYPE_CHECKING:  # pragma: no cover
+    from xllm_vmm.planner.sizing import Plan
 
 #: The flags an HK-07 finding names.
 HK07_FLAGS = ("max_cache_size", "host_blocks_factor", "nnodes", "devices")
@@ -90,10 +92,13 @@ class Checked:
     report: Report
     spec: Any = None
     draft: Any = None
-    plan: Plan | None = None
+    plan: "Plan | None" = None
 
 
-def check_sizing(cfg: Any, *, device: Memory | None = None, host: Memory | None = None,
+HostMemory = "Memory | Callable[[], Memory | None] | None"
+
+
+def check_sizing(cfg: Any, *, device: Memory | None = None, host: HostMemory = None,
                  spec: Any = None, model_reason: str | None = None, always_plan: bool = False,
                  **plan_options: Any) -> Checked:
     """Every rule on ``cfg`` (a resolved configuration), with HK-07 decided by the planner
@@ -115,7 +120,7 @@ def check_sizing(cfg: Any, *, device: Memory | None = None, host: Memory | None 
 
 
 def decide_sizing(report: Report, cfg: Any, spec: Any, model_reason: str | None, *,
-                  device: Memory | None, host: Memory | None, always_plan: bool = False,
+                  device: Memory | None, host: HostMemory, always_plan: bool = False,
                   **plan_options: Any) -> Checked:
     """Decide HK-07 in ``report`` (made by :func:`xllm_vmm.config.rules.check` on ``cfg`` with
     ``spec``): replace its not-checked entry by the finding (when the host pools do not fit),
@@ -124,6 +129,8 @@ def decide_sizing(report: Report, cfg: Any, spec: Any, model_reason: str | None,
     hk07 = "HK-07" in report.not_checked
     if not (hk07 or always_plan):
         return out
+    if callable(host):  # read the host's memory only when a plan needs it
+        host = host()
     why = None
     if spec is None:
         why = model_reason or "the model was not read"
@@ -133,6 +140,8 @@ def decide_sizing(report: Report, cfg: Any, spec: Any, model_reason: str | None,
     elif host is None:
         why = "this host's available memory could not be read: pass --host-memory"
     if spec is not None and (why is None or always_plan):
+        from xllm_vmm.planner.sizing import make_plan
+
         try:
             out.draft = draft_from_config(report.resolved)
             out.plan = make_plan(spec, inputs_from_config(

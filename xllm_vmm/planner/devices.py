@@ -22,14 +22,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from xllm_vmm.config.values import MAX_MEMORY_BYTES  # noqa: F401  (1 PiB: its one home)
 from xllm_vmm.models.errors import ModelConfigError
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
 PAGE_BYTES = 2 * MiB
-#: The most memory one device, or one host, is taken to have (1 PiB): a larger figure is a typo
-#: (``--device-memory 99999999999999999999GiB``), not a machine.
-MAX_MEMORY_BYTES = 1 << 50
 
 
 class DeviceError(ModelConfigError):
