@@ -175,3 +175,32 @@ def test_sharded_and_converted_weights_come_back_from_a_deep_sleep(model, stack)
         w.wake_up()
         assert checksums(w) == want
         w.close()
+
+
+def test_sleep_is_refused_while_a_step_uses_the_weights(model, stack):
+    import threading
+
+    driver, pool = stack()
+    w = load_weights(model, pool=pool)
+    inside, release = threading.Event(), threading.Event()
+    out = []
+
+    def step():
+        with w.using():
+            inside.set()
+            release.wait(5)
+            out.append(sum(float(t.float().sum()) for t in w.values()))  # pages still mapped
+
+    t = threading.Thread(target=step)
+    t.start()
+    assert inside.wait(5)
+    with pytest.raises(SleepRefused, match="1 forward step is running"):
+        w.sleep(1)
+    release.set()
+    t.join(5)
+    assert len(out) == 1 and w.state == WAKEUP
+    w.sleep(1)
+    with pytest.raises(WeightsNotLoaded):
+        with w.using():
+            pass
+    w.close()

@@ -79,11 +79,13 @@ class ResidentPoolRequired(WeightsError, ValueError):
 
 
 class SleepRefused(WeightsError):
-    """Sleep was asked while requests run (the engine passes their number)."""
+    """Sleep was asked while requests run (the engine passes their number), or while forward
+    steps use the weights (``what="forward step"``, :meth:`ModelWeights.using`)."""
 
-    def __init__(self, running: int) -> None:
+    def __init__(self, running: int, *, what: str = "request") -> None:
         self.running = running
-        noun = "request is" if running == 1 else "requests are"
+        self.what = what
+        noun = f"{what} is" if running == 1 else f"{what}s are"
         super().__init__(
             f"sleep refused: {running} {noun} running; wait for them to finish or abort them, "
             "or sleep with drain=true (waits until idle, up to a timeout)")

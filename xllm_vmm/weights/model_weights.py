@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Union
@@ -103,6 +104,7 @@ class ModelWeights(Mapping):
         self.checkpoint = checkpoint
         self._store = store
         self._state = WAKEUP
+        self._in_use = 0  # steps inside using()
         if store is not None:
             store.holders.append(self)
 
@@ -190,6 +192,25 @@ class ModelWeights(Mapping):
         if self._state != WAKEUP:
             raise WeightsNotLoaded(self._state)
 
+    @contextmanager
+    def using(self) -> Iterator["ModelWeights"]:
+        """``with w.using(): ...`` around a forward step: :meth:`check_loaded` on entry, and
+        while inside, a sleep from another thread is refused (:class:`SleepRefused`) instead
+        of unmapping pages under the step."""
+        lock = self._store.lock if self._store is not None else None
+        if lock is not None:
+            with lock:
+                self.check_loaded()
+                self._in_use += 1
+        else:
+            self.check_loaded()
+        try:
+            yield self
+        finally:
+            if lock is not None:
+                with lock:
+                    self._in_use -= 1
+
     # -- sleep / wakeup / fork ------------------------------------------------------------
     def _require_vmm(self, action: str) -> "WeightStore":
         if self._state == CLOSED:
@@ -210,6 +231,8 @@ class ModelWeights(Mapping):
         if n:
             raise SleepRefused(n)
         with store.lock:
+            if self._in_use:
+                raise SleepRefused(self._in_use, what="forward step")
             if _LEVELS.get(self._state, 0) >= level:
                 return SleepReport(level, self._state, 0, 0, time.perf_counter() - t0)
             device, host = store.release_for_sleep(self, level)
