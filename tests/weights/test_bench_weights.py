@@ -35,6 +35,7 @@ def test_bench_weights_json(tmp_path, device):
     assert r["cycle_mapping_growth"] <= 1  # a host buffer may merge with a neighbour VMA or not
     assert r["sleep_released_fraction"] >= 0.99
     assert r["bytes_identical"] is True
+    assert isinstance(r["page_cache_dropped"], bool)
     assert r["wakeup_vs_reload_ratio"] == pytest.approx(r["wakeup_seconds"] / r["load_seconds"])
 
 

@@ -7,8 +7,9 @@ median):
 
 - ``load_seconds``: ``load_weights`` into the pool — read the files into the host copy, map the
   region, copy host-to-device — with the files' page cache dropped first
-  (``posix_fadvise(DONTNEED)``; ``page_cache_dropped`` says whether the kernel could), i.e. a
-  full reload from the safetensors files; ``load_warm_seconds`` with the files in page cache.
+  (``posix_fadvise(DONTNEED)``; ``page_cache_dropped`` says whether ``mincore`` then found the
+  files out of the cache), i.e. a full reload from the safetensors files;
+  ``load_warm_seconds`` with the files in page cache.
 - ``light_sleep_seconds`` (and ``light_sleep_ms_per_gib``): unmap and release every weight page.
 - ``sleep_released_fraction``: memory really released by a light sleep over the weight bytes —
   on the host driver the drop of this process's ``RssShmem``, elsewhere the driver's free
@@ -103,9 +104,42 @@ def build_checkpoint(path: Path, size_bytes: int, shards: int, dtype: str) -> Pa
     return path
 
 
+def _resident_fraction(path: Path) -> float | None:
+    """Share of ``path``'s pages in the page cache (``mincore`` on a private mapping), or None
+    when it cannot be read."""
+    import ctypes
+    import mmap
+
+    try:
+        size = path.stat().st_size
+        if size == 0:
+            return 0.0
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        with open(path, "rb") as fh:
+            m = mmap.mmap(fh.fileno(), 0, flags=mmap.MAP_PRIVATE,
+                          prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            pages = -(-size // mmap.PAGESIZE)
+            vec = (ctypes.c_ubyte * pages)()
+            buf = (ctypes.c_char * size).from_buffer(m)
+            try:
+                rc = libc.mincore(ctypes.addressof(buf), size, vec)
+            finally:
+                del buf
+        finally:
+            m.close()
+        if rc != 0:
+            return None
+        return sum(v & 1 for v in vec) / pages
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
 def drop_page_cache(model_dir: Path) -> bool:
-    """Asks the kernel to drop the safetensors files' pages from its cache; True when it did
-    for every file (clean pages of a disk-backed file; not possible on tmpfs)."""
+    """Asks the kernel to drop the safetensors files' pages from its cache
+    (``fsync`` + ``posix_fadvise(DONTNEED)``); True when ``mincore`` then finds less than 1 %
+    of every file cached (not possible on tmpfs, or for pages mapped elsewhere)."""
     ok = True
     for f in model_dir.glob("*.safetensors"):
         try:
@@ -117,6 +151,9 @@ def drop_page_cache(model_dir: Path) -> bool:
                 os.close(fd)
         except (OSError, AttributeError):
             ok = False
+            continue
+        left = _resident_fraction(f)
+        ok = ok and left is not None and left < 0.01
     return ok
 
 
