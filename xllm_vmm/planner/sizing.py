@@ -10,7 +10,8 @@ parallel, :mod:`xllm_vmm.config.parallel`), in bytes:
   ``ep_size`` spreads them over more workers;
 - execution peak ``P`` (default, unless overridden)::
 
-      P = max_tokens_per_batch x e x (4 x hidden + 2 x ceil(I / tp)) + max_seqs_per_batch x vocab x 4
+      P = max_tokens_per_batch x e x (4 x hidden + 2 x ceil(I / tp))
+          + max_seqs_per_batch x vocab x 4
 
   with ``e`` the model dtype's bytes and ``I`` the active MLP width (``intermediate_size`` for a
   dense model; ``moe_intermediate_size x experts_per_token`` plus the shared experts for MoE);
@@ -287,7 +288,11 @@ def host_pool_reason(host_pool: int, device_kv: int, workers: int,
 
 def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
               draft: ModelSpec | None = None) -> Plan:
-    """Size ``spec`` under ``inp``. ``draft``: a separate draft model (its own ``config.json``),
+    """Size ``spec`` under ``inp``, in named steps: the cache layout, weights, groups and units,
+    the live budget, the least pool (EL-06), capacity and concurrency, the arena, the host pool
+    (HK-06/HK-07), the workers, the longest context and the verdict.
+
+    ``draft``: a separate draft model (its own ``config.json``),
     sized instead of the target's MTP layers when speculative decoding is on
     (``num_speculative_tokens > 0``). Never raises for memory that does not fit: the plan's
     ``reasons`` say why and what to change. Raises :class:`~xllm_vmm.models.LayoutError` (or
@@ -301,7 +306,6 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
         raise DeviceError("the model declares no max_position_embeddings",
                           hint="pass --context-len")
     plan = Plan(spec=spec, inputs=inp, layout=None, context_len=L)
-    f = plan.formulas.append
     if inp.num_speculative_tokens <= 0:
         draft = None
     plan.draft = draft
@@ -325,7 +329,39 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
     W, T, page = inp.workers, inp.device_memory_bytes, inp.page_bytes
     tp = inp.tp
 
-    # Weights.
+    wt = _size_weights(plan, spec, draft, mtp, tp)
+    groups = _size_groups(plan, layout, page, physical)
+    if not plan.fits:
+        return plan
+    _chunk, units, r = _size_units(plan, layout, inp, physical, L)
+    P, O, quota, held, budget = _size_budget(plan, spec, inp, wt, T)
+    min_pool = _check_least_pool(plan, layout, inp, units, physical, page, quota, held, wt)
+    S, _kv_budget, conc, window_seqs, n_blocks, used, tokens = _size_capacity(
+        plan, layout, inp, units, groups, L, budget, r)
+    arena_kv, arena = _size_arena(plan, inp, units, physical, T, wt, S, r, quota, used,
+                                  window_seqs, L)
+    host_pool = _size_host_pool(plan, layout, inp, physical, arena_kv, used, W, min_pool)
+    for i in range(W):
+        plan.workers.append(WorkerPlan(
+            index=i, device_total_bytes=T, weights_bytes=wt, execution_peak_bytes=P,
+            runtime_overhead_bytes=O if inp.mode == "elastic_vmm" else 0,
+            physical_budget_bytes=budget, resident_bytes_per_seq=r, resident_slots=S,
+            resident_bytes=S * r, kv_pool_bytes=used, arena_bytes=arena,
+            elastic_min_bytes=min_pool if inp.mode == "elastic_vmm" else None,
+            elastic_max_bytes=used if inp.mode == "elastic_vmm" else None,
+            host_pool_bytes=host_pool, kv_capacity_blocks=n_blocks, kv_capacity_tokens=tokens,
+            max_concurrency=conc, groups=[GroupPlan(**vars(g)) for g in groups]))
+
+    _find_max_context(plan, units, r, budget)
+    _verdict(plan, spec, inp, draft, suggest, units, L, budget, wt, P, O, T, conc, r)
+    return plan
+
+
+def _size_weights(plan: Plan, spec: ModelSpec, draft: ModelSpec | None, mtp: bool,
+                  tp: int) -> int:
+    """Weights per worker: the served model's, plus the MTP layers' or the separate draft's, split
+    ``tp`` ways."""
+    f = plan.formulas.append
     wt_total = spec.served_weight_bytes
     wt = ceil_div(wt_total, tp)
     src = "safetensors headers" if spec.weight_bytes_exact else "estimated from the architecture"
@@ -352,7 +388,13 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
                      else "estimated from the architecture") + ")", dw))
         wt += dw
 
-    # Groups.
+    return wt
+
+
+def _size_groups(plan: Plan, layout: CacheLayout, page: int, physical: bool) -> list[GroupPlan]:
+    """The per-group figures (bytes per token, block, blocks per page, slot); a block larger than a
+    page is the error PAGE."""
+    f = plan.formulas.append
     groups: list[GroupPlan] = []
     for g in layout.groups:
         gp = GroupPlan(g.name, len(g.tensors), g.tensor_bytes_per_token, g.bytes_per_token,
@@ -373,8 +415,14 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
                 "error", "PAGE", f"one block of group {g.name!r} ({_n(gp.tensor_block_bytes)} "
                 f"bytes per tensor) is larger than a page ({_n(page)} bytes)",
                 "lower --block_size so that a block fits in a page"))
-    if not plan.fits:
-        return plan
+    return groups
+
+
+def _size_units(plan: Plan, layout: CacheLayout, inp: PlanInputs, physical: bool,
+                L: int) -> tuple[int, list[Unit], int]:
+    """The allocation units of every group, the prefill chunk and the resident state per
+    sequence."""
+    f = plan.formulas.append
     chunk = prefill_chunk(inp, L)
     units = _units(layout, inp, physical, chunk)
     r = layout.resident.bytes_per_seq if layout.resident else 0
@@ -390,7 +438,15 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
                          else "L (chunked prefill off)"),
                       f"C={_n(chunk)}", u.prefill_extra(L)))
 
-    # Execution peak, overhead, budget.
+    return chunk, units, r
+
+
+def _size_budget(plan: Plan, spec: ModelSpec, inp: PlanInputs, wt: int,
+                 T: int) -> tuple[int, int, int | None, int, int]:
+    """Execution peak ``P``, runtime overhead ``O``, quota ``Q`` and the live budget ``B`` (the
+    pool's
+    formula, :func:`xllm_vmm.pool.budget.budget_bytes`)."""
+    f = plan.formulas.append
     if inp.execution_peak_bytes is None:
         P, text = execution_peak(spec, inp)
         f(Formula("execution peak (default)", "max_tokens_per_batch x e x (4 x hidden + 2 x "
@@ -446,6 +502,13 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
             f"KV cache after the weights ({_n(wt)} bytes per worker) in the shared pool",
             f"raise max_cache_size above {_n(wt)} or set it to 0 (no quota)"))
 
+    return P, O, quota, held, budget
+
+
+def _check_least_pool(plan: Plan, layout: CacheLayout, inp: PlanInputs, units: list[Unit],
+                      physical: bool, page: int, quota: int | None, held: int, wt: int) -> int:
+    """The least pool (one slot per group) and EL-06 against the quota."""
+    f = plan.formulas.append
     min_pool = layout.least_pool_bytes(page) if not physical else \
         sum(u.unit_bytes for u in units)
     if not physical:
@@ -460,6 +523,15 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
                 f"set max_cache_size to at least {_n(min_pool + (wt if inp.shared_pool else 0))}"
                 " or to 0 (no quota)"))
 
+    return min_pool
+
+
+def _size_capacity(plan: Plan, layout: CacheLayout, inp: PlanInputs, units: list[Unit],
+                   groups: list[GroupPlan], L: int, budget: int,
+                   r: int) -> tuple[int, int, int, int, int, int, int]:
+    """Hybrid state slots ``S``, the KV budget, concurrency at ``L`` and the KV capacity (blocks,
+    tokens, bytes of pool used)."""
+    f = plan.formulas.append
     # Hybrid state slots, concurrency, capacity.
     if r:
         S = min(inp.max_seqs_per_batch, max_seqs(units, L, budget, r))
@@ -491,7 +563,16 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
               "max_seqs_per_batch" + (" and S" if r else ""),
               f"one request needs {_n(demand(units, 1, L) + r)} bytes", conc))
 
-    # Arena and elastic range.
+    return S, kv_budget, conc, window_seqs, n_blocks, used, tokens
+
+
+def _size_arena(plan: Plan, inp: PlanInputs, units: list[Unit], physical: bool, T: int, wt: int,
+                S: int, r: int, quota: int | None, used: int, window_seqs: int,
+                L: int) -> tuple[int, int]:
+    """The virtual arena: the KV pool it reserves (fixed: the mapped pool; elastic: the pool sized
+    for
+    the most it could hold) plus the weights of a shared pool."""
+    f = plan.formulas.append
     if physical:
         arena_kv = 0
     elif inp.mode == "fixed_vmm":
@@ -509,6 +590,13 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
                   + (" + weights (shared pool)" if inp.shared_pool else ""),
                   f"{_n(arena_kv)}" + (f" + {_n(wt)}" if inp.shared_pool else ""), arena))
 
+    return arena_kv, arena
+
+
+def _size_host_pool(plan: Plan, layout: CacheLayout, inp: PlanInputs, physical: bool,
+                    arena_kv: int, used: int, W: int, min_pool: int) -> int:
+    """HK-06: the host pool (the one formula, :mod:`xllm_vmm.kvcache.host_support`) and HK-07."""
+    f = plan.formulas.append
     host_pool = 0
     if inp.host_offload:
         from xllm_vmm.kvcache.host_support import host_block_bytes, host_pool_size
@@ -525,18 +613,11 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
         if hk07 is not None:
             plan.reasons.append(hk07)
 
-    for i in range(W):
-        plan.workers.append(WorkerPlan(
-            index=i, device_total_bytes=T, weights_bytes=wt, execution_peak_bytes=P,
-            runtime_overhead_bytes=O if inp.mode == "elastic_vmm" else 0,
-            physical_budget_bytes=budget, resident_bytes_per_seq=r, resident_slots=S,
-            resident_bytes=S * r, kv_pool_bytes=used, arena_bytes=arena,
-            elastic_min_bytes=min_pool if inp.mode == "elastic_vmm" else None,
-            elastic_max_bytes=used if inp.mode == "elastic_vmm" else None,
-            host_pool_bytes=host_pool, kv_capacity_blocks=n_blocks, kv_capacity_tokens=tokens,
-            max_concurrency=conc, groups=[GroupPlan(**vars(g)) for g in groups]))
+    return host_pool
 
-    # Largest context length that fits one request (found exactly).
+
+def _find_max_context(plan: Plan, units: list[Unit], r: int, budget: int) -> None:
+    """The largest context length one request can have (exactly)."""
     def one_fits(length: int) -> bool:
         return demand(units, 1, length) + r <= budget
 
@@ -548,7 +629,13 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
     else:
         plan.max_context_len = max(largest(one_fits, 1) or 0, 0)
 
-    # Verdict.
+
+
+def _verdict(plan: Plan, spec: ModelSpec, inp: PlanInputs, draft: ModelSpec | None, suggest: bool,
+             units: list[Unit], L: int, budget: int, wt: int, P: int, O: int, T: int, conc: int,
+             r: int) -> None:
+    """The reasons a plan does not fit (MEMORY, CONTEXT), CONTEXT-MAX, and the worker count that
+    would fit."""
     if budget <= 0:
         need = wt + P + (inp.vmm_memory_reserve_bytes + O if inp.mode == "elastic_vmm" else 0)
         have = T if inp.mode == "elastic_vmm" else int(T * inp.max_memory_utilization)
@@ -558,7 +645,8 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
             + (f" + runtime overhead {_n(O)} + reserve {_n(inp.vmm_memory_reserve_bytes)}"
                if inp.mode == "elastic_vmm" else "")
             + f" = {_n(need)} bytes of {_n(have)} usable",
-            "use more workers (nnodes: one process per device, or more --devices per process) or a device with more memory"
+            "use more workers (nnodes: one process per device, or more --devices per process) "
+            "or a device with more memory"
             # A higher ratio helps only when the whole device would hold weights and peak.
             + (", or a higher max_memory_utilization"
                if inp.mode != "elastic_vmm" and wt + P < T else "")))
@@ -579,8 +667,8 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
         if plan.suggested_workers:
             plan.reasons.append(Reason(
                 "info", "WORKERS", f"{plan.suggested_workers} workers would fit "
-                f"{_n(L)} tokens", f"use {plan.suggested_workers} workers (nnodes={plan.suggested_workers} with one device per process)"))
-    return plan
+                f"{_n(L)} tokens", f"use {plan.suggested_workers} workers "
+                f"(nnodes={plan.suggested_workers} with one device per process)"))
 
 
 def valid_worker_counts(spec: ModelSpec, inp: PlanInputs, draft: ModelSpec | None = None,
