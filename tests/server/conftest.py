@@ -32,6 +32,29 @@ def tokenizer(tokenizer_dir) -> Tokenizer:
     return Tokenizer.from_dir(tokenizer_dir)
 
 
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A tiny fp32 Llama checkpoint with its tokenizer (built once per session)."""
+    from tests.engine.checkpoints import llama_checkpoint
+
+    return llama_checkpoint(tmp_path_factory.mktemp("llama"))
+
+
+def host_vmm_handles() -> int:
+    """File descriptors and mappings of host-driver memfds in this process."""
+    import os
+
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += "xllm-vmm-host" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    with open("/proc/self/maps") as fh:
+        n += sum("xllm-vmm-host" in line for line in fh)
+    return n
+
+
 class FakeEngine:
     """Deterministic token stream: token k of a request is ``4 + (sum(prompt) + 7k) % 300``
     (never a special token); one token per step; finishes at max_tokens ("length")."""

@@ -16,7 +16,8 @@ import httpx
 import openai
 import pytest
 
-from tests.engine.checkpoints import hf_greedy, llama_checkpoint, load_hf_model
+from tests.engine.checkpoints import hf_greedy, load_hf_model
+from tests.server.conftest import host_vmm_handles
 from xllm_vmm.server import AsyncEngine, RunningServer, ServerSettings, build_app
 
 KEY = "test-key"
@@ -24,8 +25,8 @@ MAX_LEN = 256
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return llama_checkpoint(tmp_path_factory.mktemp("llama"))
+def model_dir(tiny_llama_dir):
+    return tiny_llama_dir
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +38,7 @@ def hf_model(model_dir):
 def served(model_dir):
     from xllm_vmm.engine import LLMEngine
 
+    handles = host_vmm_handles()
     eng = LLMEngine.from_flags(str(model_dir), enable_vmm_kvcache=True, vmm_elastic=True,
                                enable_vmm_weights=True, block_size=16, max_model_len=MAX_LEN,
                                device_memory="512MiB", model_id="tiny-llama")
@@ -46,6 +48,7 @@ def served(model_dir):
     yield eng, front, srv
     srv.stop()
     assert eng._closed  # the engine was shut down with the server (pool released)
+    assert host_vmm_handles() == handles  # no memfd or mapping of its pool left behind
 
 
 @pytest.fixture(scope="module")

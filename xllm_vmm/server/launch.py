@@ -29,6 +29,24 @@ def _uvicorn(app: FastAPI, host: str, port: int) -> uvicorn.Server:
     return server
 
 
+def bind_socket(host: str, port: int):
+    """A listening TCP socket on ``host:port`` (0: a free port). Raises ``OSError`` (the port
+    is in use, the address is not this host's) before the server starts."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+        sock.set_inheritable(True)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def bound_port(server: uvicorn.Server) -> int:
     for s in server.servers:
         for sock in s.sockets:
@@ -65,7 +83,8 @@ async def serve_async(app: FastAPI, host: str, port: int, *, drain_timeout: floa
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, _signal)
                 signals.append(sig)
-    task = asyncio.create_task(server.serve())
+    sock = bind_socket(host, port)  # an OSError (port in use) before anything runs
+    task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         while not server.started:
             if task.done():

@@ -1,0 +1,145 @@
+"""``xllm-vmm serve``: the configuration is checked as check-config checks it (same findings,
+exit 1) before anything loads; usage errors exit 2; a real start-up prints the sizing summary,
+the flags without effect and the ready line, serves, and stops cleanly on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from xllm_vmm.cli.check_config import run as check_config
+from xllm_vmm.cli.serve import parse_argv, run
+
+
+def _serve(argv):
+    out, err = io.StringIO(), io.StringIO()
+    code = run(argv, out=out, err=err, env={})
+    return code, out.getvalue(), err.getvalue()
+
+
+def _finding_lines(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if line.strip().startswith(("✗", "→"))]
+
+
+@pytest.mark.parametrize("flags", [
+    ["--bogus_flag=1"],
+    ["--enable_vmm_kvcache=true", "--enable_task_pipeline=true"],
+    ["--port=99999"],
+    ["--block_size", "abc"],
+])
+def test_config_errors_are_check_configs_findings(flags):
+    code, out, err = _serve(flags)
+    assert code == 1 and "ready" not in out
+    cc_out = io.StringIO()
+    assert check_config(flags, out=cc_out, err=io.StringIO(), env={}) == 1
+    assert _finding_lines(err) == _finding_lines(cc_out.getvalue())
+    assert _finding_lines(err)
+
+
+def test_missing_model_is_an_error_before_loading(tmp_path):
+    code, out, err = _serve([f"--model={tmp_path / 'nope'}"])
+    assert code == 1 and "CFG-MODEL" in err and "loading" not in err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["stray.toml"], "unexpected argument"),
+    (["--max-waiting-requests", "-3"], "--max-waiting-requests"),
+    (["--drain-timeout=soon"], "--drain-timeout"),
+    (["--dtype=int3"], "--dtype"),
+    (["--device-memory=lots"], "--device-memory"),
+    (["--api-key"], "needs a value"),
+])
+def test_usage_errors_exit_2(argv, needle):
+    code, out, err = _serve(argv)
+    assert code == 2 and needle in err and "usage:" in err
+
+
+def test_parse_argv_keeps_engine_flags_in_gflags_syntax():
+    o = parse_argv(["--model", "/m", "--port", "9000", "--enable-admin", "--api-key=k",
+                    "--enable_prefix_cache=false", "--config", "a.toml", "--max-model-len=64"])
+    assert o["flags"] == ["--model", "/m", "--port", "9000", "--enable_prefix_cache=false"]
+    assert o["enable_admin"] and o["api_key"] == "k" and o["config"] == ["a.toml"]
+    assert o["max_model_len"] == 64
+
+
+def test_help():
+    code, out, err = _serve(["--help"])
+    assert code == 0 and "--api-key" in out and "--enable-admin" in out
+
+
+def _start(args, env=None):
+    proc = subprocess.Popen([sys.executable, "-m", "xllm_vmm.cli", "serve", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
+    lines = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "ready at " in line:
+            return proc, lines, line.split("ready at ", 1)[1].split()[0]
+    proc.kill()
+    raise AssertionError("no ready line:\n" + "".join(lines) + proc.stderr.read())
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_serve_starts_serves_and_stops_cleanly(tiny_llama_dir, sig):
+    # An existing launch command with the binary replaced: engine flags as the engine takes
+    # them (a flag this engine does not act on is accepted and listed once).
+    args = ["--model", str(tiny_llama_dir), "--port", "0", "--enable_vmm_kvcache=true",
+            "--vmm_elastic=true", "--enable_vmm_weights=true", "--block_size=16",
+            "--num_threads=4", "--max-model-len=128", "--device-memory=256MiB",
+            "--enable-admin", "--api-key=k"]
+    proc, lines, url = _start(args)
+    try:
+        text = "".join(lines)
+        assert "sizing" in text and "bytes/token" in text and "arena" in text
+        assert "accepted without effect in this engine (1): --num_threads" in text
+        assert url.startswith("http://127.0.0.1:")
+        h = {"Authorization": "Bearer k"}
+        assert httpx.get(f"{url}/health").status_code == 200
+        r = httpx.post(f"{url}/v1/completions", headers=h,
+                       json={"prompt": "hello", "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        assert httpx.get(f"{url}/is_sleeping", headers=h).json() == {"is_sleeping": False}
+    finally:
+        proc.send_signal(sig)
+        try:
+            code = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    rest = proc.stdout.read()
+    err = proc.stderr.read()
+    assert code == 0, err
+    assert "stopped after" in rest
+    assert "Traceback" not in err and "threads still running" not in err
+
+
+def test_port_in_use_is_one_line(tiny_llama_dir):
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    port = s.getsockname()[1]
+    try:
+        proc = subprocess.run([sys.executable, "-m", "xllm_vmm.cli", "serve", "--model",
+                               str(tiny_llama_dir), f"--port={port}", "--max-model-len=64",
+                               "--device-memory=128MiB"], capture_output=True, text=True,
+                              timeout=120)
+    finally:
+        s.close()
+    assert proc.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr
+    assert "Traceback" not in proc.stderr
