@@ -97,3 +97,11 @@ def test_toml_with_a_utf8_byte_order_mark_is_read(tmp_path):
     q = tmp_path / "bom.json"
     q.write_bytes(b'\xef\xbb\xbf{"block_size": 32}')
     assert load(json_file=q)["block_size"] == 32
+
+
+def test_engine_json_group_objects_are_refused_flat_keys_read():
+    got, findings = read_json("c.json", '{"kv_cache": {"block_size": 64}}')
+    assert got == [] and [f.id for f in findings] == ["CFG-UNKNOWN"]
+    assert "reads every flag as a top-level key" in findings[0].message
+    got, findings = read_json("c.json", '{"block_size": 64}')
+    assert findings == [] and got[0].value == 64

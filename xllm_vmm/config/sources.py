@@ -8,8 +8,8 @@ bad input. Precedence and merging are :mod:`xllm_vmm.config.loader`'s job.
   ``NAME=value`` assignments before the binary and ``export NAME=value`` lines (only
   ``XLLM_VMM_*`` matter), wrappers such as ``exec``/``nohup``; the binary name is ignored.
 - TOML: flat flag keys, optionally inside tables named after flag groups (``[kv_cache]``).
-- the engine's JSON file: flat flag keys (group objects accepted too); values are typed, strings
-  are read like command-line text.
+- the engine's JSON file: flat flag keys, values typed as the engine's JSON loader reads them
+  (a string is never a bool or a number).
 - environment variables ``XLLM_VMM_<FLAG>``.
 """
 
@@ -586,8 +586,11 @@ def json_positions(text: str, key: str) -> list[tuple[int, int, str]]:
 
 
 def read_json(path: str, text: str | None = None) -> tuple[list[Assignment], list[Finding]]:
-    """The engine's JSON config file → assignments (kind ``json``). Keys are flag names (flat, or
-    inside objects named after groups); a key given twice is reported as CFG-DUP."""
+    """The engine's JSON config file → assignments (kind ``json``), read as the engine's loader
+    reads it: flag names as top-level keys (an object named after a group is an error: the
+    engine would ignore its keys), values typed as nlohmann ``get<T>`` takes them
+    (:func:`~xllm_vmm.config.values.coerce_native`), a UTF-8 byte-order mark skipped; a key given
+    twice is reported as CFG-DUP."""
     if text is None:
         try:
             with open(path, "rb") as fh:
@@ -661,9 +664,16 @@ def read_json(path: str, text: str | None = None) -> tuple[list[Assignment], lis
             findings.append(type_error(flag, err, where))
 
     for key, value in doc.items():
-        if isinstance(value, dict) and key in GROUPS:
-            for inner, v in value.items():
-                take(inner, v)
+        if isinstance(value, dict) and key in GROUPS and key not in FLAGS:
+            # The engine reads each flag as a top-level key (JsonReader::value_or("name")): the
+            # keys of a group object never reach it.
+            where = src(key)
+            findings.append(Finding(
+                "CFG-UNKNOWN", "error",
+                f"{where.location()}: {key!r} is an object of {len(value)} key(s); the engine's "
+                f"JSON loader reads every flag as a top-level key, so it would ignore them",
+                hint=f"move the keys of {key!r} ({', '.join(list(value)[:4])}) to the top level",
+                where=where))
         else:
             take(key, value)
     return out, findings
