@@ -291,3 +291,20 @@ def deepseek_v3_checkpoint(out_dir, *, seed: int = 0, **kw) -> Path:
     if kw.get("max_shard_size") is None:
         _rewrite_tensors(out, edit)
     return out
+
+
+FAMILIES["qwen3_next"] = dict(
+    architectures=["Qwen3NextForCausalLM"], rope_theta=10000.0, head_dim=16,
+    partial_rotary_factor=0.25, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+    full_attention_interval=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    shared_expert_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[],
+    norm_topk_prob=True, router_aux_loss_coef=0.0)
+
+
+def qwen3_next_checkpoint(out_dir, **kw) -> Path:
+    """Qwen3-Next, 4 layers (linear, full, linear, full): Gated DeltaNet with 2 key / 4 value
+    heads of 8, conv kernel 4; gated full attention 4 heads / 2 KV heads of 16 with partial
+    RoPE (a quarter); every layer MoE (4 experts, top-2) with a gated shared expert."""
+    kw.setdefault("num_hidden_layers", 4)
+    return build_checkpoint(out_dir, "qwen3_next", **kw)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 
+from xllm_vmm.engine.linear_state import attach_linear_state
 from xllm_vmm.engine.request import Request
 from xllm_vmm.engine.sampling_params import SamplingParams
 from xllm_vmm.engine.scheduler import Scheduler
@@ -38,7 +39,9 @@ class ManagedStack:
         self.mgr = build_kv_cache_manager(self.pool, self.layout, enable_prefix_cache=prefix,
                                           max_tokens=max_tokens)
         self.worker = Worker.create(str(model_dir), pool=self.pool, kv_cache=self.mgr.cache)
-        self.sched = Scheduler(self.mgr, max_tokens_per_batch=max_batch_tokens,
+        # hybrid models: state slots + checkpoints around the manager and the worker
+        self.sched_mgr, self.runner = attach_linear_state(self.mgr, self.worker, max_seqs=max_seqs)
+        self.sched = Scheduler(self.sched_mgr, max_tokens_per_batch=max_batch_tokens,
                                max_seqs_per_batch=max_seqs, max_model_len=max_tokens,
                                pool=self.pool)
         self.steps: list = []  # every StepInput run (tests inspect chunking / prefix hits)
@@ -55,7 +58,7 @@ class ManagedStack:
                 self.sched.update(plan, [])
                 continue
             self.steps.append(plan.step)
-            res = self.worker.execute(plan.step)
+            res = self.runner.execute(plan.step)
             toks = res.logits.argmax(-1).tolist()
             for o in self.sched.update(plan, toks, None, res.execution_peak_bytes):
                 out[o.request_id].extend(o.new_token_ids)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -53,6 +53,16 @@ class SeqChunk:
     start_pos: int
     block_table: dict[str, list[int]]
     sample: bool
+    # Hybrid linear-attention models (issue 15; filled by engine.linear_state, else unused):
+    state_slot: int | None = None
+    """The sequence's resident conv/recurrent state slot (HY-01)."""
+    state_restore: Any = None
+    """A linear-state checkpoint (``PrefixMatch.checkpoint`` of a prefix hit) copied into
+    ``state_slot`` before this chunk, which resumes at ``start_pos > 0``; with ``start_pos == 0``
+    the state starts at zero; otherwise the slot's state continues."""
+    state_saves: tuple[int, ...] = ()
+    """Block boundaries inside ``(start_pos, seq_len]`` after which the worker snapshots the
+    state (a checkpoint published with that block, PC-02)."""
 
     @property
     def seq_len(self) -> int:

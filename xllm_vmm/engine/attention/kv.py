@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import Tensor
@@ -97,11 +97,14 @@ class KVCacheViews:
     """Per-layer :class:`PagedKV` over the ``group`` of a :class:`VirtualKVCache`.
 
     ``layers[i]`` is attention layer ``i`` (tensors ``layer{i}.k`` / ``layer{i}.v`` of the
-    layout); ``dtype`` is the cached element type.
+    layout); ``dtype`` is the cached element type. ``layer_ids`` (hybrid models, whose
+    full-attention layers are only some of the model's) lists the layer numbers to view instead
+    of ``range(num_layers)``; ``layers[j]`` is then layer ``layer_ids[j]``.
     """
 
     def __init__(self, cache: VirtualKVCache, *, num_layers: int, num_kv_heads: int,
-                 head_dim: int, compute_dtype: Any, group: str = "attn") -> None:
+                 head_dim: int, compute_dtype: Any, group: str = "attn",
+                 layer_ids: Sequence[int] | None = None) -> None:
         from xllm_vmm.vmm.tensor import view
 
         if group not in cache.geometry:
@@ -126,7 +129,7 @@ class KVCacheViews:
         self.geometry = KVGeometry(group, bs, bps, geo.num_blocks, g, bs * hd // g,
                                    page_elems // g)
         self.layers: list[PagedKV] = []
-        for i in range(num_layers):
+        for i in (range(num_layers) if layer_ids is None else layer_ids):
             pair = []
             for kind in "kv":
                 name = f"layer{i}.{kind}"

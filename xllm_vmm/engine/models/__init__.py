@@ -16,10 +16,12 @@ from xllm_vmm.engine.models.llama import LlamaForCausalLM
 from xllm_vmm.engine.models.qwen2 import Qwen2ForCausalLM
 from xllm_vmm.engine.models.qwen3 import Qwen3ForCausalLM
 from xllm_vmm.engine.models.qwen3_moe import Qwen3MoeForCausalLM
+from xllm_vmm.engine.models.qwen3_next import Qwen3NextForCausalLM
 from xllm_vmm.models.errors import ModelConfigError
 
 FAMILIES: tuple[type[CausalLM], ...] = (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
-                                       Qwen3MoeForCausalLM, DeepseekV3ForCausalLM)
+                                       Qwen3MoeForCausalLM, DeepseekV3ForCausalLM,
+                                       Qwen3NextForCausalLM)
 ARCHITECTURES: dict[str, type[CausalLM]] = {a: f for f in FAMILIES for a in f.architectures}
 
 
@@ -38,5 +40,6 @@ def build_model(cfg: ModelConfig, weights: Mapping[str, Any], *, tp: TensorParal
 
 
 __all__ = ["ARCHITECTURES", "CausalLM", "DeepseekV3ForCausalLM", "FAMILIES", "LlamaForCausalLM", "ModelConfig",
-           "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "WeightsMismatch",
+           "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM",
+           "WeightsMismatch",
            "build_model", "model_class"]
