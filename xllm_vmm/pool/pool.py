@@ -136,6 +136,10 @@ class VmmPool:
         self.map_seconds = 0.0
         self.unmap_seconds = 0.0
         self._closed = False
+        self.peer_budget_left_bytes: int | None = None
+        """The least budget left (bytes) among the other workers of a tensor-parallel worker
+        set, refreshed by ``xllm_vmm.engine.distributed`` after every step (issue 14, AD-02):
+        :meth:`mappable_pages` (what admission counts on) never exceeds it. None: one worker."""
 
     # -- tenants -------------------------------------------------------------------------
     @property
@@ -314,7 +318,10 @@ class VmmPool:
             return min(unused, self._paged_growth_left_bytes() // self.page_bytes)
         if self.mode is not BudgetMode.ELASTIC:
             return unused
-        return min(unused, self.budget_left_bytes() // self.page_bytes)
+        left = self.budget_left_bytes()
+        if self.peer_budget_left_bytes is not None:  # a worker set: the smallest (AD-02)
+            left = min(left, self.peer_budget_left_bytes)
+        return min(unused, left // self.page_bytes)
 
     # -- map / unmap ---------------------------------------------------------------------
     def map_pages(self, region: Region, pages: Sequence[int], tag: str = "") -> bool:

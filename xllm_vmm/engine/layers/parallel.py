@@ -21,6 +21,10 @@ class TensorParallel:
     rank: int = 0
     world_size: int = 1
     group: Any = None
+    shard_hook: Any = None
+    """The ``shard(name, shape)`` hook the weights were loaded with
+    (:func:`xllm_vmm.engine.distributed.sharding.shard_hook`): the layers' tensors are already
+    this rank's part and are used as they are. None: full tensors, narrowed by the layers."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -35,6 +39,14 @@ class TensorParallel:
                              f"{self.world_size}")
         size = n // self.world_size
         return self.rank * size, size
+
+    def held_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape this rank holds of tensor ``name`` whose full shape is ``shape``."""
+        if self.shard_hook is None:
+            return tuple(shape)
+        from xllm_vmm.engine.distributed.sharding import held_shape
+
+        return held_shape(self.shard_hook, name, shape)
 
     def all_reduce(self, x):
         """Sum ``x`` over the ranks in place (identity at world size 1)."""

@@ -43,9 +43,11 @@ class WeightsMismatch(ValueError):
 class _Weights:
     """Name lookup over the checkpoint mapping that records what was used."""
 
-    def __init__(self, tensors: Mapping[str, Tensor], architecture: str) -> None:
+    def __init__(self, tensors: Mapping[str, Tensor], architecture: str,
+                 tp: TensorParallel = SINGLE) -> None:
         self.tensors = tensors
         self.architecture = architecture
+        self.tp = tp
         self.used: set[str] = set()
 
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> Tensor:
@@ -53,6 +55,8 @@ class _Weights:
         if t is None:
             raise WeightsMismatch(f"the checkpoint has no tensor {name!r}, which "
                                   f"{self.architecture} needs; is config.json's architecture right?")
+        if shape is not None and self.tp.shard_hook is not None:  # tensor parallel: this rank's part
+            shape = self.tp.held_shape(name, shape)
         if shape is not None and tuple(t.shape) != tuple(shape):
             raise WeightsMismatch(f"tensor {name!r} has shape {tuple(t.shape)}, config.json "
                                   f"implies {tuple(shape)}")
@@ -142,7 +146,7 @@ class CausalLM:
                                   "(sliding-window layers need the 'sliding' cache group)")
         self.config = cfg
         self.tp = tp
-        w = _Weights(weights, cfg.architecture)
+        w = _Weights(weights, cfg.architecture, tp)
         eps = cfg.rms_norm_eps
         self.embed = VocabEmbedding(w.get("model.embed_tokens.weight",
                                           (cfg.vocab_size, cfg.hidden_size)), tp=tp)

@@ -1,0 +1,77 @@
+"""The shard hook (what each worker loads) and the start-up refusals — no processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.conftest import BASE
+from xllm_vmm.config import ConfigError
+from xllm_vmm.engine.distributed.sharding import check_divisible, held_shape, kv_head_range, shard_hook
+from xllm_vmm.engine.distributed.topology import parse_master_addr
+from xllm_vmm.engine.llm_engine import LLMEngine
+from xllm_vmm.engine.models.config import ModelConfig
+from xllm_vmm.models.errors import LayoutError
+
+CFG = ModelConfig.from_dict({
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 384, "hidden_size": 64,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "intermediate_size": 128, "head_dim": 16})
+
+
+def test_rows_and_columns_per_rank():
+    h0, h1 = shard_hook(CFG, 0, 2), shard_hook(CFG, 1, 2)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert h0(q, (64, 64)).__dict__ == {"dim": 0, "start": 0, "stop": 32}
+    assert h1(q, (64, 64)).__dict__ == {"dim": 0, "start": 32, "stop": 64}
+    assert h1("model.layers.1.self_attn.o_proj.weight", (64, 64)).__dict__ == {
+        "dim": 1, "start": 32, "stop": 64}
+    assert h1("model.layers.0.self_attn.k_proj.weight", (32, 64)).__dict__ == {
+        "dim": 0, "start": 16, "stop": 32}
+    assert h1("model.layers.0.mlp.down_proj.weight", (64, 128)).__dict__ == {
+        "dim": 1, "start": 64, "stop": 128}
+    assert h1("model.layers.0.mlp.experts.3.up_proj.weight", (128, 64)).__dict__ == {
+        "dim": 0, "start": 64, "stop": 128}
+    assert h1("lm_head.weight", (384, 64)).__dict__ == {"dim": 0, "start": 192, "stop": 384}
+    for whole in ("model.norm.weight", "model.layers.0.input_layernorm.weight",
+                  "model.layers.0.self_attn.o_proj.bias", "model.layers.0.mlp.gate.weight",
+                  "model.layers.0.self_attn.q_norm.weight"):
+        assert h0(whole, (64,)) is None
+    assert held_shape(h0, q, (64, 64)) == (32, 64)
+
+
+def test_kv_heads_replicated_when_workers_exceed_them():
+    # 4 workers, 2 KV heads: each head on two workers, as the cache layout counts it
+    assert [kv_head_range(2, r, 4) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    h3 = shard_hook(CFG, 3, 4)
+    assert h3("model.layers.0.self_attn.v_proj.weight", (32, 64)).__dict__ == {
+        "dim": 0, "start": 16, "stop": 32}
+
+
+def test_indivisible_worker_counts_name_the_field():
+    with pytest.raises(LayoutError, match="num_attention_heads=4"):
+        check_divisible(CFG, 3)
+    odd = ModelConfig.from_dict({**CFG.raw, "vocab_size": 385})
+    with pytest.raises(LayoutError, match="vocab_size=385"):
+        check_divisible(odd, 2)
+
+
+def test_master_addr_parsing():
+    assert parse_master_addr("127.0.0.1:19888") == ("127.0.0.1", 19888)
+    assert parse_master_addr("[::1]:5") == ("::1", 5)
+    for bad in ("127.0.0.1", ":80", "host:0", "host:x", ""):
+        with pytest.raises(ValueError, match="master_node_addr"):
+            parse_master_addr(bad)
+
+
+@pytest.mark.parametrize("flags, names", [
+    ({"nnodes": 2, "dp_size": 2}, "dp_size"),
+    ({"nnodes": 2, "ep_size": 2}, "ep_size"),
+    ({"nnodes": 2, "enable_vmm_kvcache": True, "host_blocks_factor": 1.0}, "host_blocks_factor"),
+    ({"nnodes": 2, "master_node_addr": "nowhere"}, "master_node_addr"),
+    ({"nnodes": 3}, "attention heads"),
+    ({"nnodes": 2, "worker_device_memory": ["64MiB"]}, "worker_device_memory"),
+])
+def test_refused_at_start_up_before_any_worker_starts(llama_dir, flags, names):
+    with pytest.raises(ConfigError) as e:
+        LLMEngine.from_flags(str(llama_dir), **{**BASE, **flags})
+    assert names in str(e.value)

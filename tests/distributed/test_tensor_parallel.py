@@ -1,0 +1,57 @@
+"""Tensor parallelism over two gloo workers on CPU: greedy output identical, token for token,
+to one worker (tiny fp32 Llama and Qwen3), through ``LLM(model=DIR, nnodes=2)`` spawning
+the second worker; each worker holds only its shard of the weights and half the KV heads
+(the plan's per-worker layout); every worker process is gone after shutdown."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.conftest import BASE, alive
+from xllm_vmm import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(40, 75))]  # 35: over 2 blocks
+
+
+def generate(model, **flags) -> tuple[list[list[int]], dict]:
+    llm = LLM(model=str(model), **BASE, **flags)
+    eng = llm.llm_engine
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+        info = {"pids": [s["pid"] for s in eng.distributed.worker_stats()] if eng.distributed else [],
+                "stats": eng.distributed.worker_stats() if eng.distributed else [],
+                "q_rows": eng.weights["model.layers.0.self_attn.q_proj.weight"].shape[0],
+                "embed_rows": eng.weights["model.embed_tokens.weight"].shape[0],
+                "kv_width": eng.plan.layout.groups[0].tensors[0].bytes_per_token}
+        return [list(o.outputs[0].token_ids) for o in outs], info
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_two_workers_equal_one_token_for_token(family, llama_dir, qwen3_dir):
+    model = {"llama": llama_dir, "qwen3": qwen3_dir}[family]
+    one, info1 = generate(model)
+    two, info2 = generate(model, nnodes=2)
+    assert two == one
+    assert all(len(t) == GREEDY.max_tokens for t in two)
+    # each worker loads its shard only; the cache holds this worker's KV heads (plan layout)
+    assert info2["q_rows"] * 2 == info1["q_rows"]
+    assert info2["embed_rows"] * 2 == info1["embed_rows"]
+    assert info2["kv_width"] * 2 == info1["kv_width"]
+    ranks = [s["rank"] for s in info2["stats"]]
+    assert ranks == [0, 1]
+    # the same slots are mapped on both workers (one block-table space)
+    kv = [s["kv_mapped_bytes"] for s in info2["stats"]]
+    assert kv[0] == kv[1] > 0
+    assert not alive(info2["pids"][1])
+
+
+def test_world_size_one_has_no_runtime(llama_dir):
+    llm = LLM(model=str(llama_dir), **BASE)
+    try:
+        assert llm.llm_engine.distributed is None
+        assert type(llm.llm_engine.worker).__name__ == "Worker"
+    finally:
+        llm.llm_engine.shutdown()

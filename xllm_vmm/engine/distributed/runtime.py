@@ -1,0 +1,406 @@
+"""``Runtime``: one process's part of a tensor-parallel worker set, and the rank-0 driver ↔
+worker protocol.
+
+Built by the engine's construction (``LLMEngine.from_flags`` → ``_build``) through
+:func:`runtime_for`, which returns None at world size 1 (nothing here runs then). Every rank
+builds the same engine from the same flags — the same plan, so the same per-worker cache
+layout and slot geometry (checked at :meth:`Runtime.attach`) — with its own driver, pool,
+weights shard (``load_weights(shard=...)``) and :class:`~xllm_vmm.engine.worker.Worker`
+(``tp``: this rank). Rank 0 keeps the scheduler, the KV cache manager and the sampler; the
+other ranks run :meth:`Runtime.serve`, a loop over rank 0's commands:
+
+| command | rank 0 | every other rank | ends with |
+|---|---|---|---|
+| ``step`` (the step's chunks) | ``Worker.execute`` | ``StepInput.build`` + ``Worker.execute`` | status gather |
+| ``activate`` / ``deactivate`` / ``move`` (slots) | its cache | its cache (:mod:`.fanout`) | status gather (+ rollback) |
+| ``sleep`` / ``wake`` (level) | — | weights + KV of this rank | status gather (freed bytes) |
+| ``shutdown`` | — | leaves the loop, releases everything | status gather |
+
+A command is written to the rendezvous store (``xv/cmd/<seq>``: an idle worker blocks on a
+socket, not on a collective that times out) and every command ends with one
+``all_gather_object`` of each rank's status — its budget left, mapped bytes, execution peak
+and the command's result — so rank 0 learns every command's outcome on every rank in one
+collective. Logits come back from rank 0 only (the vocabulary-parallel head gathers its
+slices there). After every status gather rank 0's pool gets the smallest budget left among the
+other workers (``VmmPool.peer_budget_left_bytes``): admission uses the minimum capacity across
+workers (AD-02), refreshed every step.
+
+Faults: any failed collective or store operation on rank 0, or the watchdog (a spawned
+process that exited, a heartbeat that stopped), makes the runtime *lost*: a
+:class:`~xllm_vmm.engine.distributed.errors.WorkerLost` naming the rank, raised by this and
+every later call and delivered to the failure listeners (the server turns it into /health
+503 and a clean stop). Rank 0's death ends every other rank (its store connection closes;
+spawned ranks also get SIGKILL from the kernel).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from xllm_vmm.engine.distributed.errors import DistributedError, WorkerLost
+from xllm_vmm.engine.distributed.topology import DIST_OPTIONS, Topology, topology_of
+
+if TYPE_CHECKING:  # pragma: no cover
+    from xllm_vmm.engine.step import StepInput, StepOutput
+
+_COMM_WORDS = ("gloo", "nccl", "hccl", "connection", "closed", "timed out", "timeout",
+               "peer", "socket", "broken pipe", "reset")
+
+
+def runtime_for(cfg: Any, opts: dict[str, Any], *, model_dir: str, kind: str,
+                index: int, fork: bool = False) -> Runtime | None:
+    """Join (rank > 0) or form (rank 0, spawning the others when started alone) the worker
+    set ``cfg`` describes; None at world size 1. ``fork``: an engine forked from another
+    (refused across several workers)."""
+    topo = topology_of(cfg, opts)
+    if topo is None:
+        return None
+    if fork:
+        raise DistributedError("fork is not supported across several workers yet",
+                               hint="fork a single-worker engine (nnodes=1)")
+    return Runtime.start(topo, cfg, opts, model_dir=model_dir, kind=kind, index=index)
+
+
+def _torch_device(kind: str, index: int) -> str:
+    return "cpu" if kind == "host" else f"{'npu' if kind == 'acl' else kind}:{index}"
+
+
+def _json_opts(opts: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, v in opts.items():
+        if type(v).__module__ == "torch":  # a torch.dtype
+            v = str(v).replace("torch.", "")
+        out[k] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+class Runtime:
+    """See the module docstring. ``tp`` is this rank's
+    :class:`~xllm_vmm.engine.layers.parallel.TensorParallel` (with the shard hook)."""
+
+    def __init__(self, topo: Topology, group: Any, procs: list, tp: Any) -> None:
+        self.topo = topo
+        self.group = group
+        self.procs = procs
+        self.rank = topo.rank
+        self.world = topo.world
+        self.tp = tp
+        self.active = False
+        self.closed = False
+        self.failure: WorkerLost | None = None
+        self.statuses: list[dict[str, Any]] = []
+        self.commands = 0
+        self.collective_seconds = 0.0
+        self._seq = 0
+        self._listeners: list[Callable[[WorkerLost], None]] = []
+        self._lock = threading.Lock()
+        self.cache = self.pool = self.worker = self.watchdog = None
+
+    # -- start-up ------------------------------------------------------------------------
+    @classmethod
+    def start(cls, topo: Topology, cfg: Any, opts: dict[str, Any], *, model_dir: str,
+              kind: str, index: int) -> Runtime:
+        from xllm_vmm.config import ConfigError, Finding
+        from xllm_vmm.engine.distributed.group import Group, Watchdog
+        from xllm_vmm.engine.distributed.sharding import check_divisible, shard_hook
+        from xllm_vmm.engine.distributed.spawn import reap, spawn_followers
+        from xllm_vmm.engine.layers.parallel import TensorParallel
+        from xllm_vmm.engine.models.config import ModelConfig
+        from xllm_vmm.models.errors import LayoutError
+
+        mcfg = ModelConfig.from_dir(model_dir)
+        try:
+            check_divisible(mcfg, topo.world)
+        except LayoutError as e:
+            raise ConfigError([Finding("CFG-CONFLICT", "error", str(e), flags={
+                "nnodes": cfg["nnodes"]}, hint=getattr(e, "hint", ""))]) from None
+        group = Group(topo, _torch_device(kind, index))
+        procs: list = []
+        try:
+            if topo.spawn:
+                flags = {n: cfg[n] for n in cfg.explicit_names() if n != "model"}
+                flags["nnodes"] = cfg["nnodes"]
+
+                def device_of_rank(r: int) -> str | None:
+                    return None if kind == "host" else _torch_device(kind, index + r)
+
+                procs = spawn_followers(topo.world, group.port, model_dir, flags,
+                                        _json_opts({k: v for k, v in opts.items()}),
+                                        device_of_rank)
+            group.join()
+        except BaseException:
+            reap(procs, 0)
+            group.close()
+            raise
+        rt = cls(topo, group, procs, TensorParallel(topo.rank, topo.world,
+                                                   shard_hook=shard_hook(mcfg, topo.rank, topo.world)))
+        if topo.rank == 0:
+            stale = min(topo.timeout_s, 10.0)
+            rt.watchdog = Watchdog(group, stale, rt._on_lost,
+                                   alive=rt._proc_exit if procs else None)
+        return rt
+
+    def device_memory(self, default: int | None) -> int | None:
+        """The emulated device size of this rank (``worker_device_memory``) or ``default``."""
+        mem = self.topo.worker_device_memory
+        return mem[self.rank] if mem else default
+
+    def attach(self, mgr: Any, worker: Any, pool: Any) -> Any:
+        """Check that every rank built the same cache geometry, route rank 0's slot
+        activations to every worker, and return what the engine uses as its worker (rank 0:
+        a :class:`DriverWorker`; other ranks: ``worker`` itself)."""
+        from xllm_vmm.engine.distributed.fanout import FanoutBacking
+
+        self.cache, self.pool, self.worker = mgr.cache, pool, worker
+        geo = {"slots": {g: v.num_slots for g, v in mgr.cache.geometry.items()},
+               "block_size": int(mgr.block_size), "page_bytes": int(pool.page_bytes)}
+        hellos = self._gather(self._status({"geometry": geo, "device": str(worker.device)}))
+        for s in hellos[1:]:
+            if s["geometry"] != hellos[0]["geometry"]:
+                raise DistributedError(
+                    f"worker rank {s['rank']} built a KV cache of {s['geometry']}, rank 0 "
+                    f"{hellos[0]['geometry']}: every worker must run with the same flags",
+                    rank=s["rank"], address=self.group.address,
+                    hint="start every process with the same model, flags and device_memory")
+        self._refresh(hellos)
+        self.active = True
+        if self.rank == 0:
+            mgr.cache.allocator.backing = FanoutBacking(mgr.cache, self)
+            return DriverWorker(worker, self)
+        return worker
+
+    # -- protocol (rank 0) ---------------------------------------------------------------
+    def call(self, op: str, payload: Any, local: Callable[[], dict | None]) -> list[dict]:
+        """Send ``op`` to every other rank, run ``local()`` here, gather every rank's status
+        (index = rank). Raises :class:`WorkerLost` when a worker is gone."""
+        self.raise_if_lost()
+        self._seq += 1
+        key = f"xv/cmd/{self._seq}"
+        try:
+            self.group.store.set(key, pickle.dumps((op, payload), protocol=5))
+            result = local() or {}
+            statuses = self._gather(self._status(result))
+        except WorkerLost:
+            raise
+        except Exception as e:  # noqa: BLE001
+            if not self._looks_like_comm(e):
+                raise
+            raise self._lost_from(e) from None
+        self.commands += 1
+        try:
+            self.group.store.delete_key(key)
+        except Exception:  # noqa: BLE001 - a key left behind costs bytes, not correctness
+            pass
+        self._refresh(statuses)
+        return statuses
+
+    def raise_if_lost(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+        if self.closed:
+            raise DistributedError("the worker set is shut down", address=self.group.address)
+
+    def add_failure_listener(self, fn: Callable[[WorkerLost], None]) -> None:
+        """``fn(error)`` is called once (from the watchdog or the engine thread) when a worker
+        is lost; at once if it already is."""
+        with self._lock:
+            self._listeners.append(fn)
+            failed = self.failure
+        if failed is not None:
+            fn(failed)
+
+    def worker_stats(self) -> list[dict[str, Any]]:
+        """Each rank's last status (rank, pid, budget_left_bytes, mapped_bytes,
+        kv_mapped_bytes, execution_peak_bytes), index = rank."""
+        return [dict(s) for s in self.statuses]
+
+    def _status(self, result: dict) -> dict[str, Any]:
+        pool = self.pool
+        st: dict[str, Any] = {"rank": self.rank, "pid": os.getpid()}
+        if pool is not None:
+            ps = pool.stats()
+            st.update(budget_left_bytes=int(pool.budget_left_bytes()),
+                      mapped_bytes=int(ps.mapped_bytes),
+                      kv_mapped_bytes=int(ps.per_tenant_mapped_bytes.get("kv", 0)),
+                      execution_peak_bytes=int(ps.execution_peak_bytes))
+        st.update(result)
+        return st
+
+    def _gather(self, status: dict) -> list[dict]:
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world
+        t0 = time.perf_counter()
+        dist.all_gather_object(out, status)
+        self.collective_seconds += time.perf_counter() - t0
+        return out
+
+    def _refresh(self, statuses: list[dict]) -> None:
+        self.statuses = statuses
+        if self.rank == 0 and self.pool is not None:
+            budgets = [s["budget_left_bytes"] for s in statuses[1:] if "budget_left_bytes" in s]
+            if budgets:
+                self.pool.peer_budget_left_bytes = min(budgets)
+
+    # -- faults --------------------------------------------------------------------------
+    def _proc_exit(self, rank: int) -> str | None:
+        p = self.procs[rank - 1]
+        code = p.poll()
+        if code is None:
+            return None
+        return f"(pid {p.pid}) exited with {'signal ' + str(-code) if code < 0 else 'code ' + str(code)}"
+
+    def _on_lost(self, rank: int, why: str) -> None:
+        err = WorkerLost(f"worker rank {rank} {why}: the worker set cannot compute any more "
+                         f"(rendezvous {self.group.address})", rank=rank,
+                         address=self.group.address,
+                         hint="the server stops; restart every process of the service")
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = err
+            listeners = list(self._listeners)
+        for fn in listeners:
+            try:
+                fn(err)
+            except Exception:  # noqa: BLE001 - a listener must not hide the failure
+                pass
+
+    def _looks_like_comm(self, e: BaseException) -> bool:
+        import torch.distributed as dist
+
+        if isinstance(e, dist.DistError):
+            return True
+        return isinstance(e, RuntimeError) and any(w in str(e).lower() for w in _COMM_WORDS)
+
+    def _lost_from(self, e: BaseException) -> WorkerLost:
+        """The failure after a failed collective: the watchdog names the rank (waiting up to
+        its staleness window for a heartbeat to stop)."""
+        wd = self.watchdog
+        if wd is not None:
+            deadline = time.monotonic() + wd.stale_s + 2 * 0.25 + 1.0
+            while wd.check() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+        if self.failure is None:
+            self._on_lost(-1 if wd is None else -1, f"(rank unknown) failed a collective: "
+                          f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}")
+        return self.failure  # type: ignore[return-value]
+
+    # -- worker loop (ranks > 0) ---------------------------------------------------------
+    def serve(self) -> int:
+        """Run rank 0's commands until ``shutdown`` (returns 0) or until rank 0 is gone
+        (returns 3, after a message on stderr)."""
+        import datetime as dt
+
+        import torch.distributed as dist
+
+        store = self.group.store
+        seq = 0
+        while True:
+            seq += 1
+            key = f"xv/cmd/{seq}"
+            try:
+                while True:
+                    try:
+                        store.wait([key], dt.timedelta(seconds=600))
+                        break
+                    except dist.DistStoreError:  # idle: no command for a while
+                        continue
+                op, payload = pickle.loads(store.get(key))
+            except dist.DistError as e:
+                print(f"xllm-vmm worker rank {self.rank}: rank 0 at {self.group.address} is "
+                      f"gone ({str(e).strip().splitlines()[0]}); stopping", file=sys.stderr)
+                return 3
+            if op == "shutdown":
+                self._gather(self._status({}))
+                return 0
+            result = self._handle(op, payload)
+            statuses = self._gather(self._status(result))
+            if op == "activate" and result["ok"] and not all(s["ok"] for s in statuses):
+                self.cache.deactivate(payload)  # rolled back on every worker
+
+    def _handle(self, op: str, payload: Any) -> dict:
+        if op == "step":
+            from xllm_vmm.engine.step import StepInput
+
+            chunks, block_size = payload
+            out = self.worker.execute(StepInput.build(chunks, block_size))
+            self.pool.observe_execution_peak(int(out.execution_peak_bytes or 0))
+            return {}
+        if op == "activate":
+            return {"ok": bool(self.cache.activate(payload))}
+        if op == "deactivate":
+            self.cache.deactivate(payload)
+            return {}
+        if op == "move":
+            return {"ok": bool(self.cache.move(payload))}
+        if op == "status":
+            return {}
+        raise DistributedError(f"worker rank {self.rank} got an unknown command {op!r}")
+
+    # -- shutdown ------------------------------------------------------------------------
+    def abort(self) -> None:
+        """Start-up failed on this rank: leave at once (other ranks see it as a lost worker
+        or a missing rank and stop too)."""
+        if self.failure is None and self.rank == 0:
+            self._on_lost(0, "(rank 0) failed to start")
+        self.active = False
+        self.close()
+
+    def close(self) -> None:
+        """Rank 0: every other rank leaves its loop and releases everything; spawned
+        processes are reaped (SIGTERM/SIGKILL after a grace period when lost). Then this rank
+        leaves the group. Idempotent."""
+        from xllm_vmm.engine.distributed.spawn import reap
+
+        if self.closed:
+            return
+        if self.rank == 0 and self.active and self.failure is None:
+            try:
+                self.call("shutdown", None, lambda: {})
+            except Exception:  # noqa: BLE001 - lost while shutting down: reap below
+                pass
+        self.active = False
+        self.closed = True
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self.procs:
+            reap(self.procs, 15.0 if self.failure is None else 0.5)
+        self.group.close()
+
+
+class DriverWorker:
+    """Rank 0's worker as the engine sees it: :meth:`execute` runs the step on every rank
+    (the local worker's logits are the step's: rank 0 holds the gathered vocabulary). Every
+    other attribute is the local :class:`~xllm_vmm.engine.worker.Worker`'s."""
+
+    def __init__(self, local: Any, runtime: Runtime) -> None:
+        self.local = local
+        self.runtime = runtime
+
+    def execute(self, step: StepInput) -> StepOutput:
+        box: dict[str, Any] = {}
+
+        def run() -> dict:
+            box["out"] = self.local.execute(step)
+            return {}
+
+        self.runtime.call("step", (list(step.chunks), int(step.block_size)), run)
+        return box["out"]
+
+    def close(self) -> None:
+        try:
+            self.runtime.close()
+        finally:
+            self.local.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.local, name)
+
+
+__all__ = ["DIST_OPTIONS", "DriverWorker", "Runtime", "runtime_for"]

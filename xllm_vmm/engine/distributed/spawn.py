@@ -1,0 +1,69 @@
+"""Starting the other workers of one command on this host, and tearing them down with it.
+
+Rank 0 starts ranks ``1..W-1`` as ``python -m xllm_vmm.engine.distributed.follower SPEC``
+(SPEC: JSON of the model directory, the same engine flags with ``node_rank`` and
+``master_node_addr`` set, and the engine options). Each child gets ``PR_SET_PDEATHSIG``
+(SIGKILL when rank 0 dies, Linux), so no worker outlives the command even when rank 0 is
+killed; :func:`reap` ends them in order (wait, SIGTERM, SIGKILL) and never leaves a zombie.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from typing import Any
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - not Linux: reap() still ends the children
+        pass
+
+
+def spawn_followers(world: int, port: int, model_dir: str, flags: dict[str, Any],
+                    opts: dict[str, Any], device_of_rank=None) -> list[subprocess.Popen]:
+    """Start ranks 1..world-1 meeting rank 0 at ``127.0.0.1:port``; returns their processes
+    (index ``r - 1`` is rank ``r``)."""
+    env = dict(os.environ)
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+    procs: list[subprocess.Popen] = []
+    try:
+        for r in range(1, world):
+            f = dict(flags, node_rank=r, master_node_addr=f"127.0.0.1:{port}")
+            if device_of_rank is not None:
+                dev = device_of_rank(r)
+                if dev is not None:
+                    f["devices"] = dev
+            spec = json.dumps({"model": model_dir, "flags": f, "opts": dict(opts, _spawned=True)})
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "xllm_vmm.engine.distributed.follower", spec],
+                env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
+    except BaseException:
+        reap(procs, 0)
+        raise
+    return procs
+
+
+def reap(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
+    """Wait up to ``timeout`` s for each process, then SIGTERM, then SIGKILL; returns the exit
+    codes (every process is waited for: no zombies)."""
+    codes: list[int | None] = []
+    for p in procs:
+        try:
+            p.wait(timeout=max(timeout, 0.01))
+        except subprocess.TimeoutExpired:
+            p.terminate()
+            try:
+                p.wait(timeout=3)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        codes.append(p.returncode)
+    return codes

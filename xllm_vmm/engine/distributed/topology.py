@@ -1,0 +1,154 @@
+"""Who is who in a multi-worker service, from the engine's flags (no torch here).
+
+The engine's process model (``xllm_vmm.config.parallel``): ``nnodes`` processes, one device
+each, ``node_rank`` this one, ``master_node_addr`` (``HOST:PORT``) where they meet. The world
+size is ``nnodes × devices of one process``; every worker is one tensor-parallel rank
+(``dp_size`` 1). Rank 0 runs the scheduler, the KV cache manager and — under ``serve`` — the
+HTTP server on ``--port``; the other ranks run workers only and open no HTTP port. The port of
+``master_node_addr`` is the rendezvous (a ``torch.distributed`` TCP store on rank 0's host).
+
+Two ways to start a world of ``W > 1``:
+
+- *launch script*: every process is started by the operator with ``--node_rank`` given
+  (``R``), and they meet at ``master_node_addr``;
+- *spawn*: one command without ``--node_rank`` (``LLM(model=DIR, nnodes=2)``, ``serve
+  --nnodes=2``) is rank 0 and starts ranks ``1..W-1`` on this host itself (loopback; the
+  rendezvous port is ``master_node_addr``'s when given explicitly, else a free one), and
+  tears them down with itself.
+
+Supported: tensor parallelism over every worker. Refused at start-up with the flag named:
+``dp_size > 1``, ``ep_size > 1``, several devices listed for one process (use one process per
+device), and the host KV tier (``host_blocks_factor > 0``) across workers.
+
+Engine-only options (``LLMEngine.from_flags`` / ``LLM``; not catalogue flags):
+
+- ``dist_timeout`` (seconds, default 60): rendezvous, every collective and the fault watchdog;
+  a worker silent this long is lost;
+- ``worker_device_memory``: the emulated device size of every worker (host driver only; a list
+  of sizes, one per rank). The plan (and so every worker's cache geometry) is rank 0's
+  ``device_memory``; this changes only what each worker's device can physically hold, which is
+  how admission by the smallest worker (AD-02) is rehearsed on one host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+DIST_OPTIONS = ("dist_timeout", "worker_device_memory", "_spawned")
+"""Engine-only options of the multi-worker runtime (``_spawned`` is set on spawned workers)."""
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Topology:
+    """This process's place in the service. ``world`` workers, this one ``rank``;
+    ``spawn``: rank 0 starts the others; ``host``/``port``: the rendezvous (port 0: pick a
+    free loopback port, spawn only); ``timeout_s``: see the module docstring."""
+
+    world: int
+    rank: int
+    spawn: bool
+    host: str
+    port: int
+    timeout_s: float
+    worker_device_memory: tuple[int, ...] = ()
+    spawned: bool = False
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+
+def parse_master_addr(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) → (host, port); ValueError naming the flag."""
+    s = str(text or "").strip()
+    host, sep, port = s.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"master_node_addr={text!r} is not HOST:PORT (for example "
+                         "127.0.0.1:19888)")
+    return host, int(port)
+
+
+def topology_of(cfg: Any, opts: dict[str, Any]) -> Topology | None:
+    """The topology of a resolved configuration; None at world size 1 (one worker: nothing of
+    this package runs). Raises :class:`~xllm_vmm.config.ConfigError` naming the flag for what
+    is not supported (module docstring)."""
+    from xllm_vmm.config import ConfigError, Finding
+    from xllm_vmm.config.parallel import parallel_of
+
+    p = parallel_of(cfg)
+    if p.world == 1:
+        return None
+
+    def refuse(flag: str, message: str, hint: str) -> ConfigError:
+        return ConfigError([Finding("CFG-CONFLICT", "error", message,
+                                    flags={flag: cfg[flag]}, hint=hint)])
+
+    if p.dp > 1:
+        raise refuse("dp_size", f"dp_size={p.dp}: data parallelism across workers is not "
+                     "supported by this engine (every worker is one tensor-parallel rank)",
+                     "remove dp_size (tensor parallel over all nnodes x devices workers), or "
+                     "run one service per data-parallel group")
+    if p.ep > 1:
+        raise refuse("ep_size", f"ep_size={p.ep}: expert parallelism is not supported by this "
+                     "engine; MoE experts are split by their intermediate features over every "
+                     "worker instead", "remove ep_size")
+    if p.per_process > 1:
+        raise refuse("devices", f"devices={cfg['devices']}: one process serves one device in "
+                     "this engine", "start one process per device (nnodes = the number of "
+                     "devices, one device in each process's devices)")
+    if float(cfg["host_blocks_factor"] or 0) > 0:
+        raise refuse("host_blocks_factor", "host_blocks_factor > 0: the host KV tier is not "
+                     "supported across several workers yet", "set host_blocks_factor=0")
+    explicit = getattr(cfg, "explicit", lambda name: False)
+    spawned = bool(opts.get("_spawned", False))
+    spawn = not explicit("node_rank") and not spawned
+    rank = 0 if spawn else int(cfg["node_rank"])
+    if not 0 <= rank < p.world:
+        raise refuse("node_rank", f"node_rank={rank} is outside 0..{p.world - 1} "
+                     f"({p.describe()})", f"give a node_rank below {p.world}")
+    try:
+        host, port = parse_master_addr(cfg["master_node_addr"])
+    except ValueError as e:
+        raise refuse("master_node_addr", str(e), "give HOST:PORT of rank 0's host") from None
+    if spawn and not explicit("master_node_addr"):
+        host, port = "127.0.0.1", 0
+    timeout = opts.get("dist_timeout", DEFAULT_TIMEOUT_S)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ConfigError([Finding("CFG-TYPE", "error", f"dist_timeout={timeout!r} must be a "
+                                   "positive number of seconds", flags={"dist_timeout": timeout})])
+    mem = _worker_memory(opts.get("worker_device_memory"), p.world)
+    return Topology(p.world, rank, spawn, host, port, float(timeout), mem, spawned)
+
+
+def _worker_memory(value: Sequence[Any] | None, world: int) -> tuple[int, ...]:
+    from xllm_vmm.config import ConfigError, Finding
+    from xllm_vmm.config.values import parse_size
+
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, (str, int)) else list(value)
+    out = []
+    for v in items:
+        try:
+            n = v if isinstance(v, int) and not isinstance(v, bool) else parse_size(str(v))
+        except ValueError:
+            n = -1
+        if n <= 0:
+            out = None
+            break
+        out.append(int(n))
+    if out is None or len(out) != world:
+        raise ConfigError([Finding("CFG-TYPE", "error", f"worker_device_memory={value!r} must "
+                                   f"list {world} positive sizes, one per worker",
+                                   flags={"worker_device_memory": value},
+                                   hint="for example ['1GiB', '256MiB']")])
+    return tuple(out)

@@ -1,0 +1,43 @@
+"""Vocabulary-parallel embedding and LM head (rank ``r`` of ``W`` holds rows
+``[r * V / W, (r + 1) * V / W)`` of the ``(V, hidden)`` table; ``W`` divides ``V``).
+
+- embedding: ids outside this rank's rows look up row 0 and are zeroed, then the partial
+  embeddings are summed over the ranks (an all-reduce): every rank ends with the full rows;
+- head: each rank computes its ``(N, V / W)`` slice of the logits; the slices are gathered to
+  rank 0 only (the driver samples there); other ranks get their own slice back.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch import Tensor
+
+    from xllm_vmm.engine.layers.parallel import TensorParallel
+
+
+def embed(ids: Tensor, weight: Tensor, start: int, tp: TensorParallel) -> Tensor:
+    """Rows of ``ids`` from this rank's ``weight`` (rows ``start..``), summed over ranks."""
+    import torch.nn.functional as F
+
+    rows = weight.shape[0]
+    local = ids - start
+    outside = (local < 0) | (local >= rows)
+    out = F.embedding(local.masked_fill(outside, 0), weight)
+    out.masked_fill_(outside.unsqueeze(-1), 0)
+    return tp.all_reduce(out)
+
+
+def gather_logits(part: Tensor, tp: TensorParallel) -> Tensor:
+    """``(N, V)`` on rank 0 (slices in rank order), this rank's ``(N, V / W)`` elsewhere."""
+    import torch
+    import torch.distributed as dist
+
+    part = part.contiguous()
+    if tp.rank == 0:
+        bufs = [torch.empty_like(part) for _ in range(tp.world_size)]
+        dist.gather(part, bufs, dst=0, group=tp.group)
+        return torch.cat(bufs, dim=-1)
+    dist.gather(part, None, dst=0, group=tp.group)
+    return part
