@@ -16,14 +16,16 @@ One :meth:`Scheduler.schedule` call, within ``max_tokens_per_batch`` tokens and
    outputs so far — recomputed when readmitted) and the allocation retried; when the request
    itself is the newest, it is preempted and the pass over running requests ends. A request
    that cannot grow with nothing else left to preempt has reached the KV capacity: it finishes
-   with "length" (``RequestStatus.FINISHED_LENGTH``; ``capacity_finished`` counts it).
+   with "length" (``RequestStatus.FINISHED_LENGTH``; ``capacity_finished`` counts it) — unless
+   host-tier copies are in flight (they pin blocks until they end): then it waits.
 3. Only when step 2 preempted nothing: waiting requests in arrival order (preempted ones first),
    while budgets last. Each is looked up in the prefix cache (``num_cached_tokens``: device and
    host tier hits need no compute), then allocated its first chunk against its *whole* footprint
    (``num_prompt_tokens``; no reservation of the outputs). "Not now" ends admission this step
    (first come, first served: a later, smaller request does not overtake); with nothing running,
    a request whose footprint exceeds the whole KV capacity (or is refused ``STALL_LIMIT`` times
-   in a row: the live budget does not leave room) finishes with "length". A parallel sample
+   in a row with no host-tier copy in flight: the live budget does not leave room) finishes
+   with "length". A parallel sample
    (``Request.parent_id``) waits while a sibling is still prefilling the shared prompt, so that
    it is admitted on the sibling's published blocks (the prefix cache shares them).
 
@@ -40,6 +42,7 @@ finishes, is aborted or preempted.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,6 +51,10 @@ from typing import Any
 from xllm_vmm.engine.output import EngineOutput, Logprob
 from xllm_vmm.engine.request import Request, RequestStatus
 from xllm_vmm.engine.step import SeqChunk, StepInput
+
+
+COPY_WAIT_S = 0.0002
+"""Pause of a step that scheduled nothing because host-tier copies pin the blocks it needs."""
 
 
 @dataclass
@@ -185,6 +192,9 @@ class Scheduler:
                 victim = self.running[-1]
                 if victim is req:
                     if i == 0 and len(self.running) == 1 and not chunks:
+                        if self._copies_in_flight():  # pinned by a copy: room comes back soon
+                            self_preempted = True
+                            break
                         # alone and still cannot grow: the KV capacity is reached
                         self.capacity_finished += 1
                         self._finish(req, RequestStatus.FINISHED_LENGTH)
@@ -256,6 +266,8 @@ class Scheduler:
                 self.waiting.appendleft(req)
 
         step = None
+        if not chunks and self.has_unfinished() and self._copies_in_flight():
+            time.sleep(COPY_WAIT_S)  # what waits needs copies to end: do not spin on them
         if chunks:
             step = StepInput.build(
                 [SeqChunk(c.request.request_id,
@@ -267,13 +279,20 @@ class Scheduler:
     def _never_fits(self, req: Request) -> bool:
         """Nothing runs and ``req`` was refused: true when its footprint exceeds the whole KV
         capacity, or when it was refused ``STALL_LIMIT`` times in a row with nothing running
-        (the live budget will not grow; blocks pinned by copies are released within a few
-        iterations)."""
+        and no host-tier copy in flight (the live budget leaves no room; only memory freed
+        outside the pool could change that)."""
         if req.num_tokens + 1 > self.mgr.capacity().total_tokens:
             return True
+        if self._copies_in_flight():  # host-tier copies pin blocks until they end
+            return False
         self._stalls = self._stalls + 1 if self._stall_id == req.request_id else 1
         self._stall_id = req.request_id
         return self._stalls >= self.STALL_LIMIT
+
+    def _copies_in_flight(self) -> bool:
+        """Host-tier copies are under way (they pin device blocks; the pins end with them)."""
+        host = getattr(self.mgr, "host", None)
+        return bool(host is not None and host.in_flight)
 
     STALL_LIMIT = 64
     _stalls = 0
