@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from xllm_vmm.engine.distributed.topology import DIST_OPTIONS
 from xllm_vmm.engine.output import EngineOutput
 from xllm_vmm.engine.request import Request, RequestError, child_request_id
 from xllm_vmm.engine.sampling_params import SamplingParams
@@ -55,7 +56,8 @@ GiB = 1 << 30
 DEFAULT_HOST_DEVICE_MEMORY = 1 * GiB
 """Emulated device memory of the host (CPU) driver when ``device_memory`` is not given."""
 
-ENGINE_OPTIONS = ("max_model_len", "dtype", "device_memory", "attention_backend", "seed")
+ENGINE_OPTIONS = ("max_model_len", "dtype", "device_memory", "attention_backend", "seed",
+                  *DIST_OPTIONS)
 
 
 def _flag_token(name: str, value: Any) -> str:
@@ -500,9 +502,15 @@ def _build(cls: type, sized: _Sized, model_dir: str, opts: dict[str, Any], is_de
     vmm_w = bool(cfg["enable_vmm_weights"])
     elastic = vmm_kv and bool(cfg["vmm_elastic"])
     kind, index = _device_kind(cfg)
+    from xllm_vmm.engine.distributed import runtime_for  # several workers (issue 14); else None
+
+    dist = runtime_for(cfg, opts, model_dir=model_dir, kind=kind, index=index,
+                       fork=weights is not None or driver is not None)
     owns = driver is None
     if driver is None:
         total = plan.inputs.device_memory_bytes
+        if dist is not None:
+            total = dist.device_memory(total)
         outside = wp.weights_bytes if (kind == "host" and not vmm_w) else 0
         driver = open_driver(kind, device_index=index,
                              device_memory=total - outside if kind == "host" else None)
@@ -524,7 +532,8 @@ def _build(cls: type, sized: _Sized, model_dir: str, opts: dict[str, Any], is_de
 
         dtype = resolve_dtype(opts.get("dtype", "auto"), ModelConfig.from_dir(model_dir).dtype)
         if weights is None:
-            weights = load_weights(model_dir, pool=pool if vmm_w else None, dtype=dtype)
+            weights = load_weights(model_dir, pool=pool if vmm_w else None, dtype=dtype,
+                                   shard=dist.tp.shard_hook if dist is not None else None)
         from xllm_vmm.kvcache import fit_tokens
 
         if elastic:  # the virtual size: the plan's arena for the KV cache
@@ -543,14 +552,18 @@ def _build(cls: type, sized: _Sized, model_dir: str, opts: dict[str, Any], is_de
             max_tokens=max_tokens, hash_seed=int(cfg["xxh3_128bits_seed"]))
         worker = Worker.create(model_dir, pool=pool, kv_cache=mgr.cache, dtype=dtype,
                                weights=weights,
-                               attention_backend=opts.get("attention_backend", "auto"))
+                               attention_backend=opts.get("attention_backend", "auto"),
+                               **({"tp": dist.tp} if dist is not None else {}))
+        if dist is not None:
+            worker = dist.attach(mgr, worker, pool)
         tok = Tokenizer.from_dir(model_dir)
     except BaseException:
         # undo in reverse; a failure while undoing must not hide the error that matters
         import contextlib
         import gc
 
-        steps = [getattr(worker, "close", None), getattr(mgr, "close", None),
+        steps = [getattr(dist, "abort", None), getattr(worker, "close", None),
+                 getattr(mgr, "close", None),
                  getattr(weights, "close", None) if own_weights else None]
         for close in steps:
             if close is not None:
@@ -572,6 +585,7 @@ def _build(cls: type, sized: _Sized, model_dir: str, opts: dict[str, Any], is_de
               max_model_len=sized.max_model_len, seed=None if seed < 0 else seed,
               warnings=sized.warnings, is_demo=is_demo, owns_driver=owns)
     eng._opts = dict(opts)
+    eng.distributed = dist
     return eng
 
 
