@@ -476,9 +476,13 @@ out:
 
 /* ---- mappings ----------------------------------------------------------------------------- */
 
-/* Caller holds the lock. ``restore``: hv_unmap_batch putting back a mapping it just removed,
- * which may belong to a deferred-freed handle (its release waits for the batch to finish). */
-static int map_locked(hv_pool *p, uint64_t va, uint64_t handle, int restore) {
+/* Caller holds the lock. What a map of ``handle`` at ``va`` must satisfy (no side effect):
+ * aligned, a live handle (``restore``: hv_unmap_batch putting back a mapping it just removed,
+ * which may belong to a deferred-freed handle), inside one reservation, over unmapped pages,
+ * under the mapping cap counting ``pending`` maps of this batch not yet recorded. */
+static int check_map_locked(hv_pool *p, uint64_t va, uint64_t handle, int restore,
+                            uint64_t pending, uint64_t *slot_out, hv_resv **r_out,
+                            uint64_t *first_out) {
     if (va % p->granule)
         return fail(EINVAL, "map address %#llx is not aligned to the granularity %llu",
                     (unsigned long long)va, (unsigned long long)p->granule);
@@ -498,17 +502,29 @@ static int map_locked(hv_pool *p, uint64_t va, uint64_t handle, int restore) {
         if (r->ent[first + i])
             return fail(EEXIST, "address %#llx is already mapped; unmap it first",
                         (unsigned long long)(va + i * p->granule));
-    if (p->max_mappings && p->nmappings >= p->max_mappings)
+    if (p->max_mappings && p->nmappings + pending >= p->max_mappings)
         return fail(ENOMEM, "mapping limit of %llu mappings reached (it keeps the process under "
                     "vm.max_map_count); use larger handles or raise the limit",
                     (unsigned long long)p->max_mappings);
-    /* Populating: the first map of a handle writes-faults its fresh (fallocated, not yet
-     * zeroed) pages with MADV_POPULATE_WRITE; later maps read-populate (MAP_POPULATE), which
-     * maps 16 already-initialised pages per fault (fault-around). MADV_POPULATE_WRITE needs
-     * Linux 5.14; without it every populated map uses MAP_POPULATE. */
-    int write_populate = p->populate && !(p->hflags[slot] & HV_USED) && !p->no_populate_write;
+    *slot_out = slot;
+    *r_out = r;
+    *first_out = first;
+    return 0;
+}
+
+/* Populating: the first map of a handle writes-faults its fresh (fallocated, not yet zeroed)
+ * pages with MADV_POPULATE_WRITE; later maps read-populate (MAP_POPULATE), which maps 16
+ * already-initialised pages per fault (fault-around). MADV_POPULATE_WRITE needs Linux 5.14;
+ * without it every populated map uses MAP_POPULATE. */
+static int write_populates(hv_pool *p, uint64_t slot) {
+    return p->populate && !(p->hflags[slot] & HV_USED) && !p->no_populate_write;
+}
+
+/* One mmap of ``size`` bytes of the memfd at ``off`` over ``va`` (one handle, or a run of
+ * handles contiguous in address and offset); on failure the range is reserved again. */
+static int mmap_range(hv_pool *p, uint64_t va, uint64_t size, uint64_t off, int write_populate) {
     int flags = MAP_SHARED | MAP_FIXED | (p->populate && !write_populate ? MAP_POPULATE : 0);
-    void *got = mmap((void *)va, size, PROT_READ | PROT_WRITE, flags, p->fd, (off_t)handle);
+    void *got = mmap((void *)va, size, PROT_READ | PROT_WRITE, flags, p->fd, (off_t)off);
     if (got == MAP_FAILED) {
         int e = errno;
         /* A failed MAP_FIXED may have removed the old mapping: put the reservation back. */
@@ -519,19 +535,37 @@ static int map_locked(hv_pool *p, uint64_t va, uint64_t handle, int restore) {
     }
     if (write_populate && madvise((void *)va, size, MADV_POPULATE_WRITE) != 0 && errno == EINVAL)
         p->no_populate_write = 1; /* older kernel; other errors: best effort, pages fault later */
+    return 0;
+}
+
+/* Caller holds the lock: the bookkeeping of a mapping whose mmap succeeded. */
+static void record_map_locked(hv_pool *p, hv_resv *r, uint64_t first, uint64_t slot,
+                              uint64_t handle) {
+    uint64_t pages = p->hpages[slot];
     p->hflags[slot] |= HV_USED;
     r->ent[first] = handle | HV_START_BIT;
     for (uint64_t i = 1; i < pages; i++) r->ent[first + i] = handle;
     r->mapped_pages += pages;
     p->hmaps[slot]++;
-    p->mapped += size;
+    p->mapped += pages * p->granule;
     p->nmappings++;
+}
+
+/* Caller holds the lock. */
+static int map_locked(hv_pool *p, uint64_t va, uint64_t handle, int restore) {
+    uint64_t slot, first;
+    hv_resv *r;
+    int rc = check_map_locked(p, va, handle, restore, 0, &slot, &r, &first);
+    if (rc) return rc;
+    rc = mmap_range(p, va, p->hpages[slot] * p->granule, handle, write_populates(p, slot));
+    if (rc) return rc;
+    record_map_locked(p, r, first, slot, handle);
     return 0;
 }
 
-/* Caller holds the lock. ``keep``: do not release a deferred-freed handle whose last mapping
- * this was (hv_unmap_batch releases them once the whole batch is done). */
-static int unmap_locked(hv_pool *p, uint64_t va, uint64_t *handle_out, int keep) {
+/* Caller holds the lock. Finds the mapping that starts at ``va`` (no side effect). */
+static int find_mapping_locked(hv_pool *p, uint64_t va, hv_resv **r_out, uint64_t *first_out,
+                               uint64_t *handle_out) {
     hv_resv *r = find_resv(p, va);
     if (!r) return fail(EFAULT, "unmap address %#llx is not inside a reservation", (unsigned long long)va);
     if ((va - r->va) % p->granule)
@@ -543,9 +577,15 @@ static int unmap_locked(hv_pool *p, uint64_t va, uint64_t *handle_out, int keep)
         return fail(ENOENT, e0 ? "address %#llx is inside a mapping but not its start"
                                : "address %#llx is not mapped",
                     (unsigned long long)va);
-    uint64_t handle = e0 & ~HV_START_BIT;
-    uint64_t slot = handle / p->granule;
-    uint64_t pages = p->hpages[slot], size = pages * p->granule;
+    *r_out = r;
+    *first_out = first;
+    *handle_out = e0 & ~HV_START_BIT;
+    return 0;
+}
+
+/* Replaces ``size`` bytes at ``va`` (one mapping, or a run of adjacent ones) by the
+ * reservation's inaccessible placeholder. */
+static int unmap_range(uint64_t va, uint64_t size) {
     void *got = mmap((void *)va, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED,
                      -1, 0);
     if (got == MAP_FAILED) {
@@ -553,13 +593,34 @@ static int unmap_locked(hv_pool *p, uint64_t va, uint64_t *handle_out, int keep)
         return fail(e, "re-reserving %llu bytes at %#llx failed: %s", (unsigned long long)size,
                     (unsigned long long)va, strerror(e));
     }
+    return 0;
+}
+
+/* Caller holds the lock: the bookkeeping of an unmapped mapping. ``keep``: do not release a
+ * deferred-freed handle whose last mapping this was (hv_unmap_batch releases them once the
+ * whole batch is done). */
+static void record_unmap_locked(hv_pool *p, hv_resv *r, uint64_t first, uint64_t handle,
+                                int keep) {
+    uint64_t slot = handle / p->granule;
+    uint64_t pages = p->hpages[slot];
     memset(&r->ent[first], 0, pages * sizeof *r->ent);
     r->mapped_pages -= pages;
     p->hmaps[slot]--;
-    p->mapped -= size;
+    p->mapped -= pages * p->granule;
     p->nmappings--;
-    if (handle_out) *handle_out = handle;
     if (!keep) release_unmapped(p, slot);
+}
+
+/* Caller holds the lock. */
+static int unmap_locked(hv_pool *p, uint64_t va, uint64_t *handle_out, int keep) {
+    hv_resv *r;
+    uint64_t first, handle;
+    int rc = find_mapping_locked(p, va, &r, &first, &handle);
+    if (rc) return rc;
+    rc = unmap_range(va, p->hpages[handle / p->granule] * p->granule);
+    if (rc) return rc;
+    record_unmap_locked(p, r, first, handle, keep);
+    if (handle_out) *handle_out = handle;
     return 0;
 }
 
@@ -577,23 +638,71 @@ int hv_unmap(hv_pool *p, uint64_t va, uint64_t *handle_out) {
     return rc;
 }
 
+/* Caller holds the lock. Maps entries [i, n) from ``i`` as one run: the longest prefix whose
+ * addresses and memfd offsets both continue the previous entry's (one reservation, one
+ * populate mode), checked entry by entry, then one mmap for all of it. Returns the entries
+ * mapped (*done) or an error with *bad the failing entry. A failed coalesced mmap is retried
+ * entry by entry, so the error names the exact entry. */
+static int map_run_locked(hv_pool *p, const uint64_t *vas, const uint64_t *handles, uint64_t i,
+                          uint64_t n, uint64_t *done, uint64_t *bad) {
+    uint64_t slot, first;
+    hv_resv *r;
+    int rc = check_map_locked(p, vas[i], handles[i], 0, 0, &slot, &r, &first);
+    if (rc) {
+        *bad = i;
+        return rc;
+    }
+    int wp = write_populates(p, slot);
+    uint64_t total = p->hpages[slot] * p->granule, j = i + 1;
+    while (j < n && vas[j] == vas[i] + total && handles[j] == handles[i] + total) {
+        uint64_t s2, f2;
+        hv_resv *r2;
+        if (check_map_locked(p, vas[j], handles[j], 0, j - i, &s2, &r2, &f2) || r2 != r ||
+            write_populates(p, s2) != wp)
+            break; /* entry j starts the next run (and fails there, if it is wrong) */
+        total += p->hpages[s2] * p->granule;
+        j++;
+    }
+    if (j - i > 1 && mmap_range(p, vas[i], total, handles[i], wp) == 0) {
+        for (uint64_t k = i; k < j; k++) {
+            uint64_t sk = handles[k] / p->granule;
+            record_map_locked(p, r, first + (vas[k] - vas[i]) / p->granule, sk, handles[k]);
+        }
+        *done = j - i;
+        return 0;
+    }
+    for (uint64_t k = i; k < j; k++) { /* one entry (or the run's mmap failed): one by one */
+        rc = map_locked(p, vas[k], handles[k], 0);
+        if (rc) {
+            *bad = k;
+            return rc;
+        }
+    }
+    *done = j - i;
+    return 0;
+}
+
+/* All or nothing. Entries contiguous in address and in memfd offset are mapped with one mmap
+ * per run (fewer system calls and VMAs); the bookkeeping stays per handle. */
 int hv_map_batch(hv_pool *p, const uint64_t *vas, const uint64_t *handles, uint64_t n,
                  uint64_t *failed) {
     pthread_mutex_lock(&p->mu);
     int rc = 0;
-    for (uint64_t i = 0; i < n; i++) {
-        rc = map_locked(p, vas[i], handles[i], 0);
+    for (uint64_t i = 0; i < n;) {
+        uint64_t done = 0, bad = i;
+        rc = map_run_locked(p, vas, handles, i, n, &done, &bad);
         if (rc) {
             char saved[sizeof hv_err];
             memcpy(saved, hv_err, sizeof saved);
             uint64_t left = 0; /* entries the kernel would not unmap again (ENOMEM on a VMA split) */
-            for (uint64_t j = i; j-- > 0;) left += unmap_locked(p, vas[j], NULL, 0) != 0;
-            snprintf(hv_err, sizeof hv_err, "batch entry %llu of %llu: %s%s", (unsigned long long)i,
+            for (uint64_t j = bad; j-- > 0;) left += unmap_locked(p, vas[j], NULL, 0) != 0;
+            snprintf(hv_err, sizeof hv_err, "batch entry %llu of %llu: %s%s", (unsigned long long)bad,
                      (unsigned long long)n, saved,
                      left ? " (and the rollback could not unmap every earlier entry)" : "");
-            if (failed) *failed = i;
+            if (failed) *failed = bad;
             break;
         }
+        i += done;
     }
     pthread_mutex_unlock(&p->mu);
     return rc;
@@ -619,10 +728,12 @@ static int check_unmap_locked(hv_pool *p, uint64_t va, uint64_t **ent) {
 }
 
 /* All or nothing: every entry is checked (each must start a mapping, none listed twice) before
- * anything is unmapped, so misuse changes nothing. Only the kernel can fail after that (ENOMEM
- * splitting a VMA); then the entries already unmapped are mapped back. Deferred-freed handles
- * whose last mapping goes are released once the batch has succeeded, so the rollback can map
- * them back. */
+ * anything is unmapped, so misuse changes nothing. Entries that are adjacent mappings (each
+ * starting where the previous one ends, in one reservation) are unmapped with one system call
+ * per run. Only the kernel can fail after the checks (ENOMEM splitting a VMA); a failed run is
+ * retried entry by entry, and on a failure the entries already unmapped are mapped back.
+ * Deferred-freed handles whose last mapping goes are released once the batch has succeeded,
+ * so the rollback can map them back. */
 int hv_unmap_batch(hv_pool *p, const uint64_t *vas, uint64_t n, uint64_t *failed) {
     if (n == 0) return 0;
     uint64_t *undone = malloc(n * sizeof *undone); /* claimed entries, then unmapped handles */
@@ -649,18 +760,38 @@ int hv_unmap_batch(hv_pool *p, const uint64_t *vas, uint64_t n, uint64_t *failed
         if (failed) *failed = i;
         goto out;
     }
-    for (i = 0; i < n; i++) {
-        rc = unmap_locked(p, vas[i], &undone[i], 1);
-        if (rc) {
-            memcpy(saved, hv_err, sizeof saved);
-            uint64_t left = 0; /* entries the kernel would not map back */
-            for (uint64_t j = i; j-- > 0;) left += map_locked(p, vas[j], undone[j], 1) != 0;
-            snprintf(hv_err, sizeof hv_err, "batch entry %llu of %llu: %s%s", (unsigned long long)i,
-                     (unsigned long long)n, saved,
-                     left ? " (and the rollback could not map every earlier entry back)" : "");
-            if (failed) *failed = i;
-            break;
+    for (i = 0; i < n && !rc;) {
+        hv_resv *r, *r2;
+        uint64_t first, handle, f2, h2;
+        find_mapping_locked(p, vas[i], &r, &first, &handle); /* checked above */
+        uint64_t total = p->hpages[handle / p->granule] * p->granule, j = i + 1;
+        while (j < n && vas[j] == vas[i] + total &&
+               find_mapping_locked(p, vas[j], &r2, &f2, &h2) == 0 && r2 == r) {
+            total += p->hpages[h2 / p->granule] * p->granule;
+            j++;
         }
+        if (j - i > 1 && unmap_range(vas[i], total) == 0) {
+            for (uint64_t k = i; k < j; k++) {
+                find_mapping_locked(p, vas[k], &r2, &f2, &h2);
+                record_unmap_locked(p, r2, f2, h2, 1);
+                undone[k] = h2;
+            }
+            i = j;
+            continue;
+        }
+        for (; i < j; i++) { /* one entry (or the run's system call failed): one by one */
+            rc = unmap_locked(p, vas[i], &undone[i], 1);
+            if (rc) break;
+        }
+    }
+    if (rc) {
+        memcpy(saved, hv_err, sizeof saved);
+        uint64_t left = 0; /* entries the kernel would not map back */
+        for (uint64_t j = i; j-- > 0;) left += map_locked(p, vas[j], undone[j], 1) != 0;
+        snprintf(hv_err, sizeof hv_err, "batch entry %llu of %llu: %s%s", (unsigned long long)i,
+                 (unsigned long long)n, saved,
+                 left ? " (and the rollback could not map every earlier entry back)" : "");
+        if (failed) *failed = i;
     }
     /* deferred-freed handles left with no mapping (all of them on success) are released now */
     for (uint64_t j = 0; j < i; j++) release_unmapped(p, undone[j] / p->granule);
@@ -746,6 +877,39 @@ int hv_host_free(uint64_t ptr, uint64_t size) {
     if (munmap((void *)ptr, size) != 0) {
         int e = errno;
         return fail(e, "freeing the host buffer at %#llx failed: %s", (unsigned long long)ptr, strerror(e));
+    }
+    return 0;
+}
+
+int hv_bench_raw_map_unmap_coalesced(int fd, uint64_t va, const uint64_t *offs, uint64_t n,
+                                     uint64_t page, uint64_t rounds, int populate) {
+    int flags = MAP_SHARED | MAP_FIXED | (populate ? MAP_POPULATE : 0);
+    for (uint64_t k = 0; k < rounds; k++) {
+        for (uint64_t i = 0, j; i < n; i = j) { /* one mmap per run contiguous in offset */
+            for (j = i + 1; j < n && offs[j] == offs[i] + (j - i) * page; j++) {}
+            if (mmap((void *)(va + i * page), (j - i) * page, PROT_READ | PROT_WRITE, flags, fd,
+                     (off_t)offs[i]) == MAP_FAILED)
+                return fail(errno, "raw mmap failed: %s", strerror(errno));
+        }
+        if (mmap((void *)va, n * page, PROT_NONE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) == MAP_FAILED)
+            return fail(errno, "raw re-reserve failed: %s", strerror(errno));
+    }
+    return 0;
+}
+
+int hv_bench_raw_map_unmap_at(int fd, const uint64_t *vas, const uint64_t *offs, uint64_t n,
+                              uint64_t page, uint64_t rounds, int populate) {
+    int flags = MAP_SHARED | MAP_FIXED | (populate ? MAP_POPULATE : 0);
+    for (uint64_t k = 0; k < rounds; k++) {
+        for (uint64_t i = 0; i < n; i++)
+            if (mmap((void *)vas[i], page, PROT_READ | PROT_WRITE, flags, fd, (off_t)offs[i]) ==
+                MAP_FAILED)
+                return fail(errno, "raw mmap failed: %s", strerror(errno));
+        for (uint64_t i = 0; i < n; i++)
+            if (mmap((void *)vas[i], page, PROT_NONE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) == MAP_FAILED)
+                return fail(errno, "raw re-reserve failed: %s", strerror(errno));
     }
     return 0;
 }

@@ -78,7 +78,10 @@ int hv_reservation_size(hv_pool *p, uint64_t va, uint64_t *size);
 
 int hv_map(hv_pool *p, uint64_t va, uint64_t handle);
 int hv_unmap(hv_pool *p, uint64_t va, uint64_t *handle_out);
-/* All or nothing: on failure every mapping this call made is undone; *failed = index. */
+/* All or nothing: on failure every mapping this call made is undone; *failed = index.
+ * Entries contiguous in address and memfd offset are mapped with one mmap per run (and
+ * hv_unmap_batch unmaps adjacent mappings with one call per run); the bookkeeping stays per
+ * handle, so each entry is still unmapped, checked and rolled back on its own. */
 int hv_map_batch(hv_pool *p, const uint64_t *vas, const uint64_t *handles, uint64_t n,
                  uint64_t *failed);
 /* All or nothing: every entry is checked first (a start of a mapping, none listed twice), so
@@ -106,6 +109,15 @@ int hv_host_free(uint64_t ptr, uint64_t size);
  * MAP_POPULATE to the maps, as hv_set_populate does for the pool. */
 int hv_bench_raw_map_unmap(int fd, uint64_t va, const uint64_t *offs, uint64_t n, uint64_t page,
                            uint64_t rounds, int populate);
+/* The same at explicit addresses: maps offs[i] at vas[i] then unmaps each (one system call
+ * per page each way, whatever the layout). */
+int hv_bench_raw_map_unmap_at(int fd, const uint64_t *vas, const uint64_t *offs, uint64_t n,
+                              uint64_t page, uint64_t rounds, int populate);
+/* The same with one mmap per run of offsets contiguous in the memfd (one call for contiguous
+ * pages) and one re-reserving mmap for the whole range: the limit a batch can reach when its
+ * pages are contiguous in address and memfd offset. */
+int hv_bench_raw_map_unmap_coalesced(int fd, uint64_t va, const uint64_t *offs, uint64_t n,
+                                     uint64_t page, uint64_t rounds, int populate);
 
 #ifdef __cplusplus
 }

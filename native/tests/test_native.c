@@ -100,6 +100,41 @@ int main(void) {
     CHECK(hv_free(p, h[0]) == EBADF);
     hv_pool_close(p); /* with live handles and a reservation: close releases them */
 
+    /* coalesced runs: handles contiguous in address and memfd offset map with one mmap, but
+     * each stays its own mapping (unmapped, checked and rolled back one by one) */
+    CHECK(hv_pool_open(&p, G, 8 * G) == 0);
+    uint64_t cv, ch[4], cvas[4];
+    CHECK(hv_reserve(p, 8 * G, &cv) == 0);
+    for (int i = 0; i < 4; i++) {
+        CHECK(hv_create(p, G, &ch[i]) == 0);
+        cvas[i] = cv + (uint64_t)i * G;
+    }
+    CHECK(ch[1] == ch[0] + G && ch[3] == ch[0] + 3 * G); /* a fresh memfd: contiguous offsets */
+    CHECK(hv_map_batch(p, cvas, ch, 4, &failed) == 0);
+    for (int i = 0; i < 4; i++) memset((void *)cvas[i], 0x10 + i, G);
+    hv_stats(p, stats);
+    CHECK(stats[HV_STAT_MAPPINGS] == 4 && stats[HV_STAT_MAPPED] == 4 * G);
+    CHECK(hv_unmap(p, cvas[1], NULL) == 0); /* a handle in the middle of the run */
+    CHECK(hv_check_mapped(p, cvas[1], 1) == ENOENT && hv_check_mapped(p, cvas[2], G) == 0);
+    CHECK(hv_map(p, cvas[1], ch[1]) == 0 && ((unsigned char *)cvas[1])[7] == 0x11);
+    CHECK(((unsigned char *)cvas[3])[G - 1] == 0x13);
+    uint64_t rev[4] = {ch[3], ch[2], ch[1], ch[0]}; /* the same handles elsewhere, reversed */
+    uint64_t rvas[4] = {cv + 4 * G, cv + 5 * G, cv + 6 * G, cv + 7 * G};
+    CHECK(hv_map_batch(p, rvas, rev, 4, &failed) == 0 && ((unsigned char *)rvas[0])[0] == 0x13);
+    uint64_t clash[3] = {cv + 4 * G, cv + 5 * G, cv + 6 * G};
+    CHECK(hv_unmap_batch(p, rvas, 4, &failed) == 0);
+    /* a run whose third entry is already mapped: all or nothing, the index is exact */
+    CHECK(hv_map(p, clash[2], ch[0]) == 0);
+    CHECK(hv_map_batch(p, clash, ch + 1, 3, &failed) == EEXIST && failed == 2);
+    CHECK(hv_check_mapped(p, clash[0], 1) == ENOENT && hv_check_mapped(p, clash[1], 1) == ENOENT);
+    CHECK(hv_unmap(p, clash[2], NULL) == 0);
+    CHECK(hv_unmap_batch(p, cvas, 4, &failed) == 0); /* one re-reserving call for the run */
+    hv_stats(p, stats);
+    CHECK(stats[HV_STAT_MAPPINGS] == 0 && stats[HV_STAT_MAPPED] == 0);
+    for (int i = 0; i < 4; i++) CHECK(hv_free(p, ch[i]) == 0);
+    CHECK(hv_release(p, cv, 8 * G) == 0);
+    hv_pool_close(p);
+
     CHECK(aclInit(NULL) == 0 && aclInit(NULL) == 100002);
     CHECK(aclGetRecentErrMsg() != NULL && aclGetRecentErrMsg() == NULL);
     void *av, *ah;

@@ -1,16 +1,26 @@
 """``xllm-vmm bench map``: the cost of mapping and unmapping 2 MiB pages through a driver.
 
-Three ways of doing the same map+unmap of ``pages`` pages, ``rounds`` times, in one process:
+Ways of doing the same map+unmap of ``pages`` pages, ``rounds`` times, in one process, timed
+in interleaved repeats (best and median reported):
 
-* ``batched``: one ``map_batch`` + one ``unmap_batch`` call per round (the pool's hot path);
-* ``per_call``: one ``map`` / ``unmap`` Python call per page;
+* ``batched``: one ``map_batch`` + one ``unmap_batch`` call per round (the pool's hot path),
+  on *scattered* pages (every other page of the range, the handles permuted: no two
+  neighbours contiguous in address or in the memfd);
+* ``per_call``: one ``map`` / ``unmap`` Python call per page (scattered);
 * ``raw``: the device calls with no bookkeeping — on the host a C loop doing exactly the
-  ``mmap`` system calls of the driver (the limit on this host); on ACL/CUDA the library's
-  map/unmap functions called straight through ctypes.
+  per-page ``mmap`` system calls (scattered pages: the limit on this host); on ACL/CUDA the
+  library's map/unmap functions called straight through ctypes;
+* ``contiguous_batched``: ``batched`` on *contiguous* pages (address and memfd offset both
+  increasing): the host driver maps each contiguous run with one ``mmap`` and unmaps it with
+  one, keeping its bookkeeping per handle;
+* ``coalesced_raw`` (host): a C loop with one ``mmap`` per contiguous run and one for the
+  unmap — the limit for contiguous pages.
 
 Per-page costs are microseconds for one map plus one unmap. ``batched_vs_raw_ratio`` =
-batched / raw; ``python_overhead_us_per_page`` = batched − raw per page (what the driver adds
-above the system calls). Targets: ratio ≤ 1.2 and overhead ≤ 1 µs/page for batches of 64 or more.
+batched / raw (scattered); ``python_overhead_us_per_page`` = batched − raw per page (what the
+driver adds above the system calls); ``batched_vs_coalesced_ratio`` = contiguous_batched /
+coalesced_raw; ``coalescing_speedup`` = batched / contiguous_batched. Targets: ratio ≤ 1.2
+and overhead ≤ 1 µs/page for batches of 64 or more; ``batched_vs_coalesced_ratio`` ≤ 1.5.
 These fields are measured with plain maps (populate off) on both sides.
 
 On the host driver the batched and raw ways run a second time with mappings *populated*
@@ -31,6 +41,7 @@ from __future__ import annotations
 import array
 import ctypes as C
 import platform
+import statistics
 import time
 from typing import Any
 
@@ -45,19 +56,31 @@ def best_seconds(fn, repeats: int) -> float:
     return best
 
 
-def _raw_fn(driver, vas: list[int], handles: list[int], rounds: int):
+def _raw_fn(driver, vas: list[int], handles: list[int], rounds: int, coalesced: bool = False):
+    """The device calls with no bookkeeping (see the module docstring); ``coalesced`` (host
+    driver only, ``vas`` contiguous): one ``mmap`` per run of handles contiguous in the memfd,
+    and one for the unmap of the whole range. ``None`` where there is no such baseline."""
     if driver.name == "host":
         lib = driver._lib
         offs = array.array("Q", handles)
+        addrs = array.array("Q", vas)
         fd, g, va0, n = driver.memfd, driver.granularity, vas[0], len(vas)
         populate = int(driver.populate)  # the same mmap flags as the driver's maps
 
         def raw() -> None:
-            rc = lib.hv_bench_raw_map_unmap(fd, va0, offs.buffer_info()[0], n, g, rounds, populate)
+            if coalesced:
+                rc = lib.hv_bench_raw_map_unmap_coalesced(fd, va0, offs.buffer_info()[0], n, g,
+                                                          rounds, populate)
+            else:
+                rc = lib.hv_bench_raw_map_unmap_at(fd, addrs.buffer_info()[0],
+                                                   offs.buffer_info()[0], n, g, rounds,
+                                                   populate)
             if rc:
                 raise RuntimeError((lib.hv_last_error() or b"").decode())
 
         return raw
+    if coalesced:
+        return None
     if driver.name == "acl":
         acl, g = driver._acl, driver.granularity
 
@@ -98,56 +121,101 @@ def check_map_fits(driver, pages: int) -> None:
                where=f"the {driver.name} driver")
 
 
+def interleaved_seconds(fns: dict[str, Any], repeats: int) -> dict[str, list[float]]:
+    """Each of ``fns`` timed once per repeat, the repeats interleaved (``a b c a b c ...``),
+    so that a slow stretch of a shared machine hits every way alike; seconds per call."""
+    out: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            out[k].append(time.perf_counter() - t0)
+    return out
+
+
+def scattered_order(n: int) -> list[int]:
+    """A permutation of ``range(n)`` in which no entry is followed by its successor (evens,
+    then odds; ``n == 2`` excepted): handles in this order never continue each other in the
+    memfd, so no run coalesces."""
+    return list(range(0, n, 2)) + list(range(1, n, 2))
+
+
 def run(driver, pages: int = 64, rounds: int = 20, repeats: int = 3) -> dict[str, Any]:
-    """Measures the three ways on ``driver``; leaves nothing mapped or allocated."""
+    """Measures the ways on ``driver``; leaves nothing mapped or allocated.
+
+    Two layouts of the same pages: *contiguous* (address and memfd offset both increasing,
+    what a pool mapping a run of fresh pages does; the host driver maps each run with one
+    ``mmap``) and *scattered* (every other page, the handles permuted: one system call per
+    page each way on every path). The headline ratios are
+    ``batched_vs_raw_ratio`` (scattered: batched against the per-page system-call loop) and
+    ``batched_vs_coalesced_ratio`` (contiguous: batched against one ``mmap`` per contiguous
+    run, ``coalesced_raw_us_per_page``), each the ratio of the best interleaved repeats, with
+    their medians beside them."""
     if pages <= 0 or rounds <= 0 or repeats <= 0:
         raise ValueError(f"--pages, --rounds and --repeats must be positive (got {pages}, {rounds}, {repeats})")
     g = driver.granularity
     check_map_fits(driver, pages)
-    va = driver.reserve(pages * g)
+    va = driver.reserve(2 * pages * g)
     handles = driver.create_handles(pages, g)
-    vas = [va + i * g for i in range(pages)]
+    vas = [va + i * g for i in range(pages)]  # contiguous
+    svas = [va + 2 * i * g for i in range(pages)]  # scattered: every other page
+    scattered = [handles[i] for i in scattered_order(pages)]
     can_populate = driver.name == "host"
     was = driver.populate if can_populate else False
     try:
-        def batched() -> None:
-            for _ in range(rounds):
-                driver.map_batch(vas, handles)
-                driver.unmap_batch(vas)
+        def batched_of(where, hs):
+            def batched() -> None:
+                for _ in range(rounds):
+                    driver.map_batch(where, hs)
+                    driver.unmap_batch(where)
+            return batched
 
         def per_call() -> None:
             for _ in range(rounds):
-                for v, h in zip(vas, handles):
+                for v, h in zip(svas, scattered):
                     driver.map(v, h)
-                for v in vas:
+                for v in svas:
                     driver.unmap(v)
 
         per = pages * rounds
         if can_populate:
             driver.populate = False
-        raw = _raw_fn(driver, vas, handles, rounds)
-        batched()  # warm-up
-        t_batched = best_seconds(batched, repeats) / per * 1e6
-        t_call = best_seconds(per_call, repeats) / per * 1e6
-        t_raw = best_seconds(raw, repeats) / per * 1e6 if raw else None
+        fns = {"batched": batched_of(svas, scattered), "per_call": per_call,
+               "contiguous_batched": batched_of(vas, handles)}
+        raw = _raw_fn(driver, svas, scattered, rounds)
+        if raw:
+            fns["raw"] = raw
+        coalesced = _raw_fn(driver, vas, handles, rounds, coalesced=True)
+        if coalesced:
+            fns["coalesced_raw"] = coalesced
+        for fn in fns.values():  # warm-up
+            fn()
+        t = {k: [x / per * 1e6 for x in v] for k, v in interleaved_seconds(fns, repeats).items()}
+        best = {k: min(v) for k, v in t.items()}
+        med = {k: statistics.median(v) for k, v in t.items()}
         p_batched = p_raw = None
         writes: dict[str, float] = {}
         if can_populate:
             driver.populate = True
-            p_raw_fn = _raw_fn(driver, vas, handles, rounds)
-            batched()  # warm-up (the first population of a fallocated page also zeroes it)
-            p_batched = best_seconds(batched, repeats) / per * 1e6
-            p_raw = best_seconds(p_raw_fn, repeats) / per * 1e6
+            pfns = {"batched": batched_of(svas, scattered),
+                    "raw": _raw_fn(driver, svas, scattered, rounds)}
+            for fn in pfns.values():  # warm-up (the first population also zeroes the pages)
+                fn()
+            pt = interleaved_seconds(pfns, repeats)
+            p_batched = min(pt["batched"]) / per * 1e6
+            p_raw = min(pt["raw"]) / per * 1e6
             writes = _map_write(driver, va, vas, handles, repeats)
     finally:
         if can_populate:
             driver.populate = was
-        for v in vas:
+        for v in (va + i * g for i in range(2 * pages)):
             if getattr(driver, "is_mapped", None) and driver.is_mapped(v, g):
                 driver.unmap(v)
         for h in handles:
             driver.free_handle(h)
-        driver.release(va, pages * g)
+        driver.release(va, 2 * pages * g)
+    t_batched, t_call, t_raw = best["batched"], best["per_call"], best.get("raw")
+    t_cb, t_co = best["contiguous_batched"], best.get("coalesced_raw")
     return {
         "device": driver.device_kind,
         "driver": driver.name,
@@ -155,13 +223,21 @@ def run(driver, pages: int = 64, rounds: int = 20, repeats: int = 3) -> dict[str
         "page_bytes": g,
         "pages": pages,
         "rounds": rounds,
+        "repeats": repeats,
         "batched_us_per_page": t_batched,
         "per_call_us_per_page": t_call,
         "raw_us_per_page": t_raw,
         "batched_vs_raw_ratio": t_batched / t_raw if t_raw else None,
+        "batched_vs_raw_ratio_median": med["batched"] / med["raw"] if t_raw else None,
         "per_call_vs_raw_ratio": t_call / t_raw if t_raw else None,
         "python_overhead_us_per_page": t_batched - t_raw if t_raw is not None else None,
         "batched_speedup_over_per_call": t_call / t_batched,
+        "contiguous_batched_us_per_page": t_cb,
+        "coalesced_raw_us_per_page": t_co,
+        "batched_vs_coalesced_ratio": t_cb / t_co if t_co else None,
+        "batched_vs_coalesced_ratio_median": (med["contiguous_batched"] / med["coalesced_raw"]
+                                              if t_co else None),
+        "coalescing_speedup": t_batched / t_cb,
         "populated_batched_us_per_page": p_batched,
         "populated_raw_us_per_page": p_raw,
         "populated_batched_vs_raw_ratio": p_batched / p_raw if p_raw else None,

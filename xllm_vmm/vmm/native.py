@@ -107,6 +107,8 @@ _HOST_PROTOTYPES: dict[str, tuple[list, Any]] = {
     "hv_host_alloc": ([_U64, C.POINTER(_U64)], _INT),
     "hv_host_free": ([_U64, _U64], _INT),
     "hv_bench_raw_map_unmap": ([_INT, _U64, _P, _U64, _U64, _U64, _INT], _INT),
+    "hv_bench_raw_map_unmap_coalesced": ([_INT, _U64, _P, _U64, _U64, _U64, _INT], _INT),
+    "hv_bench_raw_map_unmap_at": ([_INT, _P, _P, _U64, _U64, _U64, _INT], _INT),
 }
 
 
