@@ -44,6 +44,7 @@ class FanoutBacking:
         ok = all(s["ok"] for s in statuses)
         if not ok and ok_here:
             self.local.deactivate(slots)
+        self.runtime.check_errors("activate", statuses)
         return ok
 
     def deactivate(self, slots: Mapping[str, Sequence[int]]) -> None:

@@ -197,7 +197,16 @@ class Runtime:
         except Exception:  # noqa: BLE001 - a key left behind costs bytes, not correctness
             pass
         self._refresh(statuses)
+        if op != "activate":  # activate: the fan-out rolls back first, then checks
+            self.check_errors(op, statuses)
         return statuses
+
+    def check_errors(self, op: str, statuses: list[dict]) -> None:
+        """A :class:`DistributedError` naming the first rank whose ``op`` raised."""
+        for s in statuses[1:]:
+            if s.get("error"):
+                raise DistributedError(f"worker rank {s['rank']}: {op} failed: {s['error']}",
+                                       rank=s["rank"], address=self.group.address)
 
     def raise_if_lost(self) -> None:
         if self.failure is not None:
@@ -213,6 +222,11 @@ class Runtime:
             failed = self.failure
         if failed is not None:
             fn(failed)
+
+    def refresh(self) -> list[dict[str, Any]]:
+        """Ask every rank for its status now (rank 0; also refreshes the admission cap)."""
+        self.call("status", None, lambda: {})
+        return self.worker_stats()
 
     def worker_stats(self) -> list[dict[str, Any]]:
         """Each rank's last status (rank, pid, budget_left_bytes, mapped_bytes,
@@ -319,7 +333,10 @@ class Runtime:
             if op == "shutdown":
                 self._gather(self._status({}))
                 return 0
-            result = self._handle(op, payload)
+            try:
+                result = self._handle(op, payload)
+            except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it
+                result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
             statuses = self._gather(self._status(result))
             if op == "activate" and result["ok"] and not all(s["ok"] for s in statuses):
                 self.cache.deactivate(payload)  # rolled back on every worker
