@@ -424,3 +424,40 @@ def bench_engine(
     except ConfigError as exc:
         raise _fail(2, f"bench engine: {exc}") from None
     emit("bench engine (output tokens/s)", results, fmt)
+
+
+@bench_app.command(
+    "serve", short_help="xllm-vmm serve under a bounded loopback load: tok/s, TTFT/TPOT/ITL, mapped KV.",
+    help=(
+        'Starts `xllm-vmm serve` in a child process (or drives --url), sends --num-prompts '
+        'streamed completions of random token prompts (--input-len ± --range-ratio, '
+        '--output-len tokens each, ignore_eos) as a Poisson stream of --request-rate per second, '
+        'and reports output tokens/s, TTFT/TPOT/ITL median and p99, failures, peak mapped KV '
+        'bytes and mapped KV after the load. Default model: the 4-layer, hidden-512 bf16 Llama '
+        'of `bench engine`, served with KV and weights in an elastic VMM pool.'))
+def bench_serve(
+    model: Optional[str] = typer.Option(None, help="Model directory (default: the bench Llama)."),
+    url: Optional[str] = typer.Option(None, help="Drive this running server instead of starting one."),
+    num_prompts: int = typer.Option(128, help="Requests (1 to 100000)."),
+    request_rate: float = typer.Option(32.0, help="Requests per second (inf: all at once)."),
+    input_len: int = typer.Option(256, help="Mean prompt tokens."),
+    range_ratio: float = typer.Option(0.5, help="Prompt lengths in input_len × [1-r, 1+r]."),
+    output_len: int = typer.Option(128, help="Output tokens per request (ignore_eos)."),
+    seed: int = typer.Option(0, help="Seed of prompts and arrivals."),
+    timeout: float = typer.Option(600.0, help="Seconds the load may take in all."),
+    serve_arg: list[str] = typer.Option([], "--serve-arg", help="Extra flag for serve (repeatable), e.g. --serve-arg=--vmm_elastic=false."),
+    fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
+) -> None:
+    from xllm_vmm.bench import serve as serve_bench
+
+    cfg = serve_bench.LoadConfig(num_prompts=num_prompts, request_rate=request_rate,
+                                 input_len=input_len, range_ratio=range_ratio,
+                                 output_len=output_len, seed=seed, timeout=timeout)
+    try:
+        cfg.check()
+    except ValueError as exc:
+        raise _fail(2, str(exc)) from None
+    args = None
+    if url is None:
+        args = serve_bench.serve_args(model, list(serve_arg), input_len, range_ratio, output_len)
+    emit("bench serve", _run("bench serve", lambda: serve_bench.run(cfg, serve_args=args, url=url)), fmt)

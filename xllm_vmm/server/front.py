@@ -145,6 +145,13 @@ class AsyncEngine:
         return self
 
     @property
+    def vocab_size(self) -> Optional[int]:
+        """Token ids valid in prompts: below both the model's and the tokenizer's vocabulary."""
+        sizes = [v for v in (getattr(self.engine, "vocab_size", None),
+                             getattr(self.tokenizer, "vocab_size", None)) if v]
+        return min(int(v) for v in sizes) if sizes else None
+
+    @property
     def num_in_flight(self) -> int:
         with self._lock:
             return len(self._streams)

@@ -185,7 +185,7 @@ def register(app: FastAPI, server) -> None:
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": now, "owned_by": "xllm-vmm",
              "root": name, "parent": None, "max_model_len": f.max_model_len,
-             "vocab_size": getattr(f.tokenizer, "vocab_size", None)}
+             "vocab_size": f.vocab_size}
             for name, f in server.fronts.items()]}
 
     @app.post("/tokenize")
@@ -206,7 +206,7 @@ def register(app: FastAPI, server) -> None:
         server.check_key(request)
         body: DetokenizeRequest = await _body(request, DetokenizeRequest)
         front = server.front_for(body.model)
-        vocab = getattr(front.tokenizer, "vocab_size", None)
+        vocab = front.vocab_size
         bad = [t for t in body.tokens if t < 0 or (vocab is not None and t >= vocab)]
         if bad:
             raise APIError(400, f"token ids outside the vocabulary (0..{vocab - 1 if vocab else '?'}"

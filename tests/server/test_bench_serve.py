@@ -1,0 +1,84 @@
+"""``bench serve``: the load generator's figures, and one bounded run against a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.server.conftest import FakeEngine
+from xllm_vmm.bench import serve as bs
+from xllm_vmm.server import AsyncEngine, RunningServer, ServerSettings, build_app
+
+
+def test_percentile_is_numpys_linear():
+    rng = np.random.default_rng(0)
+    xs = list(rng.random(37))
+    for q in (0, 50, 90, 99, 100):
+        assert bs.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+    assert math.isnan(bs.percentile([], 50))
+
+
+def test_parse_metric_sums_matching_labels():
+    text = ('# HELP x y\nxllm_vmm_tenant_mapped_bytes{model_name="a",tenant="kv"} 4.0\n'
+            'xllm_vmm_tenant_mapped_bytes{model_name="a",tenant="weights"} 8.0\n'
+            'xllm_vmm_tenant_mapped_bytes{model_name="b",tenant="kv"} 2.0\n'
+            'xllm_vmm_tenant_mapped_bytes_other{tenant="kv"} 100\n')
+    assert bs.parse_metric(text, "xllm_vmm_tenant_mapped_bytes", {"tenant": "kv"}) == 6.0
+    assert bs.parse_metric(text, "xllm_vmm_tenant_mapped_bytes") == 14.0
+    assert bs.parse_metric(text, "nothing") is None
+
+
+def test_drive_counts_every_request(tokenizer):
+    eng = FakeEngine(tokenizer, max_model_len=512)
+    app = build_app(AsyncEngine(eng), ServerSettings())
+    with RunningServer(app) as srv:
+        cfg = bs.LoadConfig(num_prompts=20, request_rate=200.0, input_len=16, output_len=6)
+        out = asyncio.run(bs.drive(srv.url, cfg))
+    assert out["completed"] == 20 and out["failures"] == 0 and out["errors"] == []
+    assert out["total_output_tokens"] == 120
+    for k in ("ttft_ms_median", "ttft_ms_p99", "tpot_ms_median", "itl_ms_median", "itl_ms_p99"):
+        assert out[k] >= 0 and math.isfinite(out[k]), k
+    assert out["ttft_ms_p99"] >= out["ttft_ms_median"]
+    assert out["output_throughput"] > 0
+
+
+def test_drive_reports_failures_not_crashes(tokenizer):
+    eng = FakeEngine(tokenizer, max_model_len=512)
+    app = build_app(AsyncEngine(eng, max_waiting=0 + 10 ** 9), ServerSettings(api_key="k"))
+    with RunningServer(app) as srv:
+        cfg = bs.LoadConfig(num_prompts=3, request_rate=float("inf"), input_len=8,
+                            output_len=2, api_key="wrong")
+        with pytest.raises(Exception):  # /v1/models refuses the key: nothing to drive
+            asyncio.run(bs.drive(srv.url, cfg))
+
+
+@pytest.mark.parametrize("field,value", [("num_prompts", 0), ("request_rate", 0.0),
+                                         ("range_ratio", 1.0), ("output_len", 0),
+                                         ("timeout", -1.0)])
+def test_config_ranges(field, value):
+    cfg = bs.LoadConfig(**{field: value})
+    with pytest.raises(ValueError, match=field.replace("_", "-")):
+        cfg.check()
+
+
+def test_bench_serve_cli_json_on_a_real_server(tiny_llama_dir):
+    proc = subprocess.run(
+        [sys.executable, "-m", "xllm_vmm.cli", "bench", "serve", "--model", str(tiny_llama_dir),
+         "--num-prompts", "12", "--request-rate", "inf", "--input-len", "24",
+         "--output-len", "64", "--timeout", "120", "--serve-arg=--device-memory=256MiB",
+         "--format", "json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["completed"] == 12 and out["failures"] == 0
+    assert out["total_output_tokens"] == 12 * 64
+    assert out["server_exit_code"] == 0
+    assert out["kv_live_blocks_after"] == 0
+    assert out["kv_mapped_bytes_peak"] >= out["kv_mapped_bytes_after"] > 0
+    assert out["kv_mapped_bytes_after"] <= out["kv_packed_floor_bytes_after"] + (2 << 20) * 8
+    assert out["reserved_virtual_bytes"] > out["kv_mapped_bytes_peak"]

@@ -1,0 +1,351 @@
+"""``xllm-vmm bench serve``: start the server, drive a bounded loopback load, report latency,
+throughput and the KV memory the pool mapped.
+
+The load is ``vllm bench serve --dataset-name random``'s: ``num_prompts`` prompts of
+``input_len`` ± ``range_ratio`` random token ids, each asking ``output_len`` tokens with
+``ignore_eos`` (so every request produces exactly that many), streamed through
+``/v1/completions``, arriving as a Poisson process of ``request_rate`` requests per second
+(``inf``: all at once). The run is bounded: it stops after the last request or ``timeout``
+seconds, whichever comes first (requests still open then count as failures).
+
+Figures (names are the JSON fields; seconds are reported in milliseconds as ``*_ms``):
+``output_throughput`` (output tokens / wall time of the load, tok/s), ``request_throughput``,
+``ttft_ms_median``/``_p99`` (request sent → first token), ``tpot_ms_median``/``_p99`` ((e2e −
+TTFT) / (output tokens − 1), per request), ``itl_ms_median``/``_p99`` (gap between two chunks
+carrying tokens, divided by the tokens of the later chunk), ``failures``, ``completed``;
+``kv_mapped_bytes_peak`` (highest ``xllm_vmm_tenant_mapped_bytes{tenant="kv"}`` sampled every
+``metrics_interval`` seconds during the load), ``kv_mapped_bytes_after`` (once no block is live
+any more, waited for up to 5 s) beside ``kv_packed_floor_bytes_after`` (the least bytes the
+blocks the prefix cache still keeps need: mapped KV at the floor means these two are close) and
+``kv_live_blocks_after`` (0 when every request let go), ``kv_mapped_bytes_before``,
+``reserved_virtual_bytes``. One warm-up request (not counted) precedes the load.
+
+The server runs in its own process (``xllm-vmm serve --port 0``, its ready line read from
+stdout) so that the load generator does not share its interpreter lock; ``url`` drives an
+already running server instead. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+READY_RE = re.compile(r"ready at (http://\S+)")
+
+
+@dataclass
+class LoadConfig:
+    num_prompts: int = 64
+    request_rate: float = 32.0
+    input_len: int = 128
+    range_ratio: float = 0.5
+    output_len: int = 32
+    seed: int = 0
+    timeout: float = 300.0
+    metrics_interval: float = 0.02
+    api_key: Optional[str] = None
+
+    def check(self) -> None:
+        if not 1 <= self.num_prompts <= 100_000:
+            raise ValueError(f"--num-prompts must be in 1..100000, got {self.num_prompts}")
+        if not (self.request_rate > 0):
+            raise ValueError(f"--request-rate must be > 0 (inf: all at once), got "
+                             f"{self.request_rate}")
+        if not 1 <= self.input_len <= 1 << 20:
+            raise ValueError(f"--input-len must be in 1..1048576, got {self.input_len}")
+        if not 0.0 <= self.range_ratio < 1.0:
+            raise ValueError(f"--range-ratio must be in [0, 1), got {self.range_ratio}")
+        if not 1 <= self.output_len <= 1 << 20:
+            raise ValueError(f"--output-len must be in 1..1048576, got {self.output_len}")
+        if not 0 < self.timeout <= 86400:
+            raise ValueError(f"--timeout must be in (0, 86400] seconds, got {self.timeout}")
+
+
+@dataclass
+class _Result:
+    ok: bool = False
+    error: str = ""
+    ttft: float = 0.0
+    e2e: float = 0.0
+    output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) by linear interpolation (numpy's default)."""
+    if not values:
+        return float("nan")
+    xs = sorted(values)
+    k = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def parse_metric(text: str, name: str, labels: dict[str, str] | None = None) -> Optional[float]:
+    """Sum of the samples of ``name`` whose labels include ``labels`` in Prometheus text."""
+    total = None
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        mname, _, lab = head.partition("{")
+        if mname != name:
+            continue
+        got = dict(re.findall(r'(\w+)="([^"]*)"', lab))
+        if labels and any(got.get(k) != v for k, v in labels.items()):
+            continue
+        total = (total or 0.0) + float(value)
+    return total
+
+
+async def _one(client, url: str, model: str, prompt: list[int], cfg: LoadConfig,
+               headers: dict) -> _Result:
+    res = _Result()
+    body = {"model": model, "prompt": prompt, "max_tokens": cfg.output_len, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.0}
+    t0 = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body,
+                                 headers=headers) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    res.error = chunk["error"].get("message", "error event")
+                    return res
+                now = time.perf_counter()
+                if chunk.get("usage") and not chunk.get("choices"):
+                    res.output_tokens = int(chunk["usage"]["completion_tokens"])
+                    continue
+                if not chunk.get("choices"):
+                    continue
+                if last is None:
+                    res.ttft = now - t0
+                else:
+                    res.itl.append(now - last)
+                last = now
+        res.e2e = time.perf_counter() - t0
+        res.ok = res.output_tokens == cfg.output_len and last is not None
+        if not res.ok and not res.error:
+            res.error = f"{res.output_tokens} tokens instead of {cfg.output_len}"
+    except Exception as exc:  # connection refused/reset, timeout: a failure, not a crash
+        res.error = f"{type(exc).__name__}: {exc}"
+    return res
+
+
+async def drive(url: str, cfg: LoadConfig) -> dict:
+    """Run the load against the server at ``url``; returns the figures (module docstring)."""
+    import httpx
+
+    cfg.check()
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    rng = random.Random(cfg.seed)
+    limits = httpx.Limits(max_connections=cfg.num_prompts + 4,
+                          max_keepalive_connections=cfg.num_prompts + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout), limits=limits) as client:
+        models = (await client.get(f"{url}/v1/models", headers=headers)).json()["data"]
+        model = models[0]["id"]
+        vocab = int(models[0].get("vocab_size") or 256)
+        max_len = int(models[0].get("max_model_len") or (cfg.input_len * 2 + cfg.output_len))
+        lo = max(1, int(cfg.input_len * (1 - cfg.range_ratio)))
+        hi = max(lo, int(cfg.input_len * (1 + cfg.range_ratio)))
+        hi = min(hi, max_len - cfg.output_len - 1)
+        if hi < 1 or lo > hi:
+            raise ValueError(f"--input-len {cfg.input_len} + --output-len {cfg.output_len} do "
+                             f"not fit the model's context of {max_len} tokens")
+        low_id = min(4, vocab - 1)
+        prompts = [[rng.randrange(low_id, vocab) for _ in range(rng.randint(lo, hi))]
+                   for _ in range(cfg.num_prompts)]
+        gaps = [0.0 if math.isinf(cfg.request_rate) else rng.expovariate(cfg.request_rate)
+                for _ in prompts]
+
+        async def scrape() -> Optional[float]:
+            try:
+                text = (await client.get(f"{url}/metrics")).text
+            except Exception:
+                return None
+            return parse_metric(text, "xllm_vmm_tenant_mapped_bytes", {"tenant": "kv"})
+
+        # One request first (not counted), as vllm bench serve does: the first step of a
+        # fresh server pays one-time costs (allocator warm-up, lazy imports).
+        warm = await _one(client, url, model, prompts[0][: max(1, lo)],
+                          LoadConfig(output_len=min(cfg.output_len, 4)), headers)
+        if not warm.ok:
+            raise RuntimeError(f"the warm-up request failed: {warm.error}")
+        before = await scrape()
+        reserved_text = (await client.get(f"{url}/metrics")).text
+        reserved = parse_metric(reserved_text, "xllm_vmm_reserved_virtual_bytes")
+        peak = [before or 0.0]
+        done = asyncio.Event()
+
+        async def sampler():
+            while not done.is_set():
+                v = await scrape()
+                if v is not None:
+                    peak[0] = max(peak[0], v)
+                await asyncio.sleep(cfg.metrics_interval)
+
+        sampler_task = asyncio.create_task(sampler())
+        t_start = time.perf_counter()
+        tasks = []
+        for prompt, gap in zip(prompts, gaps):
+            if gap:
+                await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(_one(client, url, model, prompt, cfg, headers)))
+        remaining = cfg.timeout - (time.perf_counter() - t_start)
+        finished, pending = await asyncio.wait(tasks, timeout=max(0.0, remaining))
+        for t in pending:
+            t.cancel()
+        wall = time.perf_counter() - t_start
+        done.set()
+        await sampler_task
+        results = [t.result() for t in finished if not t.cancelled()]
+        results += [_Result(error="timed out") for _ in pending]
+        async def idle_figures():
+            text = (await client.get(f"{url}/metrics")).text
+            return (parse_metric(text, "xllm_vmm_tenant_mapped_bytes", {"tenant": "kv"}),
+                    parse_metric(text, "xllm_vmm_kv_packed_floor_bytes"),
+                    parse_metric(text, "xllm_vmm_kv_live_blocks"))
+
+        after, floor, live = await idle_figures()
+        deadline = time.monotonic() + 5.0
+        while live and time.monotonic() < deadline:  # aborted/finishing requests let go
+            await asyncio.sleep(0.1)
+            after, floor, live = await idle_figures()
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    ttft = [r.ttft for r in ok]
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    itl = [x for r in ok for x in r.itl]
+    errors = sorted({r.error for r in results if not r.ok})[:5]
+    return {
+        "completed": len(ok), "failures": len(results) - len(ok), "errors": errors,
+        "num_prompts": cfg.num_prompts,
+        "request_rate": "inf" if math.isinf(cfg.request_rate) else cfg.request_rate,
+        "input_len": cfg.input_len, "range_ratio": cfg.range_ratio,
+        "output_len": cfg.output_len, "duration_s": wall,
+        "output_throughput": out_tokens / wall if wall > 0 else 0.0,
+        "request_throughput": len(ok) / wall if wall > 0 else 0.0,
+        "total_output_tokens": out_tokens,
+        "ttft_ms_median": 1e3 * percentile(ttft, 50), "ttft_ms_p99": 1e3 * percentile(ttft, 99),
+        "tpot_ms_median": 1e3 * percentile(tpot, 50), "tpot_ms_p99": 1e3 * percentile(tpot, 99),
+        "itl_ms_median": 1e3 * percentile(itl, 50), "itl_ms_p99": 1e3 * percentile(itl, 99),
+        "kv_mapped_bytes_before": before, "kv_mapped_bytes_peak": peak[0],
+        "kv_mapped_bytes_after": after, "kv_packed_floor_bytes_after": floor,
+        "kv_live_blocks_after": live, "reserved_virtual_bytes": reserved,
+    }
+
+
+class ServerProcess:
+    """``xllm-vmm serve ARGS --port 0`` in a child process; ``url`` once its ready line came.
+    Stopped with SIGTERM (graceful), SIGKILL after ``grace`` seconds."""
+
+    def __init__(self, serve_args: list[str], *, start_timeout: float = 600.0):
+        self.args = [sys.executable, "-m", "xllm_vmm.cli", "serve", *serve_args]
+        if not any(a == "--port" or a.startswith("--port=") for a in serve_args):
+            self.args.append("--port=0")
+        self.start_timeout = start_timeout
+        self.proc: Optional[subprocess.Popen] = None
+        self.url: Optional[str] = None
+        self.log: list[str] = []
+
+    def start(self) -> "ServerProcess":
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=env)
+        deadline = time.monotonic() + self.start_timeout
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            self.log.append(line.rstrip("\n"))
+            m = READY_RE.search(line)
+            if m:
+                self.url = m.group(1)
+                return self
+        self.stop()
+        tail = "\n".join(self.log[-15:])
+        raise RuntimeError(f"the server did not become ready (exit code {self.proc.returncode})"
+                           f":\n{tail}")
+
+    def stop(self, grace: float = 30.0) -> Optional[int]:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout is not None and not self.proc.stdout.closed:
+            rest = self.proc.stdout.read()
+            self.log.extend(rest.splitlines())
+            self.proc.stdout.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def run(cfg: LoadConfig, *, serve_args: list[str] | None = None, url: str | None = None) -> dict:
+    """Drive ``url``, or start ``xllm-vmm serve serve_args`` and drive it; figures + where."""
+    cfg.check()
+    if url is not None:
+        out = asyncio.run(drive(url.rstrip("/"), cfg))
+        out["server"] = url
+        return out
+    with ServerProcess(list(serve_args or [])) as srv:
+        out = asyncio.run(drive(srv.url, cfg))
+        out["server"] = "xllm-vmm serve " + " ".join(serve_args or [])
+        code = srv.stop()
+    out["server_exit_code"] = code
+    return out
+
+
+# What `bench serve` starts when not told otherwise: KV cache and weights in an elastic VMM pool
+# (mapped KV follows demand), 16-token blocks, an emulated 4 GiB device.
+DEFAULT_SERVE_FLAGS = ("--enable_vmm_kvcache=true", "--vmm_elastic=true",
+                       "--enable_vmm_weights=true", "--block_size=16", "--device-memory=4GiB")
+
+
+def serve_args(model: Optional[str], extra: list[str], input_len: int, range_ratio: float,
+               output_len: int) -> list[str]:
+    """``xllm-vmm serve`` arguments: the model (default: ``bench engine``'s 4-layer,
+    hidden-512 bf16 Llama, built on first use), :data:`DEFAULT_SERVE_FLAGS` for the flags
+    ``extra`` does not set, a context that fits the longest request, then ``extra``."""
+    if model is None:
+        from xllm_vmm.bench.engine import bench_model_dir
+
+        model = str(bench_model_dir(4, 512, "bfloat16"))
+    given = {a.split("=", 1)[0].lstrip("-").replace("-", "_") for a in extra if a.startswith("-")}
+    args = ["--model", model]
+    for flag in DEFAULT_SERVE_FLAGS:
+        if flag.split("=", 1)[0].lstrip("-").replace("-", "_") not in given:
+            args.append(flag)
+    if "max_model_len" not in given:
+        longest = int(input_len * (1 + range_ratio)) + output_len + 1
+        args.append(f"--max-model-len={max(longest, 64)}")
+    return args + list(extra)
