@@ -156,7 +156,8 @@ def parse_args(tokens: Iterable[Token | str]) -> tuple[list[Assignment], list[Fi
                 continue
             tok = nxt if nxt.via else tok
         elif tok.unknown:
-            findings.append(not_checked(flag, tok, f"--{flag.name}", src))
+            shown = Token(value, tok.file, tok.line, tok.col, tok.unknown, tok.via)
+            findings.append(not_checked(flag, shown, f"--{flag.name}", src))
             continue
         try:
             out.append(Assignment(flag.name, parse_text(flag, value), src))
@@ -176,7 +177,7 @@ def not_checked(flag: FlagDef | None, tok: Token, what: str, src: Source | None 
     where = src or Source("cli", tok.file, tok.line, tok.col, text=tok.text)
     return Finding(
         "CFG-UNRESOLVED", NOT_CHECKED,
-        f"{what} {tok.text!r} is not checked: {tok.unknown}" + (f" ({where})" if where.file else ""),
+        f"{what} {tok.text} is not checked: {tok.unknown}" + (f" ({where})" if where.file else ""),
         flags={flag.name: tok.text} if flag is not None else {},
         sources={flag.name: where} if flag is not None else {},
         hint="it is known only when the script runs on the serving host", where=where)
