@@ -258,19 +258,24 @@ class VirtualKVCache:
 
     # -- SlotBacking ---------------------------------------------------------------------
     def activate(self, slots: Mapping[str, Sequence[int]]) -> bool:
+        """Map every page of ``slots`` in one pool call, in address order (so that the pages
+        of consecutive slots of one tensor form runs the host driver maps with one call)."""
         pages: list[int] = []
         for name, ss in slots.items():
             geo = self.geometry[name]
             for s in ss:
                 pages.extend(geo.slot_pages(s))
+        pages.sort()
         return self.pool.map_pages(self.region, pages)
 
     def deactivate(self, slots: Mapping[str, Sequence[int]]) -> None:
+        """Unmap every page of ``slots`` in one pool call, in address order."""
         pages: list[int] = []
         for name, ss in slots.items():
             geo = self.geometry[name]
             for s in ss:
                 pages.extend(geo.slot_pages(s))
+        pages.sort()
         self.pool.unmap_pages(self.region, pages)
 
     def move(self, moves: Mapping[str, Sequence[tuple[int, int]]]) -> bool:
