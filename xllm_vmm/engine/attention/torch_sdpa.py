@@ -1,23 +1,28 @@
-"""Paged attention in plain torch: gather the blocks a sequence uses, then
-``scaled_dot_product_attention`` (CPU and CUDA alike; the simplest correct backend).
+"""Paged attention in plain torch: ``scaled_dot_product_attention`` per sequence over
+zero-copy views of its blocks in the arena (CPU and CUDA alike).
 
-Per step (:meth:`TorchSDPABackend.prepare`) the chunks are split into
+A sequence's blocks are mostly runs of consecutive ids in one slot (the allocator keeps a
+sequence's blocks together), and a run of blocks is a contiguous token range of the ``slots``
+view: ``k_slots[slot, t0:t1]`` is ``(tokens, Hkv, D)`` with no copy. Per step
+(:meth:`TorchSDPABackend.prepare`) every chunk's blocks are cut into such runs; per layer each
+chunk is one SDPA call over the view of its single run (or the concatenation of its runs when
+its blocks are scattered — only that sequence is copied):
 
-- *decodes* (one query token): batched — their block tables gathered into
-  ``(Bd, nb * block_size, Hkv, D)`` and one SDPA call with a key-padding mask
-  ``key j < seq_len``;
-- *prefill chunks*: one SDPA call each. A chunk that starts at position 0 attends over its own
-  new K/V with ``is_causal`` (no gather); a chunk with an offset (chunked prefill, prefix-cache
-  hit) gathers its ``ceil(seq_len / block_size)`` blocks and uses the mask
+- a chunk starting at position 0 attends over its own new K/V with ``is_causal`` (no read);
+- a decode (one query token) attends over exactly its ``seq_len`` keys (no mask);
+- a chunk with an offset (chunked prefill, prefix-cache hit) uses the mask
   ``key j <= start_pos + i``.
 
-Gathers are one ``index_select`` per tensor over the layout's ``rows`` view into a buffer this
-backend keeps and reuses across layers and steps (grown on demand): allocating the gathered
-K/V afresh every layer cost 5x more than the copy itself (page faults of new memory).
+Measured (bf16, 1 thread, 4 KV heads of 64): per-sequence SDPA over views against gathering
+every decode's blocks into one padded batch + one SDPA call: B64 with 64-520 tokens 8.4 against
+25 ms a layer, B32 with 900-1024 tokens 11.8 against 23.5, B256 with 32-160 tokens 29 against 28
+(the gather copies every key once more than attention reads it; memory bandwidth, not FLOPs,
+bounds CPU decode). The batched-gather indices (``decode_block_rows``, ``PrefillSeq.rows``) are
+still derived per step for backends that gather (MLA reuses this metadata).
 
-Padding entries of a block table (beyond a sequence's blocks) are replaced by the sequence's
-first block before the gather, so no block outside the sequence — possibly unmapped — is read.
-Grouped-query attention uses SDPA's ``enable_gqa`` (no repeat of K/V).
+Only blocks of the step's sequences are read: runs cover ``[0, seq_len)`` exactly, and padding
+entries of a block table never reach an index. Grouped-query attention uses SDPA's
+``enable_gqa`` (no repeat of K/V).
 """
 
 from __future__ import annotations
@@ -50,6 +55,40 @@ class PrefillSeq:
 
 
 @dataclass
+class SeqRuns:
+    """One chunk for the per-sequence path: query rows ``[q0, q1)`` at positions
+    ``start ..``; ``runs``: ``(slot, t0, t1)`` token ranges of the ``slots`` views covering
+    ``[0, seq_len)`` in order; ``mask`` (n, seq_len) bool for a chunk with an offset and more
+    than one query (None otherwise)."""
+
+    q0: int
+    q1: int
+    start: int
+    seq_len: int
+    runs: list[tuple[int, int, int]]
+    mask: Any = None
+
+
+def block_runs(blocks: list[int], seq_len: int, block_size: int,
+               blocks_per_slot: int) -> list[tuple[int, int, int]]:
+    """Cut the blocks covering ``[0, seq_len)`` into maximal runs of consecutive ids within one
+    slot, as ``(slot, first token, end token)`` of that slot's token axis."""
+    nb = -(-seq_len // block_size)
+    runs = []
+    i = 0
+    while i < nb:
+        b0 = blocks[i]
+        slot = b0 // blocks_per_slot
+        j = i + 1
+        while j < nb and blocks[j] == blocks[j - 1] + 1 and blocks[j] // blocks_per_slot == slot:
+            j += 1
+        t0 = (b0 % blocks_per_slot) * block_size
+        runs.append((slot, t0, t0 + min((j - i) * block_size, seq_len - i * block_size)))
+        i = j
+    return runs
+
+
+@dataclass
 class SDPAMetadata:
     write_page: Any  # (T,) int64: slot (page) index of each new token's K/V
     write_off: Any  # (T,) int64: token offset within the slot
@@ -60,14 +99,11 @@ class SDPAMetadata:
     decode_mask: Any = None  # (Bd, 1, 1, nb * block_size) bool
     prefills: list[PrefillSeq] = field(default_factory=list)
     decode_keys: int = 0  # Bd * nb * block_size (workspace sizing)
+    seqs: list[SeqRuns] = field(default_factory=list)  # every chunk, in chunk order
 
 
 class TorchSDPABackend(AttentionBackend):
     name = "torch"
-
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self._buffers: dict[str, Any] = {}
 
     def prepare(self, step: StepInput) -> SDPAMetadata:
         import torch
@@ -81,7 +117,7 @@ class TorchSDPABackend(AttentionBackend):
         seq_lens = step.seq_lens.tolist()
         tables = step.block_tables[geo.group].to(torch.int64)
         decodes = [i for i in range(step.num_seqs) if qsl[i + 1] - qsl[i] == 1]
-        if decodes:
+        if decodes:  # batched-gather indices of the decodes (for backends that gather, e.g. MLA)
             lens = torch.tensor([seq_lens[i] for i in decodes], dtype=torch.int64)
             nb = -(-int(lens.max()) // bs)
             table = tables[decodes, :nb]
@@ -93,18 +129,23 @@ class TorchSDPABackend(AttentionBackend):
             meta.decode_all = len(decodes) == step.num_tokens
             meta.decode_rows = torch.tensor([qsl[i] for i in decodes], dtype=torch.int64).to(dev)
             meta.decode_keys = len(decodes) * nb * bs
+        rows_of = tables.tolist()
         for i in range(step.num_seqs):
             q0, q1 = qsl[i], qsl[i + 1]
-            if q1 - q0 == 1:
-                continue
             seq_len = seq_lens[i]
             start = seq_len - (q1 - q0)
-            p = PrefillSeq(q0, q1, start, seq_len)
-            if start > 0:
+            sq = SeqRuns(q0, q1, start, seq_len,
+                         block_runs(rows_of[i], seq_len, bs, geo.blocks_per_slot) if start else [])
+            if start and q1 - q0 > 1:
+                sq.mask = (torch.arange(seq_len)[None, :]
+                           <= torch.arange(start, seq_len)[:, None]).to(dev)
+            meta.seqs.append(sq)
+            if q1 - q0 == 1:
+                continue
+            p = PrefillSeq(q0, q1, start, seq_len, mask=sq.mask)
+            if start > 0:  # gather indices (for backends that gather, e.g. MLA)
                 nb = -(-seq_len // bs)
                 p.nb, p.rows = nb, geo.block_rows(tables[i, :nb]).to(dev)
-                rows = torch.arange(start, seq_len)[:, None]
-                p.mask = (torch.arange(seq_len)[None, :] <= rows).to(dev)
             meta.prefills.append(p)
         return meta
 
@@ -117,65 +158,37 @@ class TorchSDPABackend(AttentionBackend):
         import torch
         import torch.nn.functional as F
 
-        hkv, d, bs = self.num_kv_heads, self.head_dim, self.geometry.block_size
-        if meta.decode_all and not meta.prefills:
-            return self._decode(q, kv, meta)
         out = torch.empty_like(q)
-        if meta.decode_rows is not None:
-            out[meta.decode_rows] = self._decode(q[meta.decode_rows], kv, meta)
-        for p in meta.prefills:
-            qp = q[p.q0:p.q1].transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
-            if p.start == 0:
-                kp = k[p.q0:p.q1].transpose(0, 1).unsqueeze(0)
-                vp = v[p.q0:p.q1].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qp, kp.to(q.dtype), vp.to(q.dtype),
-                                                   is_causal=True, scale=self.scale,
-                                                   enable_gqa=True)
+        kd = kv.k_slots
+        for sq in meta.seqs:
+            qi = q[sq.q0:sq.q1].transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
+            if sq.start == 0:
+                ki = k[sq.q0:sq.q1].to(q.dtype)
+                vi = v[sq.q0:sq.q1].to(q.dtype)
+                causal = sq.q1 - sq.q0 > 1
             else:
-                kp, vp = self._gather(kv, p.rows, p.nb)
-                kp, vp = kp[0, :p.seq_len], vp[0, :p.seq_len]
-                o = F.scaled_dot_product_attention(
-                    qp, kp.transpose(0, 1).unsqueeze(0).to(q.dtype),
-                    vp.transpose(0, 1).unsqueeze(0).to(q.dtype), attn_mask=p.mask,
-                    scale=self.scale, enable_gqa=True)
-            out[p.q0:p.q1] = o[0].transpose(0, 1)
+                runs = sq.runs
+                if len(runs) == 1:
+                    s_, t0, t1 = runs[0]
+                    ki, vi = kd[s_, t0:t1], kv.v_slots[s_, t0:t1]
+                else:
+                    ki = torch.cat([kd[s_, t0:t1] for s_, t0, t1 in runs])
+                    vi = torch.cat([kv.v_slots[s_, t0:t1] for s_, t0, t1 in runs])
+                ki, vi = ki.to(q.dtype), vi.to(q.dtype)
+                causal = False
+            o = F.scaled_dot_product_attention(
+                qi, ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0),
+                attn_mask=sq.mask, is_causal=causal, scale=self.scale, enable_gqa=True)
+            out[sq.q0:sq.q1] = o[0].transpose(0, 1)
         return out
 
-    def _decode(self, qd: Tensor, kv: PagedKV, meta: SDPAMetadata) -> Tensor:
-        import torch.nn.functional as F
-
-        kd, vd = self._gather(kv, meta.decode_block_rows, meta.decode_nb)
-        o = F.scaled_dot_product_attention(
-            qd.unsqueeze(2), kd.transpose(1, 2).to(qd.dtype), vd.transpose(1, 2).to(qd.dtype),
-            attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True)
-        return o.squeeze(2)
-
-    def _gather(self, kv: PagedKV, rows: Tensor, nb: int) -> tuple[Tensor, Tensor]:
-        """K and V of ``rows`` (whole blocks, ``nb`` per sequence) as
-        ``(n_seqs, nb * block_size, Hkv, D)`` views of the reused buffers."""
-        import torch
-
-        g = self.geometry.row_elems
-        n = rows.numel()
-        out = []
-        for name, src in (("k", kv.k_rows), ("v", kv.v_rows)):
-            buf = self._buffers.get(name)
-            if buf is None or buf.numel() < n * g or buf.dtype != src.dtype:
-                buf = torch.empty(max(n * g, 2 * (buf.numel() if buf is not None else 0)),
-                                  dtype=src.dtype, device=src.device)
-                self._buffers[name] = buf
-            dst = buf[:n * g].view(n, g)
-            torch.index_select(src, 0, rows, out=dst)
-            out.append(dst.view(-1, nb * self.geometry.block_size, self.num_kv_heads,
-                                self.head_dim))
-        return out[0], out[1]
-
     def workspace_bytes(self, meta: SDPAMetadata, elem: int) -> int:
-        """Gathered K and V plus float32 scores of the largest single call of the layer."""
+        """Float32 scores of the largest single call of the layer, plus the copy of a chunk
+        whose blocks are scattered (several runs)."""
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        peak = meta.decode_keys * (2 * hkv * d * elem + h * 4)
-        for p in meta.prefills:
-            n = p.q1 - p.q0
-            gathered = 2 * p.seq_len * hkv * d * elem if p.start else 0
-            peak = max(peak, gathered + h * n * p.seq_len * 4)
+        peak = 0
+        for sq in meta.seqs:
+            n = sq.q1 - sq.q0
+            copied = 2 * sq.seq_len * hkv * d * elem if len(sq.runs) > 1 else 0
+            peak = max(peak, copied + h * n * sq.seq_len * 4)
         return peak
