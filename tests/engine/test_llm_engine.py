@@ -151,7 +151,7 @@ def test_pool_idle_after_many_requests(llama):
     with make(d, enable_vmm_kvcache=True, vmm_elastic=True, max_tokens_per_batch=256,
               max_seqs_per_batch=16) as llm:
         sp = SamplingParams(temperature=0.9, max_tokens=3, seed=1, ignore_eos=True)
-        for r in range(5):
+        for r in range(25):  # 1,000 requests
             llm.generate([prompt(5 + (i * 7) % 40, 100 * r + i) for i in range(40)], sp)
         eng = llm.llm_engine
         kv = eng.kv_cache_manager.stats()
@@ -161,7 +161,7 @@ def test_pool_idle_after_many_requests(llama):
         kv = eng.kv_cache_manager.stats()
         assert kv["cached_blocks"] == 0
         assert kv["mapped_bytes"] == kv["packed_floor_bytes"]
-        assert eng.stats()["request_success"] == {"length": 200}
+        assert eng.stats()["request_success"] == {"length": 1000}
 
 
 def test_seeded_sampling_reproducible_whatever_runs_beside(llama):
