@@ -168,3 +168,14 @@ def test_cfg_dup_names_both_places(tmp_path):
     assert f"{j}:1:2" in f["message"] and f"{j}:2:2" in f["message"]
     # nearest non-trigger: the same value twice is accepted
     assert check("xllm --port=1 --port=1\n", tmp_path)[0] == 0
+
+
+@pytest.mark.parametrize("text", [
+    "X=$(( " + "(" * 3000 + "1" + ")" * 3000 + " ))\nxllm --port=$X\n",
+    "X=" + "${A:-" * 2000 + "x" + "}" * 2000 + "\nxllm --port=$X\n",
+    "xllm --port=" + "${A:-" * 2000 + "1" + "}" * 2000 + "\n",
+])
+def test_deeply_nested_values_are_not_checked_not_a_traceback(text):
+    shell, findings = parse_shell(text, "deep.sh")
+    assert findings == [] and "nested too deeply" in shell.tokens[0].unknown
+    assert len(shell.tokens[0].unknown) < 200

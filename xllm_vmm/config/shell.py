@@ -40,6 +40,12 @@ _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _ASSIGN_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(\+?)=")
 
 
+def _short(text: str, width: int = 60) -> str:
+    """``text`` for a message: at most ``width`` characters (an ellipsis marks a cut)."""
+    text = text.replace("\n", " ")
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 class ShellSyntaxError(ValueError):
     """Text bash itself would refuse (an unterminated quote or expansion). ``line`` is the
     physical line (1-based) where the unterminated construct starts."""
@@ -353,9 +359,12 @@ class Arith:
         self.i = 0
         if not self.toks:
             return 0
-        value = self._expr(0)
+        try:
+            value = self._expr(0)
+        except RecursionError:
+            raise _Unknown("the arithmetic is nested too deeply to compute here") from None
         if self.i != len(self.toks):
-            raise _Unknown(f"$(( {expr.strip()} )) is not arithmetic bash can compute")
+            raise _Unknown(f"$(( {_short(expr.strip())} )) is not arithmetic bash can compute")
         return value
 
     def _lex(self, expr: str) -> list[tuple[str, str]]:
@@ -365,7 +374,7 @@ class Arith:
         while i < len(expr):
             m = self._TOKEN.match(expr, i)
             if not m or m.end() == i:
-                raise _Unknown(f"$(( {expr.strip()} )) is not arithmetic bash can compute")
+                raise _Unknown(f"$(( {_short(expr.strip())} )) is not arithmetic bash can compute")
             kind = "num" if m.group(1) else "name" if m.group(2) else "op"
             out.append((kind, m.group(m.lastindex)))
             i = m.end()
@@ -640,7 +649,10 @@ class _Walker:
         return text, used
 
     def expand(self, lexed: _Lexed, splitting: bool = True) -> list[Word]:
-        fields, unknown, used = self._expand_parts(lexed.parts, splitting)
+        try:
+            fields, unknown, used = self._expand_parts(lexed.parts, splitting)
+        except RecursionError:
+            fields, unknown, used = [], "the word is nested too deeply to expand here", []
         via = tuple(dict.fromkeys(used))
         if unknown:
             return [Word(lexed.raw, lexed.raw, lexed.line, lexed.col, unknown, via)]
@@ -654,15 +666,18 @@ class _Walker:
         name, plus = m.group(1), m.group(2)
         first = lexed.parts[0]
         rest = (("lit", first[1][m.end():], first[2]),) + lexed.parts[1:]
-        fields, unknown, used = self._expand_parts(rest, splitting=False)
+        try:
+            fields, unknown, used = self._expand_parts(rest, splitting=False)
+        except RecursionError:
+            fields, unknown, used = [], "the value is nested too deeply to expand here", []
         value = fields[0] if fields else ""
-        where = f"{lexed.raw} ({self.where(lexed.line)})"
+        where = f"{_short(lexed.raw)} ({self.where(lexed.line)})"
         if plus and name in self.vars and not unknown:
             old = self.vars[name]
             unknown = old.unknown
             value = old.value + value
         self.vars[name] = Var(value if not unknown else "", unknown and
-                              f"{name} is {lexed.raw[m.end():]}: {unknown}", where)
+                              f"{name} is {_short(lexed.raw[m.end():])}: {unknown}", where)
         text = f"{name}={value}" if not unknown else lexed.raw
         return Word(text, lexed.raw, lexed.line, lexed.col, unknown, tuple(used))
 
