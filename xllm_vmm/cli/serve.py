@@ -320,6 +320,11 @@ def run(argv: list[str], out: Optional[TextIO] = None, err: Optional[TextIO] = N
     except (OSError, RuntimeError, ValueError, MemoryError) as exc:
         err.write(f"error: the engine could not start: {type(exc).__name__}: {exc}\n")
         return 1
+    dist = getattr(engine, "distributed", None)
+    if dist is not None and dist.rank > 0:  # a worker set (issue 14): no HTTP on this rank
+        from xllm_vmm.engine.distributed.serving import run_worker_rank
+
+        return run_worker_rank(engine, out, err)
     for f in getattr(engine, "warnings", []):
         if f.id not in {w.id for w in result.warnings}:
             err.write(f"warning {f.id}: {f.message}\n")
@@ -345,15 +350,22 @@ def run(argv: list[str], out: Optional[TextIO] = None, err: Optional[TextIO] = N
                               drain_timeout=opts["drain_timeout"])
     app = build_app(front, settings)
     t0 = time.monotonic()
+    stop = asyncio.Event()
+    lost: list = []
 
     def ready(url: str) -> None:
         extra = " (admin routes on)" if opts["enable_admin"] else ""
         out.write(f"xllm-vmm serve: ready at {url} (model {front.name}){extra}\n")
         out.flush()
+        if dist is not None:  # a lost worker: /health 503 and a clean stop (issue 14)
+            from xllm_vmm.engine.distributed.serving import watch_workers
+
+            loop = asyncio.get_running_loop()
+            lost.extend(watch_workers(engine, front, lambda: loop.call_soon_threadsafe(stop.set)))
 
     try:
         cancelled = asyncio.run(serve_async(app, host, port, drain_timeout=opts["drain_timeout"],
-                                            on_ready=ready))
+                                            on_ready=ready, stop=stop))
     except OSError as exc:
         front.close()
         err.write(f"error: cannot listen on {host}:{port}: {exc.strerror or exc} (give another "
@@ -364,6 +376,12 @@ def run(argv: list[str], out: Optional[TextIO] = None, err: Optional[TextIO] = N
         err.write(f"error: cannot listen on {host}:{port} (give another --port, or stop what "
                   "uses it)\n")
         return 1 if exc.code else 1
+    if dist is not None and dist.failure is not None:
+        err.write(f"error: {dist.failure}\n")
+        out.write(f"xllm-vmm serve: stopped after {time.monotonic() - t0:.1f} s: worker rank "
+                  f"{dist.failure.rank} lost\n")
+        out.flush()
+        return 1
     out.write(f"xllm-vmm serve: stopped after {time.monotonic() - t0:.1f} s"
               + (f", {cancelled} request(s) cancelled" if cancelled else "") + "\n")
     out.flush()

@@ -174,6 +174,12 @@ class AsyncEngine:
             return APIError(503, f"the engine failed and cannot serve: {self._engine_error}")
         return None
 
+    def mark_failed(self, message: str) -> None:
+        """The engine cannot serve any more (a lost worker of a worker set, issue 14):
+        ``/health`` and every new request get 503 with ``message``; the engine thread stops
+        stepping. Thread-safe."""
+        self._engine_error = message
+
     def admission_error(self, n: int) -> Optional[APIError]:
         err = self.availability_error()
         if err is not None:
@@ -380,6 +386,9 @@ class AsyncEngine:
                     item = self._inbox.get_nowait()
                 except queue.Empty:
                     item = None
+            if self._engine_error is not None:  # marked failed: nothing more to compute
+                time.sleep(0.05)
+                continue
             if not eng.has_unfinished_requests():
                 self._num_waiting = 0
                 self._num_running = 0

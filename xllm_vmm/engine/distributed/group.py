@@ -186,7 +186,7 @@ class Watchdog:
                 if last is None or last[0] != value:
                     self._seen[r] = (value, now)
                 elif now - last[1] > self.stale_s:
-                    why = f"no heartbeat for {now - last[1]:.1f} s"
+                    why = f"stopped answering (no heartbeat for {now - last[1]:.1f} s)"
             if why is not None:
                 self.lost = (r, why)
                 try:

@@ -278,6 +278,7 @@ class Runtime:
             if self.failure is not None:
                 return
             self.failure = err
+            self.active = False  # what is left to release is released here only
             listeners = list(self._listeners)
         for fn in listeners:
             try:

@@ -22,8 +22,9 @@ device), and the host KV tier (``host_blocks_factor > 0``) across workers.
 
 Engine-only options (``LLMEngine.from_flags`` / ``LLM``; not catalogue flags):
 
-- ``dist_timeout`` (seconds, default 60): rendezvous, every collective and the fault watchdog;
-  a worker silent this long is lost;
+- ``dist_timeout`` (seconds; default ``$XLLM_VMM_DIST_TIMEOUT``, else 120): the rendezvous and
+  every collective; the watchdog calls a worker lost after ``min(dist_timeout, 10)`` seconds
+  without a heartbeat (``serve`` reads it from the environment variable);
 - ``worker_device_memory``: the emulated device size of every worker (host driver only; a list
   of sizes, one per rank). The plan (and so every worker's cache geometry) is rank 0's
   ``device_memory``; this changes only what each worker's device can physically hold, which is
@@ -38,7 +39,7 @@ from typing import Any, Sequence
 DIST_OPTIONS = ("dist_timeout", "worker_device_memory", "_spawned")
 """Engine-only options of the multi-worker runtime (``_spawned`` is set on spawned workers)."""
 
-DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,15 @@ def topology_of(cfg: Any, opts: dict[str, Any]) -> Topology | None:
         raise refuse("master_node_addr", str(e), "give HOST:PORT of rank 0's host") from None
     if spawn and not explicit("master_node_addr"):
         host, port = "127.0.0.1", 0
-    timeout = opts.get("dist_timeout", DEFAULT_TIMEOUT_S)
+    timeout = opts.get("dist_timeout")
+    if timeout is None:
+        import os
+
+        env = os.environ.get("XLLM_VMM_DIST_TIMEOUT")
+        try:
+            timeout = float(env) if env else DEFAULT_TIMEOUT_S
+        except ValueError:
+            timeout = env
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ConfigError([Finding("CFG-TYPE", "error", f"dist_timeout={timeout!r} must be a "
                                    "positive number of seconds", flags={"dist_timeout": timeout})])

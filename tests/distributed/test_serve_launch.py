@@ -1,0 +1,144 @@
+"""The launch-script path: ``xllm-vmm serve --nnodes=2 --node_rank=0|1
+--master_node_addr=127.0.0.1:PORT`` as two processes, as an operator's script starts them.
+Rank 0 serves HTTP (the official ``openai`` client gets the same greedy text as one worker);
+rank 1 opens no port. A killed worker makes /health 503 and rank 0 exit 1 naming the rank; a
+bad master address or a rank that never arrives fails start-up after the timeout with an
+error naming the address."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.distributed.conftest import BASE
+
+TIMEOUT = "6"  # XLLM_VMM_DIST_TIMEOUT: rendezvous and collectives; heartbeat staleness too
+PROMPT = "The quick brown fox"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(model, rank: int, master: str, *extra: str) -> subprocess.Popen:
+    args = ["--model", str(model), "--port", "0", "--nnodes=2", f"--node_rank={rank}",
+            f"--master_node_addr={master}", f"--block_size={BASE['block_size']}",
+            f"--device-memory={BASE['device_memory']}", *extra]
+    return subprocess.Popen([sys.executable, "-m", "xllm_vmm.cli", "serve", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1",
+                                     XLLM_VMM_DIST_TIMEOUT=TIMEOUT, TORCH_CPP_LOG_LEVEL="ERROR"))
+
+
+def ready_url(proc: subprocess.Popen, deadline_s: float = 120) -> str:
+    lines = []
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "ready at " in line:
+            return line.split("ready at ", 1)[1].split()[0]
+    proc.kill()
+    raise AssertionError("no ready line:\n" + "".join(lines) + proc.communicate()[1])
+
+
+def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"process did not exit in {timeout} s:\n{out}\n{err}")
+    return proc.returncode, out, err
+
+
+def reference_text(model) -> str:
+    from xllm_vmm import LLM, SamplingParams
+
+    llm = LLM(model=str(model), **BASE)
+    try:
+        out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        return out[0].outputs[0].text
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_two_process_launch_serves_then_a_killed_worker_stops_it(llama_dir):
+    import openai
+
+    want = reference_text(llama_dir)
+    master = f"127.0.0.1:{free_port()}"
+    r0 = serve(llama_dir, 0, master)
+    r1 = serve(llama_dir, 1, master)
+    try:
+        url = ready_url(r0)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        model = client.models.list().data[0].id
+        got = client.completions.create(model=model, prompt=PROMPT, max_tokens=8,
+                                        temperature=0, extra_body={"ignore_eos": True})
+        assert got.choices[0].text == want
+        assert httpx.get(f"{url}/health").status_code == 200
+        r1.kill()  # a worker dies
+        r1.wait(10)
+        deadline = time.monotonic() + 30
+        health = None
+        while time.monotonic() < deadline:
+            r = httpx.get(f"{url}/health", timeout=2)
+            if r.status_code == 503:
+                health = r.json()["error"]["message"]
+                break
+            time.sleep(0.1)
+        code, out, err = finish(r0)
+    finally:
+        for p in (r0, r1):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert health is not None and "worker rank 1" in health
+    assert code == 1, err
+    assert "worker rank 1" in err and "Traceback" not in err
+    assert "worker rank 1 lost" in out
+
+
+def test_worker_rank_exits_with_rank_0(llama_dir):
+    master = f"127.0.0.1:{free_port()}"
+    r0 = serve(llama_dir, 0, master)
+    r1 = serve(llama_dir, 1, master)
+    try:
+        ready_url(r0)
+        r0.terminate()  # operator stops the service at rank 0
+        code0, _, err0 = finish(r0)
+        code1, out1, err1 = finish(r1)
+    finally:
+        for p in (r0, r1):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert code0 == 0, err0
+    assert code1 == 0, err1
+    assert "no HTTP port on this rank" in out1 and "stopped with rank 0" in out1
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_missing_peer_fails_start_up_after_the_timeout(llama_dir, rank):
+    master = f"127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    code, out, err = finish(serve(llama_dir, rank, master), timeout=90)
+    took = time.monotonic() - t0
+    assert code == 1
+    assert master in err and "Traceback" not in err
+    if rank == 0:
+        assert "rank(s) 1 never arrived" in err
+    else:
+        assert "could not reach the rendezvous" in err
+    assert took >= float(TIMEOUT)
