@@ -78,6 +78,7 @@ class Request:
     first_token_time: float | None = None
     admitted_order: int = -1
     """Monotonic admission counter: preemption takes the highest (newest) first."""
+    _all: list[int] | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -93,7 +94,17 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt then output tokens: one list kept across steps (read it, do not modify it;
+        outputs go through :meth:`append_output`)."""
+        a = self._all
+        if a is None or len(a) != len(self.prompt_token_ids) + len(self.output_token_ids):
+            a = self._all = self.prompt_token_ids + self.output_token_ids
+        return a
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        if self._all is not None:
+            self._all.append(token_id)
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -332,7 +332,7 @@ class Scheduler:
                 continue
             j = by_req[req.request_id]
             tok = int(token_ids[j])
-            req.output_token_ids.append(tok)
+            req.append_output(tok)
             lp = logprobs[j] if logprobs is not None else None
             if lp is not None:
                 req.output_logprobs.append(lp)

@@ -183,12 +183,10 @@ class StepInput:
             seq_lens.append(seq_len)
             if c.sample:
                 sample_idx.append(qsl[-1] - 1)
-        bt_tensors: dict[str, Tensor] = {}
-        for g in groups:
-            t = torch.full((len(chunks), max_blocks), BLOCK_TABLE_PAD, dtype=torch.int32)
-            for i, row in enumerate(tables[g]):
-                t[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
-            bt_tensors[g] = t
+        pad = [BLOCK_TABLE_PAD] * max_blocks
+        bt_tensors: dict[str, Tensor] = {
+            g: torch.tensor([row + pad[len(row):] for row in tables[g]], dtype=torch.int32)
+            for g in groups}
         return cls(
             chunks=chunks,
             block_size=block_size,
