@@ -388,7 +388,8 @@ class Runtime:
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.procs:
-            reap(self.procs, 15.0 if self.failure is None else 0.5)
+            lost = self.failure is not None
+            reap(self.procs, 0.5 if lost else 15.0, kill=lost)
         self.group.close()
 
 

@@ -51,15 +51,17 @@ def spawn_followers(world: int, port: int, model_dir: str, flags: dict[str, Any]
     return procs
 
 
-def reap(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
-    """Wait up to ``timeout`` s for each process, then SIGTERM, then SIGKILL; returns the exit
-    codes (every process is waited for: no zombies)."""
+def reap(procs: list[subprocess.Popen], timeout: float, *,
+         kill: bool = False) -> list[int | None]:
+    """Wait up to ``timeout`` s for each process, then SIGTERM (``kill``: SIGKILL at once, for
+    a lost worker set), then SIGKILL; returns the exit codes (every process is waited for: no
+    zombies)."""
     codes: list[int | None] = []
     for p in procs:
         try:
             p.wait(timeout=max(timeout, 0.01))
         except subprocess.TimeoutExpired:
-            p.terminate()
+            p.kill() if kill else p.terminate()
             try:
                 p.wait(timeout=3)
             except subprocess.TimeoutExpired:

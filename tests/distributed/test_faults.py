@@ -1,0 +1,44 @@
+"""Faults of a spawned worker set (offline engine): a worker killed or stopped (silent) makes
+the next step raise ``WorkerLost`` naming the rank within the timeout — never a hang — and
+shutdown still reaps every process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.distributed.conftest import BASE, alive
+from xllm_vmm.engine.distributed import WorkerLost
+from xllm_vmm.engine.llm_engine import LLMEngine
+from xllm_vmm.engine.sampling_params import SamplingParams
+
+SP = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+
+
+@pytest.mark.parametrize("how", ["killed", "silent"])
+def test_lost_worker_is_named_and_reaped(llama_dir, how):
+    eng = LLMEngine.from_flags(str(llama_dir), **{**BASE, "dist_timeout": 8}, nnodes=2)
+    pid = eng.distributed.worker_stats()[1]["pid"]
+    heard = []
+    eng.distributed.add_failure_listener(heard.append)
+    try:
+        eng.add_request("r", [5, 6, 7], SP)
+        eng.step()
+        os.kill(pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerLost) as e:
+            for _ in range(100):
+                eng.step()
+        took = time.monotonic() - t0
+        assert e.value.rank == 1 and "worker rank 1" in str(e.value)
+        assert ("exited with signal 9" if how == "killed" else "stopped answering") in str(e.value)
+        assert took < 8 + 10  # the collective timeout plus the naming window, never a hang
+        assert heard and heard[0] is e.value
+        with pytest.raises(WorkerLost):  # every later call fails the same way
+            eng.step()
+    finally:
+        eng.shutdown()
+    assert not alive(pid)
