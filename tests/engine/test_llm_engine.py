@@ -254,3 +254,33 @@ def test_flags_validated_by_the_config_code(llama):
     with pytest.raises(ConfigError) as e:
         LLM(str(d), block_size=16, device_memory="4MiB")
     assert e.value.findings[0].id in ("MEMORY", "CONTEXT")
+
+
+@pytest.mark.parametrize("mode", ["fixed", "physical"])
+def test_plan_and_the_running_cache_agree(llama, mode):
+    """`xllm-vmm plan` with the same flags, device memory and context length sizes the KV
+    cache the engine builds (per-group blocks, tokens)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from xllm_vmm.cli.app import app
+
+    d, _ = llama
+    flags = {"block_size": BS, "max_tokens_per_batch": 512, **MODES[mode]}
+    with make(d, max_model_len=256, **flags) as llm:
+        running = llm.llm_engine.sizing["running"]
+    args = ["plan", "--model", str(d), "--device-memory", "96MiB", "--runtime-overhead", "0",
+            "--context-len", "256", "--format", "json"]
+    args += [f"--{k}={str(v).lower()}" for k, v in flags.items()]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.stdout + r.stderr
+    w = json.loads(r.stdout)["per_worker"][0]
+    planned_blocks = {g["name"]: g["blocks"] for g in w["groups"]}
+    if mode == "fixed":
+        assert running["kv_capacity_blocks"] == planned_blocks
+        assert running["kv_capacity_tokens"] == w["kv_capacity_tokens"]
+    else:  # physical: the plan counts blocks, the cache whole pages per tensor (< 1 slot less)
+        for g, n in planned_blocks.items():
+            per_slot = w["blocks_per_page"][g]
+            assert n - per_slot < running["kv_capacity_blocks"][g] <= n
