@@ -174,7 +174,7 @@ def test_cfg_dup_names_both_places(tmp_path):
     "X=$(( " + "(" * 3000 + "1" + ")" * 3000 + " ))\nxllm --port=$X\n",
     "X=" + "${A:-" * 2000 + "x" + "}" * 2000 + "\nxllm --port=$X\n",
     "xllm --port=" + "${A:-" * 2000 + "1" + "}" * 2000 + "\n",
-])
+], ids=["arithmetic", "assignment", "flag-value"])
 def test_deeply_nested_values_are_not_checked_not_a_traceback(text):
     shell, findings = parse_shell(text, "deep.sh")
     assert findings == [] and "nested too deeply" in shell.tokens[0].unknown
