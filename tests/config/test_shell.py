@@ -179,3 +179,12 @@ def test_deeply_nested_values_are_not_checked_not_a_traceback(text):
     shell, findings = parse_shell(text, "deep.sh")
     assert findings == [] and "nested too deeply" in shell.tokens[0].unknown
     assert len(shell.tokens[0].unknown) < 200
+
+
+def test_a_sourced_file_is_named_as_a_possible_origin(tmp_path):
+    code, entry = check("source /opt/env.sh\nxllm --port=$P\n", tmp_path)
+    (item,) = [n for n in entry["not_checked"] if n["flag"]]
+    assert code == 0 and "from /opt/env.sh, which the script sources" in item["reason"]
+    code, entry = check("xllm --port=$P\n", tmp_path)
+    (item,) = [n for n in entry["not_checked"] if n["flag"]]
+    assert "sources" not in item["reason"]

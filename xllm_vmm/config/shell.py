@@ -544,9 +544,18 @@ class _Walker:
         self.file = file
         self.vars: dict[str, Var] = {}
         self.script = Script(variables=self.vars)
+        self.sourced: list[str] = []  # files the script sources (their variables are unknown)
 
     def where(self, line: int) -> str:
         return f"{self.file}:{line}" if self.file else f"line {line}"
+
+    def _missing(self, name: str) -> str:
+        """Why ``$name`` is not known: the script never sets it (the environment would, or a
+        file it sources)."""
+        if self.sourced:
+            return (f"${name} is not set in the script (it may come from the environment or "
+                    f"from {self.sourced[-1]}, which the script sources)")
+        return f"${name} is not set in the script"
 
     # --- expansion
 
@@ -612,7 +621,7 @@ class _Walker:
         present = nonempty if op.startswith(":") else is_set
         if op in ("", ":?", "?"):
             if not is_set:
-                raise _Unknown(f"${name} is not set in the script")
+                raise _Unknown(self._missing(name))
             used.append(var.where)
             return var.value
         if op in (":-", "-", ":=", "="):
@@ -786,6 +795,8 @@ class _Walker:
                 if word is not None:
                     self.script.assignments.append(word)
             return
+        if program in ("source", ".") and k + 1 < len(words):
+            self.sourced.append(words[k + 1].raw)
         if program == "unset":
             for w in words[k + 1:]:
                 self.vars.pop(w.raw, None)
