@@ -61,9 +61,15 @@ def reference_markdown() -> str:
 xllm-vmm accepts the {n} flags below, on the command line in the engine's gflags syntax
 (`--name=value`, `--name value`, `--name` / `--noname` for bools, dashes or underscores), in TOML
 files (flat keys or tables named after the group), in the engine's JSON file
-(`--config_json_file`) and as environment variables `XLLM_VMM_<NAME>`. Byte-sized flags (type
-`(bytes)`) also take sizes such as `512MiB` or `1GiB`. String flags whose help ends in *Values:*
-take only those values (any case); another value is a `CFG-TYPE` error. Where the engine's default differs by
+(`--config_json_file`, flat keys) and as environment variables `XLLM_VMM_<NAME>`. Values are
+parsed as the engine parses them: on the command line as gflags does (integers in ASCII digits
+with nothing after them, gflags' bool spellings), in the JSON file as its loader reads them (a
+string is never a bool or a number). Byte-sized flags (type `(bytes)`) take bytes; TOML files and
+`XLLM_VMM_*` variables also take sizes such as `512MiB` or `1GiB`. String flags whose help ends
+in *Values:* take only those values, spelled exactly; another value is a `CFG-TYPE` error. The
+workers of a service are `nnodes` (processes, one per device) × the devices of one process
+(`devices`), tensor parallel over workers / `dp_size`; `tp_size` is the DiT backend's only.
+Where the engine's default differs by
 build or platform, the first default is used and the help says so. Flags marked *accepted, no
 effect* are type-checked but not used by the xllm-vmm engine. See `docs/configuration.md` for
 sources, precedence and the rules; `xllm-vmm flags` prints the same table.
