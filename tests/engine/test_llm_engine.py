@@ -284,3 +284,13 @@ def test_plan_and_the_running_cache_agree(llama, mode):
         for g, n in planned_blocks.items():
             per_slot = w["blocks_per_page"][g]
             assert n - per_slot < running["kv_capacity_blocks"][g] <= n
+
+
+def test_without_chunked_prefill_a_prompt_must_fit_one_step(llama, refs):
+    d, _ = llama
+    with make(d, enable_chunked_prefill=False, max_tokens_per_batch=32) as llm:
+        with pytest.raises(RequestError) as e:
+            llm.generate([prompt(33)], GREEDY)
+        assert e.value.param == "prompt" and "max_tokens_per_batch=32" in e.value.message
+        p = prompt(32, 5)
+        assert llm.generate([p], GREEDY)[0].outputs[0].token_ids == refs(p)

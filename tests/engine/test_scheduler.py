@@ -228,3 +228,16 @@ def test_no_chunked_prefill_waits_for_the_whole_prompt(env):
     e.add("b", 5)
     assert e.step()[0] == [("a", 0, 3, True)]          # b (5 > 3 left) not chunked: waits
     assert e.step()[0] == [("a", 3, 1, True), ("b", 0, 5, True)]
+
+
+def test_no_chunked_prefill_recomputes_a_long_preempted_request_in_chunks(env):
+    # prompt + outputs (5 + 3 = 8) exceed the 6-token budget after preemption: chunked anyway
+    e = env(budget_slots=4, tokens=6, chunked=False)
+    r = e.add("a", 5, max_tokens=8)
+    e.step()
+    e.step()
+    e.step()                                   # 5 prompt + 2 outputs computed, 3 outputs
+    e.s._preempt(r)                            # as a full pool would
+    plan, out, _ = e.step()
+    assert plan == [("a", 0, 6, False)]
+    assert e.step()[0] == [("a", 6, 2, True)]

@@ -166,6 +166,12 @@ class LLMEngine:
             raise RequestError(param="prompt", message=(
                 f"the prompt has {len(ids)} tokens; the KV cache holds {cap} tokens in all: "
                 "shorten the prompt or give the cache more memory"))
+        budget = self.scheduler.max_tokens_per_batch
+        if not self.scheduler.enable_chunked_prefill and len(ids) > budget:
+            raise RequestError(param="prompt", message=(
+                f"the prompt has {len(ids)} tokens; with enable_chunked_prefill=false a prompt "
+                f"runs in one step of at most max_tokens_per_batch={budget} tokens: shorten "
+                "the prompt, raise max_tokens_per_batch or enable chunked prefill"))
         if request_id in self._children or request_id in self.scheduler.requests:
             raise RequestError(param="request_id", message=f"request id {request_id!r} is in use")
         t = time.monotonic() if arrival_time is None else arrival_time
@@ -329,16 +335,21 @@ class LLMEngine:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise SleepRefused(self.num_running + self.num_waiting)
                 self.step()
+        dist = getattr(self, "distributed", None)  # several workers: a barrier (issue 14)
+        before = dist.refresh() if dist is not None else None
         rep = ctl.sleep(level, busy=0)
-        return {"level": rep.level, "state": rep.state, "bytes_freed": rep.bytes_freed,
-                "kv_bytes_freed": rep.tenants_bytes_freed, "host_bytes_freed": rep.host_bytes_freed,
-                "seconds": rep.seconds}
+        out = {"level": rep.level, "state": rep.state, "bytes_freed": rep.bytes_freed,
+               "kv_bytes_freed": rep.tenants_bytes_freed, "host_bytes_freed": rep.host_bytes_freed,
+               "seconds": rep.seconds}
+        return out if dist is None else dist.sleep_all(level, out, before, undo=ctl.wake_up)
 
     def wake_up(self) -> dict:
         """Map the weights back (host copy or checkpoint) and allow KV pages again. Idempotent."""
         rep = self._controller().wake_up()
-        return {"state": rep.state, "source": rep.source, "bytes_mapped": rep.bytes_mapped,
-                "seconds": rep.seconds}
+        out = {"state": rep.state, "source": rep.source, "bytes_mapped": rep.bytes_mapped,
+               "seconds": rep.seconds}
+        dist = getattr(self, "distributed", None)  # several workers: a barrier (issue 14)
+        return out if dist is None else dist.wake_all(out)
 
     def is_sleeping(self) -> bool:
         return self._sleeper is not None and self._sleeper.is_sleeping()

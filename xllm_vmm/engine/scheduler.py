@@ -18,6 +18,9 @@ One :meth:`Scheduler.schedule` call, within ``max_tokens_per_batch`` tokens and
    that cannot grow with nothing else left to preempt has reached the KV capacity: it finishes
    with "length" (``RequestStatus.FINISHED_LENGTH``; ``capacity_finished`` counts it) — unless
    host-tier copies are in flight (they pin blocks until they end): then it waits.
+   Without chunked prefill a prompt runs in one step (the engine refuses prompts longer than
+   ``max_tokens_per_batch``); a preempted request whose prompt + outputs exceed it is
+   recomputed in chunks all the same (it could never run otherwise).
 3. Only when step 2 preempted nothing: waiting requests in arrival order (preempted ones first),
    while budgets last. Each is looked up in the prefix cache (``num_cached_tokens``: device and
    host tier hits need no compute), then allocated its first chunk against its *whole* footprint
@@ -232,8 +235,9 @@ class Scheduler:
                 hit = mgr.lookup(rid, tokens)
                 computed = hit.num_tokens
                 n = min(len(tokens) - computed, token_budget)
-                if n < len(tokens) - computed and not self.enable_chunked_prefill:
-                    mgr.drop(rid)
+                if (n < len(tokens) - computed and not self.enable_chunked_prefill
+                        and len(tokens) - computed <= self.max_tokens_per_batch):
+                    mgr.drop(rid)  # waits for a step with room for all of it
                     break
                 got = mgr.allocate(rid, n, hit=hit, num_prompt_tokens=len(tokens))
                 if got is None:
