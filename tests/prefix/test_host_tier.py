@@ -237,6 +237,8 @@ def test_second_restore_of_the_same_hashes_joins_the_copy_in_flight():
     c = run.start(toks(1, 2, 8))
     assert (b.restore.num_blocks, b.restore.joined) == (2, 0)
     assert (c.restore.num_blocks, c.restore.joined) == (2, 2)
+    assert [t.kind for t in driver.transfers] == [CopyKind.D2H]  # restores wait for a poll
+    tier.poll()  # ... which submits them (a waiter would run them on its own thread)
     # one host->device copy for both requests; c uses b's blocks, by reference
     assert [t.kind for t in driver.transfers] == [CopyKind.D2H, CopyKind.H2D]
     assert b.blocks["attn"] == [0, 1, 2, 3] and c.blocks["attn"] == [0, 1, 6, 7]
@@ -266,6 +268,7 @@ def test_a_restore_joins_only_the_hashes_in_flight_and_copies_the_rest():
     b = run.start(toks(1, 9))  # restores hash 1 only (block 2 differs)
     c = run.start(toks(1, 2, 8))
     assert (b.restore.num_blocks, c.restore.num_blocks, c.restore.joined) == (1, 2, 1)
+    tier.poll()  # submits the deferred restores, in order
     assert [t.kind for t in driver.transfers] == [CopyKind.D2H, CopyKind.H2D, CopyKind.H2D]
     assert c.blocks["attn"][0] == b.blocks["attn"][0]
     driver.transfers[1].complete()
@@ -326,6 +329,7 @@ def test_failure_of_the_shared_copy_is_seen_by_every_request():
     b = run.start(toks(1, 2, 9))
     c = run.start(toks(1, 2, 8))
     assert c.restore.joined == 2
+    tier.poll()  # submits the deferred restore
     driver.transfers[1].complete()
     assert b.restore.wait() is False and c.restore.wait() is False
     assert b.restore.error is c.restore.error and "injected copy failure" in str(b.restore.error)

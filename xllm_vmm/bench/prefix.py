@@ -20,12 +20,14 @@ measured in the same run.
   Each request's write-through finishes before the next request allocates, so these counts
   are the same on every run of a seed (timing moves only the bandwidth figures).
 - ``restore_vs_memcpy_ratio``: bytes per second of the tier's batched host→device restores in
-  that workload (from the restore's submission, inside ``allocate``, to ``wait_ready``) over ``memmove`` of the same bytes
-  — one ``memmove`` per restore, of that restore's size — from a driver host buffer into mapped
-  pages of the same driver whose page tables are present (the kind of destination a restore
-  writes, at its best). ``restore_with_map_vs_memcpy_ratio`` also counts the time of the
-  allocation before each restore's submission (mapping the request's new pages, with any
-  eviction), i.e. the
+  that workload (from the start of the restore's copy — ``allocate`` prepares it,
+  ``wait_ready`` right after runs it on the waiting thread — to the end of ``wait_ready``) over
+  ``memmove`` of the same bytes — one ``memmove`` per restore, of that restore's size, timed
+  right after it (interleaved) — from a driver host buffer into mapped pages of the same
+  driver whose page tables are present (the kind of destination a restore writes, at its
+  best). ``restore_with_map_vs_memcpy_ratio`` also counts the time from the start of
+  ``allocate`` to the copy's start (mapping the request's new pages, with any eviction, and
+  preparing the restore), i.e. the
   total cost of a restore into newly mapped blocks. The workload's driver populates mappings
   (``populate=True``, host driver); on the host driver the workload runs a second time without
   it, for ``restore_unpopulated_vs_memcpy_ratio`` and
@@ -223,8 +225,9 @@ def check_host_pool_fits(cfg: PrefixBenchConfig, available_bytes: int | None = N
 
 
 class _SubmitClock:
-    """The workload's driver, noting when each host→device batch (a restore) is submitted:
-    the restore's copy time runs from there to the request's ``wait_ready``."""
+    """The workload's driver, noting when each host→device batch (a restore's copy) starts —
+    submitted to the copy stream, or run by the thread that waits for it: the restore's copy
+    time runs from there to the request's ``wait_ready``."""
 
     def __init__(self, driver: Any) -> None:
         self._driver = driver
@@ -239,6 +242,13 @@ class _SubmitClock:
         if kind is CopyKind.H2D:
             self.last_h2d_submit = time.perf_counter()
         return self._driver.copy_batch_async(dsts, srcs, sizes, kind)
+
+    def copy_batch(self, dsts, srcs, sizes, kind):  # noqa: ANN001 - the driver's
+        from xllm_vmm.vmm import CopyKind
+
+        if kind is CopyKind.H2D:
+            self.last_h2d_submit = time.perf_counter()
+        return self._driver.copy_batch(dsts, srcs, sizes, kind)
 
 
 def _workload(cfg: PrefixBenchConfig, with_host: bool, populate: bool | None = None
@@ -269,8 +279,13 @@ def _workload(cfg: PrefixBenchConfig, with_host: bool, populate: bool | None = N
     prompt_tokens = hit_tokens = restored_tokens = restores = 0
     restore_s = restore_map_s = 0.0
     restore_sizes: list[int] = []  # bytes of each restore
+    memcpy_s = 0.0
     refused = 0
+    ring = None
     try:
+        if host is not None:
+            ring = _MemcpyRing(driver, (cfg.system_prompt_blocks + cfg.suffix_blocks + 1)
+                               * g.block_bytes)
         for n in range(cfg.requests):
             rid = f"r{n}"
             toks = systems[rng.randrange(cfg.system_prompts)] + [
@@ -293,12 +308,15 @@ def _workload(cfg: PrefixBenchConfig, with_host: bool, populate: bool | None = N
             prompt_tokens += len(toks)
             hit_tokens += hit.num_device_tokens
             if hit.num_host_tokens:
+                before = clock.last_h2d_submit
+                ok = mgr.wait_ready(rid)  # a restore waited for at once: copied on this thread
                 t_submit = clock.last_h2d_submit
-                ok = mgr.wait_ready(rid)
-                if ok and t_submit >= t_alloc:  # a restore of its own (not a join)
+                if ok and t_submit > before:  # a copy of its own (not a join)
                     restore_s += time.perf_counter() - t_submit
                     restore_map_s += t_submit - t_alloc
-                    restore_sizes.append(hit.num_host_tokens // bs * g.block_bytes)
+                    size = hit.num_host_tokens // bs * g.block_bytes
+                    restore_sizes.append(size)
+                    memcpy_s += ring.time(size)  # type: ignore[union-attr]
                     restored_tokens += hit.num_host_tokens
                     restores += 1
             # the forward pass would write the rest here; commit publishes the complete blocks
@@ -328,9 +346,11 @@ def _workload(cfg: PrefixBenchConfig, with_host: bool, populate: bool | None = N
             host.wait_all()
             out["restored_bytes"] = host.stats.restored_bytes
             out["offload"] = _offload_rate(host, mgr.cache, mgr.prefix, driver)
-            out["memcpy_s"] = _memcpy_into_driver_pages_s(driver, restore_sizes)
+            out["memcpy_s"] = memcpy_s
         return out
     finally:
+        if ring is not None:
+            ring.close()
         mgr.close()
         pool.close()
         driver.close()
@@ -366,49 +386,46 @@ def _offload_rate(host, cache, prefix, driver) -> tuple[int, float]:
 _RING_BYTES = 64 * _MiB  # twice a large last-level cache: the baseline copies miss it too
 
 
-def _memcpy_into_driver_pages_s(driver, sizes: list[int]) -> float:
-    """Seconds of one ``memmove`` per entry of ``sizes`` (in order; the whole sequence best of
-    3) from a host buffer of ``driver`` into mapped pages of ``driver`` whose page tables are
-    present: the restores' bytes, in their sizes, into their kind of destination, at the
-    machine's copy speed. Source and destination advance through rings of 64 MiB, so, like the
-    restores (whose host and device blocks differ from one restore to the next), the copies are
-    not served from the CPU caches. Needs a driver whose mapped memory the CPU can address
-    (host, ACL emulation)."""
-    if not sizes:
-        return 0.0
-    g = driver.granularity
-    n = -(-max(max(sizes), _RING_BYTES) // g)
-    ring = n * g
-    va = driver.reserve(ring)
-    handles = driver.create_handles(n, g)
-    vas = [va + i * g for i in range(n)]
-    src = driver.alloc_host(ring)
-    mapped = False
-    try:
-        driver.map_batch(vas, handles)
-        mapped = True
-        ctypes.memset(src, 1, ring)
-        ctypes.memmove(va, src, ring)  # page tables present, like a populated mapping
-        offs = []
-        o = 0
-        for size in sizes:
-            if o + size > ring:
-                o = 0
-            offs.append((o, size))
-            o += size
+class _MemcpyRing:
+    """The restore baseline: one ``memmove`` of a given size from a host buffer of ``driver``
+    into mapped pages of ``driver`` whose page tables are present (the kind of destination a
+    restore writes, at its best). Source and destination advance through rings of 64 MiB, so,
+    like the restores (whose host and device blocks differ from one restore to the next), the
+    copies are not served from the CPU caches. Timed right after each restore (interleaved:
+    both see the same state of a shared machine). Needs a driver whose mapped memory the CPU
+    can address (host, ACL emulation)."""
 
-        def replay() -> None:
-            for o, size in offs:
-                ctypes.memmove(va + o, src + o, size)
+    def __init__(self, driver: Any, largest: int) -> None:
+        self.driver = driver
+        g = driver.granularity
+        self.n = -(-max(largest, _RING_BYTES) // g)
+        self.ring = self.n * g
+        self.va = driver.reserve(self.ring)
+        self.handles = driver.create_handles(self.n, g)
+        self.vas = [self.va + i * g for i in range(self.n)]
+        self.src = driver.alloc_host(self.ring)
+        driver.map_batch(self.vas, self.handles)
+        ctypes.memset(self.src, 1, self.ring)
+        ctypes.memmove(self.va, self.src, self.ring)  # page tables present and writable
+        self.off = 0
 
-        return _rate(replay)
-    finally:
-        driver.free_host(src)
-        if mapped:
-            driver.unmap_batch(vas)
-        for h in handles:
-            driver.free_handle(h)
-        driver.release(va, ring)
+    def time(self, size: int) -> float:
+        """Seconds of one memmove of ``size`` bytes (the next slice of the rings)."""
+        if self.off + size > self.ring:
+            self.off = 0
+        o = self.off
+        self.off += size
+        t = time.perf_counter()
+        ctypes.memmove(self.va + o, self.src + o, size)
+        return time.perf_counter() - t
+
+    def close(self) -> None:
+        d = self.driver
+        d.free_host(self.src)
+        d.unmap_batch(self.vas)
+        for h in self.handles:
+            d.free_handle(h)
+        d.release(self.va, self.ring)
 
 
 def _memcpy_s(nbytes: int) -> float:

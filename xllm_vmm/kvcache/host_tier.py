@@ -150,6 +150,7 @@ class _InFlight:
     error: BaseException | None = None
     nbytes: int = 0
     finished: bool = field(default=False)
+    pending: tuple[list[int], list[int], list[int]] | None = None  # a restore not submitted yet
 
 
 class HostTier:
@@ -235,7 +236,15 @@ class HostTier:
         self._submit(_InFlight(CopyKind.D2H, None, hashes, device, host, nbytes=sum(sizes)),
                      dsts, srcs, sizes)
 
-    def _submit(self, t: _InFlight, dsts: list[int], srcs: list[int], sizes: list[int]) -> None:
+    def _submit(self, t: _InFlight, dsts: list[int], srcs: list[int], sizes: list[int], *,
+                defer: bool = False) -> None:
+        """Start ``t``'s batched copy on the driver's copy stream; ``defer`` (restores) keeps
+        it until the next :meth:`poll` submits it, or a waiter runs it on its own thread (a
+        restore waited for at once costs no thread hand-off)."""
+        if defer:
+            t.pending = (dsts, srcs, sizes)
+            self._inflight.append(t)
+            return
         try:
             t.transfer = self.driver.copy_batch_async(dsts, srcs, sizes, t.kind)
         except Exception as e:  # the copy never started: finish it as failed right away
@@ -324,20 +333,33 @@ class HostTier:
         t = _InFlight(CopyKind.H2D, None, chs, device, host, restores=[r], nbytes=sum(sizes))
         for k, h in enumerate(chs):
             self._restoring[h] = (t, {g: device[g][k] for g in groups})
-        self._submit(t, dsts, srcs, sizes)
+        self._submit(t, dsts, srcs, sizes, defer=True)
         return r
 
     # ------------------------------------------------------------------ completion
+    def _start(self, t: _InFlight) -> None:
+        """Submit a deferred restore; a refused submission finishes it as failed (poll)."""
+        dsts, srcs, sizes = t.pending  # type: ignore[misc]
+        t.pending = None
+        try:
+            t.transfer = self.driver.copy_batch_async(dsts, srcs, sizes, t.kind)
+        except Exception as e:  # the copy never started
+            t.error = e
+
     def poll(self) -> int:
-        """Finish every copy that is done; returns how many finished."""
+        """Submit deferred restores, then finish every copy that is done; returns how many
+        finished."""
         n = 0
         still: list[_InFlight] = []
         for t in self._inflight:
-            if t.transfer.done():
-                try:
-                    t.transfer.wait()
-                except Exception as e:
-                    t.error = e
+            if t.pending is not None:
+                self._start(t)
+            if t.transfer is None or t.transfer.done():
+                if t.transfer is not None:
+                    try:
+                        t.transfer.wait()
+                    except Exception as e:
+                        t.error = e
                 self._finish(t)
                 n += 1
             else:
@@ -346,13 +368,26 @@ class HostTier:
         return n
 
     def wait_all(self) -> None:
-        """Wait for every copy in flight and finish it."""
+        """Wait for every copy in flight and finish it; a restore not submitted yet is copied
+        on this thread (the driver's blocking batched copy)."""
         inflight, self._inflight = self._inflight, []
         for t in inflight:
-            try:
-                t.transfer.wait()
-            except Exception as e:
-                t.error = e
+            if t.pending is not None:
+                copy = getattr(self.driver, "copy_batch", None)
+                if copy is None:
+                    self._start(t)
+                else:
+                    dsts, srcs, sizes = t.pending
+                    t.pending = None
+                    try:
+                        copy(dsts, srcs, sizes, t.kind)
+                    except Exception as e:
+                        t.error = e
+            if t.transfer is not None:
+                try:
+                    t.transfer.wait()
+                except Exception as e:
+                    t.error = e
             self._finish(t)
 
     @property
