@@ -319,3 +319,13 @@ def test_worker_counts_the_engine_refuses(argv, message):
 ])
 def test_worker_counts_the_engine_accepts(argv):
     assert run(*argv).findings == []
+
+
+def test_workers_that_cannot_split_the_heads_are_a_conflict():
+
+    rep = check_all(load(["--model=Qwen/Qwen3-8B", "--nnodes=3"]))
+    assert [(f.id, f.severity) for f in rep.findings] == [("CFG-CONFLICT", "error")]
+    assert "3 workers cannot split the 32 attention heads" in rep.findings[0].message
+    # nearest non-triggers: 4 workers; 6 workers in 3 data-parallel groups of 2
+    assert check_all(load(["--model=Qwen/Qwen3-8B", "--nnodes=4"])).findings == []
+    assert check_all(load(["--model=Qwen/Qwen3-8B", "--nnodes=6", "--dp_size=3"])).findings == []

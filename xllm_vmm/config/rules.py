@@ -339,6 +339,7 @@ def _vmm01(x: _Ctx) -> _Out:
                       f"{message} [{shown}]", flags={n: x.cfg[n] for n in names}, sources=srcs,
                       hint=hint, where=srcs[names[0]], input=x.cfg.label)
     yield from _ranks(x)
+    yield from _split(x)
     if not x.vmm:
         return
     bad = sorted({k for k, _ in devices if k not in VMM_DEVICE_KINDS})
@@ -350,6 +351,31 @@ def _vmm01(x: _Ctx) -> _Out:
             ("devices", *on),
             f"serve on {', '.join(VMM_DEVICE_KINDS)} devices, or turn VMM off "
             f"({' '.join('--' + n + '=false' for n in on)})")
+
+
+def _split(x: _Ctx) -> _Out:
+    """The model's heads split over the tensor-parallel workers (``nnodes × devices /
+    dp_size``): a count that cannot split them is refused (the engine cannot shard the model;
+    ``plan`` exits 2 on it)."""
+    if x.model is None:
+        return
+    from xllm_vmm.config.parallel import parallel_of
+    from xllm_vmm.models import LayoutError, cache_layout
+
+    try:
+        p = parallel_of(x.cfg)
+    except ValueError:  # a bad devices list: reported above
+        return
+    try:
+        cache_layout(x.model, workers=p.tp, block_size=max(1, int(x.cfg["block_size"])))
+    except LayoutError as err:
+        names = ("nnodes", "devices", "dp_size")
+        srcs = {n: x.cfg.provenance(n) for n in names}
+        yield Finding("CFG-CONFLICT", "error",
+                      f"{err.message} ({p.describe()}; "
+                      + ", ".join(f"{n}={x.cfg[n] or 'auto'} ({srcs[n]})" for n in names) + ")",
+                      flags={n: x.cfg[n] for n in names}, sources=srcs, hint=err.hint,
+                      where=srcs["nnodes"], input=x.cfg.label)
 
 
 def _ranks(x: _Ctx) -> _Out:
@@ -560,9 +586,10 @@ def _hk05(x: _Ctx) -> _Out:
         try:
             layout = cache_layout(x.model, workers=_tp(x), block_size=int(x.cfg["block_size"]),
                                   kv_dtype=str(x.cfg["kv_cache_dtype"]), draft=x.mtp)
-        except LayoutError:
-            layout = None  # the layout error is the planner's to report
-        why = host_tier_unsupported_reason(layout) if layout is not None else None
+        except LayoutError as err:  # the layout error itself is the planner's to report
+            yield _not_checked("HK-05", f"the cache layout cannot be computed: {err}")
+            return
+        why = host_tier_unsupported_reason(layout)
         if why is not None:
             reason = f"{x.model.name}: {why.replace(' (HK-05)', '')}"
     if reason is not None:
