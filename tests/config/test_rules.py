@@ -322,7 +322,6 @@ def test_worker_counts_the_engine_accepts(argv):
 
 
 def test_workers_that_cannot_split_the_heads_are_a_conflict():
-
     rep = check_all(load(["--model=Qwen/Qwen3-8B", "--nnodes=3"]))
     assert [(f.id, f.severity) for f in rep.findings] == [("CFG-CONFLICT", "error")]
     assert "3 workers cannot split the 32 attention heads" in rep.findings[0].message
