@@ -18,7 +18,8 @@ INPUT_IDS = {
     "CFG-DUP": "a flag given twice with different values in one source",
     "CFG-ARG": "a command-line token that is not a flag",
     "CFG-CONFLICT": "flags the engine refuses together: node_rank not below nnodes, dp_size or "
-                    "ep_size that does not divide the workers (nnodes x devices)",
+                    "ep_size that does not divide the workers (nnodes x devices), a "
+                    "tensor-parallel size that cannot split the model's heads",
     "CFG-IGNORED": "a flag the engine ignores here: tp_size outside the DiT backend (a warning)",
     "CFG-MODEL": "a --model that is a local path (starts with / . ~, or its parent directory "
                  "exists) but not a readable model directory",
