@@ -18,7 +18,6 @@ from pathlib import Path
 from xllm_vmm.models import catalogue
 from xllm_vmm.models.config_reader import spec_from_config
 from xllm_vmm.models.errors import ModelConfigError
-from xllm_vmm.models.safetensors_header import totals
 from xllm_vmm.models.spec import ModelSpec
 from xllm_vmm.models.weight_estimates import with_estimate
 
@@ -67,6 +66,8 @@ def load_from_directory(directory: Path, *, name: str | None = None,
     spec = with_estimate(spec)
     shards = sorted(directory.glob("*.safetensors")) if read_weights else []
     if shards:
+        from xllm_vmm.models.safetensors_header import totals  # only when shards are read
+
         try:
             t = totals(shards)
         except ModelConfigError as err:

@@ -24,7 +24,6 @@ from xllm_vmm.config.findings import Finding
 from xllm_vmm.config.rules import Report, check, find_model
 from xllm_vmm.models import ModelConfigError
 from xllm_vmm.planner.devices import DeviceError, get_profile
-from xllm_vmm.planner.from_config import draft_from_config, inputs_from_config
 
 if TYPE_CHECKING:  # pragma: no cover
     from xllm_vmm.planner.sizing import Plan
@@ -140,6 +139,7 @@ def decide_sizing(report: Report, cfg: Any, spec: Any, model_reason: str | None,
     elif host is None:
         why = "this host's available memory could not be read: pass --host-memory"
     if spec is not None and (why is None or always_plan):
+        from xllm_vmm.planner.from_config import draft_from_config, inputs_from_config
         from xllm_vmm.planner.sizing import make_plan
 
         try:
