@@ -20,7 +20,7 @@ def run_worker(model: str, flags: dict, opts: dict | None = None) -> int:
               f"{type(e).__name__}: {e}", file=sys.stderr)
         return 2
     try:
-        return eng.distributed.serve()
+        return eng.distributed.serve(eng)
     finally:
         eng.shutdown()
 

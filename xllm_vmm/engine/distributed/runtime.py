@@ -197,7 +197,7 @@ class Runtime:
         except Exception:  # noqa: BLE001 - a key left behind costs bytes, not correctness
             pass
         self._refresh(statuses)
-        if op != "activate":  # activate: the fan-out rolls back first, then checks
+        if op not in ("activate", "sleep"):  # those roll back first, then check
             self.check_errors(op, statuses)
         return statuses
 
@@ -207,6 +207,40 @@ class Runtime:
             if s.get("error"):
                 raise DistributedError(f"worker rank {s['rank']}: {op} failed: {s['error']}",
                                        rank=s["rank"], address=self.group.address)
+
+    def sleep_all(self, level: int, local: dict, before: list[dict],
+                  undo: Callable[[], Any]) -> dict:
+        """After rank 0 slept (``local``: its report; ``before``: every rank's status before):
+        every other rank sleeps its weights and KV at ``level``; returns ``local`` with
+        ``workers`` — per rank ``bytes_freed`` / ``kv_bytes_freed`` (device bytes unmapped
+        since ``before``) and that rank's own report. When one rank fails, every rank is woken
+        again (``undo`` wakes rank 0) and the error names the rank. Other ranks: ``local``."""
+        if self.rank != 0:  # a worker sleeps when rank 0 tells it to
+            return local
+        statuses = self.call("sleep", level, lambda: {"report": local})
+        bad = next((s for s in statuses[1:] if s.get("error")), None)
+        if bad is not None:
+            undo()
+            self.call("wake", None, lambda: {})
+            raise DistributedError(f"sleep failed on worker rank {bad['rank']}: {bad['error']}; "
+                                   "every worker is awake again", rank=bad["rank"],
+                                   address=self.group.address)
+        return dict(local, workers=self._freed(before, statuses))
+
+    def wake_all(self, local: dict) -> dict:
+        """After rank 0 woke: every other rank wakes (a barrier); ``workers``: each rank's
+        report. Other ranks: ``local``."""
+        if self.rank != 0:
+            return local
+        statuses = self.call("wake", None, lambda: {"report": local})
+        return dict(local, workers=[{"rank": s["rank"], **s.get("report", {})} for s in statuses])
+
+    @staticmethod
+    def _freed(before: list[dict], after: list[dict]) -> list[dict]:
+        return [{"rank": a["rank"],
+                 "bytes_freed": max(0, b["mapped_bytes"] - a["mapped_bytes"]),
+                 "kv_bytes_freed": max(0, b["kv_mapped_bytes"] - a["kv_mapped_bytes"]),
+                 "report": a.get("report", {})} for b, a in zip(before, after)]
 
     def raise_if_lost(self) -> None:
         if self.failure is not None:
@@ -224,7 +258,10 @@ class Runtime:
             fn(failed)
 
     def refresh(self) -> list[dict[str, Any]]:
-        """Ask every rank for its status now (rank 0; also refreshes the admission cap)."""
+        """Ask every rank for its status now (rank 0; also refreshes the admission cap). Other
+        ranks: their last statuses."""
+        if self.rank != 0:
+            return self.worker_stats()
         self.call("status", None, lambda: {})
         return self.worker_stats()
 
@@ -307,8 +344,8 @@ class Runtime:
         return self.failure  # type: ignore[return-value]
 
     # -- worker loop (ranks > 0) ---------------------------------------------------------
-    def serve(self) -> int:
-        """Run rank 0's commands until ``shutdown`` (returns 0) or until rank 0 is gone
+    def serve(self, engine: Any = None) -> int:
+        """Run rank 0's commands (``engine``: this rank's engine, for sleep and wake) until ``shutdown`` (returns 0) or until rank 0 is gone
         (returns 3, after a message on stderr)."""
         import datetime as dt
 
@@ -335,14 +372,14 @@ class Runtime:
                 self._gather(self._status({}))
                 return 0
             try:
-                result = self._handle(op, payload)
+                result = self._handle(op, payload, engine)
             except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it
                 result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
             statuses = self._gather(self._status(result))
             if op == "activate" and result["ok"] and not all(s["ok"] for s in statuses):
                 self.cache.deactivate(payload)  # rolled back on every worker
 
-    def _handle(self, op: str, payload: Any) -> dict:
+    def _handle(self, op: str, payload: Any, engine: Any = None) -> dict:
         if op == "step":
             from xllm_vmm.engine.step import StepInput
 
@@ -359,6 +396,10 @@ class Runtime:
             return {"ok": bool(self.cache.move(payload))}
         if op == "status":
             return {}
+        if op == "sleep":
+            return {"report": engine.sleep(int(payload))}
+        if op == "wake":
+            return {"report": engine.wake_up()}
         raise DistributedError(f"worker rank {self.rank} got an unknown command {op!r}")
 
     # -- shutdown ------------------------------------------------------------------------

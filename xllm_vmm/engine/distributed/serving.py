@@ -25,7 +25,7 @@ def run_worker_rank(engine: Any, out: TextIO, err: TextIO) -> int:
               f"{rt.group.address}; no HTTP port on this rank\n")
     out.flush()
     try:
-        code = rt.serve()
+        code = rt.serve(engine)
     finally:
         engine.shutdown()
     if code == 0:
