@@ -188,3 +188,10 @@ def test_a_sourced_file_is_named_as_a_possible_origin(tmp_path):
     code, entry = check("xllm --port=$P\n", tmp_path)
     (item,) = [n for n in entry["not_checked"] if n["flag"]]
     assert "sources" not in item["reason"]
+
+
+def test_an_exported_flag_variable_from_an_unknown_value_is_not_checked(tmp_path):
+    code, entry = check("export XLLM_VMM_BLOCK_SIZE=$BS\nxllm --port=1\n", tmp_path)
+    assert code == 0 and [f["id"] for f in entry["findings"]] == ["CFG-UNRESOLVED"]
+    code, entry = check("export XLLM_VMM_BLOCK_SIZE=abc\nxllm --port=1\n", tmp_path)
+    assert code == 1 and [f["id"] for f in entry["findings"]] == ["CFG-TYPE"]

@@ -433,10 +433,14 @@ def parse_env(env: Mapping[str, str] | Iterable[Token]) -> tuple[list[Assignment
                     "CFG-UNKNOWN", "warning", f"environment variable {key} is not a flag ({src})",
                     hint=f"did you mean {ENV_PREFIX}{close[0].upper()}?", where=src))
             continue
+        if tok is not None and tok.unknown:
+            shown = Token(value, tok.file, tok.line, tok.col, tok.unknown, tok.via)
+            findings.append(not_checked(flag, shown, key, src))
+            continue
         try:
             out.append(Assignment(flag.name, parse_text(flag, value, sizes=True), src))
         except ValueError as err:
-            findings.append(type_error(flag, err, src))
+            findings.append(type_error(flag, err, src, tok.via if tok is not None else ()))
     return out, findings
 
 
