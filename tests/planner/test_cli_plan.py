@@ -238,3 +238,14 @@ def test_devices_error_hint_fits_the_error():
     assert "list each device once" not in r.stderr
     assert r.stderr.strip().endswith("list devices of one kind as KIND:INDEX, comma-separated, "
                                      "e.g. npu:0,npu:1")
+
+
+def test_suggested_workers_keep_the_data_parallel_groups_equal():
+    r = run("--model=deepseek-ai/DeepSeek-V3", "--nnodes=4", "--dp_size=2", "--format=json",
+            "--host-memory=1TiB")
+    d = json.loads(r.stdout)
+    assert r.exit_code == 1 and d["suggested_workers"] % 2 == 0
+    assert d["suggested_workers"] == 32  # 16 per group, as 16 workers without dp
+    one = json.loads(run("--model=deepseek-ai/DeepSeek-V3", "--nnodes=4", "--format=json",
+                         "--host-memory=1TiB").stdout)
+    assert one["suggested_workers"] == 16

@@ -690,8 +690,11 @@ def _suggest_workers(spec: ModelSpec, inp: PlanInputs, draft: ModelSpec | None) 
     import dataclasses
 
     for w in range(inp.workers + 1, 129):
+        if w % max(1, inp.dp_size):
+            continue  # the workers of the service are dp_size groups of equal size
         try:
-            cache_layout(spec, workers=w, block_size=inp.block_size, kv_dtype=inp.kv_cache_dtype)
+            cache_layout(spec, workers=w // max(1, inp.dp_size), block_size=inp.block_size,
+                         kv_dtype=inp.kv_cache_dtype)
         except LayoutError:
             continue
         if make_plan(spec, dataclasses.replace(inp, workers=w), suggest=False,
