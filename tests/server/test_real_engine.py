@@ -260,3 +260,19 @@ def test_sleep_refused_while_running_and_outputs_identical_after_wakeup(served, 
         assert c.post("/wake_up").status_code == 200
         assert c.get("/is_sleeping").json() == {"is_sleeping": False}
     assert _greedy(client) == before
+
+
+def test_fork_serves_the_same_weights_under_a_second_name(served, client):
+    eng, front, srv = served
+    ref = client.completions.create(model="tiny-llama", prompt="fork me", max_tokens=8,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    with _http(srv) as c:
+        r = c.post("/fork_master", json={"name": "tiny-fork"})
+        assert r.status_code == 200, r.text
+        got = client.completions.create(model="tiny-fork", prompt="fork me", max_tokens=8,
+                                        temperature=0, extra_body={"ignore_eos": True})
+        assert got.model == "tiny-fork" and got.choices[0].text == ref.choices[0].text
+        assert {m.id for m in client.models.list().data} == {"tiny-llama", "tiny-fork"}
+        assert c.post("/fork", json={"name": "tiny-fork"}).status_code == 400
+        text = c.get("/metrics").text
+        assert 'vllm:num_requests_running{model_name="tiny-fork"}' in text

@@ -351,3 +351,15 @@ def test_shutdown_cancels_and_closes(tokenizer):
     assert any(isinstance(e, dict) and "error" in e for e in events)
     _wait(lambda: eng.shut)
     assert not eng.reqs
+
+
+def test_non_streaming_disconnect_aborts(tokenizer):
+    eng, front, srv = _server(tokenizer, step_delay=0.01)
+    try:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the socket
+            httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 100},
+                       timeout=httpx.Timeout(30, read=0.3))
+        _wait(lambda: not eng.reqs and front.num_in_flight == 0)
+        assert len(eng.aborted) == 1  # aborted in the engine long before its 100 tokens
+    finally:
+        srv.stop()

@@ -216,18 +216,23 @@ def ignored_flags(cfg) -> list[str]:
 
 
 class _LoadDisplay:
-    """A progress bar on stderr while the engine builds (weights bytes when the engine reports
-    them through ``progress``; otherwise elapsed time against the model's weight size)."""
+    """Progress on stderr while the engine builds: a bar of weight bytes loaded when the
+    engine reports them (an engine option ``progress(done, total)``), otherwise a spinner with
+    the elapsed time (no made-up fraction)."""
 
-    def __init__(self, err: TextIO, label: str, total: Optional[int]):
+    def __init__(self, err: TextIO, label: str, total: Optional[int], bar: bool):
         from rich.console import Console
         from rich.progress import (BarColumn, DownloadColumn, Progress, SpinnerColumn,
                                    TextColumn, TimeElapsedColumn)
 
-        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                                 DownloadColumn(), TimeElapsedColumn(),
-                                 console=Console(file=err), transient=False)
-        self.task = self.progress.add_task(label, total=total or None)
+        columns = [SpinnerColumn(), TextColumn("{task.description}")]
+        if bar:
+            columns += [BarColumn(), DownloadColumn()]
+        elif total:
+            label += f" ({_fmt_bytes(total)} of weights)"
+        self.progress = Progress(*columns, TimeElapsedColumn(), console=Console(file=err),
+                                 transient=False)
+        self.task = self.progress.add_task(label, total=(total or None) if bar else None)
 
     def update(self, done: int, total: int) -> None:
         self.progress.update(self.task, completed=done, total=total)
@@ -308,10 +313,11 @@ def run(argv: list[str], out: Optional[TextIO] = None, err: Optional[TextIO] = N
         return 1
     label = f"loading {model or 'the embedded demo model'}"
     weights = getattr(spec, "served_weight_bytes", None) if spec is not None else None
+    reports = "progress" in getattr(_le, "ENGINE_OPTIONS", ())
     engine = None
     try:
-        with _LoadDisplay(err, label, weights) as bar:
-            if "progress" in getattr(_le, "ENGINE_OPTIONS", ()):
+        with _LoadDisplay(err, label, weights, reports) as bar:
+            if reports:
                 engine_flags["progress"] = bar.update
             engine = LLMEngine.from_flags(model, **engine_flags)
     except ConfigError as exc:

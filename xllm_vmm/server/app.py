@@ -110,9 +110,11 @@ def build_app(front: AsyncEngine, settings: Optional[ServerSettings] = None,
 
     @app.get("/health")
     async def health():
+        # Unhealthy = cannot serve again without an operator: the engine failed, or the
+        # server shuts down. Sleeping or draining to sleep is a healthy, chosen state.
         front = server.fronts[server.default]
         err = front.availability_error()
-        if err is not None and not front.sleeping:
+        if err is not None and (front._closing or front._engine_error is not None):
             return error_response(err)
         return Response(status_code=200)
 

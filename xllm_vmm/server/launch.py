@@ -59,7 +59,7 @@ async def _shutdown_fronts(app: FastAPI, timeout: float) -> int:
     cancelled = 0
     for f in fronts:
         cancelled += await f.drain(timeout)
-    for f in fronts:
+    for f in reversed(fronts):  # forks first: a fork's pool lives on its parent's driver
         await asyncio.to_thread(f.close)
     return cancelled
 
@@ -113,7 +113,7 @@ async def serve_async(app: FastAPI, host: str, port: int, *, drain_timeout: floa
             server.should_exit = True
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(task, timeout=5)
-        for f in app.state.server.fronts.values():  # idempotent; covers start-up failures
+        for f in reversed(list(app.state.server.fronts.values())):  # idempotent
             await asyncio.to_thread(f.close)
 
 

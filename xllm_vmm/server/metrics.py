@@ -195,6 +195,17 @@ class _Snapshot:
                 v = _number(_get(kv, key))
                 if v is not None:
                     add(name, help_, kind, base, v)
+            dist = _get(stats, "distributed")  # a worker set (issue 14): per-rank figures
+            if dist:
+                add("xllm_vmm_all_reduce_seconds_per_step", "Mean all-reduce time per step "
+                    "on rank 0 (seconds).", "gauge", base,
+                    float(dist.get("all_reduce_seconds_per_step", 0.0)))
+                for w in dist.get("workers", []):
+                    lab = {**base, "rank": str(w.get("rank"))}
+                    for key in ("mapped_bytes", "kv_mapped_bytes", "budget_left_bytes"):
+                        if key in w:
+                            add(f"xllm_vmm_worker_{key}", f"{key} of one worker of the set.",
+                                "gauge", lab, float(w[key]))
             add("xllm_vmm_sleeping", "1 while the engine sleeps.", "gauge", base,
                 float(bool(front.get("sleeping"))))
             add("xllm_vmm_requests_in_flight", "Requests the front holds (queued or running).",
