@@ -249,3 +249,13 @@ def test_suggested_workers_keep_the_data_parallel_groups_equal():
     one = json.loads(run("--model=deepseek-ai/DeepSeek-V3", "--nnodes=4", "--format=json",
                          "--host-memory=1TiB").stdout)
     assert one["suggested_workers"] == 16
+
+
+def test_dp_size_that_does_not_divide_the_workers_is_a_finding_exit_1():
+    r = run("--model=Qwen/Qwen3-8B", "--nnodes=6", "--dp_size=4", "--format=json",
+            "--host-memory=1TiB")
+    d = json.loads(r.stdout)
+    assert r.exit_code == 1 and d["verdict"] == "does_not_fit" and d["per_worker"] == []
+    assert "CFG-CONFLICT" in {f["id"] for f in d["config_findings"]}
+    assert run("--model=Qwen/Qwen3-8B", "--nnodes=6", "--dp_size=3", "--format=json",
+               "--host-memory=1TiB").exit_code == 0

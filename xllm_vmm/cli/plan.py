@@ -145,8 +145,9 @@ def _plan_one(r, *, device, host, name: str, options: dict) -> _Outcome:
 
 #: Rules whose errors leave a value the planner cannot size with (EL-03: max_memory_utilization
 #: outside (0, 1] sizing physical KV or fixed VMM; EL-05: a negative max_cache_size or
-#: vmm_memory_reserve_bytes; HK-08: a negative host_blocks_factor).
-_UNPLANNABLE_RULES = frozenset({"EL-03", "EL-05", "HK-08"})
+#: vmm_memory_reserve_bytes; HK-08: a negative host_blocks_factor; CFG-CONFLICT: a dp_size that
+#: does not divide the workers).
+_UNPLANNABLE_RULES = frozenset({"EL-03", "EL-05", "HK-08", "CFG-CONFLICT"})
 
 
 def _unsized_plan(spec, cfg, device, host, name: str, options: dict):
