@@ -205,7 +205,7 @@ def run(driver, *, size_bytes: int = _GiB, shards: int = 4, dtype: str = "bf16",
     check_fits(arena, free, option="--size", value=size_bytes, what="the weights' pages")
     pool = VmmPool(driver, BudgetConfig(execution_peak_bytes=0), arena)
     host = driver.name == "host"
-    w = None
+    w = child = None
     try:
         cold = []
         dropped = True
@@ -250,6 +250,7 @@ def run(driver, *, size_bytes: int = _GiB, shards: int = 4, dtype: str = "bf16",
         if host:
             fork_extra += _status("RssShmem") - shmem
         child.close()
+        child = None
         # cycles
         for level in (1, 2):
             w.sleep(level)
@@ -268,8 +269,9 @@ def run(driver, *, size_bytes: int = _GiB, shards: int = 4, dtype: str = "bf16",
         after = snap()
         identical = _digest(w) == want
     finally:
-        if w is not None:
-            w.close()
+        for x in (child, w):
+            if x is not None:
+                x.close()
         w = child = None
         gc.collect()
         pool.close()
