@@ -334,7 +334,8 @@ def _vmm01(x: _Ctx) -> _Out:
 
     for severity, message, names, hint in parallel_problems(x.cfg, parallel_of(x.cfg)):
         srcs = {n: x.cfg.provenance(n) for n in names}
-        shown = ", ".join(f"{n}={x.cfg[n]} ({srcs[n]})" for n in names)
+        shown = ", ".join(f"{n}={x.cfg[n] if x.cfg[n] != '' else 'auto'} ({srcs[n]})"
+                          for n in names)
         yield Finding("CFG-CONFLICT" if severity == "error" else "CFG-IGNORED", severity,
                       f"{message} [{shown}]", flags={n: x.cfg[n] for n in names}, sources=srcs,
                       hint=hint, where=srcs[names[0]], input=x.cfg.label)
