@@ -266,3 +266,14 @@ def test_image_placement_and_windows(sizes, limit):
         assert ts[-1].offset + ts[-1].nbytes - lo <= limit or len(ts) == 1
         assert hi - (ts[-1].offset + ts[-1].nbytes) < TENSOR_ALIGN or nxt is None
     assert [p for _, _, ts in windows for p in ts] == list(image.placed)
+
+
+def test_a_simulated_pool_is_refused(tmp_path):
+    from tests.weights.conftest import make_pool
+    from xllm_vmm.vmm.sim import SimDriver
+
+    model = save_checkpoint(tmp_path / "m", random_tensors("float32"))
+    pool = make_pool(SimDriver(64 << 20))
+    with pytest.raises(ValueError, match="no memory behind its addresses"):
+        load_weights(model, pool=pool)
+    assert not pool.has_tenant("weights")

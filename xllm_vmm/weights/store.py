@@ -63,6 +63,11 @@ class WeightStore:
     """See the module docstring. Every public method holds the store's lock."""
 
     def __init__(self, pool: VmmPool, image: WeightImage, *, keep_host_copy: bool) -> None:
+        if getattr(pool.driver, "name", "") == "sim" or not hasattr(pool.driver, "alloc_host"):
+            raise ValueError(
+                f"load_weights(pool=...): the pool's driver {pool.driver!r} has no memory behind "
+                "its addresses (the simulated driver does bookkeeping only); use a pool over "
+                "open_driver('host'), the ACL or the CUDA driver")
         self.pool = pool
         self.driver = pool.driver
         self.image = image
