@@ -493,9 +493,10 @@ class AsyncEngine:
                     self._inbox.put(("abort", r.rid))
                 continue
             _, when, outs = item
+            batch: dict = {}  # loop -> [(queue, delta)]: one wake-up per loop per step
             for out in outs:
                 try:
-                    self._on_output(out, when)
+                    self._on_output(out, when, batch)
                 except Exception as exc:  # never kill the output thread
                     log.exception("output processing failed")
                     with self._lock:
@@ -503,8 +504,13 @@ class AsyncEngine:
                     if r is not None:
                         self._fail(r, APIError(500, f"output processing failed: {exc}"))
                         self._inbox.put(("abort", r.rid))
+            for loop, items in batch.items():
+                try:
+                    loop.call_soon_threadsafe(_put_all, items)
+                except RuntimeError:  # the loop is closed: nobody is listening any more
+                    pass
 
-    def _on_output(self, out, when: float) -> None:
+    def _on_output(self, out, when: float, batch: dict) -> None:
         with self._lock:
             r = self._streams.get(out.request_id)
         if r is None or r.done:  # aborted meanwhile: drop what it produced
@@ -541,7 +547,7 @@ class AsyncEngine:
                 self._inbox.put(("abort", r.rid))
             if self.metrics is not None:
                 self.metrics.observe_finish(self.name, delta.finish_reason, r, when)
-        self._deliver(r, delta)
+        batch.setdefault(r.loop, []).append((r.queue, delta))
 
     @staticmethod
     def _deliver(r: _Req, delta: Delta) -> None:
@@ -549,6 +555,12 @@ class AsyncEngine:
             r.loop.call_soon_threadsafe(r.queue.put_nowait, delta)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
+
+
+def _put_all(items: list) -> None:
+    """On the event loop: hand one step's deltas to their requests' queues."""
+    for q, delta in items:
+        q.put_nowait(delta)
 
 
 class Generation:
