@@ -309,3 +309,46 @@ def test_factory_errors_and_sizing():
     assert m.usage() == pytest.approx(2 / 16)
     m.close()
     pool.close()
+
+
+def test_target_and_draft_groups_behind_the_same_verbs():
+    """SD-01: both groups allocated, published, hit and evicted together; block ids per group
+    follow each group's own blocks per slot (4 for the target, 2 for the draft)."""
+    from xllm_vmm.vmm.sim import SimDriver
+
+    d = SimDriver(256 * MiB)
+    layout = toy_layout(layers=1, blocks_per_page=4, block_size=BS, draft_blocks_per_page=2)
+    pool = VmmPool(d, BudgetConfig(max_cache_size=3 * SLOT, execution_peak_bytes=0), 64 * SLOT)
+    m = build_kv_cache_manager(pool, layout, enable_prefix_cache=True, max_tokens=16 * BS,
+                               compact=False)
+    try:
+        assert m.group_names == ("attn", "draft")
+        hit = m.lookup("a", toks(1, 2))
+        t = m.allocate("a", 9, hit=hit)
+        assert t == {"attn": [0, 1, 2], "draft": [0, 1, 2]}  # draft: slots 0 and 1
+        m.commit("a", 9, toks(1, 2))
+        m.free("a")
+        hit = m.lookup("b", toks(1, 2, 3))
+        assert hit.num_tokens == 8
+        assert m.allocate("b", 5, hit=hit) == {"attn": [0, 1, 2, 3], "draft": [0, 1, 2, 3]}
+        m.free("b")  # 0, 1, 2 published in both groups; 3 (partial) freed
+        # the budget (3 slots) holds slot 0 of attn and slots 0, 1 of draft: a new prompt of
+        # 3 blocks needs a draft slot, so cached blocks go — the hashes leave both groups
+        assert m.allocate("c", 12) is not None
+        assert m.stats()["prefix_evictions"] > 0
+        hit = m.lookup("d", toks(1, 2, 3))
+        for g in m.group_names:  # whatever is still hit is hit in both groups
+            assert len(m.prefix.lookup(block_hashes_of(toks(1, 2, 3)), record=False).blocks[g]) \
+                == hit.num_device_tokens // BS
+        m.drop("d")
+        m.check_invariants()
+    finally:
+        m.close()
+        pool.close()
+        d.close()
+
+
+def block_hashes_of(tokens):
+    from xllm_vmm.kvcache.hashing import block_hashes
+
+    return block_hashes(tokens, BS)

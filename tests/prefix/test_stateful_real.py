@@ -31,7 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from xllm_vmm.kvcache.hashing import block_hashes
 from xllm_vmm.vmm import CopyKind
-from tests.prefix.real import BS, MiB, Stack, flat_layout
+from tests.prefix.real import BS, MiB, Stack, flat_layout, mla_index_layout
 from tests._hyp import examples
 
 BUDGET = 8 * MiB  # two slots of 8 blocks (K and V pages of 2 MiB, 256 KiB per tensor block)
@@ -46,10 +46,11 @@ def _tag(h: int, tensor: int) -> bytes:
 
 class RealPrefixMachine(RuleBasedStateMachine):
     KIND = "host"
+    LAYOUT = staticmethod(flat_layout)
 
     def __init__(self) -> None:
         super().__init__()
-        self.s = Stack(self.KIND, flat_layout(), budget=BUDGET, max_tokens=4 * 8 * BS,
+        self.s = Stack(self.KIND, self.LAYOUT(), budget=BUDGET, max_tokens=4 * 8 * BS,
                        host_factor=1.5, step_copies=True)
         self.alloc = self.s.cache.allocator
         self.groups = self.s.groups
@@ -274,12 +275,22 @@ class AclEmuPrefixMachine(RealPrefixMachine):
     KIND = "acl-emu"
 
 
+class TwoGroupPrefixMachine(RealPrefixMachine):
+    """MLA latent + index: two groups of different widths (8 and 16 blocks per page) behind the
+    same verbs — allocated and freed together, a hash withdrawn from both, both copied to and
+    from the host tier, both compacted."""
+
+    LAYOUT = staticmethod(mla_index_layout)
+
+
 _SETTINGS = settings(max_examples=examples(20), stateful_step_count=40, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])
 RealPrefixMachine.TestCase.settings = _SETTINGS
 AclEmuPrefixMachine.TestCase.settings = _SETTINGS
+TwoGroupPrefixMachine.TestCase.settings = _SETTINGS
 TestRealPrefixStatefulHost = RealPrefixMachine.TestCase
 TestRealPrefixStatefulAclEmu = AclEmuPrefixMachine.TestCase
+TestRealPrefixStatefulTwoGroups = TwoGroupPrefixMachine.TestCase
 
 
 def test_a_request_asks_for_memory_while_a_copy_pins_blocks():
