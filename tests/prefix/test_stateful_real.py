@@ -287,7 +287,9 @@ _SETTINGS = settings(max_examples=examples(20), stateful_step_count=40, deadline
                      suppress_health_check=[HealthCheck.too_slow])
 RealPrefixMachine.TestCase.settings = _SETTINGS
 AclEmuPrefixMachine.TestCase.settings = _SETTINGS
-TwoGroupPrefixMachine.TestCase.settings = _SETTINGS
+TwoGroupPrefixMachine.TestCase.settings = settings(
+    max_examples=examples(10), stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
 TestRealPrefixStatefulHost = RealPrefixMachine.TestCase
 TestRealPrefixStatefulAclEmu = AclEmuPrefixMachine.TestCase
 TestRealPrefixStatefulTwoGroups = TwoGroupPrefixMachine.TestCase

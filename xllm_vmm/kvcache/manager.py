@@ -20,7 +20,8 @@ Lifecycle of a request (what the engine's scheduler does)::
     mgr.free(rid)                                 # blocks cached or freed (transfer pins kept)
     mgr.step()                                    # once per engine iteration
 
-Invariants (DESIGN.md; checked by ``tests/kvcache/test_manager*.py``):
+Invariants (DESIGN.md; checked by ``tests/kvcache/test_manager.py`` and the state machine
+over the manager, ``tests/prefix/test_stateful_real.py``):
 
 - Every block id in a request's table is referenced by that request (ref ≥ 1) until
   :meth:`~KVCacheManager.free`; table length = ⌈(tokens covered) / block_size⌉ in every group
@@ -47,7 +48,11 @@ Differences from ``contracts.md`` §1 (kept names; the nearest sound thing):
   from there (the blocks stay allocated to the request).
 - :meth:`KVCacheManager.drop` is the verb for a looked-up request that is never allocated; on
   an allocated one it is :meth:`free`.
-- :meth:`KVCacheManager.close` does not close the pool (the caller built it and owns it).
+- :meth:`KVCacheManager.close` does not close the pool (the caller built it and owns it); a
+  factory call that raises (HK-05, HK-07, bad tuning) may leave the ``kv`` tenant region on
+  the pool: close that pool.
+- ``compact`` (and ``wait_ready``, ``num_computed_tokens``, ``drop``) are additions; tuning
+  keys are listed in ``_TUNING``.
 
 Multi-worker (issue 14): slot activation goes through :attr:`VirtualKVCache` as the
 allocator's ``SlotBacking`` (``activate(slots)`` / ``deactivate(slots)`` / ``move(moves)``); a
@@ -153,7 +158,7 @@ class _Request:
 _TUNING = {
     "compact": "bool: compact in step() when whole slots can be reclaimed (elastic pools)",
     "compact_min_slots": "int >= 1: reclaimable slots (any group) that make a compaction worth it",
-    "compact_max_blocks": "int >= 1: blocks moved by one step() at most",
+    "compact_max_blocks": "int >= 1 or None: blocks moved by one step() at most (default 64)",
     "host_available_bytes": "int: host memory the host pool may take (HK-07; default MemAvailable)",
     "host_populate": "bool: commit the host pool's pages at start (HK-06; default True)",
 }
@@ -167,7 +172,7 @@ class KVCacheManager:
     def __init__(self, cache: VirtualKVCache, *, prefix: PrefixCache | None = None,
                  host: HostTier | None = None, hash_seed: int = DEFAULT_SEED,
                  compact: bool = True, compact_min_slots: int = 2,
-                 compact_max_blocks: int | None = None) -> None:
+                 compact_max_blocks: int | None = 64) -> None:
         sizes = {geo.group.block_size for geo in cache.geometry.values()}
         if len(sizes) != 1:
             raise CacheLayoutError(f"the KV cache manager needs one block_size across cache "
