@@ -208,6 +208,9 @@ def test_200_concurrent_streams_with_disconnects_none_lost(served):
     aborted = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                   if line.startswith('vllm:request_success_total{finished_reason="abort"'))
     assert aborted >= kinds.count("cancelled") // 2  # most left while running: aborted
+    peak = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("xllm_vmm_kv_mapped_peak_bytes{")]
+    assert peak and peak[0] > 0  # the pool grew with the load...
     stats = _kv(srv)
     assert stats["num_requests_running"] == 0 and stats["num_requests_waiting"] == 0
     assert stats["kvcache"]["live_blocks"] == 0 and stats["kvcache"]["requests"] == 0
@@ -216,6 +219,7 @@ def test_200_concurrent_streams_with_disconnects_none_lost(served):
     stats = _kv(srv)
     assert stats["kvcache"]["cached_blocks"] == 0
     assert stats["kvcache"]["mapped_bytes"] == stats["kvcache"]["packed_floor_bytes"] == 0
+    assert stats["pool_tenant_mapped_bytes"]["kv"] == 0  # ...and went back to the floor
 
 
 def _greedy(client, prompt="sleep and wake", n=10):

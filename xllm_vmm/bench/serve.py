@@ -13,8 +13,10 @@ Figures (names are the JSON fields; seconds are reported in milliseconds as ``*_
 ``ttft_ms_median``/``_p99`` (request sent → first token), ``tpot_ms_median``/``_p99`` ((e2e −
 TTFT) / (output tokens − 1), per request), ``itl_ms_median``/``_p99`` (gap between two chunks
 carrying tokens, divided by the tokens of the later chunk), ``failures``, ``completed``;
-``kv_mapped_bytes_peak`` (highest ``xllm_vmm_tenant_mapped_bytes{tenant="kv"}`` sampled every
-``metrics_interval`` seconds during the load), ``kv_mapped_bytes_after`` (once no block is live
+``kv_mapped_bytes_peak`` (the larger of ``xllm_vmm_tenant_mapped_bytes{tenant="kv"}`` sampled
+every ``metrics_interval`` seconds during the load and the server's own high-water mark
+``xllm_vmm_kv_mapped_peak_bytes``, read after every engine step since it started — with
+``url``, an earlier peak of that server counts too), ``kv_mapped_bytes_after`` (once no block is live
 any more, waited for up to 5 s) beside ``kv_packed_floor_bytes_after`` (the least bytes the
 blocks the prefix cache still keeps need: mapped KV at the floor means these two are close) and
 ``kv_live_blocks_after`` (0 when every request let go), ``kv_mapped_bytes_before``,
@@ -52,7 +54,7 @@ class LoadConfig:
     output_len: int = 32
     seed: int = 0
     timeout: float = 300.0
-    metrics_interval: float = 0.02
+    metrics_interval: float = 0.1
     api_key: Optional[str] = None
 
     def check(self) -> None:
@@ -204,6 +206,9 @@ async def drive(url: str, cfg: LoadConfig) -> dict:
                 await asyncio.sleep(cfg.metrics_interval)
 
         sampler_task = asyncio.create_task(sampler())
+        workers: dict = {}  # a worker set (issue 14): per-rank peaks, all-reduce per step
+        wtask = (asyncio.create_task(_sample_workers(client, url, cfg, done, workers))
+                 if "xllm_vmm_worker_mapped_bytes" in reserved_text else None)
         t_start = time.perf_counter()
         tasks = []
         for prompt, gap in zip(prompts, gaps):
@@ -217,6 +222,8 @@ async def drive(url: str, cfg: LoadConfig) -> dict:
         wall = time.perf_counter() - t_start
         done.set()
         await sampler_task
+        if wtask is not None:
+            await wtask
         results = [t.result() for t in finished if not t.cancelled()]
         results += [_Result(error="timed out") for _ in pending]
         async def idle_figures():
@@ -225,6 +232,10 @@ async def drive(url: str, cfg: LoadConfig) -> dict:
                     parse_metric(text, "xllm_vmm_kv_packed_floor_bytes"),
                     parse_metric(text, "xllm_vmm_kv_live_blocks"))
 
+        server_peak = parse_metric((await client.get(f"{url}/metrics")).text,
+                                   "xllm_vmm_kv_mapped_peak_bytes")
+        if server_peak is not None:  # the server's own high-water mark, read after every step
+            peak[0] = max(peak[0], server_peak)
         after, floor, live = await idle_figures()
         deadline = time.monotonic() + 5.0
         while live and time.monotonic() < deadline:  # aborted/finishing requests let go
@@ -251,7 +262,35 @@ async def drive(url: str, cfg: LoadConfig) -> dict:
         "kv_mapped_bytes_before": before, "kv_mapped_bytes_peak": peak[0],
         "kv_mapped_bytes_after": after, "kv_packed_floor_bytes_after": floor,
         "kv_live_blocks_after": live, "reserved_virtual_bytes": reserved,
+        **workers,
     }
+
+
+async def _sample_workers(client, url: str, cfg: LoadConfig, done: asyncio.Event,
+                          out: dict) -> None:
+    """Several workers (``serve --nnodes=N``): ``world_size``, ``worker_mapped_bytes_peak``
+    and ``worker_kv_mapped_bytes_peak`` (rank -> highest sampled bytes during the load) and
+    ``all_reduce_ms_per_step`` (rank 0's mean all-reduce time per engine step, at the end)."""
+    peaks: dict[str, dict[str, float]] = {"mapped_bytes": {}, "kv_mapped_bytes": {}}
+    text = ""
+    while True:
+        try:
+            text = (await client.get(f"{url}/metrics")).text
+        except Exception:
+            text = ""
+        for key, per in peaks.items():
+            for line in text.splitlines():
+                if line.startswith(f"xllm_vmm_worker_{key}{{"):
+                    rank = dict(re.findall(r'(\w+)="([^"]*)"', line)).get("rank", "?")
+                    per[rank] = max(per.get(rank, 0.0), float(line.rpartition(" ")[2]))
+        if done.is_set():
+            break
+        await asyncio.sleep(cfg.metrics_interval)
+    out["world_size"] = len(peaks["mapped_bytes"])
+    out["worker_mapped_bytes_peak"] = peaks["mapped_bytes"]
+    out["worker_kv_mapped_bytes_peak"] = peaks["kv_mapped_bytes"]
+    ar = parse_metric(text, "xllm_vmm_all_reduce_seconds_per_step")
+    out["all_reduce_ms_per_step"] = None if ar is None else 1e3 * ar
 
 
 class ServerProcess:

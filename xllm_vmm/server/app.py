@@ -131,6 +131,7 @@ def build_app(front: AsyncEngine, settings: Optional[ServerSettings] = None,
             except Exception:  # a failing engine still gets its front-side series
                 stats = {}
             snaps[name] = (stats or {}, {"sleeping": f.sleeping, "in_flight": f.num_in_flight,
+                                         "kv_mapped_peak_bytes": f.kv_mapped_peak_bytes,
                                          "num_requests_running": f._num_running,
                                          "num_requests_waiting":
                                              f._num_waiting + f._pending_adds})

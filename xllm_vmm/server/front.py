@@ -132,6 +132,8 @@ class AsyncEngine:
         self._engine_thread: Optional[threading.Thread] = None
         self._output_thread: Optional[threading.Thread] = None
         self.steps = 0
+        self._kv_cache = getattr(getattr(engine, "kv_cache_manager", None), "cache", None)
+        self.kv_mapped_peak_bytes: Optional[int] = 0 if self._kv_cache is not None else None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "AsyncEngine":
@@ -400,10 +402,27 @@ class AsyncEngine:
                 self._fail_all(APIError(500, f"the engine failed: {type(exc).__name__}: {exc}"))
                 continue
             self.steps += 1
+            self._track_kv_peak()
             self._num_waiting = int(eng.num_waiting)
             self._num_running = int(eng.num_running)
             if outs:
                 self._outbox.put(("outs", time.monotonic(), outs))
+
+    def _track_kv_peak(self) -> None:
+        """High-water mark of the KV bytes mapped, read after every step (the cache's
+        ``active_bytes``: a sum over its groups). ``kv_mapped_peak_bytes`` is None when the
+        engine has no virtual KV cache to read."""
+        cache = self._kv_cache
+        if cache is None:
+            return
+        try:
+            now = int(cache.active_bytes())
+        except Exception:  # not a virtual KV cache: stop reading it
+            self._kv_cache = None
+            self.kv_mapped_peak_bytes = None
+            return
+        if now > (self.kv_mapped_peak_bytes or 0):
+            self.kv_mapped_peak_bytes = now
 
     def _handle(self, item) -> None:
         kind = item[0]

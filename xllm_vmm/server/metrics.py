@@ -210,5 +210,9 @@ class _Snapshot:
                 float(bool(front.get("sleeping"))))
             add("xllm_vmm_requests_in_flight", "Requests the front holds (queued or running).",
                 "gauge", base, float(front.get("in_flight", 0)))
+            peak = front.get("kv_mapped_peak_bytes")
+            if peak is not None:
+                add("xllm_vmm_kv_mapped_peak_bytes", "Most KV bytes mapped after any engine step "
+                    "since the server started.", "gauge", base, float(peak))
         return list(families.values())
 
