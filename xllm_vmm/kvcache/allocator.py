@@ -464,6 +464,8 @@ class BlockAllocator:
         stacks = g.stacks
         bps = g.bps
         nb = g.nblocks
+        cached = g.cached
+        ncached = g.ncached
         kept: list[int] | None = None
         runs: list[tuple[int, int, int]] = []  # (slot, free before the run, free after it)
         cur = -1
@@ -488,9 +490,8 @@ class BlockAllocator:
                 elif not 0 <= b < nb:
                     raise IndexError
                 if keep[b] or (pins and b in pins):
-                    g.cached[b] = 1
-                    g.ncached[b // bps] += 1
-                    g.n_cached += 1
+                    cached[b] = 1
+                    ncached[b // bps] += 1
                     if kept is None:
                         kept = [b]
                     else:
@@ -506,8 +507,12 @@ class BlockAllocator:
                 stack.append(b)
         except (IndexError, TypeError):
             done = len(blks) - it.__length_hint__()  # entries consumed, the refused one too
+            if kept:
+                g.n_cached += len(kept)  # _undo_free takes them back one by one
             self._undo_free(g, blks, done, runs, cur, k0, kept)
             raise AssertionError("unreachable: _undo_free raises")  # pragma: no cover
+        if kept:
+            g.n_cached += len(kept)
         if cur < 0:
             return kept, []
         runs.append((cur, k0, len(stack)))
@@ -608,22 +613,27 @@ class BlockAllocator:
         (``None`` when none was)."""
         g = self._groups.get(group) or self._g(group)
         ref = g.ref
+        cached = g.cached
         revived = None
         for b in blocks:
-            if ref[b] > 0:
-                ref[b] += 1
+            r = ref[b]
+            if r > 0:
+                ref[b] = r + 1
                 continue
-            if not g.cached[b]:
+            if not cached[b]:
+                if revived:
+                    g.n_cached -= len(revived)
                 raise ValueError(f"touch of free block {b} in group {group!r}: only live or "
                                  "cached blocks can be referenced")
-            g.cached[b] = 0
+            cached[b] = 0
             g.ncached[b // g.bps] -= 1
-            g.n_cached -= 1
             ref[b] = 1
             if revived is None:
                 revived = [b]
             else:
                 revived.append(b)
+        if revived:
+            g.n_cached -= len(revived)
         return revived
 
     def retain(self, group: str, blocks: Sequence[int]) -> None:
