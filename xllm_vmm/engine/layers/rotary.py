@@ -10,7 +10,8 @@
 
 Angles are computed in float32 (``position * inv_freq``); cos/sin are cast to the activations'
 dtype before the rotation, like transformers does, so fp32 outputs agree to rounding.
-The cos/sin table covers ``max_positions`` positions and doubles on demand for longer contexts.
+The cos/sin table starts at ``min(max_positions, INITIAL_POSITIONS)`` positions (a 128k-context
+model would otherwise hold hundreds of MB of table at start) and doubles on demand.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch import Tensor
 
 ROPE_TYPES = ("default", "linear", "llama3")
+INITIAL_POSITIONS = 8192
 
 
 class RopeConfigError(ValueError):
@@ -90,7 +92,7 @@ class RotaryEmbedding:
         self.inv_freq = inverse_frequencies(head_dim, rope).to(device)
         self.device = device
         self._cos = self._sin = None
-        self._build(max(1, max_positions))
+        self._build(max(1, min(max_positions, INITIAL_POSITIONS)))
 
     def _build(self, n: int) -> None:
         import torch

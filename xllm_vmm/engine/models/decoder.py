@@ -28,6 +28,7 @@ from xllm_vmm.engine.layers.norm import RMSNorm
 from xllm_vmm.engine.layers.parallel import SINGLE, TensorParallel
 from xllm_vmm.engine.layers.rotary import RotaryEmbedding
 from xllm_vmm.engine.models.config import ModelConfig
+from xllm_vmm.models.errors import ModelConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import Tensor
@@ -142,8 +143,10 @@ class CausalLM:
                  tp: TensorParallel = SINGLE, device: Any = None) -> None:
         check_activation(cfg.hidden_act)
         if cfg.sliding_window:
-            raise WeightsMismatch(f"{cfg.architecture} with use_sliding_window is not supported "
-                                  "(sliding-window layers need the 'sliding' cache group)")
+            raise ModelConfigError(
+                f"{cfg.architecture} with use_sliding_window=true is not supported by the engine",
+                hint="sliding-window layers need the 'sliding' cache group; set "
+                     "use_sliding_window to false in config.json if the model allows it")
         self.config = cfg
         self.tp = tp
         w = _Weights(weights, cfg.architecture, tp)
