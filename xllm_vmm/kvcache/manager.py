@@ -192,6 +192,7 @@ class KVCacheManager:
         self.hash_seed = hash_seed
         self._alloc = cache.allocator
         self._reqs: dict[str, _Request] = {}
+        self._restoring: dict[str, _Request] = {}  # requests with a host restore in flight
         self._asleep = False
         self._closed = False
         self._compact = compact
@@ -407,6 +408,7 @@ class KVCacheManager:
                              {g: new[g][:n_host] for g in groups})
             r.update(req.tables)  # positions that joined another restore in flight
             req.restore = r
+            self._restoring[request_id] = req
             req.restore_dev_blocks = n_dev
         if req.held_host:  # the restore pinned what it reads; the lookup's hold ends
             pool = self.host.pool  # type: ignore[union-attr]
@@ -443,6 +445,7 @@ class KVCacheManager:
 
     def _finish_restore(self, req: _Request, r: Restore) -> None:
         req.restore = None
+        self._restoring.pop(req.rid, None)
         if r.ok:
             req.published = max(req.published, r.first_block + r.num_blocks)
         else:
@@ -509,6 +512,7 @@ class KVCacheManager:
         if req.restore is not None:
             req.restore.cancel()
             req.restore = None
+            self._restoring.pop(request_id, None)
         if not req.admitted:
             return
         tables = req.tables
@@ -570,10 +574,8 @@ class KVCacheManager:
         be reclaimed (elastic pools; at most ``compact_max_blocks`` blocks moved)."""
         if self.host is not None:
             self.host.step()
-            for req in self._reqs.values():
-                r = req.restore
-                if r is not None and r.finished:
-                    self._finish_restore(req, r)
+            for req in [q for q in self._restoring.values() if q.restore.finished]:  # type: ignore[union-attr]
+                self._finish_restore(req, req.restore)  # type: ignore[arg-type]
         if self._compact and self._elastic and not self._asleep:
             self._maybe_compact()
 
@@ -762,6 +764,8 @@ class KVCacheManager:
         for (g, b), n in refs.items():
             rc = self._alloc.ref_count(g, b)
             assert rc >= n, f"block {b} of group {g!r}: {n} table entries, ref count {rc}"
+        assert set(self._restoring) == {r.rid for r in self._reqs.values() if r.restore}, \
+            "requests with a restore in flight and the manager's record of them differ"
         n0 = None
         for req in self._reqs.values():
             lens = {len(t) for t in req.tables.values()}
