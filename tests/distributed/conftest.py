@@ -9,7 +9,7 @@ import pytest
 
 from tests.engine.checkpoints import llama_checkpoint, qwen3_checkpoint
 
-BASE = {"device_memory": "64MiB", "block_size": 16, "dist_timeout": 30}
+BASE = {"device_memory": "64MiB", "block_size": 16}
 """Flags every multi-worker test starts from (small emulated devices, small blocks)."""
 
 

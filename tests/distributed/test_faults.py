@@ -20,7 +20,7 @@ SP = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
 
 @pytest.mark.parametrize("how", ["killed", "silent"])
 def test_lost_worker_is_named_and_reaped(llama_dir, how):
-    eng = LLMEngine.from_flags(str(llama_dir), **{**BASE, "dist_timeout": 8}, nnodes=2)
+    eng = LLMEngine.from_flags(str(llama_dir), **BASE, dist_timeout=8, nnodes=2)
     pid = eng.distributed.worker_stats()[1]["pid"]
     heard = []
     eng.distributed.add_failure_listener(heard.append)

@@ -18,7 +18,7 @@ import pytest
 
 from tests.distributed.conftest import BASE
 
-TIMEOUT = "6"  # XLLM_VMM_DIST_TIMEOUT: rendezvous and collectives; heartbeat staleness too
+TIMEOUT = "6"  # XLLM_VMM_DIST_TIMEOUT: collectives while serving; heartbeat staleness too
 PROMPT = "The quick brown fox"
 
 
@@ -28,14 +28,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(model, rank: int, master: str, *extra: str) -> subprocess.Popen:
+def serve(model, rank: int, master: str, *extra: str, startup: str = "300") -> subprocess.Popen:
     args = ["--model", str(model), "--port", "0", "--nnodes=2", f"--node_rank={rank}",
             f"--master_node_addr={master}", f"--block_size={BASE['block_size']}",
             f"--device-memory={BASE['device_memory']}", *extra]
     return subprocess.Popen([sys.executable, "-m", "xllm_vmm.cli", "serve", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1",
-                                     XLLM_VMM_DIST_TIMEOUT=TIMEOUT, TORCH_CPP_LOG_LEVEL="ERROR"))
+                                     XLLM_VMM_DIST_TIMEOUT=TIMEOUT,
+                                     XLLM_VMM_DIST_STARTUP_TIMEOUT=startup,
+                                     TORCH_CPP_LOG_LEVEL="ERROR"))
 
 
 def ready_url(proc: subprocess.Popen, deadline_s: float = 120) -> str:
@@ -88,6 +90,9 @@ def test_two_process_launch_serves_then_a_killed_worker_stops_it(llama_dir):
                                         temperature=0, extra_body={"ignore_eos": True})
         assert got.choices[0].text == want
         assert httpx.get(f"{url}/health").status_code == 200
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'xllm_vmm_worker_mapped_bytes{model_name=' in metrics and 'rank="1"' in metrics
+        assert "xllm_vmm_all_reduce_seconds_per_step" in metrics
         r1.kill()  # a worker dies
         r1.wait(10)
         deadline = time.monotonic() + 30
@@ -133,7 +138,7 @@ def test_worker_rank_exits_with_rank_0(llama_dir):
 def test_missing_peer_fails_start_up_after_the_timeout(llama_dir, rank):
     master = f"127.0.0.1:{free_port()}"
     t0 = time.monotonic()
-    code, out, err = finish(serve(llama_dir, rank, master), timeout=90)
+    code, out, err = finish(serve(llama_dir, rank, master, startup=TIMEOUT), timeout=90)
     took = time.monotonic() - t0
     assert code == 1
     assert master in err and "Traceback" not in err

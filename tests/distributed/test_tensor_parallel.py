@@ -23,7 +23,8 @@ def generate(model, **flags) -> tuple[list[list[int]], dict]:
                 "stats": eng.distributed.worker_stats() if eng.distributed else [],
                 "q_rows": eng.weights["model.layers.0.self_attn.q_proj.weight"].shape[0],
                 "embed_rows": eng.weights["model.embed_tokens.weight"].shape[0],
-                "kv_width": eng.plan.layout.groups[0].tensors[0].bytes_per_token}
+                "kv_width": eng.plan.layout.groups[0].tensors[0].bytes_per_token,
+                "dist": eng.stats().get("distributed")}
         return [list(o.outputs[0].token_ids) for o in outs], info
     finally:
         llm.llm_engine.shutdown()
@@ -46,6 +47,11 @@ def test_two_workers_equal_one_token_for_token(family, llama_dir, qwen3_dir):
     kv = [s["kv_mapped_bytes"] for s in info2["stats"]]
     assert kv[0] == kv[1] > 0
     assert not alive(info2["pids"][1])
+    # the benchmark's figures: two all-reduces per layer, the embedding's one
+    d = info2["dist"]
+    assert info1["dist"] is None and d["world_size"] == 2 and d["steps"] > 0
+    assert d["all_reduce_calls_per_step"] == 2 * 2 + 1  # 2 layers (attention + MLP) + embedding
+    assert d["all_reduce_seconds_per_step"] > 0 and d["all_reduce_bytes_per_step"] > 0
 
 
 def test_world_size_one_has_no_runtime(llama_dir):

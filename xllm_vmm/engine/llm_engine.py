@@ -307,6 +307,8 @@ class LLMEngine:
             "steps": self.num_steps,
             "sleeping": self.is_sleeping(),
             "kvcache": kv,
+            **({"distributed": self.distributed.stats()}  # several workers (issue 14)
+               if getattr(self, "distributed", None) is not None else {}),
         }
 
     # -- sleep / wake / fork -------------------------------------------------------------

@@ -3,7 +3,9 @@
 Rendezvous: a ``torch.distributed`` TCP store served by rank 0 at ``master_node_addr``
 (port 0: a free port, spawn only; the bound port is :attr:`Group.port`), then
 ``init_process_group`` over that store with the device's backend — gloo on CPU, NCCL on
-CUDA, HCCL on NPU (``torch_npu``). Every wait is bounded by the topology's timeout: a
+CUDA, HCCL on NPU (``torch_npu``) — bounded by the start-up timeout, and a second group of the
+same ranks, :attr:`Group.steps`, whose collectives (every step, every command) time out after
+the serving timeout. Every wait is bounded: a
 master that cannot be reached, or a rank that never arrives, is a
 :class:`~xllm_vmm.engine.distributed.errors.DistributedError` naming the rank and the address.
 
@@ -65,16 +67,17 @@ class Group:
         self.world = topo.world
         self.backend = backend_for(device)
         self.closed = False
+        self.steps = None  # the process group of serving: collectives time out after timeout_s
         self._hb_thread: threading.Thread | None = None
         self._hb_stop = threading.Event()
         where = f"master_node_addr {topo.host}:{topo.port}"
         try:
             self.store = dist.TCPStore(topo.host, topo.port, None, topo.rank == 0,
-                                       _td(topo.timeout_s), wait_for_workers=False)
+                                       _td(topo.startup_timeout_s), wait_for_workers=False)
         except Exception as e:  # noqa: BLE001 - the store's errors are RuntimeErrors
             raise DistributedError(
                 f"rank {topo.rank} could not {'serve' if topo.rank == 0 else 'reach'} the "
-                f"rendezvous at {where} within {topo.timeout_s:g} s: {_first_line(e)}",
+                f"rendezvous at {where} within {topo.startup_timeout_s:g} s: {_first_line(e)}",
                 rank=topo.rank, address=topo.address,
                 hint="start rank 0 first and check master_node_addr (rank 0's host and a free "
                      "port reachable from every node)") from None
@@ -87,13 +90,17 @@ class Group:
 
         try:
             dist.init_process_group(self.backend, store=self.store, rank=self.rank,
-                                    world_size=self.world, timeout=_td(self.topo.timeout_s))
+                                    world_size=self.world,
+                                    timeout=_td(self.topo.startup_timeout_s))
+            self.steps = dist.new_group(list(range(self.world)), backend=self.backend,
+                                        timeout=_td(self.topo.timeout_s))
         except Exception as e:  # noqa: BLE001
             missing = self.missing_ranks() if self.rank == 0 else []
             who = (f"rank(s) {', '.join(map(str, missing))} never arrived" if missing
                    else "the worker set did not form")
             raise DistributedError(
-                f"rank {self.rank}: {who} at {self.address} within {self.topo.timeout_s:g} s "
+                f"rank {self.rank}: {who} at {self.address} within "
+                f"{self.topo.startup_timeout_s:g} s "
                 f"({self.backend}): {_first_line(e)}", rank=missing[0] if missing else self.rank,
                 address=self.address,
                 hint=f"start all {self.world} processes (node_rank 0..{self.world - 1}) with the "
@@ -118,7 +125,8 @@ class Group:
     def _start_heartbeat(self) -> None:
         import torch.distributed as dist
 
-        client = dist.TCPStore(self.topo.host, self.port, None, False, _td(self.topo.timeout_s))
+        client = dist.TCPStore(self.topo.host, self.port, None, False,
+                               _td(self.topo.startup_timeout_s))
         key = f"xv/hb/{self.rank}"
 
         def beat() -> None:

@@ -96,6 +96,9 @@ class Runtime:
         self.statuses: list[dict[str, Any]] = []
         self.commands = 0
         self.collective_seconds = 0.0
+        self.steps = 0
+        self.step_seconds = 0.0
+        self.step_comm: dict[str, float] = {}
         self._seq = 0
         self._listeners: list[Callable[[WorkerLost], None]] = []
         self._lock = threading.Lock()
@@ -137,7 +140,7 @@ class Runtime:
             reap(procs, 0)
             group.close()
             raise
-        rt = cls(topo, group, procs, TensorParallel(topo.rank, topo.world,
+        rt = cls(topo, group, procs, TensorParallel(topo.rank, topo.world, group=group.steps,
                                                    shard_hook=shard_hook(mcfg, topo.rank, topo.world)))
         if topo.rank == 0:
             stale = min(topo.timeout_s, 10.0)
@@ -159,7 +162,8 @@ class Runtime:
         self.cache, self.pool, self.worker = mgr.cache, pool, worker
         geo = {"slots": {g: v.num_slots for g, v in mgr.cache.geometry.items()},
                "block_size": int(mgr.block_size), "page_bytes": int(pool.page_bytes)}
-        hellos = self._gather(self._status({"geometry": geo, "device": str(worker.device)}))
+        hellos = self._gather(self._status({"geometry": geo, "device": str(worker.device)}),
+                              startup=True)
         for s in hellos[1:]:
             if s["geometry"] != hellos[0]["geometry"]:
                 raise DistributedError(
@@ -265,6 +269,33 @@ class Runtime:
         self.call("status", None, lambda: {})
         return self.worker_stats()
 
+    def record_step(self, seconds: float, before: dict, after: dict) -> None:
+        """Rank 0: one step took ``seconds``; ``before``/``after``: collective counters."""
+        self.steps += 1
+        self.step_seconds += seconds
+        for k, v in after.items():
+            self.step_comm[k] = self.step_comm.get(k, 0) + v - before.get(k, 0)
+
+    def stats(self) -> dict[str, Any]:
+        """What a benchmark and ``/metrics`` report of the worker set (rank 0): world size,
+        steps, mean step time and mean all-reduce time per step (seconds, measured on rank 0:
+        it includes waiting for the slowest rank), all-reduces and their bytes per step, the
+        per-command status gather time, and each worker's last status (``workers``: mapped
+        and KV-mapped bytes, budget left)."""
+        n = max(1, self.steps)
+        c = self.step_comm
+        return {
+            "world_size": self.world,
+            "steps": self.steps,
+            "step_seconds_mean": self.step_seconds / n,
+            "all_reduce_seconds_per_step": c.get("all_reduce_seconds", 0.0) / n,
+            "all_reduce_calls_per_step": c.get("all_reduce_calls", 0) / n,
+            "all_reduce_bytes_per_step": c.get("all_reduce_bytes", 0) / n,
+            "logits_gather_seconds_per_step": c.get("logits_gather_seconds", 0.0) / n,
+            "status_gather_seconds_per_command": self.collective_seconds / max(1, self.commands),
+            "workers": self.worker_stats(),
+        }
+
     def worker_stats(self) -> list[dict[str, Any]]:
         """Each rank's last status (rank, pid, budget_left_bytes, mapped_bytes,
         kv_mapped_bytes, execution_peak_bytes), index = rank."""
@@ -282,12 +313,14 @@ class Runtime:
         st.update(result)
         return st
 
-    def _gather(self, status: dict) -> list[dict]:
+    def _gather(self, status: dict, startup: bool = False) -> list[dict]:
+        """Every rank's status (index = rank); ``startup``: over the start-up group (its
+        timeout waits for the slowest rank's weights), else the serving group."""
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.world
         t0 = time.perf_counter()
-        dist.all_gather_object(out, status)
+        dist.all_gather_object(out, status, group=None if startup else self.group.steps)
         self.collective_seconds += time.perf_counter() - t0
         return out
 
@@ -444,13 +477,18 @@ class DriverWorker:
         self.runtime = runtime
 
     def execute(self, step: StepInput) -> StepOutput:
+        from xllm_vmm.engine.distributed.comm_stats import COMM
+
         box: dict[str, Any] = {}
+        t0 = time.perf_counter()
+        before = COMM.snapshot()
 
         def run() -> dict:
             box["out"] = self.local.execute(step)
             return {}
 
         self.runtime.call("step", (list(step.chunks), int(step.block_size)), run)
+        self.runtime.record_step(time.perf_counter() - t0, before, COMM.snapshot())
         return box["out"]
 
     def close(self) -> None:

@@ -22,9 +22,12 @@ device), and the host KV tier (``host_blocks_factor > 0``) across workers.
 
 Engine-only options (``LLMEngine.from_flags`` / ``LLM``; not catalogue flags):
 
-- ``dist_timeout`` (seconds; default ``$XLLM_VMM_DIST_TIMEOUT``, else 120): the rendezvous and
-  every collective; the watchdog calls a worker lost after ``min(dist_timeout, 10)`` seconds
-  without a heartbeat (``serve`` reads it from the environment variable);
+- ``dist_timeout`` (seconds; default ``$XLLM_VMM_DIST_TIMEOUT``, else 120): every collective
+  while serving; the watchdog calls a worker lost after ``min(dist_timeout, 10)`` seconds
+  without a heartbeat;
+- ``dist_startup_timeout`` (seconds; default ``$XLLM_VMM_DIST_STARTUP_TIMEOUT``, else 300):
+  start-up — reaching the rendezvous, every rank arriving, every rank loading its weights
+  (``serve`` reads both from the environment variables);
 - ``worker_device_memory``: the emulated device size of every worker (host driver only; a list
   of sizes, one per rank). The plan (and so every worker's cache geometry) is rank 0's
   ``device_memory``; this changes only what each worker's device can physically hold, which is
@@ -36,17 +39,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-DIST_OPTIONS = ("dist_timeout", "worker_device_memory", "_spawned")
+DIST_OPTIONS = ("dist_timeout", "dist_startup_timeout", "worker_device_memory", "_spawned")
 """Engine-only options of the multi-worker runtime (``_spawned`` is set on spawned workers)."""
 
 DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_STARTUP_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
 class Topology:
     """This process's place in the service. ``world`` workers, this one ``rank``;
     ``spawn``: rank 0 starts the others; ``host``/``port``: the rendezvous (port 0: pick a
-    free loopback port, spawn only); ``timeout_s``: see the module docstring."""
+    free loopback port, spawn only); ``timeout_s`` (collectives) and ``startup_timeout_s``:
+    see the module docstring."""
 
     world: int
     rank: int
@@ -56,6 +61,7 @@ class Topology:
     timeout_s: float
     worker_device_memory: tuple[int, ...] = ()
     spawned: bool = False
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
 
     @property
     def address(self) -> str:
@@ -122,20 +128,32 @@ def topology_of(cfg: Any, opts: dict[str, Any]) -> Topology | None:
         raise refuse("master_node_addr", str(e), "give HOST:PORT of rank 0's host") from None
     if spawn and not explicit("master_node_addr"):
         host, port = "127.0.0.1", 0
-    timeout = opts.get("dist_timeout")
-    if timeout is None:
-        import os
-
-        env = os.environ.get("XLLM_VMM_DIST_TIMEOUT")
-        try:
-            timeout = float(env) if env else DEFAULT_TIMEOUT_S
-        except ValueError:
-            timeout = env
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ConfigError([Finding("CFG-TYPE", "error", f"dist_timeout={timeout!r} must be a "
-                                   "positive number of seconds", flags={"dist_timeout": timeout})])
+    timeout = _seconds(opts, "dist_timeout", "XLLM_VMM_DIST_TIMEOUT", DEFAULT_TIMEOUT_S)
+    startup = _seconds(opts, "dist_startup_timeout", "XLLM_VMM_DIST_STARTUP_TIMEOUT",
+                       DEFAULT_STARTUP_TIMEOUT_S)
     mem = _worker_memory(opts.get("worker_device_memory"), p.world)
-    return Topology(p.world, rank, spawn, host, port, float(timeout), mem, spawned)
+    return Topology(p.world, rank, spawn, host, port, timeout, mem, spawned, startup)
+
+
+def _seconds(opts: dict[str, Any], name: str, env_name: str, default: float) -> float:
+    """A positive number of seconds: the option, else the environment variable, else
+    ``default``; ConfigError naming the option (or the variable) otherwise."""
+    import os
+
+    from xllm_vmm.config import ConfigError, Finding
+
+    value, where = opts.get(name), name
+    if value is None:
+        env = os.environ.get(env_name)
+        where = env_name
+        try:
+            value = float(env) if env else default
+        except ValueError:
+            value = env
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError([Finding("CFG-TYPE", "error", f"{where}={value!r} must be a positive "
+                                   "number of seconds", flags={name: value})])
+    return float(value)
 
 
 def _worker_memory(value: Sequence[Any] | None, world: int) -> tuple[int, ...]:

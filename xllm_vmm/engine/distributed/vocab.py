@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -34,10 +35,16 @@ def gather_logits(part: Tensor, tp: TensorParallel) -> Tensor:
     import torch
     import torch.distributed as dist
 
+    from xllm_vmm.engine.distributed.comm_stats import COMM
+
     part = part.contiguous()
+    t0 = time.perf_counter()
     if tp.rank == 0:
         bufs = [torch.empty_like(part) for _ in range(tp.world_size)]
         dist.gather(part, bufs, dst=0, group=tp.group)
-        return torch.cat(bufs, dim=-1)
-    dist.gather(part, None, dst=0, group=tp.group)
-    return part
+        out = torch.cat(bufs, dim=-1)
+    else:
+        dist.gather(part, None, dst=0, group=tp.group)
+        out = part
+    COMM.add("logits_gather", time.perf_counter() - t0, part.numel() * part.element_size())
+    return out

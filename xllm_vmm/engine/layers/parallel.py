@@ -9,6 +9,7 @@ output over ``group`` (``torch.distributed``: gloo on CPU, NCCL on CUDA, HCCL on
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +55,11 @@ class TensorParallel:
             return x
         import torch.distributed as dist  # sharded path (issue 14)
 
+        from xllm_vmm.engine.distributed.comm_stats import COMM
+
+        t0 = time.perf_counter()
         dist.all_reduce(x, group=self.group)
+        COMM.add("all_reduce", time.perf_counter() - t0, x.numel() * x.element_size())
         return x
 
 
