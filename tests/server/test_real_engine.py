@@ -84,6 +84,12 @@ def test_completion_greedy_matches_transformers(served, client, hf_model):
     assert r.choices[0].text == eng.tokenizer.decode(ref)
     assert r.choices[0].finish_reason == "length"
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 12
+    again = client.completions.create(model="tiny-llama", prompt=prompt * 8, max_tokens=2,
+                                      temperature=0)
+    repeat = client.completions.create(model="tiny-llama", prompt=prompt * 8, max_tokens=2,
+                                       temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+    assert repeat.usage.prompt_tokens_details.cached_tokens >= 16  # a 16-token block hit
     # token-id prompt, streamed: the same text, chunk by chunk
     chunks = list(client.completions.create(model="tiny-llama", prompt=ids, max_tokens=12,
                                             temperature=0, stream=True,

@@ -56,7 +56,8 @@ def test_completion_text_matches_engine_tokens(served, tokenizer):
     assert choice["text"] == tokenizer.decode(eng.expected(ids, 5))
     assert choice["finish_reason"] == "length"
     assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 5,
-                             "total_tokens": len(ids) + 5}
+                             "total_tokens": len(ids) + 5,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     # the engine was only ever touched by the engine thread
     assert len(eng.thread_ids) == 1 and threading.get_ident() not in eng.thread_ids
 

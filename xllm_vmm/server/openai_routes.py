@@ -98,11 +98,9 @@ def _budget(front: AsyncEngine, prompt_len: int, req, default: Optional[int],
 
 
 def _usage(prompt: int, completion: int, cached: int = 0) -> dict:
-    u = {"prompt_tokens": prompt, "completion_tokens": completion,
-         "total_tokens": prompt + completion}
-    if cached:
-        u["prompt_tokens_details"] = {"cached_tokens": cached}
-    return u
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}  # prefix-cache hits
 
 
 def _sse(obj: Any) -> str:
