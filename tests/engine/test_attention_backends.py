@@ -68,7 +68,7 @@ def _step(stack, plan, g):
 
 
 @pytest.mark.parametrize("block_size", [16, 24])
-@pytest.mark.parametrize("kind", ["torch", "npu-standin"])
+@pytest.mark.parametrize("kind", ["torch", "torch-batched", "npu-standin"])
 def test_backend_matches_reference(model_dir, monkeypatch, block_size, kind):
     if kind == "npu-standin":
         if block_size == 24:
@@ -78,16 +78,17 @@ def test_backend_matches_reference(model_dir, monkeypatch, block_size, kind):
     stack = PagedStack(model_dir, block_size=block_size, shuffle_blocks=1500)
     try:
         cls = NpuPagedBackend if kind == "npu-standin" else backend_class("torch", "cpu")
-        _check_against_reference(stack, cls, torch.Generator().manual_seed(block_size))
+        kw = {"batch_decodes": True} if kind == "torch-batched" else {}
+        _check_against_reference(stack, cls, torch.Generator().manual_seed(block_size), **kw)
     finally:
         stack.close()
 
 
-def _check_against_reference(stack, cls, g):
+def _check_against_reference(stack, cls, g, **kw):
     """Three steps: prefills; chunked continuation + decodes + a fresh prompt, mixed; decodes
     only. Every chunk's output equals the reference over its whole history."""
     views = stack.worker.kv_views
-    be = cls(views.geometry, num_heads=H, num_kv_heads=HKV, head_dim=D, device="cpu")
+    be = cls(views.geometry, num_heads=H, num_kv_heads=HKV, head_dim=D, device="cpu", **kw)
     history: dict[str, tuple[list, list]] = {}
     layer = views.layers[1]
     for plan in ([("a", 40), ("b", 1), ("c", 17)],

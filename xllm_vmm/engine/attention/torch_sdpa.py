@@ -18,7 +18,8 @@ every decode's blocks into one padded batch + one SDPA call: B64 with 64-520 tok
 25 ms a layer, B32 with 900-1024 tokens 11.8 against 23.5, B256 with 32-160 tokens 29 against 28
 (the gather copies every key once more than attention reads it; memory bandwidth, not FLOPs,
 bounds CPU decode). The batched-gather indices (``decode_block_rows``, ``PrefillSeq.rows``) are
-still derived per step for backends that gather (MLA reuses this metadata).
+derived per step for the batched decode path (``batch_decodes``, the default on CUDA, where
+one kernel launch beats one per sequence) and for backends that gather (MLA reuses them).
 
 Only blocks of the step's sequences are read: runs cover ``[0, seq_len)`` exactly, and padding
 entries of a block table never reach an index. Grouped-query attention uses SDPA's
@@ -103,7 +104,21 @@ class SDPAMetadata:
 
 
 class TorchSDPABackend(AttentionBackend):
+    """``batch_decodes``: decodes as one batched gather + SDPA call (one kernel launch instead
+    of one per sequence: the default on CUDA) rather than per-sequence views (the default on
+    CPU, where the extra copy costs more than the calls). Prefill chunks always go one call
+    each."""
+
     name = "torch"
+
+    def __init__(self, *args: Any, batch_decodes: bool | None = None, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        import torch
+
+        if batch_decodes is None:
+            batch_decodes = torch.device(self.device).type == "cuda"
+        self.batch_decodes = batch_decodes
+        self._buffers: dict[str, Any] = {}
 
     def prepare(self, step: StepInput) -> SDPAMetadata:
         import torch
@@ -158,9 +173,16 @@ class TorchSDPABackend(AttentionBackend):
         import torch
         import torch.nn.functional as F
 
+        batched = self.batch_decodes and meta.decode_rows is not None
+        if batched and meta.decode_all:
+            return self._decode_batched(q, kv, meta)
         out = torch.empty_like(q)
+        if batched:
+            out[meta.decode_rows] = self._decode_batched(q[meta.decode_rows], kv, meta)
         kd = kv.k_slots
         for sq in meta.seqs:
+            if batched and sq.q1 - sq.q0 == 1:
+                continue
             qi = q[sq.q0:sq.q1].transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
             if sq.start == 0:
                 ki = k[sq.q0:sq.q1].to(q.dtype)
@@ -182,11 +204,37 @@ class TorchSDPABackend(AttentionBackend):
             out[sq.q0:sq.q1] = o[0].transpose(0, 1)
         return out
 
+    def _decode_batched(self, qd: Tensor, kv: PagedKV, meta: SDPAMetadata) -> Tensor:
+        """All decodes at once: their blocks gathered (one ``index_select`` per tensor over the
+        ``rows`` views, into buffers reused across layers and steps) and one SDPA call with the
+        key-padding mask ``key j < seq_len``."""
+        import torch
+        import torch.nn.functional as F
+
+        geo, hkv, d = self.geometry, self.num_kv_heads, self.head_dim
+        rows, nb = meta.decode_block_rows, meta.decode_nb
+        n, g = rows.numel(), geo.row_elems
+        keys = []
+        for name, src in (("k", kv.k_rows), ("v", kv.v_rows)):
+            buf = self._buffers.get(name)
+            if buf is None or buf.numel() < n * g or buf.dtype != src.dtype:
+                size = max(n * g, 2 * (buf.numel() if buf is not None else 0))
+                buf = self._buffers[name] = torch.empty(size, dtype=src.dtype, device=src.device)
+            dst = buf[:n * g].view(n, g)
+            torch.index_select(src, 0, rows, out=dst)
+            keys.append(dst.view(-1, nb * geo.block_size, hkv, d).transpose(1, 2).to(qd.dtype))
+        o = F.scaled_dot_product_attention(qd.unsqueeze(2), keys[0], keys[1],
+                                           attn_mask=meta.decode_mask, scale=self.scale,
+                                           enable_gqa=True)
+        return o.squeeze(2)
+
     def workspace_bytes(self, meta: SDPAMetadata, elem: int) -> int:
         """Float32 scores of the largest single call of the layer, plus the copy of a chunk
-        whose blocks are scattered (several runs)."""
+        whose blocks are scattered (several runs), or the batched decodes' gather."""
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         peak = 0
+        if self.batch_decodes:
+            peak = meta.decode_keys * (2 * hkv * d * elem + h * 4)
         for sq in meta.seqs:
             n = sq.q1 - sq.q0
             copied = 2 * sq.seq_len * hkv * d * elem if len(sq.runs) > 1 else 0
