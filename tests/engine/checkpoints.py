@@ -273,11 +273,14 @@ def _rewrite_tensors(model_dir: Path, edit) -> None:
               metadata={"format": "pt"})
 
 
-def deepseek_v3_checkpoint(out_dir, *, seed: int = 0, **kw) -> Path:
+def deepseek_v3_checkpoint(out_dir, *, seed: int = 0, branch_scale: float = 1.0,
+                           **kw) -> Path:
     """DeepSeek-V3: MLA (q LoRA 32, kv LoRA 32, rope 8 interleaved, nope 16, v 16), layer 0
     dense, layer 1 MoE (8 routed experts in 2 groups, top-2 from 1 group, 1 shared expert,
     scaling 2.5). The router's ``e_score_correction_bias`` (a buffer transformers leaves at 0)
-    is drawn too, so the routing test sees it."""
+    is drawn too, so the routing test sees it. ``branch_scale`` multiplies every residual
+    branch's output projection (``o_proj``, ``down_proj``): below 1 the residual stream keeps
+    more of the token embedding (a smoother model whose next token a draft can learn)."""
     import torch
 
     out = build_checkpoint(out_dir, "deepseek_v3", seed=seed, **kw)
@@ -286,6 +289,8 @@ def deepseek_v3_checkpoint(out_dir, *, seed: int = 0, **kw) -> Path:
     def edit(name, t):
         if name.endswith("e_score_correction_bias"):
             return 0.3 * torch.randn(t.shape, generator=gen, dtype=t.dtype)
+        if branch_scale != 1.0 and name.endswith(("o_proj.weight", "down_proj.weight")):
+            return t * branch_scale
         return t
 
     if kw.get("max_shard_size") is None:

@@ -28,9 +28,13 @@ MiB = 1 << 20
 class ManagedStack:
     def __init__(self, model_dir, *, block_size: int = 16, max_tokens: int = 4096,
                  vmm: bool = True, prefix: bool = False, max_batch_tokens: int = 512,
-                 max_seqs: int = 8) -> None:
+                 max_seqs: int = 8, draft_dir=None) -> None:
+        """``draft_dir``: an MTP draft directory; its cache is the layout's ``"draft"`` group
+        (SD-01) and :attr:`draft` the loaded module."""
         spec = load_model_spec(str(model_dir))
-        self.layout = cache_layout(spec, block_size=block_size)
+        draft_spec = load_model_spec(str(draft_dir)) if draft_dir is not None else None
+        self.layout = cache_layout(spec, block_size=block_size, draft=draft_spec is not None,
+                                   draft_spec=draft_spec)
         self.driver = open_driver("host", device_memory=512 * MiB)
         page = self.driver.granularity
         arena = VirtualKVCache.arena_bytes(self.layout, page, max_tokens)
@@ -39,6 +43,11 @@ class ManagedStack:
         self.mgr = build_kv_cache_manager(self.pool, self.layout, enable_prefix_cache=prefix,
                                           max_tokens=max_tokens)
         self.worker = Worker.create(str(model_dir), pool=self.pool, kv_cache=self.mgr.cache)
+        self.draft = None
+        if draft_dir is not None:
+            from xllm_vmm.engine.spec_decode import MtpDraft
+
+            self.draft = MtpDraft.load(draft_dir, self.mgr.cache)
         # hybrid models: state slots + checkpoints around the manager and the worker
         self.sched_mgr, self.runner = attach_linear_state(self.mgr, self.worker, max_seqs=max_seqs)
         self.sched = Scheduler(self.sched_mgr, max_tokens_per_batch=max_batch_tokens,
@@ -65,6 +74,8 @@ class ManagedStack:
         return out
 
     def close(self) -> None:
+        if self.draft is not None:
+            self.draft.close()
         self.worker.close()
         self.mgr.close()
         gc.collect()  # views held by reference cycles must be gone before the release
