@@ -48,6 +48,13 @@ from xllm_vmm.engine.distributed.topology import DIST_OPTIONS, Topology, topolog
 if TYPE_CHECKING:  # pragma: no cover
     from xllm_vmm.engine.step import StepInput, StepOutput
 
+_ROW = ("rank", "pid", "budget_left_bytes", "mapped_bytes", "kv_mapped_bytes",
+        "execution_peak_bytes")
+"""The numbers of a status, in the order of its int64 row (then ``ok``: -1/0/1, error: 0/1)."""
+_OK = {None: -1, False: 0, True: 1}
+_OBJECT_OPS = ("sleep", "wake")
+"""Commands whose statuses carry reports (pickled)."""
+
 _COMM_WORDS = ("gloo", "nccl", "hccl", "connection", "closed", "timed out", "timeout",
                "peer", "socket", "broken pipe", "reset")
 
@@ -188,7 +195,7 @@ class Runtime:
         try:
             self.group.store.set(key, pickle.dumps((op, payload), protocol=5))
             result = local() or {}
-            statuses = self._gather(self._status(result))
+            statuses = self._gather(self._status(result), objects=op in _OBJECT_OPS)
         except WorkerLost:
             raise
         except Exception as e:  # noqa: BLE001
@@ -313,16 +320,43 @@ class Runtime:
         st.update(result)
         return st
 
-    def _gather(self, status: dict, startup: bool = False) -> list[dict]:
+    def _gather(self, status: dict, startup: bool = False, objects: bool = False) -> list[dict]:
         """Every rank's status (index = rank); ``startup``: over the start-up group (its
-        timeout waits for the slowest rank's weights), else the serving group."""
+        timeout waits for the slowest rank's weights), else the serving group. The numbers
+        of a status travel as one int64 row per rank (one collective); ``objects`` (reports,
+        the start-up geometry) pickles whole statuses, and so does a failed command's error
+        text, in a second gather that every rank joins when any row says so."""
+        import torch
         import torch.distributed as dist
 
-        out: list[Any] = [None] * self.world
+        group = None if startup else self.group.steps
         t0 = time.perf_counter()
-        dist.all_gather_object(out, status, group=None if startup else self.group.steps)
-        self.collective_seconds += time.perf_counter() - t0
-        return out
+        try:
+            if objects or startup:
+                out: list[Any] = [None] * self.world
+                dist.all_gather_object(out, status, group=group)
+                return out
+            row = torch.tensor([int(status.get(k, 0)) for k in _ROW]
+                               + [_OK.get(status.get("ok"), -1), int(bool(status.get("error")))],
+                               dtype=torch.int64)
+            rows = [torch.empty_like(row) for _ in range(self.world)]
+            dist.all_gather(rows, row, group=group)
+            out = []
+            for r in rows:
+                v = r.tolist()
+                st: dict[str, Any] = dict(zip(_ROW, v))
+                if v[len(_ROW)] >= 0:
+                    st["ok"] = bool(v[len(_ROW)])
+                out.append(st)
+            if any(r[-1].item() for r in rows):
+                errors: list[Any] = [None] * self.world
+                dist.all_gather_object(errors, status.get("error"), group=group)
+                for st, e in zip(out, errors):
+                    if e:
+                        st["error"] = e
+            return out
+        finally:
+            self.collective_seconds += time.perf_counter() - t0
 
     def _refresh(self, statuses: list[dict]) -> None:
         self.statuses = statuses
@@ -408,7 +442,7 @@ class Runtime:
                 result = self._handle(op, payload, engine)
             except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it
                 result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-            statuses = self._gather(self._status(result))
+            statuses = self._gather(self._status(result), objects=op in _OBJECT_OPS)
             if op == "activate" and result["ok"] and not all(s["ok"] for s in statuses):
                 self.cache.deactivate(payload)  # rolled back on every worker
 
