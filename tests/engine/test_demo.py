@@ -7,12 +7,13 @@ import time
 
 import pytest
 
-from xllm_vmm.engine.demo import (DEMO_NAME, DEMO_VERSION, FILES, build_demo_model, cache_root,
-                                  content_hash, demo_model_dir, train_bpe)
+from xllm_vmm.engine.demo import (DEMO_NAME, DEMO_VERSION, FILES, VOCAB_SIZE, _corpus,
+                                  _tokenizer_files, bigram_matrix, bpe_encode, build_demo_model,
+                                  cache_root, content_hash, demo_model_dir, train_bpe)
 
 # SHA-256 of the demo files (content_hash). A change here is a change of the demo model:
 # bump DEMO_VERSION with it.
-DEMO_SHA256 = "179a9b23bcd6ba88577d1fc96260579a6dd32afe1fe45b8f822cd661f51566e7"
+DEMO_SHA256 = "4d3700f60106518187ed7b960f38d4fb3e1c2214137f1b7b36a534241e1788a2"
 
 
 def test_same_bytes_every_build(tmp_path):
@@ -60,7 +61,7 @@ def test_tokenizer_and_model_load_in_transformers(tmp_path):
                                                                    add_generation_prompt=True)
     assert set(tok.eos_token_ids) == {tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")}
     model = AutoModelForCausalLM.from_pretrained(str(d))
-    assert model.config.tie_word_embeddings and model.config.vocab_size == 512
+    assert not model.config.tie_word_embeddings and model.config.vocab_size == 512
 
 
 def test_llm_without_a_model_serves_the_demo(tmp_path, monkeypatch):
@@ -75,3 +76,36 @@ def test_llm_without_a_model_serves_the_demo(tmp_path, monkeypatch):
         assert out.outputs[0].token_ids == hf_greedy(eng.model_dir, out.prompt_token_ids, 5)
         chat = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4, seed=0))
         assert chat[0].prompt.startswith("<|im_start|>user\nhi<|im_end|>")
+
+
+def test_bpe_encode_matches_tokenizers():
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tf = _tokenizer_files()
+    import json
+
+    tok = HFTokenizer.from_str(json.dumps(tf["tokenizer.json"]))
+    text = _corpus()
+    assert bpe_encode(text, tf["_vocab_map"], tf["_merges"]) == tok.encode(text).ids
+
+
+def test_lm_head_follows_the_corpus_bigrams(tmp_path):
+    """With the layers nearly silent, the next token's logits are about lm_head · E[c]: its
+    argmax is the most frequent successor of c for most c whose most frequent successor is
+    unique."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    d = build_demo_model(tmp_path)
+    t = load_file(str(d / "model.safetensors"))
+    e = t["model.embed_tokens.weight"].astype(np.float64)
+    w = t["lm_head.weight"].astype(np.float64)
+    tf = _tokenizer_files()
+    c = bigram_matrix(bpe_encode(" ".join(_corpus().split()), tf["_vocab_map"], tf["_merges"]),
+                      VOCAB_SIZE)
+    h = e / np.sqrt((e ** 2).mean(axis=1, keepdims=True))
+    logits = h @ w.T
+    rows = [r for r in range(VOCAB_SIZE) if c[r].any() and (c[r] == c[r].max()).sum() == 1]
+    assert len(rows) > 100
+    hit = np.mean([logits[r].argmax() == c[r].argmax() for r in rows])
+    assert hit > 0.8  # 0.85 with these bytes: random embeddings are only nearly orthogonal

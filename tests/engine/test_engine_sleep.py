@@ -91,3 +91,14 @@ def test_fork_shares_the_weight_pages(model):
         finally:
             child.shutdown()
         assert run(eng, "d") == ref                  # the parent's weights outlive the fork
+
+
+def test_parent_shutdown_shuts_its_forks_down_first(model):
+    llm = LLM(str(model), block_size=16, device_memory="96MiB", enable_vmm_kvcache=True,
+              vmm_elastic=True, enable_vmm_weights=True)
+    eng = llm.llm_engine
+    child = eng.fork()
+    assert run(child, "a") == run(eng, "b")
+    eng.shutdown()                     # the driver goes with the parent: the fork first
+    assert child._closed
+    child.shutdown()                   # idempotent

@@ -3,8 +3,8 @@
 The quick form of the offline API (:class:`xllm_vmm.engine.LLM`): the same engine flags in
 gflags syntax (``--block_size=16 --enable_vmm_kvcache=true``, validated as ``check-config``
 validates them), the prompt as an argument or ``-`` for stdin, ``--chat`` to wrap it in the
-model's chat template. Without ``--model`` the embedded demo model answers (random weights;
-the banner on stderr says so). Exit codes: 0 done, 2 bad flags, options, prompt or model, 1 a
+model's chat template. Without ``--model`` the embedded demo model answers (untrained: its
+text is corpus-like word salad; the banner on stderr says so). Exit codes: 0 done, 2 bad flags, options, prompt or model, 1 a
 failure while running. Torch is imported inside the command only.
 """
 
@@ -30,8 +30,8 @@ _HELP = (
     "Generate a continuation of PROMPT (or of stdin with '-') and print it.\n\n"
     "Engine flags go after the options as --FLAG=VALUE (e.g. --block_size=16 "
     "--enable_vmm_kvcache=true --vmm_elastic=true), checked by the same rules as check-config. "
-    "Without --model the embedded demo model answers (a tiny random-weight model built on first "
-    "use and cached in ~/.cache/xllm-vmm).\n\n"
+    "Without --model the embedded demo model answers (a tiny untrained model built on first "
+    "use and cached in ~/.cache/xllm-vmm; its text is corpus-like word salad).\n\n"
     "Exit codes: 0 done, 2 bad flags, options, prompt or model, 1 a failure while running.")
 
 
@@ -114,8 +114,8 @@ def generate_command(
         raise _fail(2, f"cannot load the model: {e}") from None
     try:
         if eng.is_demo:
-            typer.echo("xllm-vmm generate: demo model (tiny, random weights: the text is noise; "
-                       "pass --model DIR for a real model)", err=True)
+            typer.echo("xllm-vmm generate: demo model (tiny and untrained: its text is word salad "
+                       "from its corpus's bigrams; pass --model DIR for a real model)", err=True)
         _run(eng, prompt, params, chat, system, fmt)
     except RequestError as e:
         raise _fail(2, f"{e.param}: {e.message}") from None

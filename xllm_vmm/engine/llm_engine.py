@@ -100,6 +100,7 @@ class LLMEngine:
         self._parent: dict[str, tuple[str, int]] = {}
         self._sleeper = None
         self._closed = False
+        self._forks: list[LLMEngine] = []
         self.num_steps = 0
         self.finished_reasons: dict[str, int] = {}
 
@@ -367,17 +368,23 @@ class LLMEngine:
 
         w = require_weight_vmm(self.weights, "fork").fork()
         sized = _Sized(self.config, self.plan, self.max_model_len, self.warnings)
-        return _build(type(self), sized, self.model_dir, self._opts, self.is_demo,
-                      weights=w, driver=self.driver)
+        child = _build(type(self), sized, self.model_dir, self._opts, self.is_demo,
+                       weights=w, driver=self.driver)
+        self._forks.append(child)
+        return child
 
     _opts: dict[str, Any] = {}
 
     def shutdown(self) -> None:
         """Abort everything and release the worker, the cache, the weights, the pool and the
-        driver (a fork's driver stays with its parent). Idempotent."""
+        driver; forks of this engine are shut down first (they use its driver; a fork's own
+        shutdown leaves the driver to its parent). Idempotent."""
         if self._closed:
             return
         self._closed = True
+        for child in self._forks:  # they live on this engine's driver
+            child.shutdown()
+        self._forks.clear()
         for rid in list(self.scheduler.requests):
             self.scheduler.abort(rid)
         close = getattr(self.worker, "close", None)

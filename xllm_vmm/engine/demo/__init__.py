@@ -1,16 +1,21 @@
 """The embedded demo model: what the engine serves when no ``--model`` is given.
 
-A tiny Llama (tied embeddings, fp32) with a byte-level BPE tokenizer and a ChatML chat
-template, built on first use from :data:`SEED` and the corpus text shipped beside this module
-(``corpus.md``), and cached in ``$XDG_CACHE_HOME/xllm-vmm/`` (default ``~/.cache/xllm-vmm/``).
-Its weights are random: it shows the machinery (batching, the VMM pool, streaming), not
-language. Anything that prints its output says it is a demo model.
+A tiny Llama (fp32) with a byte-level BPE tokenizer and a ChatML chat template, built on first
+use from :data:`SEED` and the corpus text shipped beside this module (``corpus.md``), and cached
+in ``$XDG_CACHE_HOME/xllm-vmm/`` (default ``~/.cache/xllm-vmm/``). It is not trained: its
+embeddings are random, its layers nearly silent (projections of std 0.1/√fan_in), and its LM
+head is written so that the logits of the next token follow the corpus's token bigrams
+(``lm_head[n] = β · Σ_c C[c, n] · E[c]`` with ``C`` the bigram counts scaled to 0..16 per
+row: random embeddings are nearly orthogonal, so ``lm_head · E[c]`` is about ``C[c, ·]``).
+Its text is therefore corpus-like word salad — it shows the machinery (batching, the VMM
+pool, streaming), not language. Anything that prints its output says it is a demo model.
 
 Same bytes on every machine: the tokenizer is trained here by a small deterministic BPE
 (pairs counted over the corpus split into words, the most frequent pair merged first, ties
 broken by the pair's text), the weights come from a counter-based integer generator
 (splitmix64 over uint64, wrapping arithmetic) turned into floats with exact operations only
-(no ``log``/``cos``, whose last bits vary between math libraries), and every file is written
+(no ``log``/``cos``, whose last bits vary between math libraries; the LM head's sums are
+integer matrix products, exact in any order, scaled once), and every file is written
 by this module (JSON with sorted keys, safetensors laid out by hand). ``tests/engine/test_demo.py``
 checks the SHA-256 of the files (:func:`content_hash`).
 
@@ -30,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 DEMO_NAME = "xllm-vmm-demo"
-DEMO_VERSION = 1
+DEMO_VERSION = 2
 """Bump when anything below changes the files (the cache directory is per version)."""
 
 SEED = 20251201
@@ -193,7 +198,8 @@ def _tokenizer_files() -> dict[str, dict]:
     }
     special = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
     return {"tokenizer.json": tok, "tokenizer_config.json": cfg,
-            "special_tokens_map.json": special, "_ids": ids, "_vocab": {"n": len(vocab)}}
+            "special_tokens_map.json": special, "_ids": ids, "_vocab": {"n": len(vocab)},
+            "_vocab_map": vocab, "_merges": merges}
 
 
 # -- weights -------------------------------------------------------------------------------
@@ -202,6 +208,11 @@ _M64 = (1 << 64) - 1
 
 def _uniform(stream: int, n: int):
     """``n`` floats uniform in [-1, 1) from splitmix64 of (SEED, stream, index), exactly."""
+    return _uniform_int(stream, n).astype("float64") * (2.0 ** -23)
+
+
+def _uniform_int(stream: int, n: int):
+    """``n`` int64 uniform in [-2^23, 2^23) from splitmix64 of (SEED, stream, index)."""
     import numpy as np
 
     with np.errstate(over="ignore"):
@@ -211,15 +222,73 @@ def _uniform(stream: int, n: int):
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         z = z ^ (z >> np.uint64(31))
-    u = (z >> np.uint64(40)).astype(np.float64) * (2.0 ** -24)  # exact: 24-bit integers
-    return u * 2.0 - 1.0
+    return (z >> np.uint64(40)).astype(np.int64) - (1 << 23)
 
 
-def _tensors() -> dict[str, tuple[tuple[int, ...], bytes]]:
-    """name → (shape, float32 little-endian bytes). Uniform with the stated std (a =
-    std·√3): embeddings std 1, projections std 1.5/√fan_in, norms 1 ± 0.1."""
+BIGRAM_SCALE = 16
+"""Largest entry of the scaled bigram matrix ``C`` (a row's most frequent successor)."""
+BIGRAM_LOGIT = 10.0
+"""Logit of a row's most frequent successor (about: β · 16 · hidden / √3)."""
+
+
+def bpe_encode(text: str, vocab: dict[str, int], merges: list[tuple[str, str]]) -> list[int]:
+    """Byte-level BPE of ``text`` (the words of the training split; the lowest-ranked pair
+    merged first, as ``tokenizers`` does)."""
+    b2u = _bytes_to_unicode()
+    rank = {m: i for i, m in enumerate(merges)}
+    out: list[int] = []
+    for w in _WORD.findall(text):
+        sym = [b2u[b] for b in w.encode("utf-8")]
+        while len(sym) > 1:
+            best = min(range(len(sym) - 1), key=lambda i: rank.get((sym[i], sym[i + 1]), 1 << 30))
+            pair = (sym[best], sym[best + 1])
+            if pair not in rank:
+                break
+            merged: list[str] = []
+            i = 0
+            while i < len(sym):
+                if i + 1 < len(sym) and (sym[i], sym[i + 1]) == pair:
+                    merged.append(sym[i] + sym[i + 1])
+                    i += 2
+                else:
+                    merged.append(sym[i])
+                    i += 1
+            sym = merged
+        out.extend(vocab[t] for t in sym)
+    return out
+
+
+BIGRAM_TOP = 4
+"""Successors kept per token (the most frequent; fewer terms per LM-head row, less noise)."""
+
+
+def bigram_matrix(ids: list[int], vocab_size: int):
+    """``C[c, n]``, int64: for each token ``c`` its ``BIGRAM_TOP`` most frequent successors
+    (ties: the smaller id) get ``ceil(BIGRAM_SCALE · count(c → n) / count(c → best))``; the
+    row of a token the corpus never continues stays 0."""
     import numpy as np
 
+    counts = np.zeros((vocab_size, vocab_size), dtype=np.int64)
+    np.add.at(counts, (np.asarray(ids[:-1]), np.asarray(ids[1:])), 1)
+    out = np.zeros_like(counts)
+    for c in range(vocab_size):
+        row = counts[c]
+        if not row.any():
+            continue
+        order = sorted(range(vocab_size), key=lambda n: (-int(row[n]), n))[:BIGRAM_TOP]
+        best = int(row[order[0]])
+        for n in order:
+            if row[n] > 0:
+                out[c, n] = (BIGRAM_SCALE * int(row[n]) + best - 1) // best
+    return out
+
+
+def _tensors(tok: dict | None = None) -> dict[str, tuple[tuple[int, ...], bytes]]:
+    """name → (shape, float32 little-endian bytes): embeddings uniform of std 1, projections
+    uniform of std 0.1/√fan_in, norms 1 ± 0.1, the LM head from the bigrams (module doc)."""
+    import numpy as np
+
+    tok = tok or _tokenizer_files()
     a = ARCH
     h, i_sz, hd = a["hidden_size"], a["intermediate_size"], a["head_dim"]
     nh, nkv = a["num_attention_heads"], a["num_key_value_heads"]
@@ -239,15 +308,29 @@ def _tensors() -> dict[str, tuple[tuple[int, ...], bytes]]:
         ]
     shapes.append(("model.norm.weight", (h,), "norm"))
     out = {}
+    emb_int = None
     for stream, (name, shape, kind) in enumerate(shapes):
         n = math.prod(shape)
-        u = _uniform(stream, n)
-        if kind == "norm":
-            v = 1.0 + 0.1 * u
+        if kind == "emb":
+            emb_int = _uniform_int(stream, n).reshape(shape)
+            v = emb_int.astype(np.float64) * (math.sqrt(3.0) * 2.0 ** -23)
         else:
-            std = 1.0 if kind == "emb" else 1.5 / math.sqrt(shape[1])
-            v = u * (std * math.sqrt(3.0))
+            u = _uniform(stream, n)
+            v = 1.0 + 0.1 * u if kind == "norm" else u * (0.1 / math.sqrt(shape[1]) * math.sqrt(3.0))
         out[name] = (shape, v.astype("<f4").tobytes())
+    # LM head: W[n] = beta * sum_c C[c, n] * u[c], u = emb_int / 2^23 (exact integer products)
+    vocab = tok["_vocab_map"]
+    flat = " ".join(_corpus().split())  # one space between words: no runs of blank lines
+    c = bigram_matrix(bpe_encode(flat, vocab, tok["_merges"]), VOCAB_SIZE)
+    # a prompt ending in whitespace (a chat template's "assistant\n") continues as after "."
+    after_stop = c[vocab["."]].copy()
+    for t, i in vocab.items():
+        if i < VOCAB_SIZE and t and all(ch in "ĠĊĉč" for ch in t) and not c[i].any():
+            c[i] = after_stop
+    w_int = c.T @ emb_int                      # int64, |w| < 2^(4+23+9): exact in any order
+    beta = BIGRAM_LOGIT * math.sqrt(3.0) / (BIGRAM_SCALE * h)
+    w = w_int.astype(np.float64) * (beta * 2.0 ** -23)
+    out["lm_head.weight"] = ((VOCAB_SIZE, h), w.astype("<f4").tobytes())
     return out
 
 
@@ -289,7 +372,7 @@ def build_demo_model(out_dir: str | os.PathLike[str]) -> Path:
         "hidden_act": "silu", "max_position_embeddings": a["max_position_embeddings"],
         "rms_norm_eps": a["rms_norm_eps"], "rope_theta": a["rope_theta"],
         "rope_scaling": None, "attention_bias": False, "mlp_bias": False,
-        "tie_word_embeddings": True, "bos_token_id": None, "eos_token_id": eos,
+        "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": eos,
         "pad_token_id": ids["<|endoftext|>"], "initializer_range": 0.02, "use_cache": True,
         "attention_dropout": 0.0, "pretraining_tp": 1,
     }
@@ -297,9 +380,9 @@ def build_demo_model(out_dir: str | os.PathLike[str]) -> Path:
     _dump(out / "generation_config.json", {"eos_token_id": eos, "pad_token_id": ids["<|endoftext|>"]})
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         _dump(out / name, tf[name])
-    _write_safetensors(out / "model.safetensors", _tensors())
+    _write_safetensors(out / "model.safetensors", _tensors(tf))
     return out
 
 
-__all__ = ["DEMO_NAME", "DEMO_VERSION", "SEED", "build_demo_model", "cache_root",
-           "content_hash", "demo_model_dir", "train_bpe"]
+__all__ = ["DEMO_NAME", "DEMO_VERSION", "SEED", "bigram_matrix", "bpe_encode", "build_demo_model",
+           "cache_root", "content_hash", "demo_model_dir", "train_bpe"]
