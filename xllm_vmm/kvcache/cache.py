@@ -154,7 +154,7 @@ class GroupCapacity:
 
     name: str
     free_blocks: int  # free blocks in active slots
-    evictable_blocks: int  # cached blocks the retention policy can give up
+    evictable_blocks: int  # cached blocks the prefix cache could give up (0 without one)
     inactive_slots: int
     blocks_per_slot: int
     slot_bytes: int
