@@ -72,6 +72,7 @@ class FakeEngine:
         self.shut = False
         self.added = 0
         self.sleep_calls: list[int] = []
+        self.script: list[int] | None = None  # when set: the tokens every request emits
         self.run = threading.Event()  # cleared by a test: step() waits (requests stay in flight)
         self.run.set()
 
@@ -111,7 +112,8 @@ class FakeEngine:
             time.sleep(self.step_delay)
         outs = []
         for rid, (prompt, params, out) in list(self.reqs.items()):
-            tok = 4 + (sum(prompt) + 7 * len(out)) % 300
+            tok = (self.script[len(out) % len(self.script)] if self.script else
+                   4 + (sum(prompt) + 7 * len(out)) % 300)
             out.append(tok)
             done = len(out) >= (params.max_tokens or 16)
             outs.append(EngineOutput(rid, [tok], finished=done,

@@ -127,6 +127,17 @@ def test_logprobs_and_seeded_sampling(served, client):
     assert len(lp.tokens) == 5 and len(lp.token_logprobs) == 5
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert chosen <= 0 and max(top.values()) == pytest.approx(chosen)  # greedy = argmax
+    chat = client.chat.completions.create(model="tiny-llama", max_tokens=4, temperature=0,
+                                          messages=[{"role": "user", "content": "hello"}],
+                                          logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)  # greedy
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+    assert "".join(e.token for e in content) == chat.choices[0].message.content
     a = client.completions.create(model="tiny-llama", prompt="hello", max_tokens=8, seed=7,
                                   temperature=1.0, n=2, extra_body={"ignore_eos": True})
     b = client.completions.create(model="tiny-llama", prompt="hello", max_tokens=8, seed=7,

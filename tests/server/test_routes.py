@@ -364,3 +364,20 @@ def test_non_streaming_disconnect_aborts(tokenizer):
         assert len(eng.aborted) == 1  # aborted in the engine long before its 100 tokens
     finally:
         srv.stop()
+
+
+def test_stream_never_splits_a_multibyte_character(served, tokenizer):
+    eng, front, srv = served
+    text = "héllo wörld ✓ 日本 🙂 naïve"
+    ids = tokenizer.encode(text)
+    # byte-level BPE: some characters span several tokens, so a token-by-token decode breaks them
+    assert any("\ufffd" in tokenizer.decode(ids[:k]) for k in range(1, len(ids)))
+    eng.script = ids
+    with HTTP.stream("POST", f"{srv.url}/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "x"}], "max_tokens": len(ids),
+            "stream": True}) as r:
+        chunks = _sse(r)[:-1]
+    deltas = [c["choices"][0]["delta"].get("content") or "" for c in chunks]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == text
+    assert sum(1 for d in deltas if d) > 5  # streamed piece by piece, not all at the end
