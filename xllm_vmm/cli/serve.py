@@ -81,42 +81,27 @@ class UsageError(Exception):
 def parse_argv(argv: list[str]) -> dict:
     """serve's own options, and the catalogue flags in order (a non-bool flag written without
     ``=`` takes the next token as its value). A positional argument is a usage error."""
-    from xllm_vmm.config.inputs import takes_value
+    from xllm_vmm.config.inputs import split_argv
 
     opts: dict[str, Any] = {"config": [], "flags": [], "api_key": None, "enable_admin": False,
                             "max_waiting": None, "drain_timeout": "30", "max_model_len": None,
                             "device_memory": None, "dtype": None, "no_env": False,
                             "help": False}
-    i = 0
-    while i < len(argv):
-        tok = argv[i]
-        i += 1
-        name, eq, value = tok.partition("=")
-        if name in _VALUE_OPTS:
-            if not eq:
-                if i >= len(argv):
-                    raise UsageError(f"{name} needs a value")
-                value = argv[i]
-                i += 1
-            key = _VALUE_OPTS[name]
-            if key == "config":
-                opts["config"].append(value)
-            else:
-                opts[key] = value
-            continue
+    try:  # the one argv splitter (xllm_vmm.config.inputs.split_argv)
+        split = split_argv(argv, value_options=_VALUE_OPTS, switches=_BOOL_OPTS)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    for name, value in split.options:
         if name in _BOOL_OPTS:
-            if eq:
-                raise UsageError(f"{name} takes no value")
             opts[_BOOL_OPTS[name]] = True
-            continue
-        if tok.startswith("-") and tok != "-":
-            opts["flags"].append(tok)
-            if takes_value(tok) and i < len(argv):
-                opts["flags"].append(argv[i])
-                i += 1
-            continue
-        raise UsageError(f"unexpected argument {tok!r}: serve takes flags only (a model is "
-                         "--model DIR; a TOML file is --config FILE)")
+        elif _VALUE_OPTS[name] == "config":
+            opts["config"].append(value)
+        else:
+            opts[_VALUE_OPTS[name]] = value
+    opts["flags"] = split.flags
+    if split.files:
+        raise UsageError(f"unexpected argument {split.files[0]!r}: serve takes flags only (a "
+                         "model is --model DIR; a TOML file is --config FILE)")
     opts["max_waiting"] = _int_opt("--max-waiting-requests", opts["max_waiting"], 0)
     opts["max_model_len"] = _int_opt("--max-model-len", opts["max_model_len"], 2)
     try:
