@@ -294,3 +294,31 @@ def test_without_chunked_prefill_a_prompt_must_fit_one_step(llama, refs):
         assert e.value.param == "prompt" and "max_tokens_per_batch=32" in e.value.message
         p = prompt(32, 5)
         assert llm.generate([p], GREEDY)[0].outputs[0].token_ids == refs(p)
+
+
+def test_abort_mid_flight_frees_everything(llama, refs):
+    d, _ = llama
+    with make(d, max_tokens_per_batch=32) as llm:
+        eng = llm.llm_engine
+        sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        eng.add_request("keep", prompt(20, 1), sp)
+        eng.add_request("gone", prompt(40, 2), sp)
+        eng.add_request("pair", prompt(18, 3), SamplingParams(n=2, seed=1, max_tokens=8))
+        with pytest.raises(RequestError) as e:
+            eng.add_request("pair", prompt(5), sp)
+        assert e.value.param == "request_id"
+        with pytest.raises(RequestError):
+            eng.add_request("pair#1", prompt(5), sp)
+        eng.step()
+        eng.step()
+        eng.abort_request(["gone", "pair", "nobody"])
+        toks: dict[str, list[int]] = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+        assert set(toks) <= {"keep"}
+        assert eng.kv_cache_manager.num_requests == 0
+        assert eng.kv_cache_manager.stats()["live_blocks"] == 0
+        assert eng.stats()["request_success"] == {"abort": 3, "length": 1}
+        eng.add_request("pair", prompt(5), sp)  # ids are free again
+        eng.abort_request("pair")

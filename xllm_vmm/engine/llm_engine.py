@@ -173,11 +173,14 @@ class LLMEngine:
                 f"the prompt has {len(ids)} tokens; with enable_chunked_prefill=false a prompt "
                 f"runs in one step of at most max_tokens_per_batch={budget} tokens: shorten "
                 "the prompt, raise max_tokens_per_batch or enable chunked prefill"))
-        if request_id in self._children or request_id in self.scheduler.requests:
-            raise RequestError(param="request_id", message=f"request id {request_id!r} is in use")
-        t = time.monotonic() if arrival_time is None else arrival_time
         n = params.n
         kids = [child_request_id(request_id, i, n) for i in range(n)]
+        taken = [k for k in (request_id, *kids) if k in self._children or k in self.scheduler.requests]
+        if taken:
+            raise RequestError(param="request_id", message=(
+                f"request id {taken[0]!r} is in use (parallel samples of {request_id!r} are "
+                f"{kids[0]!r}..{kids[-1]!r})" if n > 1 else f"request id {request_id!r} is in use"))
+        t = time.monotonic() if arrival_time is None else arrival_time
         self._children[request_id] = kids
         for i, kid in enumerate(kids):
             p = params if n == 1 else params.for_sibling(i)
