@@ -73,9 +73,12 @@ class LLMEngine:
                  pool: Any, weights: Any, mgr: Any, worker: Any, tokenizer: Any,
                  max_model_len: int, seed: int | None, warnings: list | None = None,
                  is_demo: bool = False, owns_driver: bool = True) -> None:
+        from xllm_vmm.engine.linear_state import attach_linear_state
         from xllm_vmm.engine.sampler import Sampler
         from xllm_vmm.engine.scheduler import Scheduler
 
+        # hybrid models: resident state slots + prefix checkpoints (issue 15); else unchanged
+        mgr, worker = attach_linear_state(mgr, worker, max_seqs=int(config["max_seqs_per_batch"]))
         self.model_dir = model_dir
         self.model_name = model_name
         self.config = config
