@@ -44,6 +44,8 @@ def test_maps_land_on_every_worker(llama_dir):
         backing = cache.allocator.backing
         assert backing.activate({"attn": [0, 1]}) is True
         assert kv_mapped(eng) == [2 * slot, 2 * slot]
+        bps = cache.geometry["attn"].blocks_per_slot
+        assert backing.move({"attn": [(0, bps), (1, bps + 1)]}) is True  # compaction copies, both
         backing.deactivate({"attn": [0, 1]})
         assert kv_mapped(eng) == [0, 0]
         # the engine's own allocations go the same way: a request maps a slot on both

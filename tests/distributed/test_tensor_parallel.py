@@ -1,5 +1,5 @@
 """Tensor parallelism over two gloo workers on CPU: greedy output identical, token for token,
-to one worker (tiny fp32 Llama and Qwen3), through ``LLM(model=DIR, nnodes=2)`` spawning
+to one worker (tiny fp32 Llama, Qwen3, tied Qwen2, Qwen3-MoE), through ``LLM(model=DIR, nnodes=2)`` spawning
 the second worker; each worker holds only its shard of the weights and half the KV heads
 (the plan's per-worker layout); every worker process is gone after shutdown."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.conftest import BASE, alive
+from tests.engine.checkpoints import qwen2_checkpoint, qwen3_moe_checkpoint
 from xllm_vmm import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -30,9 +31,14 @@ def generate(model, **flags) -> tuple[list[list[int]], dict]:
         llm.llm_engine.shutdown()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_two_workers_equal_one_token_for_token(family, llama_dir, qwen3_dir):
-    model = {"llama": llama_dir, "qwen3": qwen3_dir}[family]
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2-tied", "qwen3-moe"])
+def test_two_workers_equal_one_token_for_token(family, llama_dir, qwen3_dir, tmp_path_factory):
+    if family == "qwen2-tied":  # the head reads the embedding's own shard; q/k/v biases split
+        model = qwen2_checkpoint(tmp_path_factory.mktemp("tp-qwen2"))
+    elif family == "qwen3-moe":  # every expert's intermediate features split
+        model = qwen3_moe_checkpoint(tmp_path_factory.mktemp("tp-moe"))
+    else:
+        model = {"llama": llama_dir, "qwen3": qwen3_dir}[family]
     one, info1 = generate(model)
     two, info2 = generate(model, nnodes=2)
     assert two == one
@@ -50,7 +56,7 @@ def test_two_workers_equal_one_token_for_token(family, llama_dir, qwen3_dir):
     # the benchmark's figures: two all-reduces per layer, the embedding's one
     d = info2["dist"]
     assert info1["dist"] is None and d["world_size"] == 2 and d["steps"] > 0
-    assert d["all_reduce_calls_per_step"] == 2 * 2 + 1  # 2 layers (attention + MLP) + embedding
+    assert d["all_reduce_calls_per_step"] == 2 * 2 + 1  # 2 layers (attention + MLP/MoE) + embedding
     assert d["all_reduce_seconds_per_step"] > 0 and d["all_reduce_bytes_per_step"] > 0
 
 

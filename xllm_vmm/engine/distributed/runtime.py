@@ -414,8 +414,6 @@ class Runtime:
     def serve(self, engine: Any = None) -> int:
         """Run rank 0's commands (``engine``: this rank's engine, for sleep and wake) until ``shutdown`` (returns 0) or until rank 0 is gone
         (returns 3, after a message on stderr)."""
-        import datetime as dt
-
         import torch.distributed as dist
 
         store = self.group.store
@@ -426,11 +424,11 @@ class Runtime:
             try:
                 while True:
                     try:
-                        store.wait([key], dt.timedelta(seconds=600))
+                        data = store.get(key)  # waits for the key (the store's timeout)
                         break
                     except dist.DistStoreError:  # idle: no command for a while
                         continue
-                op, payload = pickle.loads(store.get(key))
+                op, payload = pickle.loads(data)
             except dist.DistError as e:
                 print(f"xllm-vmm worker rank {self.rank}: rank 0 at {self.group.address} is "
                       f"gone ({str(e).strip().splitlines()[0]}); stopping", file=sys.stderr)
