@@ -153,6 +153,8 @@ class _Request:
     restore: Restore | None = None
     restore_dev_blocks: int = 0
     first: list[int] = field(default_factory=list)  # tables[first group] (the same list)
+    cap: int = -1  # tokens its blocks cover (len(first) × block_size); -1 until admitted
+    publish_at: int = 1 << 62  # committing this many tokens completes the next block
 
 
 _TUNING = {
@@ -310,15 +312,16 @@ class KVCacheManager:
         ``None`` = "not now": nothing changed (see the module docstring); retry later or
         preempt something."""
         req = self._reqs.get(request_id)
-        if req is not None and req.admitted and hit is None and num_new_tokens >= 0 <= lookahead:
+        if req is not None and hit is None and num_new_tokens >= 0 <= lookahead:
             # a running request (decode growth): the hot path (never asleep: sleep needs no
-            # request to hold blocks)
-            first = req.first
-            need = (req.num_computed + num_new_tokens + lookahead + self._bs_1) \
-                // self.block_size - len(first)
-            if need <= 0:
+            # request to hold blocks); ``cap`` is -1 until the request is admitted
+            tokens = req.num_computed + num_new_tokens + lookahead
+            if tokens <= req.cap:
                 return req.tables
-            return self._grow(req, req.tables, first, need)
+            if req.admitted:
+                first = req.first
+                return self._grow(req, req.tables, first,
+                                  (tokens + self._bs_1) // self.block_size - len(first))
         if self._asleep:
             raise KVCacheManagerError("allocate while the KV cache is asleep: wake_up() first")
         if num_new_tokens < 0 or lookahead < 0:
@@ -343,6 +346,7 @@ class KVCacheManager:
                 if new is None:
                     return None
             first.extend(new[g])
+            req.cap = len(first) * self.block_size
             return tables
         near = {g: t[-1] for g, t in tables.items()} if first else None
         counts = {g: need for g in self.group_names}
@@ -353,6 +357,7 @@ class KVCacheManager:
                 return None
         for g, ids in new.items():
             tables[g].extend(ids)
+        req.cap = len(first) * self.block_size
         return tables
 
     def _admit(self, request_id: str, req: _Request | None, num_new_tokens: int,
@@ -396,11 +401,13 @@ class KVCacheManager:
             held = req.held or {g: [] for g in groups}
         req.tables = {g: held[g] + new[g] for g in groups}
         req.first = req.tables[self._g0]
+        req.cap = len(req.first) * bs
         req.held = None
         req.match = None
         req.admitted = True
         req.num_computed = computed
         req.published = n_dev
+        req.publish_at = (n_dev + 1) * bs if self.prefix is not None else 1 << 62
         if n_host:
             host = self.host
             assert host is not None
@@ -448,10 +455,12 @@ class KVCacheManager:
         self._restoring.pop(req.rid, None)
         if r.ok:
             req.published = max(req.published, r.first_block + r.num_blocks)
+            req.publish_at = (req.published + 1) * self.block_size
         else:
             self.restore_failures += 1
             req.num_computed = req.restore_dev_blocks * self.block_size
             req.published = min(req.published, req.restore_dev_blocks)
+            req.publish_at = (req.published + 1) * self.block_size
 
     def num_computed_tokens(self, request_id: str) -> int:
         """Tokens of the request whose KV is in its blocks (hit, restored or committed)."""
@@ -466,15 +475,14 @@ class KVCacheManager:
         ``checkpoints`` (hybrid models, PC-02): request block index -> ``(state, nbytes)``, the
         linear-state checkpoint at the end of that block, published with it."""
         req = self._reqs.get(request_id)
-        bs = self.block_size
-        if (req is None or not req.admitted or req.restore is not None
-                or not 0 <= num_computed_tokens <= len(req.first) * bs
-                or num_computed_tokens > len(token_ids)):
+        if (req is None or req.restore is not None or not 0 <= num_computed_tokens <= req.cap
+                or num_computed_tokens > len(token_ids)):  # cap is -1 until admitted
             self._refuse_commit(request_id, num_computed_tokens, token_ids)
         req.num_computed = num_computed_tokens  # type: ignore[union-attr]
+        if num_computed_tokens < req.publish_at:  # type: ignore[union-attr]
+            return  # no block became complete (always, without prefix caching)
         prefix = self.prefix
-        if prefix is None or num_computed_tokens < (req.published + 1) * bs:  # type: ignore
-            return  # no block became complete
+        bs = self.block_size
         full = num_computed_tokens // bs
         hashes = req.hashes
         have = len(hashes)
@@ -483,9 +491,10 @@ class KVCacheManager:
                 token_ids[have * bs:full * bs], bs, seed=self.hash_seed, media=req.media,
                 parent=hashes[-1] if have else None, first_block=have))
         first = req.published
-        prefix.publish(req.tables, hashes[first:full], first_block=first,
+        prefix.publish(req.tables, hashes[first:full], first_block=first,  # type: ignore
                        checkpoints=checkpoints)
         req.published = full
+        req.publish_at = (full + 1) * bs
 
     def _refuse_commit(self, request_id: str, num_computed_tokens: int,
                        token_ids: Sequence[int]) -> None:
@@ -764,6 +773,9 @@ class KVCacheManager:
         for (g, b), n in refs.items():
             rc = self._alloc.ref_count(g, b)
             assert rc >= n, f"block {b} of group {g!r}: {n} table entries, ref count {rc}"
+        for r in self._reqs.values():
+            assert r.cap == (len(r.first) * self.block_size if r.admitted else -1), \
+                f"request {r.rid!r}: cap {r.cap} for {len(r.first)} blocks"
         assert set(self._restoring) == {r.rid for r in self._reqs.values() if r.restore}, \
             "requests with a restore in flight and the manager's record of them differ"
         n0 = None
