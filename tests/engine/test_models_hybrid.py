@@ -176,3 +176,22 @@ def test_causal_conv_state_continues_across_pieces():
         outs.append(y)
     torch.testing.assert_close(torch.cat(outs), ref, atol=1e-5, rtol=0)
     torch.testing.assert_close(state, x[-3:].t())
+
+
+def test_llm_generate_runs_the_hybrid_model_with_prefix_hits(qn):
+    """Through the public API (plan-sized engine, its scheduler): the same tokens as
+    transformers, and a second prompt sharing two blocks resumes from a checkpoint."""
+    from xllm_vmm import LLM, SamplingParams
+
+    llm = LLM(model=str(qn[0]), enable_prefix_cache=True, block_size=BS)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        base = _prompt(2 * BS + 5, 8)
+        other = base[:2 * BS + 1] + _prompt(6, 9)
+        got = [list(llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids)
+               for p in (base, other)]
+        stats = llm.llm_engine.kv_cache_manager.stats()
+    finally:
+        llm.llm_engine.shutdown()
+    assert got == [C.hf_greedy(qn[1], base, 4), C.hf_greedy(qn[1], other, 4)]
+    assert stats["linear_state_restores"] == 1 and stats["prefix_hit_tokens"] == 2 * BS

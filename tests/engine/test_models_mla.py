@@ -159,3 +159,20 @@ def test_latent_views_refuse_another_layout(ds, tmp_path):
             Worker.create(ds[0], pool=llama.pool, kv_cache=llama.mgr.cache)
     finally:
         llama.close()
+
+
+def test_llm_generate_runs_deepseek_v3(ds):
+    """Through the public API: plan sizes the MLA layout, the engine runs it."""
+    from xllm_vmm import LLM, SamplingParams
+
+    llm = LLM(model=str(ds[0]))
+    try:
+        prompts = [_prompt(20, 9), _prompt(37, 9)]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        groups = llm.llm_engine.kv_cache_manager.group_names
+    finally:
+        llm.llm_engine.shutdown()
+    assert groups == ("mla",)
+    for p, o in zip(prompts, outs):
+        assert list(o.outputs[0].token_ids) == C.hf_greedy(ds[1], p, 6)
