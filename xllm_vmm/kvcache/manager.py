@@ -64,7 +64,7 @@ Units: tokens (``num_*_tokens``), blocks (ids, counts), bytes (``*_bytes``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 from xllm_vmm.kvcache.allocator import Compaction
 from xllm_vmm.kvcache.cache import CacheLayoutError, VirtualKVCache, fit_tokens
@@ -89,8 +89,7 @@ class KVCacheManagerError(RuntimeError):
     requests holding blocks, allocation while asleep); the message says what to do."""
 
 
-@dataclass(frozen=True, eq=False)
-class PrefixMatch:
+class PrefixMatch(NamedTuple):
     """What :meth:`KVCacheManager.lookup` found for ``request_id``.
 
     ``num_tokens`` = ``num_device_tokens + num_host_tokens``: the first ``num_tokens`` tokens
@@ -98,8 +97,8 @@ class PrefixMatch:
     ``len(token_ids) - 1`` (the last prompt token is always computed so that logits exist).
     ``num_host_tokens`` come back from the host tier by a restore started in
     :meth:`KVCacheManager.allocate`. ``checkpoint``: a hybrid model's linear-state checkpoint
-    at the end of the device hit (PC-02), else ``None``. Identity matters: ``allocate`` takes
-    only the match its request holds now."""
+    at the end of the device hit (PC-02), else ``None``. Immutable (a named tuple); identity
+    matters: ``allocate`` takes only the match object its request holds now."""
 
     request_id: str
     num_tokens: int

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 from xllm_vmm.kvcache.allocator import BlockAllocator
 from xllm_vmm.kvcache.hashing import BlockHash
@@ -88,8 +88,7 @@ class PrefixCacheStats:
         return d
 
 
-@dataclass(frozen=True)
-class PrefixHit:
+class PrefixHit(NamedTuple):
     """The result of a lookup: the first ``num_blocks`` blocks of the request are in the device
     cache; ``blocks[g]`` are their ids in group ``g`` (not yet referenced — call
     :meth:`PrefixCache.acquire`); ``checkpoint`` is the linear-state checkpoint stored with the
