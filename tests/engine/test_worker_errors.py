@@ -13,6 +13,7 @@ from tests.engine.paged_stack import PagedStack
 from xllm_vmm.engine.attention.kv import KVCacheViews, KVLayoutMismatch
 from xllm_vmm.engine.layers.rotary import RopeConfigError, RotaryEmbedding
 from xllm_vmm.engine.models import ModelConfig, WeightsMismatch, build_model
+from xllm_vmm.engine.step import StepInput
 from xllm_vmm.engine.worker import resolve_dtype
 from xllm_vmm.models.errors import ModelConfigError
 
@@ -95,3 +96,31 @@ def test_rope_table_grows_on_demand():
     assert cos.shape == (1, 1, 16)
     inv = r.inv_freq
     torch.testing.assert_close(cos[0, 0, :8], torch.cos(20000 * inv), atol=1e-4, rtol=0)
+
+
+def test_closed_worker_says_so(llama):
+    s = PagedStack(llama)
+    chunk = s.chunk("a", [5, 6])
+    s.close()
+    with pytest.raises(RuntimeError, match="worker was closed"):
+        s.worker.execute(StepInput.build([chunk], s.block_size))
+
+
+def test_execution_peak_counts_dense_and_expert_intermediates(tmp_path):
+    from xllm_vmm.engine.runner import execution_peak_estimate
+
+    class _Backend:
+        def workspace_bytes(self, meta, elem):
+            return 0
+
+    d = C.qwen3_moe_checkpoint(tmp_path / "m", num_hidden_layers=2, mlp_only_layers=[0],
+                               moe_intermediate_size=16)
+    w = load_file(str(d / "model.safetensors"))
+    mixed = build_model(ModelConfig.from_dir(d), w)
+    cfg = mixed.config
+    per_token = execution_peak_estimate(mixed, _Backend(), None, 1, 0)
+    width = cfg.intermediate_size  # the dense layer 0 is wider than top-2 experts of 16
+    assert width > cfg.moe_intermediate_size * cfg.num_experts_per_tok
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    assert per_token == (2 * cfg.hidden_size + qkv + cfg.num_heads * cfg.head_dim
+                         + 3 * width) * 4

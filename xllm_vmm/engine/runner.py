@@ -32,10 +32,11 @@ def execution_peak_estimate(model: CausalLM, backend: AttentionBackend, meta: An
     elem = model.dtype.itemsize
     t = num_tokens
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    inter = cfg.intermediate_size
-    if cfg.num_experts:
-        inter = max(inter if not model.sparse else 0,
-                    cfg.moe_intermediate_size * cfg.num_experts_per_tok)
+    sparse = [getattr(model, "sparse", False) and cfg.is_sparse_layer(i)
+              for i in range(cfg.num_layers)]
+    inter = cfg.intermediate_size if not all(sparse) else 0  # a dense layer's MLP
+    if any(sparse):  # the routed experts' intermediates of every token (top-k of them)
+        inter = max(inter, cfg.moe_intermediate_size * cfg.num_experts_per_tok)
     per_token = (2 * cfg.hidden_size + qkv + cfg.num_heads * cfg.head_dim + 3 * inter) * elem
     return (t * per_token + backend.workspace_bytes(meta, elem)
             + num_sampled * (cfg.vocab_size * 4 + cfg.hidden_size * elem))

@@ -165,6 +165,8 @@ class Worker:
 
     def execute(self, step: StepInput) -> StepOutput:
         """Run one step (see :class:`~xllm_vmm.engine.runner.ModelRunner`)."""
+        if self.runner is None:
+            raise RuntimeError("this worker was closed; create a new one (Worker.create)")
         return self.runner.execute(step)
 
     def close(self) -> None:
