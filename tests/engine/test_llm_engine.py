@@ -322,3 +322,16 @@ def test_abort_mid_flight_frees_everything(llama, refs):
         assert eng.stats()["request_success"] == {"abort": 3, "length": 1}
         eng.add_request("pair", prompt(5), sp)  # ids are free again
         eng.abort_request("pair")
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "qwen3_moe"])
+def test_every_family_matches_hf_through_llm(tmp_path, family):
+    import tests.engine.checkpoints as ck
+
+    d = getattr(ck, f"{family}_checkpoint")(tmp_path / family)
+    hf = load_hf_model(d)
+    prompts = [prompt(n, n) for n in (1, BS + 1, 5 * BS + 3)]  # llama3: past its original 64
+    with make(d, enable_vmm_kvcache=True, vmm_elastic=True) as llm:
+        outs = llm.generate(prompts, GREEDY)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, NEW), f"{family}: {len(p)} tokens"
