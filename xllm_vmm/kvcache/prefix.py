@@ -383,7 +383,9 @@ class PrefixCache:
         that many): their hashes are withdrawn from every group and the blocks freed (their
         peers in other groups too, when cached). With ``prefer_slot_emptying`` whole evictable
         slots come first (the result may exceed ``n_blocks`` by the rest of the last slot),
-        in the order of their least recently released block; then plain LRU. Returns the
+        in the order of their least recently released block, looking at the
+        ``8 × (n_blocks + blocks per slot)`` least recently released blocks only (so an
+        eviction costs O(``n_blocks``) however large the cache); then plain LRU. Returns the
         blocks of ``group`` freed, in the order chosen. Never gives up a referenced or pinned block (invariant 4)."""
         g = self._g(group)
         if n_blocks <= 0 or not g.lru:
@@ -394,7 +396,11 @@ class PrefixCache:
             bps = g.bps
             seen: set[int] = set()
             taken: set[int] = set()
+            scan = 8 * (n_blocks + bps)  # the oldest entries only: eviction stays O(n_blocks)
             for b in g.lru:
+                scan -= 1
+                if scan < 0:
+                    break
                 s = b // bps
                 if s in seen:
                     continue
