@@ -381,3 +381,36 @@ def test_stream_never_splits_a_multibyte_character(served, tokenizer):
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == text
     assert sum(1 for d in deltas if d) > 5  # streamed piece by piece, not all at the end
+
+
+def test_engine_failure_is_500_and_the_server_keeps_serving(served):
+    eng, front, srv = served
+    real_step = eng.step
+    calls = {"n": 0}
+
+    def failing_step():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("device fell over")
+        return real_step()
+
+    eng.step = failing_step
+    r = HTTP.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 3})
+    assert r.status_code == 500 and "device fell over" in r.json()["error"]["message"]
+    _wait(lambda: not eng.reqs)  # the failed request was aborted in the engine
+    r = HTTP.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 3})
+    assert r.status_code == 200
+
+
+def test_weights_not_loaded_is_503(served):
+    eng, front, srv = served
+
+    class WeightsNotLoaded(RuntimeError):  # the weights package's typed error, by name
+        pass
+
+    def refuse(*a, **k):
+        raise WeightsNotLoaded("the model's weights are not loaded (state DEEP_SLEEP)")
+
+    eng.add_request = refuse
+    r = HTTP.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 3})
+    assert r.status_code == 503 and "not loaded" in r.json()["error"]["message"]
