@@ -39,7 +39,7 @@ def _alarm(signum, frame):
     raise _Timeout()
 
 
-@settings(max_examples=examples(120), deadline=None,
+@settings(max_examples=examples(60), deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(BASES), st.dictionaries(st.sampled_from(FIELDS), VALUES, min_size=1,
                                                max_size=3))
