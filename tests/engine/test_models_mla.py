@@ -176,3 +176,25 @@ def test_llm_generate_runs_deepseek_v3(ds):
     assert groups == ("mla",)
     for p, o in zip(prompts, outs):
         assert list(o.outputs[0].token_ids) == C.hf_greedy(ds[1], p, 6)
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.5}
+
+
+def test_yarn_rope_matches_hf(tmp_path):
+    """DeepSeek-V3's released configs use YaRN: scaled frequencies, cos/sin times the
+    attention factor, the softmax scale times mscale(mscale_all_dim)^2 — prompts past the
+    original context give the same logits and greedy tokens as transformers."""
+    d = C.deepseek_v3_checkpoint(tmp_path / "m", rope_scaling=YARN)
+    hf = C.load_hf_model(d)
+    s = ManagedStack(d, block_size=BS)
+    try:
+        ids = _prompt(50, 7)
+        out, _ = _prefill(s, ids)
+        assert s.worker.model.rotary.attention_factor != 1.0
+        torch.testing.assert_close(out.logits[0], _hf_last_logits(hf, ids), atol=ATOL, rtol=0)
+        s.mgr.free("x")
+        assert s.generate({"g": ids}, 5)["g"] == C.hf_greedy(hf, ids, 5)
+    finally:
+        s.close()

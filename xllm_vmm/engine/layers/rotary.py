@@ -6,7 +6,14 @@
 - ``linear``: ``inv_freq / factor``;
 - ``llama3``: wavelengths longer than ``original_max_position_embeddings / low_freq_factor`` are
   divided by ``factor``, shorter than ``... / high_freq_factor`` kept, and the band between is
-  interpolated smoothly (Llama 3.1's formula, as transformers implements it).
+  interpolated smoothly (Llama 3.1's formula, as transformers implements it);
+- ``yarn`` (DeepSeek-V3, issue 15): frequencies blended between ``inv_freq`` and
+  ``inv_freq / factor`` by a linear ramp over the dimensions whose rotations at
+  ``original_max_position_embeddings`` fall between ``beta_slow`` and ``beta_fast`` (bounds
+  floored/ceiled unless ``truncate`` is false), and cos/sin multiplied by the attention factor
+  (``attention_factor``, else ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` with
+  both given, else ``mscale(factor)``; ``mscale(s, m) = 0.1 m ln s + 1`` for ``s > 1``) —
+  transformers' ``_compute_yarn_parameters``.
 
 Angles are computed in float32 (``position * inv_freq``); cos/sin are cast to the activations'
 dtype before the rotation, like transformers does, so fp32 outputs agree to rounding.
@@ -22,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 if TYPE_CHECKING:  # pragma: no cover
     from torch import Tensor
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 INITIAL_POSITIONS = 8192
 
 
@@ -48,8 +55,40 @@ def rope_parameters(config: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def inverse_frequencies(rotary_dim: int, rope: Mapping[str, Any]):
-    """float32 ``(rotary_dim // 2,)`` inverse frequencies for the normalised ``rope`` dict."""
+def _yarn_mscale(scale: float, m: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def _yarn_factor(rope: Mapping[str, Any], max_positions: int | None) -> float:
+    factor = rope.get("factor")
+    if factor is None:
+        try:
+            factor = max_positions / float(rope["original_max_position_embeddings"])
+        except (KeyError, TypeError):
+            raise RopeConfigError("yarn rope scaling needs 'factor' (or "
+                                  "'original_max_position_embeddings' and max_position_embeddings)"
+                                  " in rope_parameters of config.json") from None
+    return float(factor)
+
+
+def rope_attention_factor(rope: Mapping[str, Any], max_positions: int | None = None) -> float:
+    """The factor cos/sin are multiplied by (1 except for ``yarn``; see the module doc)."""
+    if rope.get("rope_type") != "yarn":
+        return 1.0
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    factor = _yarn_factor(rope, max_positions)
+    m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+    if m and m_all:
+        return _yarn_mscale(factor, float(m)) / _yarn_mscale(factor, float(m_all))
+    return _yarn_mscale(factor)
+
+
+def inverse_frequencies(rotary_dim: int, rope: Mapping[str, Any],
+                        max_positions: int | None = None):
+    """float32 ``(rotary_dim // 2,)`` inverse frequencies for the normalised ``rope`` dict
+    (``max_positions``: the model's ``max_position_embeddings``, which yarn without ``factor``
+    divides by ``original_max_position_embeddings``)."""
     import torch
 
     kind = rope["rope_type"]
@@ -77,6 +116,28 @@ def inverse_frequencies(rotary_dim: int, rope: Mapping[str, Any]):
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv = torch.where(medium, smoothed, scaled)
+    elif kind == "yarn":
+        factor = _yarn_factor(rope, max_positions)
+        try:
+            old = float(rope["original_max_position_embeddings"])
+        except KeyError:
+            raise RopeConfigError("yarn rope scaling needs 'original_max_position_embeddings' in "
+                                  "rope_parameters (or rope_scaling) of config.json") from None
+        fast, slow = float(rope.get("beta_fast") or 32), float(rope.get("beta_slow") or 1)
+
+        def correction_dim(rotations: float) -> float:
+            return rotary_dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = correction_dim(fast), correction_dim(slow)
+        if rope.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, rotary_dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = torch.clamp((torch.arange(rotary_dim // 2, dtype=torch.float32) - low)
+                           / (high - low), 0, 1)
+        extrapolation = 1 - ramp
+        inv = (inv / factor) * (1 - extrapolation) + inv * extrapolation
     return inv
 
 
@@ -89,7 +150,8 @@ class RotaryEmbedding:
     def __init__(self, head_dim: int, rope: Mapping[str, Any], max_positions: int,
                  device: Any = None) -> None:
         self.head_dim = head_dim
-        self.inv_freq = inverse_frequencies(head_dim, rope).to(device)
+        self.inv_freq = inverse_frequencies(head_dim, rope, max_positions).to(device)
+        self.attention_factor = rope_attention_factor(rope, max_positions)
         self.device = device
         self._cos = self._sin = None
         self._build(max(1, min(max_positions, INITIAL_POSITIONS)))
@@ -100,7 +162,9 @@ class RotaryEmbedding:
         pos = torch.arange(n, dtype=torch.float32, device=self.device)
         freqs = pos[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self._cos, self._sin = emb.cos(), emb.sin()
+        af = self.attention_factor
+        self._cos, self._sin = (emb.cos(), emb.sin()) if af == 1.0 else (emb.cos() * af,
+                                                                           emb.sin() * af)
         self._cast: dict = {}
 
     def cos_sin(self, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
