@@ -195,3 +195,14 @@ def test_an_exported_flag_variable_from_an_unknown_value_is_not_checked(tmp_path
     assert code == 0 and [f["id"] for f in entry["findings"]] == ["CFG-UNRESOLVED"]
     code, entry = check("export XLLM_VMM_BLOCK_SIZE=abc\nxllm --port=1\n", tmp_path)
     assert code == 1 and [f["id"] for f in entry["findings"]] == ["CFG-TYPE"]
+
+
+@pytest.mark.parametrize("rule, severity", [
+    ("CFG-UNRESOLVED", "not checked, never an error"), ("CFG-JSON", "warning"),
+    ("CFG-IGNORED", "warning"), ("CFG-MODEL-CONFIG", "unreadable input: exit 2"),
+    ("CFG-CONFLICT", "(input check, error)"),
+])
+def test_explain_names_the_severity_of_each_input_check(rule, severity):
+    out = io.StringIO()
+    assert run(["--explain", rule], out=out, env={}) == 0
+    assert severity in out.getvalue().splitlines()[0]

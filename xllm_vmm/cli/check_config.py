@@ -121,14 +121,17 @@ def help_text(out: TextIO) -> None:
 
 
 def explain(rule_id: str, out: TextIO, err: TextIO | None = None) -> int:
-    from xllm_vmm.config.findings import INPUT_IDS
+    from xllm_vmm.config.findings import INPUT_IDS, UNREADABLE_IDS
     from xllm_vmm.config.rules import RULES
 
     key = rule_id.strip().upper()
     rule = RULES.get(key)
     if rule is None:
         if key in INPUT_IDS:
-            severity = "warning, an error with --strict" if key == "CFG-MODEL" else "error"
+            severity = ("warning, an error with --strict"
+                        if key in ("CFG-MODEL", "CFG-JSON", "CFG-IGNORED") else
+                        "not checked, never an error" if key == "CFG-UNRESOLVED" else
+                        "error, unreadable input: exit 2" if key in UNREADABLE_IDS else "error")
             out.write(f"{key} (input check, {severity}): {INPUT_IDS[key]}\n"
                       "source: RULES.md \"General value checks\"\n")
             return 0
