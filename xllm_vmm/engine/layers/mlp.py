@@ -33,4 +33,5 @@ class GatedMLP:
     def __call__(self, x: Tensor) -> Tensor:
         import torch.nn.functional as F
 
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        h = F.silu(self.gate(x), inplace=True)  # in place: no extra (T, intermediate) temporaries
+        return self.down(h.mul_(self.up(x)))
