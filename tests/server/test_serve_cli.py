@@ -143,3 +143,19 @@ def test_port_in_use_is_one_line(tiny_llama_dir):
     assert proc.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_toml_and_json_inputs_are_checked_like_check_config(tmp_path):
+    toml = tmp_path / "serve.toml"
+    toml.write_text("[vmm]\nenable_vmm_kvcache = true\nenable_task_pipeline = true\n")
+    code, out, err = _serve(["--config", str(toml)])
+    cc = io.StringIO()
+    assert check_config(["--config", str(toml)], out=cc, err=io.StringIO(), env={}) == 1
+    assert code == 1 and _finding_lines(err) == _finding_lines(cc.getvalue())
+    js = tmp_path / "engine.json"
+    js.write_text('{"block_size": "lots"}')
+    code, out, err = _serve([f"--config_json_file={js}"])
+    cc = io.StringIO()
+    check_config([f"--config_json_file={js}"], out=cc, err=io.StringIO(), env={})
+    assert code == 1 and _finding_lines(err) == _finding_lines(cc.getvalue())
+    assert _finding_lines(err)
