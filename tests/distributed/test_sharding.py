@@ -70,6 +70,7 @@ def test_master_addr_parsing():
     ({"nnodes": 2, "master_node_addr": "nowhere"}, "master_node_addr"),
     ({"nnodes": 3}, "attention heads"),
     ({"nnodes": 2, "worker_device_memory": ["64MiB"]}, "worker_device_memory"),
+    ({"nnodes": 2, "devices": "cpu:0,cpu:1"}, "one device"),
 ])
 def test_refused_at_start_up_before_any_worker_starts(llama_dir, flags, names):
     with pytest.raises(ConfigError) as e:

@@ -60,6 +60,13 @@ def test_two_workers_equal_one_token_for_token(family, llama_dir, qwen3_dir, tmp
     assert d["all_reduce_seconds_per_step"] > 0 and d["all_reduce_bytes_per_step"] > 0
 
 
+def test_several_devices_in_one_command_spawn_one_worker_each(llama_dir):
+    one, _ = generate(llama_dir)
+    two, info = generate(llama_dir, devices="cpu:0,cpu:1")  # nnodes=1: rank 0 spawns rank 1
+    assert two == one and [s["rank"] for s in info["stats"]] == [0, 1]
+    assert not alive(info["pids"][1])
+
+
 def test_world_size_one_has_no_runtime(llama_dir):
     llm = LLM(model=str(llama_dir), **BASE)
     try:

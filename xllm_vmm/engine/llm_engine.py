@@ -425,7 +425,10 @@ def _device_kind(cfg: Any) -> tuple[str, int]:
     if text in ("", "auto", "cpu"):
         return "host", 0
     parts = [p.strip() for p in text.split(",") if p.strip()]
-    if len(parts) != 1 or int(cfg["tp_size"]) != 1:
+    from xllm_vmm.engine.distributed.topology import spawns_per_device
+
+    several = len(parts) > 1 and spawns_per_device(cfg)  # rank 0 here, one worker each (issue 14)
+    if (len(parts) != 1 and not several) or int(cfg["tp_size"]) != 1:
         raise ConfigError([Finding(
             "CFG-CONFLICT", "error", f"devices={cfg['devices']}: this engine runs one worker "
             "(tp_size=1, one device); several workers come with tensor parallelism",

@@ -133,10 +133,15 @@ class Runtime:
         procs: list = []
         try:
             if topo.spawn:
+                from xllm_vmm.engine.distributed.topology import device_list, spawns_per_device
+
                 flags = {n: cfg[n] for n in cfg.explicit_names() if n != "model"}
-                flags["nnodes"] = cfg["nnodes"]
+                flags["nnodes"] = topo.world
+                listed = device_list(cfg) if spawns_per_device(cfg) else []
 
                 def device_of_rank(r: int) -> str | None:
+                    if listed:
+                        return listed[r]
                     return None if kind == "host" else _torch_device(kind, index + r)
 
                 procs = spawn_followers(topo.world, group.port, model_dir, flags,

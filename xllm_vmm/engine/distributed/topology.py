@@ -12,13 +12,15 @@ Two ways to start a world of ``W > 1``:
 - *launch script*: every process is started by the operator with ``--node_rank`` given
   (``R``), and they meet at ``master_node_addr``;
 - *spawn*: one command without ``--node_rank`` (``LLM(model=DIR, nnodes=2)``, ``serve
-  --nnodes=2``) is rank 0 and starts ranks ``1..W-1`` on this host itself (loopback; the
-  rendezvous port is ``master_node_addr``'s when given explicitly, else a free one), and
-  tears them down with itself.
+  --nnodes=2``, or ``devices=cuda:0,cuda:1`` with ``nnodes=1``) is rank 0 and starts ranks
+  ``1..W-1`` on this host itself (loopback; the rendezvous port is ``master_node_addr``'s when
+  given explicitly, else a free one; rank ``r`` on the ``r``-th listed device, or on device
+  index + ``r``), and tears them down with itself.
 
 Supported: tensor parallelism over every worker. Refused at start-up with the flag named:
-``dp_size > 1``, ``ep_size > 1``, several devices listed for one process (use one process per
-device), and the host KV tier (``host_blocks_factor > 0``) across workers.
+``dp_size > 1``, ``ep_size > 1``, several devices listed for a process of a multi-process
+launch (one device per process there), and the host KV tier (``host_blocks_factor > 0``)
+across workers.
 
 Engine-only options (``LLMEngine.from_flags`` / ``LLM``; not catalogue flags):
 
@@ -72,6 +74,24 @@ class Topology:
         return self.rank == 0
 
 
+def spawns_per_device(cfg: Any) -> bool:
+    """True when one command lists several ``devices`` with ``nnodes=1`` and no
+    ``node_rank``: it is rank 0 on the first device and spawns one worker per other device."""
+    from xllm_vmm.config.values import parse_devices
+
+    explicit = getattr(cfg, "explicit", lambda name: False)
+    try:
+        n = len(parse_devices(str(cfg.get("devices", "") or "")))
+    except ValueError:
+        return False
+    return n > 1 and int(cfg.get("nnodes", 1) or 1) == 1 and not explicit("node_rank")
+
+
+def device_list(cfg: Any) -> list[str]:
+    """The ``devices`` entries as written (``cuda:0``), in order."""
+    return [d.strip() for d in str(cfg.get("devices", "") or "").split(",") if d.strip()]
+
+
 def parse_master_addr(text: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[v6]:PORT`` too) → (host, port); ValueError naming the flag."""
     s = str(text or "").strip()
@@ -108,10 +128,11 @@ def topology_of(cfg: Any, opts: dict[str, Any]) -> Topology | None:
         raise refuse("ep_size", f"ep_size={p.ep}: expert parallelism is not supported by this "
                      "engine; MoE experts are split by their intermediate features over every "
                      "worker instead", "remove ep_size")
-    if p.per_process > 1:
-        raise refuse("devices", f"devices={cfg['devices']}: one process serves one device in "
-                     "this engine", "start one process per device (nnodes = the number of "
-                     "devices, one device in each process's devices)")
+    if p.per_process > 1 and not spawns_per_device(cfg):
+        raise refuse("devices", f"devices={cfg['devices']} with nnodes={p.nnodes} or a "
+                     "node_rank: a process of a multi-process launch serves one device",
+                     "give each process one device (nnodes = the number of devices), or start "
+                     "one command with several devices, nnodes=1 and no node_rank")
     if float(cfg["host_blocks_factor"] or 0) > 0:
         raise refuse("host_blocks_factor", "host_blocks_factor > 0: the host KV tier is not "
                      "supported across several workers yet", "set host_blocks_factor=0")
