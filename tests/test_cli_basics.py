@@ -32,7 +32,9 @@ import pytest  # noqa: E402
     ["plan", "--model=Qwen/Qwen3-8B", "--enable_vmm_kvcache", "--host_blocks_factor=2",
      "--format=json"],  # host memory read from this host (xllm_vmm.vmm.sysmem)
     ["plan", "--list-models"],
-], ids=["flags", "schema", "plan", "plan-list-models"])
+    ["check-config", "--model=Qwen/Qwen3-8B", "--enable_vmm_kvcache", "--host_blocks_factor=2",
+     "--device-memory=64GiB", "--host-memory=100GiB", "-f", "json", "--no-env"],
+], ids=["flags", "schema", "plan", "plan-list-models", "check-config-host-tier"])
 def test_commands_do_not_import_torch(argv):
     code = ("import sys\n"
             f"sys.argv = ['xllm-vmm', *{argv!r}]\n"
