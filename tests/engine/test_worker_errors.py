@@ -59,8 +59,8 @@ def test_config_errors_name_the_field(llama, tmp_path):
     with pytest.raises(ModelConfigError, match="use_sliding_window"):
         build_model(_cfg(llama, use_sliding_window=True, sliding_window=32),
                     load_file(str(llama / "model.safetensors")))
-    with pytest.raises(RopeConfigError, match="rope_type 'yarn'"):
-        RotaryEmbedding(16, {"rope_type": "yarn", "rope_theta": 1e4}, 64)
+    with pytest.raises(RopeConfigError, match="rope_type 'longrope' is not supported"):
+        RotaryEmbedding(16, {"rope_type": "longrope", "rope_theta": 1e4}, 64)
     with pytest.raises(RopeConfigError, match="'low_freq_factor'"):
         RotaryEmbedding(16, {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}, 64)
 

@@ -66,37 +66,15 @@ def device_of(driver: Any) -> str:
 
 def load_model_weights(model_dir: str | Path, *, pool: VmmPool | None = None,
                        dtype: torch.dtype | None = None, device: str = "cpu") -> Mapping[str, Any]:
-    """The one way the engine loads a checkpoint's tensors.
+    """The one way the engine loads a checkpoint's tensors: :func:`xllm_vmm.weights.load_weights`
+    (``pool`` given: tensors view the pool's weights tenant; None: plain tensors, moved to
+    ``device`` when that is not the CPU). ``dtype`` converts floating-point tensors."""
+    from xllm_vmm.weights import load_weights
 
-    Uses :func:`xllm_vmm.weights.load_weights` (``pool`` given: tensors view the arena; None:
-    plain tensors, moved to ``device`` when that is not the CPU). Only when that package is
-    not importable here, falls back to
-    ``safetensors.torch.load_file`` over every ``*.safetensors`` of the directory (plain
-    tensors, converted to ``dtype`` and moved to ``device``).
-    """
-    try:
-        from xllm_vmm.weights import load_weights
-    except ImportError:
-        load_weights = None
-    if load_weights is not None:
-        weights = load_weights(str(model_dir), pool=pool, dtype=dtype)
-        if pool is None and device != "cpu":  # plain tensors: the device's own copies
-            return {name: t.to(device) for name, t in weights.items()}
-        return weights
-    if pool is not None:
-        raise RuntimeError("weights in the VMM pool need xllm_vmm.weights, which is not available")
-    from safetensors.torch import load_file
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
-    out: dict[str, Any] = {}
-    for f in files:
-        for name, t in load_file(str(f), device="cpu").items():
-            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
-                t = t.to(dtype)
-            out[name] = t.to(device) if device != "cpu" else t
-    return out
+    weights = load_weights(str(model_dir), pool=pool, dtype=dtype)
+    if pool is None and device != "cpu":  # plain tensors: the device's own copies
+        return {name: t.to(device) for name, t in weights.items()}
+    return weights
 
 
 class Worker:
