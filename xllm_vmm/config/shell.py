@@ -243,6 +243,19 @@ class _Lexer:
         flush()
         return parts, i
 
+    def _word_all(self) -> tuple[list, int]:
+        """The whole text as one word (quotes and expansions read; metacharacters literal)."""
+        parts: list = []
+        i = 0
+        while i < self.n:
+            got, j = self._word(i)
+            parts += got
+            if j < self.n:
+                parts.append(("lit", self.text[j], True))
+                j += 1
+            i = j
+        return parts, i
+
     def _backquote(self, i: int) -> int:
         t = self.text
         j = i + 1
@@ -825,23 +838,6 @@ class _Walker:
                                                  f"{self.where(first.line)})")
         self.script.notes.append(f"{self.where(first.line)}: the loop `{head}` is checked for "
                                  f"its first iteration ({name}={got[0].text})")
-
-
-def _word_all(self: _Lexer) -> tuple[list, int]:
-    """The whole text as one word (quotes and expansions read; metacharacters literal)."""
-    parts: list = []
-    i = 0
-    while i < self.n:
-        got, j = self._word(i)
-        parts += got
-        if j < self.n:
-            parts.append(("lit", self.text[j], True))
-            j += 1
-        i = j
-    return parts, i
-
-
-_Lexer._word_all = _word_all  # type: ignore[attr-defined]
 
 
 def run_script(text: str, file: str | None = None) -> Script:
