@@ -543,7 +543,7 @@ class Command:
 class Script:
     """A script walked once: every simple command with a program, the variables assigned at top
     level as ``NAME=value`` words (for ``XLLM_VMM_*`` environment flags), notes on what was
-    assumed (loops run once), and the text's physical lines."""
+    assumed (loops run once), and the variables as they are at the end."""
 
     commands: list[Command] = field(default_factory=list)
     assignments: list[Word] = field(default_factory=list)
