@@ -300,8 +300,10 @@ class AsyncEngine:
         if not drain and self.num_in_flight:
             raise APIError(409, f"{self.num_in_flight} request(s) in flight: sleep would pull "
                                 "memory from under them; retry when idle or pass drain=true")
+        # From here on new requests are refused (503), so none can slip in between this check
+        # and the engine falling asleep (admission runs on this loop, without an await).
+        self._draining = True
         if drain:
-            self._draining = True
             deadline = None if timeout is None else time.monotonic() + timeout
             try:
                 while self.num_in_flight:
