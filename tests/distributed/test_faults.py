@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.distributed.conftest import BASE, alive
-from xllm_vmm.engine.distributed import WorkerLost
+from xllm_vmm.engine.distributed import DistributedError, WorkerLost
 from xllm_vmm.engine.llm_engine import LLMEngine
 from xllm_vmm.engine.sampling_params import SamplingParams
 
@@ -42,3 +42,13 @@ def test_lost_worker_is_named_and_reaped(llama_dir, how):
     finally:
         eng.shutdown()
     assert not alive(pid)
+
+
+def test_a_worker_failing_at_start_up_fails_start_up_naming_it(llama_dir):
+    # rank 1's emulated device cannot hold one KV slot: its engine refuses to build
+    t0 = time.monotonic()
+    with pytest.raises(DistributedError, match=r"worker rank 1 \(pid \d+\) exited with code 2 "
+                                               "during start-up"):
+        LLMEngine.from_flags(str(llama_dir), **BASE, nnodes=2,
+                             worker_device_memory=[BASE["device_memory"], "4MiB"])
+    assert time.monotonic() - t0 < 120  # at once, not after the start-up timeout (300 s)

@@ -83,6 +83,26 @@ class Group:
                      "port reachable from every node)") from None
         self.port = int(self.store.port)
         self.address = f"{topo.host}:{self.port}"
+        if topo.rank > 0:
+            self.store.set(f"xv/up/{topo.rank}", "1")  # reached the rendezvous
+
+    def wait_spawned(self, procs: list) -> None:
+        """Rank 0 of a spawn: wait until every spawned rank reached the rendezvous; one that
+        exits first is a :class:`DistributedError` naming it and its exit code, at once (not
+        after the start-up timeout)."""
+        deadline = time.monotonic() + self.topo.startup_timeout_s
+        while time.monotonic() < deadline:
+            missing = [r for r in range(1, self.world) if not self.store.check([f"xv/up/{r}"])]
+            if not missing:
+                return
+            for r in missing:
+                code = procs[r - 1].poll()
+                if code is not None:
+                    raise DistributedError(
+                        f"worker rank {r} (pid {procs[r - 1].pid}) exited with code {code} "
+                        "before it joined; its own error is printed above", rank=r,
+                        address=self.address)
+            time.sleep(0.05)
 
     def join(self) -> None:
         """``init_process_group`` over the store; raises naming the ranks that did not come."""

@@ -147,6 +147,7 @@ class Runtime:
                 procs = spawn_followers(topo.world, group.port, model_dir, flags,
                                         _json_opts({k: v for k, v in opts.items()}),
                                         device_of_rank)
+                group.wait_spawned(procs)
             group.join()
         except BaseException:
             reap(procs, 0)
@@ -174,8 +175,21 @@ class Runtime:
         self.cache, self.pool, self.worker = mgr.cache, pool, worker
         geo = {"slots": {g: v.num_slots for g, v in mgr.cache.geometry.items()},
                "block_size": int(mgr.block_size), "page_bytes": int(pool.page_bytes)}
-        hellos = self._gather(self._status({"geometry": geo, "device": str(worker.device)}),
-                              startup=True)
+        try:
+            hellos = self._gather(self._status({"geometry": geo, "device": str(worker.device)}),
+                                  startup=True)
+        except Exception as e:  # noqa: BLE001
+            if not self._looks_like_comm(e):
+                raise
+            addr = self.group.address
+            if self.rank != 0:
+                raise DistributedError(f"rank 0 at {addr} went away during start-up (its error "
+                                       "is on its own output)", rank=0, address=addr) from None
+            self._lost_from(e)
+            rank, why = self.watchdog.lost if self.watchdog and self.watchdog.lost else (-1, "")
+            raise DistributedError(f"worker rank {rank} {why or 'failed'} during start-up; its "
+                                   f"own error is printed above (rendezvous {addr})", rank=rank,
+                                   address=addr) from None
         for s in hellos[1:]:
             if s["geometry"] != hellos[0]["geometry"]:
                 raise DistributedError(
