@@ -297,3 +297,36 @@ def test_fork_serves_the_same_weights_under_a_second_name(served, client):
         assert c.post("/fork", json={"name": "tiny-fork"}).status_code == 400
         text = c.get("/metrics").text
         assert 'vllm:num_requests_running{model_name="tiny-fork"}' in text
+
+
+def test_sleep_with_drain_waits_for_running_requests(served, client):
+    eng, front, srv = served
+    before = _greedy(client)
+    out = {}
+    with _http(srv) as c:
+        with hold_engine(front, srv):
+            t1 = threading.Thread(target=lambda: out.setdefault("req", c.post(
+                "/v1/completions", json={"prompt": "drain me", "max_tokens": 16,
+                                         "ignore_eos": True})))
+            t1.start()
+            for _ in range(600):
+                if front.num_in_flight:
+                    break
+                threading.Event().wait(0.01)
+            t2 = threading.Thread(target=lambda: out.setdefault("sleep", c.post(
+                "/sleep", json={"level": 1, "drain": True, "timeout": 60})))
+            t2.start()
+            for _ in range(600):
+                if front._draining:
+                    break
+                threading.Event().wait(0.01)
+            r = c.post("/v1/completions", json={"prompt": "late", "max_tokens": 2})
+            assert r.status_code == 503 and "draining" in r.json()["error"]["message"]
+        t1.join(60)
+        t2.join(60)
+        assert out["req"].status_code == 200  # it ran to its end before the engine slept
+        assert out["req"].json()["usage"]["completion_tokens"] == 16
+        assert out["sleep"].status_code == 200, out["sleep"].text
+        assert c.get("/is_sleeping").json() == {"is_sleeping": True}
+        assert c.post("/wakeup").status_code == 200
+    assert _greedy(client) == before
