@@ -126,15 +126,14 @@ class Group:
                 hint=f"start all {self.world} processes (node_rank 0..{self.world - 1}) with the "
                      "same nnodes and master_node_addr") from None
         if self.rank > 0:
-            self.store.set(f"xv/hello/{self.rank}", "1")
             self._start_heartbeat()
 
     def missing_ranks(self) -> list[int]:
-        """Ranks > 0 that have not checked in (rank 0 only)."""
+        """Ranks > 0 that never reached the rendezvous (rank 0 only)."""
         out = []
         for r in range(1, self.world):
             try:
-                here = self.store.check([f"xv/hb/{r}"]) or self.store.check([f"xv/hello/{r}"])
+                here = self.store.check([f"xv/up/{r}"])
             except Exception:  # noqa: BLE001
                 here = False
             if not here:

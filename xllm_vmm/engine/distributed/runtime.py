@@ -425,7 +425,7 @@ class Runtime:
             while wd.check() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
         if self.failure is None:
-            self._on_lost(-1 if wd is None else -1, f"(rank unknown) failed a collective: "
+            self._on_lost(-1, f"(rank unknown) failed a collective: "
                           f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}")
         return self.failure  # type: ignore[return-value]
 

@@ -5,6 +5,8 @@ Rank 0 starts ranks ``1..W-1`` as ``python -m xllm_vmm.engine.distributed.follow
 ``master_node_addr`` set, and the engine options). Each child gets ``PR_SET_PDEATHSIG``
 (SIGKILL when rank 0 dies, Linux), so no worker outlives the command even when rank 0 is
 killed; :func:`reap` ends them in order (wait, SIGTERM, SIGKILL) and never leaves a zombie.
+A spawned worker runs one intra-op thread unless ``OMP_NUM_THREADS`` says otherwise (the
+workers of one host share its cores; ``docs/benchmarks.md`` shows what oversubscription costs).
 """
 
 from __future__ import annotations
