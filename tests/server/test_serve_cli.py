@@ -159,3 +159,31 @@ def test_toml_and_json_inputs_are_checked_like_check_config(tmp_path):
     check_config([f"--config_json_file={js}"], out=cc, err=io.StringIO(), env={})
     assert code == 1 and _finding_lines(err) == _finding_lines(cc.getvalue())
     assert _finding_lines(err)
+
+
+def test_sigterm_drains_then_cancels_a_long_stream(tiny_llama_dir):
+    proc, lines, url = _start(["--model", str(tiny_llama_dir), "--port", "0",
+                               "--max-model-len=2048", "--device-memory=256MiB",
+                               "--drain-timeout=0.5"])
+    events = []
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
+                "prompt": "hello", "max_tokens": 2000, "ignore_eos": True,
+                "stream": True}) as r:
+            lines_iter = r.iter_lines()
+            next(lines_iter)
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            for line in lines_iter:
+                if line.startswith("data: "):
+                    events.append(line[6:])
+        waited = time.monotonic() - t0
+        code = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    rest = proc.stdout.read()
+    assert code == 0, proc.stderr.read()
+    assert events[-1] == "[DONE]" and "shutting down" in events[-2]  # cancelled, told why
+    assert len(events) < 2000 and waited < 30
+    assert "1 request(s) cancelled" in rest

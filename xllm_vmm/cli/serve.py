@@ -308,9 +308,12 @@ def run(argv: list[str], out: Optional[TextIO] = None, err: Optional[TextIO] = N
     except ConfigError as exc:
         render_text([Result(r.label, None, list(exc.findings))], err)
         return 1
-    except (OSError, RuntimeError, ValueError, MemoryError) as exc:
+    except (OSError, RuntimeError, ValueError, MemoryError) as exc:  # VmmError, weights, ...
         err.write(f"error: the engine could not start: {type(exc).__name__}: {exc}\n")
         return 1
+    except KeyboardInterrupt:  # Ctrl-C while loading: what was built is released by the engine
+        err.write("xllm-vmm serve: interrupted while loading; nothing served\n")
+        return 130
     dist = getattr(engine, "distributed", None)
     if dist is not None and dist.rank > 0:  # a worker set (issue 14): no HTTP on this rank
         from xllm_vmm.engine.distributed.serving import run_worker_rank
@@ -366,7 +369,7 @@ def run(argv: list[str], out: Optional[TextIO] = None, err: Optional[TextIO] = N
         front.close()
         err.write(f"error: cannot listen on {host}:{port} (give another --port, or stop what "
                   "uses it)\n")
-        return 1 if exc.code else 1
+        return 1
     if dist is not None and dist.failure is not None:
         err.write(f"error: {dist.failure}\n")
         out.write(f"xllm-vmm serve: stopped after {time.monotonic() - t0:.1f} s: worker rank "

@@ -25,7 +25,10 @@ def _uvicorn(app: FastAPI, host: str, port: int) -> uvicorn.Server:
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                             lifespan="off", timeout_keep_alive=5, ws="none")
     server = uvicorn.Server(config)
-    server.install_signal_handlers = lambda: None  # signals are ours (see serve_forever)
+    # Signals are ours (serve_async): uvicorn's own handling would wait for every open stream
+    # without a bound before our drain could start.
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+    server.install_signal_handlers = lambda: None  # older uvicorn
     return server
 
 
