@@ -313,3 +313,15 @@ def qwen3_next_checkpoint(out_dir, **kw) -> Path:
     RoPE (a quarter); every layer MoE (4 experts, top-2) with a gated shared expert."""
     kw.setdefault("num_hidden_layers", 4)
     return build_checkpoint(out_dir, "qwen3_next", **kw)
+
+
+FAMILIES["deepseek_v32"] = dict(FAMILIES["deepseek_v3"], architectures=["DeepseekV32ForCausalLM"],
+                                index_n_heads=16, index_head_dim=16, index_topk=8)
+
+
+def deepseek_v32_checkpoint(out_dir, **kw) -> Path:
+    """DeepSeek-V3.2: the DeepSeek-V3 shape plus a sparse-attention indexer per layer (16 heads
+    of 16, top-8 keys: prompts longer than 8 tokens exercise the selection). Many index heads:
+    with few, some keys score exactly 0 (every head's ReLU is 0) and the top-k order among such
+    ties is arbitrary, in transformers too."""
+    return build_checkpoint(out_dir, "deepseek_v32", **kw)

@@ -198,3 +198,41 @@ def test_yarn_rope_matches_hf(tmp_path):
         assert s.generate({"g": ids}, 5)["g"] == C.hf_greedy(hf, ids, 5)
     finally:
         s.close()
+
+
+@pytest.fixture(scope="module")
+def ds32(tmp_path_factory):
+    d = C.deepseek_v32_checkpoint(tmp_path_factory.mktemp("dsv32") / "m")
+    return d, C.load_hf_model(d)
+
+
+def test_v32_layout_has_the_index_group(ds32):
+    s = ManagedStack(ds32[0], block_size=BS)
+    try:
+        assert [g.name for g in s.layout.groups] == ["mla", "index"]
+        assert s.layout.group("index").tensor_bytes_per_token == 16 * 4
+        assert s.worker.model.unused_weights == []
+        # more tokens than index_topk (8): the indexer's selection decides what is attended
+        for n in (5, 20, 37):
+            ids = _prompt(n, 10)
+            out, tab = _prefill(s, ids, rid=f"x{n}")
+            torch.testing.assert_close(out.logits[0], _hf_last_logits(ds32[1], ids), atol=ATOL,
+                                       rtol=0)
+        assert tab["index"] and len(tab["index"]) == len(tab["mla"])
+    finally:
+        s.close()
+
+
+def test_v32_greedy_with_chunked_prefill_and_prefix_hits(ds32):
+    s = ManagedStack(ds32[0], block_size=BS, prefix=True, max_batch_tokens=11)
+    try:
+        base = _prompt(2 * BS + 6, 11)
+        first = s.generate({"a": base}, 6)["a"]
+        other = base[:2 * BS + 1] + _prompt(5, 12)
+        second = s.generate({"b": other}, 6)["b"]
+        starts = [c.start_pos for st in s.steps for c in st.chunks if c.request_id == "b"]
+    finally:
+        s.close()
+    assert starts[0] == 2 * BS
+    assert first == C.hf_greedy(ds32[1], base, 6)
+    assert second == C.hf_greedy(ds32[1], other, 6)

@@ -31,6 +31,7 @@ _LAYER_TYPE_NAMES = {
     "sliding_window_attention": LayerKind.SLIDING,
     "local_attention": LayerKind.SLIDING,
     "linear_attention": LayerKind.LINEAR,
+    "indexed_attention": LayerKind.MLA,  # DeepSeek-V3.2 sparse attention: MLA + index keys
     "mamba": LayerKind.MAMBA,
 }
 

@@ -41,6 +41,19 @@ MLA_GROUP = "mla"
 
 
 @dataclass
+class ChunkRows:
+    """One chunk of a step: query rows ``[q0, q1)`` at positions ``start ..``, and the gather
+    rows of its sequence's ``nb`` blocks covering ``[0, seq_len)``."""
+
+    q0: int
+    q1: int
+    start: int
+    seq_len: int
+    nb: int
+    rows: Any
+
+
+@dataclass
 class PagedLatent:
     """One MLA layer's latent cache (views of the arena, never copies)."""
 
@@ -57,7 +70,8 @@ class LatentCacheViews:
     so the model runner treats both alike."""
 
     def __init__(self, cache: VirtualKVCache, *, num_layers: int, latent_dim: int,
-                 compute_dtype: Any, group: str = MLA_GROUP, prefix: str = "layer") -> None:
+                 compute_dtype: Any, group: str = MLA_GROUP, prefix: str = "layer",
+                 suffix: str = "latent") -> None:
         from xllm_vmm.vmm.tensor import view
 
         if group not in cache.geometry:
@@ -81,7 +95,7 @@ class LatentCacheViews:
         driver = cache.pool.driver
         self.layers: list[PagedLatent] = []
         for i in range(num_layers):
-            name = f"{prefix}{i}.latent"
+            name = f"{prefix}{i}.{suffix}"
             if name not in names:
                 raise KVLayoutMismatch(
                     f"cache group {group!r} has no tensor {name!r}: the layout was made for "
@@ -171,6 +185,36 @@ class MLATorchBackend:
             out[p.q0:p.q1] = o[0].transpose(0, 1)
         return out
 
+    def chunk_rows(self, step: StepInput) -> list[ChunkRows]:
+        """Per chunk: its query rows and the gather rows of the blocks of ``[0, seq_len)``."""
+        import torch
+
+        geo, bs = self.geometry, self.geometry.block_size
+        qsl = step.query_start_loc.tolist()
+        lens = step.seq_lens.tolist()
+        tables = step.block_tables[geo.group].to(torch.int64)
+        out = []
+        for i in range(step.num_seqs):
+            nb = -(-lens[i] // bs)
+            out.append(ChunkRows(qsl[i], qsl[i + 1], lens[i] - (qsl[i + 1] - qsl[i]), lens[i], nb,
+                                 geo.block_rows(tables[i, :nb]).to(self.device)))
+        return out
+
+    def keys(self, kv: PagedLatent, c: ChunkRows) -> Tensor:
+        """``(seq_len, L)`` cached vectors of one chunk's sequence (a view of the buffer)."""
+        return self._gather(kv, c.rows, c.nb)[0, :c.seq_len]
+
+    def attend_masked(self, q: Tensor, kv: PagedLatent, chunks: list[ChunkRows],
+                      masks: list[Tensor]) -> Tensor:
+        """Like :meth:`attend`, each chunk over its gathered latents with its own
+        ``(n, seq_len)`` boolean mask (True = attend; sparse attention's selection)."""
+        out = q.new_empty((q.shape[0], self.num_heads, self.value_dim))
+        for c, m in zip(chunks, masks):
+            qp = q[c.q0:c.q1].transpose(0, 1).unsqueeze(0)
+            o = self._sdpa(qp, self.keys(kv, c).unsqueeze(0), m, False)
+            out[c.q0:c.q1] = o[0].transpose(0, 1)
+        return out
+
     def workspace_bytes(self, meta: SDPAMetadata, elem: int) -> int:
         """Gathered latents plus float32 scores of the largest single call of one layer."""
         h, L = self.num_heads, self.latent_dim
@@ -182,4 +226,4 @@ class MLATorchBackend:
         return peak
 
 
-__all__ = ["LatentCacheViews", "MLATorchBackend", "MLA_GROUP", "PagedLatent"]
+__all__ = ["ChunkRows", "LatentCacheViews", "MLATorchBackend", "MLA_GROUP", "PagedLatent"]

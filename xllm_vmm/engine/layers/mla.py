@@ -125,4 +125,91 @@ class MLAttention:
         return self.o_proj(o.reshape(t, self.num_heads * self.dv))
 
 
-__all__ = ["LATENT_NORM_EPS", "MLAttention", "mla_softmax_scale"]
+class Indexer:
+    """DeepSeek-V3.2's sparse-attention indexer (transformers' ``DeepseekV32Indexer``).
+
+    Per token: index query ``q = wq_b(q_resid)`` (``index_n_heads`` heads of
+    ``index_head_dim``), index key ``k = layer_norm(wk(x))`` (one per token: cached in the
+    ``"index"`` group), both rotated on their first ``qk_rope_head_dim`` dims with half-split
+    (not interleaved) RoPE. Query ``s`` scores key ``t <= s`` by
+    ``sum_h w[s, h] * relu(q[s, h] · k[t] / sqrt(index_head_dim))`` with
+    ``w = weights_proj(x) / sqrt(index_n_heads)`` (float32); attention then sees only the
+    ``index_topk`` best keys (all of them while the context is shorter)."""
+
+    def __init__(self, get, prefix: str, *, hidden: int, q_lora_rank: int, n_heads: int,
+                 head_dim: int, rope_dim: int, topk: int, rotary: RotaryEmbedding) -> None:
+        self.wq_b = ReplicatedLinear(get(f"{prefix}.wq_b.weight", (n_heads * head_dim, q_lora_rank)))
+        self.wk = ReplicatedLinear(get(f"{prefix}.wk.weight", (head_dim, hidden)))
+        self.k_norm_w = get(f"{prefix}.k_norm.weight", (head_dim,))
+        self.k_norm_b = get(f"{prefix}.k_norm.bias", (head_dim,))
+        self.weights_proj = ReplicatedLinear(get(f"{prefix}.weights_proj.weight", (n_heads, hidden)))
+        self.n_heads, self.head_dim, self.rope_dim, self.topk = n_heads, head_dim, rope_dim, topk
+        self.rotary = rotary
+
+    def project(self, x: Tensor, q_resid: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Rotated index queries ``(T, H, D)`` and keys ``(T, D)``."""
+        import torch
+        import torch.nn.functional as F
+
+        t, dr = x.shape[0], self.rope_dim
+        q = self.wq_b(q_resid).view(t, self.n_heads, self.head_dim)
+        k = F.layer_norm(self.wk(x), (self.head_dim,), self.k_norm_w, self.k_norm_b, 1e-6)
+        k = k.unsqueeze(1)
+        qr, kr = self.rotary(positions, q[..., :dr], k[..., :dr])
+        return torch.cat((qr, q[..., dr:]), -1), torch.cat((kr, k[..., dr:]), -1).squeeze(1)
+
+    def select(self, x: Tensor, q: Tensor, keys: Tensor, start: int) -> Tensor:
+        """``(n, seq_len)`` bool: the keys each of the chunk's ``n`` queries (at positions
+        ``start ..``) attends to — causal and among its ``index_topk`` best."""
+        import torch
+
+        n, total = q.shape[0], keys.shape[0]
+        scores = torch.relu(torch.einsum("nhd,kd->nhk", q.float(), keys.float())
+                            * self.head_dim ** -0.5)
+        w = self.weights_proj(x).float() * self.n_heads ** -0.5
+        index = torch.einsum("nh,nhk->nk", w, scores)
+        causal = torch.arange(total, device=q.device)[None, :] <= \
+            (start + torch.arange(n, device=q.device))[:, None]
+        index = index.masked_fill(~causal, float("-inf"))
+        top = index.topk(min(self.topk, total), dim=-1).indices
+        return torch.zeros_like(causal).scatter_(1, top, True) & causal
+
+
+class SparseMLAttention(MLAttention):
+    """MLA whose keys are limited per query by an :class:`Indexer` (DeepSeek-V3.2). ``kv`` is
+    ``(latent views, index-key views)``; ``backend`` has ``.mla`` and ``.index`` (both
+    :class:`~xllm_vmm.engine.attention.mla.MLATorchBackend`, over the two groups)."""
+
+    def __init__(self, *args, indexer: Indexer, **kw) -> None:
+        super().__init__(*args, **kw)
+        if self.q_a is None:
+            raise ValueError("DeepSeek-V3.2's indexer needs q_lora_rank (its query comes from "
+                             "the compressed query)")
+        self.indexer = indexer
+
+    def __call__(self, x: Tensor, positions: Tensor, kv, backend, meta) -> Tensor:
+        import torch
+
+        lat_kv, idx_kv = kv
+        t = x.shape[0]
+        q_resid = self.q_norm(self.q_a(x))
+        q = self.q_b(q_resid).view(t, self.num_heads, self.dn + self.dr)
+        q_nope, q_rope = q[..., :self.dn], q[..., self.dn:]
+        ckv = self.kv_a(x)
+        c, k_rope = self.kv_norm(ckv[:, :self.r]), ckv[:, self.r:]
+        q_rope, k_rope = self._rope(positions, q_rope, k_rope.unsqueeze(1))
+        latent = torch.cat((c, k_rope.squeeze(1)), dim=-1)
+        backend.mla.write(lat_kv, latent, meta.mla)
+        iq, ik = self.indexer.project(x, q_resid, positions)
+        backend.index.write(idx_kv, ik, meta.index)
+        masks = [self.indexer.select(x[ch.q0:ch.q1], iq[ch.q0:ch.q1],
+                                     backend.index.keys(idx_kv, ch), ch.start)
+                 for ch in meta.index_chunks]
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, self.w_uk)
+        o_lat = backend.mla.attend_masked(torch.cat((q_lat, q_rope), dim=-1), lat_kv,
+                                          meta.mla_chunks, masks)
+        o = torch.einsum("thr,hvr->thv", o_lat, self.w_uv)
+        return self.o_proj(o.reshape(t, self.num_heads * self.dv))
+
+
+__all__ = ["Indexer", "LATENT_NORM_EPS", "MLAttention", "SparseMLAttention", "mla_softmax_scale"]

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 from xllm_vmm.engine.layers.parallel import SINGLE, TensorParallel
 from xllm_vmm.engine.models.config import ModelConfig
 from xllm_vmm.engine.models.decoder import CausalLM, WeightsMismatch
-from xllm_vmm.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+from xllm_vmm.engine.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV32ForCausalLM
 from xllm_vmm.engine.models.llama import LlamaForCausalLM
 from xllm_vmm.engine.models.qwen2 import Qwen2ForCausalLM
 from xllm_vmm.engine.models.qwen3 import Qwen3ForCausalLM
@@ -21,7 +21,7 @@ from xllm_vmm.models.errors import ModelConfigError
 
 FAMILIES: tuple[type[CausalLM], ...] = (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
                                        Qwen3MoeForCausalLM, DeepseekV3ForCausalLM,
-                                       Qwen3NextForCausalLM)
+                                       DeepseekV32ForCausalLM, Qwen3NextForCausalLM)
 ARCHITECTURES: dict[str, type[CausalLM]] = {a: f for f in FAMILIES for a in f.architectures}
 
 
@@ -39,7 +39,8 @@ def build_model(cfg: ModelConfig, weights: Mapping[str, Any], *, tp: TensorParal
     return model_class(cfg.architecture)(cfg, weights, tp=tp, device=device)
 
 
-__all__ = ["ARCHITECTURES", "CausalLM", "DeepseekV3ForCausalLM", "FAMILIES", "LlamaForCausalLM", "ModelConfig",
+__all__ = ["ARCHITECTURES", "CausalLM", "DeepseekV32ForCausalLM", "DeepseekV3ForCausalLM",
+           "FAMILIES", "LlamaForCausalLM", "ModelConfig",
            "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM",
            "WeightsMismatch",
            "build_model", "model_class"]

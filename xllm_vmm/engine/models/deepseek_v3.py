@@ -121,11 +121,11 @@ class DeepseekV3ForCausalLM(CausalLM):
         self.layers: list[DecoderLayer] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}"
-            attn = MLAttention(w.get, f"{p}.self_attn", hidden=hid, num_heads=cfg.num_heads,
-                               q_lora_rank=None if q_lora is None else int(q_lora),
-                               kv_lora_rank=r, qk_nope_head_dim=dn, qk_rope_head_dim=dr,
-                               v_head_dim=dv, rotary=self.rotary, interleave=interleave,
-                               maybe=w.maybe, tp=tp)
+            attn = self._attention(w, f"{p}.self_attn", dict(
+                hidden=hid, num_heads=cfg.num_heads,
+                q_lora_rank=None if q_lora is None else int(q_lora), kv_lora_rank=r,
+                qk_nope_head_dim=dn, qk_rope_head_dim=dr, v_head_dim=dv, rotary=self.rotary,
+                interleave=interleave, maybe=w.maybe, tp=tp))
             mlp = self._dense(w, f"{p}.mlp", cfg.intermediate_size) if (
                 experts == 0 or i < first_dense) else self._moe(w, f"{p}.mlp", raw, experts)
             self.layers.append(DecoderLayer(
@@ -139,6 +139,9 @@ class DeepseekV3ForCausalLM(CausalLM):
             head = self.embed.weight
         self.lm_head = LMHead(head, tp=tp)
         self.unused_weights = sorted(set(weights) - w.used)
+
+    def _attention(self, w: _Weights, prefix: str, kw: dict) -> MLAttention:
+        return MLAttention(w.get, prefix, **kw)
 
     def _dense(self, w: _Weights, prefix: str, inter: int) -> GatedMLP:
         hid = self.config.hidden_size
@@ -182,4 +185,79 @@ class DeepseekV3ForCausalLM(CausalLM):
         return views, backend
 
 
-__all__ = ["DeepseekV3ForCausalLM", "GroupedSigmoidMoE"]
+@dataclasses.dataclass
+class _SparseMeta:
+    mla: Any
+    index: Any
+    mla_chunks: list
+    index_chunks: list
+
+
+class _SparseBackend:
+    """The latent backend and the index-key backend of DeepSeek-V3.2 (two cache groups, their
+    own block tables and slots)."""
+
+    name = "mla-sparse-torch"
+
+    def __init__(self, mla: Any, index: Any) -> None:
+        self.mla, self.index = mla, index
+
+    def prepare(self, step: Any) -> _SparseMeta:
+        return _SparseMeta(self.mla.prepare(step), self.index.prepare(step),
+                           self.mla.chunk_rows(step), self.index.chunk_rows(step))
+
+    def workspace_bytes(self, meta: _SparseMeta, elem: int) -> int:
+        return self.mla.workspace_bytes(meta.mla, elem) + self.index.workspace_bytes(meta.index, elem)
+
+
+class _PairViews:
+    def __init__(self, latent: Any, index: Any) -> None:
+        self.latent, self.index = latent, index
+        self.layers = list(zip(latent.layers, index.layers))
+        self.geometry = latent.geometry
+        self.dtype = latent.dtype
+
+    def close(self) -> None:
+        self.layers = []
+        self.latent.close()
+        self.index.close()
+
+
+class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    """DeepSeek-V3.2: DeepSeek-V3 with sparse attention (transformers' ``DeepseekV32``): every
+    MLA layer's :class:`~xllm_vmm.engine.layers.mla.Indexer` picks, per query, the
+    ``index_topk`` keys attention sees; its keys (``index_head_dim`` per token per layer) are
+    the layout's ``"index"`` group (``layer{i}.index``) beside the latents (MLA+INDEX). The main
+    attention's rope is always interleaved."""
+
+    architectures = ("DeepseekV32ForCausalLM",)
+
+    def _attention(self, w: _Weights, prefix: str, kw: dict) -> MLAttention:
+        from xllm_vmm.engine.layers.mla import Indexer, SparseMLAttention
+
+        raw = self.config.raw
+        kw = dict(kw, interleave=True)
+        self.index_head_dim = int(_field(raw, "index_head_dim", required=True))
+        indexer = Indexer(w.get, f"{prefix}.indexer", hidden=kw["hidden"],
+                          q_lora_rank=int(_field(raw, "q_lora_rank", required=True)),
+                          n_heads=int(_field(raw, "index_n_heads", required=True)),
+                          head_dim=self.index_head_dim, rope_dim=kw["qk_rope_head_dim"],
+                          topk=int(_field(raw, "index_topk", required=True)),
+                          rotary=kw["rotary"])
+        return SparseMLAttention(w.get, prefix, indexer=indexer, **kw)
+
+    def make_kv(self, kv_cache: Any, *, compute_dtype: Any, attention_backend: str,
+                device: Any) -> tuple[Any, Any]:
+        from xllm_vmm.engine.attention.mla import LatentCacheViews, MLATorchBackend
+
+        views, mla = super().make_kv(kv_cache, compute_dtype=compute_dtype,
+                                     attention_backend=attention_backend, device=device)
+        idx = LatentCacheViews(kv_cache, num_layers=self.config.num_layers,
+                               latent_dim=self.index_head_dim, compute_dtype=compute_dtype,
+                               group="index", suffix="index")
+        index = MLATorchBackend(idx.geometry, num_heads=1, latent_dim=self.index_head_dim,
+                                value_dim=self.index_head_dim, scale=1.0, device=device)
+        return _PairViews(views, idx), _SparseBackend(mla, index)
+
+
+__all__ = ["DeepseekV32ForCausalLM", "DeepseekV3ForCausalLM", "GroupedSigmoidMoE"]
