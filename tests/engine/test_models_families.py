@@ -57,8 +57,10 @@ def test_family_greedy_and_logits_match_hf(tmp_path, case):
 BF16_LOGPROB_BOUND = 0.3
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
-def test_bf16_logprobs_within_bound(tmp_path, family):
+@pytest.mark.parametrize("family,kv_dtype", [("llama", "bfloat16"), ("qwen3_moe", "bfloat16"),
+                                             ("llama", "float32")])
+def test_bf16_logprobs_within_bound(tmp_path, family, kv_dtype):
+    """bf16 compute over bf16 KV, and over float32 KV (kv_cache_dtype float32)."""
     d = C.build_checkpoint(tmp_path / "m", family)
     hf = C.load_hf_model(d)
     ids = _prompt(30, 7)
@@ -66,9 +68,9 @@ def test_bf16_logprobs_within_bound(tmp_path, family):
     full = ids + cont
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([full])).logits[0].float(), -1)
-    s = PagedStack(d, block_size=16, dtype="bfloat16")
+    s = PagedStack(d, block_size=16, dtype="bfloat16", kv_dtype=kv_dtype)
     try:
-        assert s.worker.kv_views.dtype == torch.bfloat16
+        assert s.worker.kv_views.dtype == getattr(torch, kv_dtype)
         worst = 0.0
         # teacher-forced: prefill the prompt, then feed the reference tokens one by one
         out = s.step([s.chunk("a", ids)])
