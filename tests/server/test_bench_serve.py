@@ -82,3 +82,4 @@ def test_bench_serve_cli_json_on_a_real_server(tiny_llama_dir):
     assert out["kv_mapped_bytes_peak"] >= out["kv_mapped_bytes_after"] > 0
     assert out["kv_mapped_bytes_after"] <= out["kv_packed_floor_bytes_after"] + (2 << 20) * 8
     assert out["reserved_virtual_bytes"] > out["kv_mapped_bytes_peak"]
+    assert out["engine_steps"] >= 64 and 0 < out["engine_busy_fraction"] <= 1.0

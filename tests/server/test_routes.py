@@ -197,7 +197,7 @@ def test_metrics_names(served):
                  "vllm:inter_token_latency_seconds_bucket{",
                  "vllm:e2e_request_latency_seconds_bucket{",
                  'vllm:request_success_total{finished_reason="length",model_name="fake-model"}',
-                 "xllm_vmm_reserved_virtual_bytes{", 'xllm_vmm_tenant_mapped_bytes{model_name='
+                 "xllm_vmm_reserved_virtual_bytes{", "xllm_vmm_engine_step_seconds_bucket{", 'xllm_vmm_tenant_mapped_bytes{model_name='
                  '"fake-model",tenant="kv"}'):
         assert name in text, name
 

@@ -20,7 +20,10 @@ every ``metrics_interval`` seconds during the load and the server's own high-wat
 any more, waited for up to 5 s) beside ``kv_packed_floor_bytes_after`` (the least bytes the
 blocks the prefix cache still keeps need: mapped KV at the floor means these two are close) and
 ``kv_live_blocks_after`` (0 when every request let go), ``kv_mapped_bytes_before``,
-``reserved_virtual_bytes``. One warm-up request (not counted) precedes the load.
+``reserved_virtual_bytes``; ``engine_steps``, ``engine_step_ms_mean`` and
+``engine_busy_fraction`` (time inside ``LLMEngine.step()`` over the load's wall time, from
+``xllm_vmm_engine_step_seconds``: near 1, the model is the bottleneck, not the HTTP path). One
+warm-up request (not counted) precedes the load.
 
 The server runs in its own process (``xllm-vmm serve --port 0``, its ready line read from
 stdout) so that the load generator does not share its interpreter lock; ``url`` drives an
@@ -195,6 +198,8 @@ async def drive(url: str, cfg: LoadConfig) -> dict:
         before = await scrape()
         reserved_text = (await client.get(f"{url}/metrics")).text
         reserved = parse_metric(reserved_text, "xllm_vmm_reserved_virtual_bytes")
+        step_sum0 = parse_metric(reserved_text, "xllm_vmm_engine_step_seconds_sum") or 0.0
+        step_n0 = parse_metric(reserved_text, "xllm_vmm_engine_step_seconds_count") or 0.0
         peak = [before or 0.0]
         done = asyncio.Event()
 
@@ -232,8 +237,10 @@ async def drive(url: str, cfg: LoadConfig) -> dict:
                     parse_metric(text, "xllm_vmm_kv_packed_floor_bytes"),
                     parse_metric(text, "xllm_vmm_kv_live_blocks"))
 
-        server_peak = parse_metric((await client.get(f"{url}/metrics")).text,
-                                   "xllm_vmm_kv_mapped_peak_bytes")
+        end_text = (await client.get(f"{url}/metrics")).text
+        server_peak = parse_metric(end_text, "xllm_vmm_kv_mapped_peak_bytes")
+        step_s = (parse_metric(end_text, "xllm_vmm_engine_step_seconds_sum") or 0.0) - step_sum0
+        steps = (parse_metric(end_text, "xllm_vmm_engine_step_seconds_count") or 0.0) - step_n0
         if server_peak is not None:  # the server's own high-water mark, read after every step
             peak[0] = max(peak[0], server_peak)
         after, floor, live = await idle_figures()
@@ -262,6 +269,8 @@ async def drive(url: str, cfg: LoadConfig) -> dict:
         "kv_mapped_bytes_before": before, "kv_mapped_bytes_peak": peak[0],
         "kv_mapped_bytes_after": after, "kv_packed_floor_bytes_after": floor,
         "kv_live_blocks_after": live, "reserved_virtual_bytes": reserved,
+        "engine_steps": int(steps), "engine_step_ms_mean": 1e3 * step_s / steps if steps else None,
+        "engine_busy_fraction": step_s / wall if wall > 0 else None,
         **workers,
     }
 

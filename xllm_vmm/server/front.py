@@ -397,6 +397,7 @@ class AsyncEngine:
                 self._num_waiting = 0
                 self._num_running = 0
                 continue
+            t0 = time.perf_counter()
             try:
                 outs = eng.step()
             except Exception as exc:  # the engine failed: fail every request, keep serving
@@ -404,6 +405,8 @@ class AsyncEngine:
                 self._fail_all(APIError(500, f"the engine failed: {type(exc).__name__}: {exc}"))
                 continue
             self.steps += 1
+            if self.metrics is not None:
+                self.metrics.observe_step(self.name, time.perf_counter() - t0)
             self._track_kv_peak()
             self._num_waiting = int(eng.num_waiting)
             self._num_running = int(eng.num_running)

@@ -5,8 +5,9 @@ Two kinds of series:
 
 - observed by the front as requests progress (output thread; prometheus_client is thread-safe):
   histograms ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds`` (and the
-  older name ``vllm:time_per_output_token_seconds``), ``vllm:e2e_request_latency_seconds`` and the
-  counter ``vllm:request_success{finished_reason}``;
+  older name ``vllm:time_per_output_token_seconds``), ``vllm:e2e_request_latency_seconds``, the
+  counter ``vllm:request_success{finished_reason}``, and ``xllm_vmm_engine_step_seconds`` (one
+  ``LLMEngine.step()`` on the engine thread: the model's share of the serving time);
 - read from the engine at scrape time (``engine.stats()`` on the engine thread): gauges
   ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
   (0..1), counters ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits`` (tokens),
@@ -33,6 +34,7 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0)
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -124,6 +126,9 @@ class Metrics:
         self.e2e = Histogram("vllm:e2e_request_latency_seconds",
                              "End-to-end request latency, seconds.", ["model_name"],
                              buckets=_E2E_BUCKETS, registry=self.registry)
+        self.step = Histogram("xllm_vmm_engine_step_seconds",
+                              "Wall time of one engine step on the engine thread, seconds.",
+                              ["model_name"], buckets=_STEP_BUCKETS, registry=self.registry)
         self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                ["model_name", "finished_reason"], registry=self.registry)
         self._snapshots: dict[str, tuple[dict, dict]] = {}
@@ -141,6 +146,9 @@ class Metrics:
         for _ in range(n_tokens):
             self.itl.labels(model).observe(gap)
             self.tpot.labels(model).observe(gap)
+
+    def observe_step(self, model: str, seconds: float) -> None:
+        self.step.labels(model).observe(seconds)
 
     def observe_finish(self, model: str, reason: str | None, req, when: float) -> None:
         self.success.labels(model, reason or "abort").inc()
