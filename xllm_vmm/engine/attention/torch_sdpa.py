@@ -1,5 +1,6 @@
 """Paged attention in plain torch: ``scaled_dot_product_attention`` per sequence over
-zero-copy views of its blocks in the arena (CPU and CUDA alike).
+zero-copy views of its blocks in the arena (on CUDA the decodes are batched instead; see
+:class:`TorchSDPABackend`).
 
 A sequence's blocks are mostly runs of consecutive ids in one slot (the allocator keeps a
 sequence's blocks together), and a run of blocks is a contiguous token range of the ``slots``
@@ -22,7 +23,8 @@ derived per step for the batched decode path (``batch_decodes``, the default on 
 one kernel launch beats one per sequence) and for backends that gather (MLA reuses them).
 
 Only blocks of the step's sequences are read: runs cover ``[0, seq_len)`` exactly, and padding
-entries of a block table never reach an index. Grouped-query attention uses SDPA's
+entries of a block table never reach an index (the batched path replaces them by the
+sequence's first block before its gather). Grouped-query attention uses SDPA's
 ``enable_gqa`` (no repeat of K/V).
 """
 
