@@ -414,3 +414,23 @@ def test_weights_not_loaded_is_503(served):
     eng.add_request = refuse
     r = HTTP.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 3})
     assert r.status_code == 503 and "not loaded" in r.json()["error"]["message"]
+
+
+def test_metrics_answer_while_the_engine_is_stuck(tokenizer, monkeypatch):
+    import xllm_vmm.server.app as app_mod
+
+    monkeypatch.setattr(app_mod, "STATS_TIMEOUT_S", 0.2)
+    eng, front, srv = _server(tokenizer)
+    try:
+        eng.run.clear()  # the engine thread stays inside step()
+        with HTTP.stream("POST", f"{srv.url}/v1/completions",
+                         json={"prompt": "x", "max_tokens": 5, "stream": True}):
+            _wait(lambda: eng.reqs)
+            r = HTTP.get(f"{srv.url}/metrics")
+            assert r.status_code == 200
+            assert 'xllm_vmm_requests_in_flight{model_name="fake-model"} 1.0' in r.text
+            assert "xllm_vmm_reserved_virtual_bytes" not in r.text  # no engine figures
+            eng.run.set()
+    finally:
+        eng.run.set()
+        srv.stop()

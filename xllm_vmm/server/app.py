@@ -15,6 +15,7 @@ a request body that does not parse or validate is a 400 whose ``param`` names th
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from dataclasses import dataclass
 from typing import Optional
@@ -28,6 +29,11 @@ from xllm_vmm import __version__
 from xllm_vmm.server.errors import APIError, from_validation
 from xllm_vmm.server.front import AsyncEngine
 from xllm_vmm.server.metrics import CONTENT_TYPE, Metrics
+
+
+STATS_TIMEOUT_S = 5.0
+"""Longest a ``/metrics`` scrape waits for the engine thread (it reads the statistics between
+two steps); past it the scrape answers with the front's own series."""
 
 
 @dataclass
@@ -126,9 +132,9 @@ def build_app(front: AsyncEngine, settings: Optional[ServerSettings] = None,
     async def metrics_route():
         snaps = {}
         for name, f in list(server.fronts.items()):
-            try:
-                stats = await f.stats()
-            except Exception:  # a failing engine still gets its front-side series
+            try:  # a stuck or failing engine still gets its front-side series
+                stats = await asyncio.wait_for(f.stats(), STATS_TIMEOUT_S)
+            except (Exception, asyncio.TimeoutError):
                 stats = {}
             snaps[name] = (stats or {}, {"sleeping": f.sleeping, "in_flight": f.num_in_flight,
                                          "kv_mapped_peak_bytes": f.kv_mapped_peak_bytes,

@@ -128,6 +128,7 @@ class AsyncEngine:
         self._sleeping = bool(engine.is_sleeping())
         self._draining = False
         self._closing = False
+        self._shut = False  # engine.shutdown() called
         self._engine_error: Optional[str] = None
         self._engine_thread: Optional[threading.Thread] = None
         self._output_thread: Optional[threading.Thread] = None
@@ -368,7 +369,7 @@ class AsyncEngine:
             self._output_thread.join(timeout)
         if t is None or not t.is_alive():
             shutdown = getattr(self.engine, "shutdown", None)
-            if shutdown is not None and not getattr(self, "_shut", False):
+            if shutdown is not None and not self._shut:
                 self._shut = True
                 shutdown()
 
