@@ -43,7 +43,6 @@ class MtpDraft:
 
     def __init__(self, cfg: Any, weights: Mapping[str, Tensor], kv_cache: Any, *,
                  device: Any = "cpu") -> None:
-        from xllm_vmm.engine.attention.mla import LatentCacheViews
         from xllm_vmm.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
         from xllm_vmm.engine.models.decoder import WeightsMismatch
 
