@@ -32,6 +32,8 @@ TARGETS: dict[str, tuple[str, float]] = {
     "peak_footprint_ratio": ("<=", 1.1), "idle_footprint_ratio": ("<=", 1.15),
     "hash_vs_sha256_ratio": (">=", 2.0), "host_hit_rate_gain": (">", 0.0),
     "bytes_freed_per_eviction_ratio": (">", 1.0), "wakeup_vs_reload_ratio": ("<=", 0.5),
+    "sleep_released_fraction": (">=", 0.99), "fork_extra_weight_bytes": ("<=", 0),
+    "cycle_growth_bytes": ("<=", 0), "light_sleep_ms_per_gib": ("<=", 10.0),
 }
 
 #: Units by field-name ending (the longest ending that matches wins).
