@@ -235,6 +235,9 @@ def test_200_concurrent_streams_with_disconnects_none_lost(served):
         assert c.post("/reset_prefix_cache").status_code == 200
     stats = _kv(srv)
     assert stats["kvcache"]["cached_blocks"] == 0
+    assert stats["cache_groups"]["attn"]["live_blocks"] == 0
+    assert set(stats["tenants"]) == {"kv", "weights"}
+    assert stats["tenants"]["kv"]["mapped_bytes"] == 0 < stats["tenants"]["kv"]["region_bytes"]
     assert stats["kvcache"]["mapped_bytes"] == stats["kvcache"]["packed_floor_bytes"] == 0
     assert stats["pool_tenant_mapped_bytes"]["kv"] == 0  # ...and went back to the floor
 

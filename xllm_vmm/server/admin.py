@@ -145,7 +145,7 @@ def register(app: FastAPI, server) -> None:
     @app.get("/vmm/status")
     async def vmm_status(request: Request):
         f = front(request, dict(request.query_params))
-        stats = await f.stats()
+        stats = await f.vmm_status()
         return {"model": f.name, "sleeping": f.sleeping, "in_flight": f.num_in_flight,
                 "engine_steps": f.steps, "stats": _jsonable(stats),
                 "models": list(server.fronts)}

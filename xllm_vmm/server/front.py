@@ -288,6 +288,32 @@ class AsyncEngine:
 
         return await self.call(read)
 
+    async def vmm_status(self) -> dict:
+        """The statistics of :meth:`stats` plus the KV cache's groups (per group: slots,
+        blocks per slot, slot bytes, active slots, mapped bytes, live/cached/free blocks) and
+        the tenants' regions of the pool."""
+        def read(e):
+            out = dict(e.stats())
+            pool = getattr(e, "pool", None)
+            if pool is not None and "pool" not in out:
+                out["pool"] = pool.stats()
+            cache = getattr(getattr(e, "kv_cache_manager", None), "cache", None)
+            if cache is not None and hasattr(cache, "stats"):
+                out["cache_groups"] = cache.stats().get("groups", {})
+            ps = out.get("pool")
+            names = list(getattr(ps, "per_tenant_mapped_bytes", None) or {})
+            if pool is not None and names:
+                tenants = {}
+                for name in names:
+                    r = pool.region(name)
+                    tenants[name] = {"first_page": r.first_page, "pages": r.pages,
+                                     "region_bytes": r.nbytes,
+                                     "mapped_bytes": ps.per_tenant_mapped_bytes[name]}
+                out["tenants"] = tenants
+            return out
+
+        return await self.call(read)
+
     async def sleep(self, level: int = 1, drain: bool = False,
                     timeout: Optional[float] = None) -> dict:
         """Put the engine to sleep. Without ``drain`` it is refused (409) while requests are in
