@@ -74,3 +74,28 @@ def test_world_size_one_has_no_runtime(llama_dir):
         assert type(llm.llm_engine.worker).__name__ == "Worker"
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_prefix_hits_and_chunked_prefill_equal_one_worker(llama_dir):
+    # an elastic pool, prefix cache on, prefill in chunks of 32 tokens: cached blocks are hit
+    # by later prompts and evicted on every worker through the same slot calls
+    flags = dict(enable_vmm_kvcache=True, vmm_elastic=True, enable_prefix_cache=True,
+                 max_tokens_per_batch=32, enable_chunked_prefill=True)
+    shared = list(range(100, 148))  # three full blocks shared by every prompt
+    prompts = [shared + [5 + i, 9, 13 + i] for i in range(4)]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def run(**extra):
+        llm = LLM(model=str(llama_dir), **BASE, **flags, **extra)
+        try:
+            first = llm.generate([{"prompt_token_ids": prompts[0]}], sp)
+            rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], sp)
+            hits = llm.llm_engine.stats()["prefix_cache_hits"]
+            return [list(o.outputs[0].token_ids) for o in first + rest], hits
+        finally:
+            llm.llm_engine.shutdown()
+
+    one, hits1 = run()
+    two, hits2 = run(nnodes=2)
+    assert two == one
+    assert hits2 == hits1 > 0
