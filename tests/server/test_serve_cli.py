@@ -187,3 +187,27 @@ def test_sigterm_drains_then_cancels_a_long_stream(tiny_llama_dir):
     assert events[-1] == "[DONE]" and "shutting down" in events[-2]  # cancelled, told why
     assert len(events) < 2000 and waited < 30
     assert "1 request(s) cancelled" in rest
+
+
+def test_a_second_signal_cancels_at_once(tiny_llama_dir):
+    proc, lines, url = _start(["--model", str(tiny_llama_dir), "--port", "0",
+                               "--max-model-len=2048", "--device-memory=256MiB",
+                               "--drain-timeout=600"])
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
+                "prompt": "hello", "max_tokens": 2000, "ignore_eos": True,
+                "stream": True}) as r:
+            it = r.iter_lines()
+            next(it)
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGINT)
+            events = [line[6:] for line in it if line.startswith("data: ")]
+        code = proc.wait(60)
+        assert time.monotonic() - t0 < 30  # not the 600 s drain
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 0, proc.stderr.read()
+    assert events[-1] == "[DONE]" and "shutting down" in events[-2]

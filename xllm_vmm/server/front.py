@@ -129,6 +129,7 @@ class AsyncEngine:
         self._draining = False
         self._closing = False
         self._shut = False  # engine.shutdown() called
+        self._hurry = False  # a second signal: drain() cancels at once
         self._engine_error: Optional[str] = None
         self._engine_thread: Optional[threading.Thread] = None
         self._output_thread: Optional[threading.Thread] = None
@@ -373,7 +374,7 @@ class AsyncEngine:
         cancelled."""
         self._closing = True
         deadline = time.monotonic() + timeout
-        while self.num_in_flight and time.monotonic() < deadline:
+        while self.num_in_flight and time.monotonic() < deadline and not self._hurry:
             await asyncio.sleep(0.02)
         with self._lock:
             left = list(self._streams.values())
@@ -382,6 +383,10 @@ class AsyncEngine:
                                         "cancelled"))
             self._inbox.put(("abort", r.rid))
         return len(left)
+
+    def hurry(self) -> None:
+        """Make a running or later :meth:`drain` cancel what is left at once."""
+        self._hurry = True
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop both threads and shut the engine down (its pool released). Idempotent."""

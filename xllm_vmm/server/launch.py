@@ -78,8 +78,10 @@ async def serve_async(app: FastAPI, host: str, port: int, *, drain_timeout: floa
     signals = []
     if threading.current_thread() is threading.main_thread():
         def _signal():
-            if stop.is_set():  # a second signal: no more waiting
+            if stop.is_set():  # a second signal: no more waiting for running requests
                 server.force_exit = True
+                for f in app.state.server.fronts.values():
+                    f.hurry()
             stop.set()
 
         for sig in (signal.SIGINT, signal.SIGTERM):
