@@ -52,3 +52,20 @@ def test_a_worker_failing_at_start_up_fails_start_up_naming_it(llama_dir):
         LLMEngine.from_flags(str(llama_dir), **BASE, nnodes=2,
                              worker_device_memory=[BASE["device_memory"], "4MiB"])
     assert time.monotonic() - t0 < 120  # at once, not after the start-up timeout (300 s)
+
+
+def test_a_failed_command_keeps_the_protocol_in_step(llama_dir):
+    eng = LLMEngine.from_flags(str(llama_dir), **BASE, nnodes=2)
+    try:
+        backing = eng.kv_cache_manager.cache.allocator.backing
+        with pytest.raises(ValueError, match="duplicate pages"):
+            backing.activate({"attn": [0, 0]})  # duplicate pages: refused on every rank
+        eng.add_request("r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        toks = []
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                toks += o.new_token_ids
+        assert len(toks) == 3  # the worker set still steps together
+        assert [s["rank"] for s in eng.distributed.refresh()] == [0, 1]
+    finally:
+        eng.shutdown()

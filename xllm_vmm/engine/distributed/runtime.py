@@ -213,7 +213,16 @@ class Runtime:
         key = f"xv/cmd/{self._seq}"
         try:
             self.group.store.set(key, pickle.dumps((op, payload), protocol=5))
-            result = local() or {}
+            try:
+                result = local() or {}
+            except Exception as e:  # noqa: BLE001
+                if self._looks_like_comm(e):
+                    raise
+                # rank 0's own part failed (before any collective, as a validation does): the
+                # others still end the command with the status gather; keep it in step
+                self._gather(self._status({"error": f"{type(e).__name__}: {e}"}),
+                             objects=op in _OBJECT_OPS)
+                raise
             statuses = self._gather(self._status(result), objects=op in _OBJECT_OPS)
         except WorkerLost:
             raise
