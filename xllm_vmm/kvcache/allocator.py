@@ -250,45 +250,8 @@ class BlockAllocator:
         if len(counts) == 1:  # most models: one group (and each group of several, below)
             for name, n in counts.items():
                 pass
-            g = groups.get(name) or self._g(name)
-            hint = near.get(name, -1) if near else -1
-            if n == 1 and g.free_active:
-                # decode growth, the one place it is written: one block from an active
-                # slot — the hint's slot, else (hinted slot full) the roomiest partial slot,
-                # else (no hint) the fullest
-                stacks = g.stacks
-                buckets = g.buckets
-                if 0 <= hint < g.nblocks:
-                    slot = hint // g.bps
-                    stack = stacks[slot]
-                    roomiest = True
-                else:
-                    stack = roomiest = None
-                if stack:
-                    bucket = buckets[len(stack)]
-                else:
-                    for bucket in (g.rbuckets if roomiest else buckets):
-                        if bucket:
-                            break
-                    for slot in bucket:
-                        break
-                    stack = stacks[slot]
-                k = len(stack)  # type: ignore[arg-type]
-                b = stack.pop()  # type: ignore[union-attr]
-                g.ref[b] = 1
-                del bucket[slot]
-                if k > 1:
-                    buckets[k - 1][slot] = None
-                g.free_active -= 1
-                return {name: [b]}
-            if n <= g.free_active:
-                if n < 0:
-                    raise ValueError(f"negative block count {n} for group {name!r}")
-                return {name: self._take(g, n, hint, None)}
-            new = self._activate_for(counts)
-            if new is None:
-                return None
-            return {name: self._take(g, n, hint, new[name])}
+            got = self.allocate_group(name, n, near.get(name, -1) if near else -1)
+            return None if got is None else {name: got}
         new_slots: Mapping[str, list[int]] = _NO_SLOTS
         for name, n in counts.items():
             g = groups.get(name) or self._g(name)
@@ -303,12 +266,57 @@ class BlockAllocator:
         out: dict[str, list[int]] = {}
         for name, n in counts.items():
             slots = new_slots.get(name)
-            if slots is None:  # fits in its active slots: the one-group path above
-                out[name] = self.allocate({name: n}, near)[name]  # type: ignore[index]
+            if slots is None:  # fits in its active slots: the one-group path
+                out[name] = self.allocate_group(  # type: ignore[assignment]
+                    name, n, near.get(name, -1) if near else -1)
             else:
                 out[name] = self._take(groups[name], n, near.get(name, -1) if near else -1,
                                        slots)
         return out
+
+    def allocate_group(self, group: str, n: int, hint: int = -1) -> list[int] | None:
+        """:meth:`allocate` for one group without the dicts: ``n`` new blocks of ``group``
+        (ref count 1 each) as a list, ``hint`` the ``near`` block (``-1``: none), or ``None``
+        ("not now": nothing changed). The one allocation path: :meth:`allocate` calls it for
+        every group that fits in its active slots (the manager's hot path calls it directly)."""
+        g = self._groups.get(group) or self._g(group)
+        if n == 1 and g.free_active:
+            # decode growth, the one place it is written: one block from an active
+            # slot — the hint's slot, else (hinted slot full) the roomiest partial slot,
+            # else (no hint) the fullest
+            stacks = g.stacks
+            buckets = g.buckets
+            if 0 <= hint < g.nblocks:
+                slot = hint // g.bps
+                stack = stacks[slot]
+                roomiest = True
+            else:
+                stack = roomiest = None
+            if stack:
+                bucket = buckets[len(stack)]
+            else:
+                for bucket in (g.rbuckets if roomiest else buckets):
+                    if bucket:
+                        break
+                for slot in bucket:
+                    break
+                stack = stacks[slot]
+            k = len(stack)  # type: ignore[arg-type]
+            b = stack.pop()  # type: ignore[union-attr]
+            g.ref[b] = 1
+            del bucket[slot]
+            if k > 1:
+                buckets[k - 1][slot] = None
+            g.free_active -= 1
+            return [b]
+        if n <= g.free_active:
+            if n < 0:
+                raise ValueError(f"negative block count {n} for group {group!r}")
+            return self._take(g, n, hint, None)
+        new = self._activate_for({group: n})
+        if new is None:
+            return None
+        return self._take(g, n, hint, new[group])
 
     def _take(self, g: _Group, n: int, hint: int, new: list[int] | None) -> list[int]:
         """Hand out ``n`` blocks of ``g`` (not the one-block growth of :meth:`allocate`): the
@@ -428,10 +436,7 @@ class BlockAllocator:
         if len(blocks) == 1:  # one group: checked during its one pass (undone on a refusal)
             for name, blks in blocks.items():
                 pass
-            g = groups.get(name) or self._g(name)
-            k, released = self._free_group(g, blks, True)
-            if released:
-                self.backing.deactivate({name: released})
+            k = self.free_group(name, blks)
             return {name: k} if k else _NOTHING_CACHED
         for name, blks in blocks.items():  # several: every group checked before any changes
             self._check_free(groups.get(name) or self._g(name), blks)
@@ -450,6 +455,17 @@ class BlockAllocator:
         if emptied:
             self.backing.deactivate(emptied)
         return kept
+
+    def free_group(self, group: str, blocks: Sequence[int]) -> list[int] | None:
+        """:meth:`free` for one group without the dicts: drop one reference from each of
+        ``blocks`` in the order given (checked in the same pass; a refusal undoes it and
+        raises ``ValueError``), release the slots this empties in one backing call, and return
+        the blocks that became cached (``None`` when none did)."""
+        g = self._groups.get(group) or self._g(group)
+        k, released = self._free_group(g, blocks, True)
+        if released:
+            self.backing.deactivate({group: released})
+        return k
 
     def _free_group(self, g: _Group, blks: Sequence[int], check: bool
                     ) -> tuple[list[int] | None, list[int]]:

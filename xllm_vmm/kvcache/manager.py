@@ -190,6 +190,10 @@ class KVCacheManager:
         self._sole = len(self.group_names) == 1
         self.prefix = prefix
         self.host = host
+        # one group, prefix caching without a host tier or checkpoints: lookup is one
+        # acquire_chain call (most models)
+        self._chain = (self._sole and prefix is not None and host is None
+                       and not prefix.hybrid)
         self.hash_seed = hash_seed
         self._alloc = cache.allocator
         self._reqs: dict[str, _Request] = {}
@@ -232,6 +236,8 @@ class KVCacheManager:
                                       "allocate() it first (or it was freed)") from None
 
     def _new(self, request_id: str) -> _Request:
+        if self._sole:
+            return _Request(request_id, {self._g0: []})
         return _Request(request_id, {g: [] for g in self.group_names})
 
     # -- lookup --------------------------------------------------------------------------
@@ -262,6 +268,13 @@ class KVCacheManager:
         hashes = block_hashes(token_ids, bs, seed=self.hash_seed, media=media)
         req.hashes = hashes
         cap = (len(token_ids) - 1) // bs if token_ids else 0
+        if self._chain:
+            blocks = prefix.acquire_chain(hashes, cap)
+            req.held = {self._g0: blocks}
+            n = len(blocks) * bs
+            m = PrefixMatch(request_id, n, n, 0)
+            req.match = m
+            return m
         hit = prefix.lookup(hashes, max_blocks=cap)
         prefix.acquire(hit)
         n_dev = hit.num_blocks
@@ -336,15 +349,15 @@ class KVCacheManager:
               ) -> dict[str, list[int]] | None:
         """``need`` more blocks in every group, next to the request's last ones."""
         if self._sole:
-            g = self._g0
-            counts = {g: need}
-            near = {g: first[-1]} if first else None
-            new = self._alloc.allocate(counts, near)
-            if new is None:
-                new = self._evict_and_allocate(counts, near)
+            new1 = self._alloc.allocate_group(self._g0, need, first[-1] if first else -1)
+            if new1 is None:
+                g = self._g0
+                near = {g: first[-1]} if first else None
+                new = self._evict_and_allocate({g: need}, near)
                 if new is None:
                     return None
-            first.extend(new[g])
+                new1 = new[g]
+            first.extend(new1)
             req.cap = len(first) * self.block_size
             return tables
         near = {g: t[-1] for g, t in tables.items()} if first else None
@@ -382,24 +395,43 @@ class KVCacheManager:
             if not self._cache.capacity(self._evictable()).fits({g: foot for g in groups}):
                 return None
         need = n_blocks - n_dev
-        if need > 0:
-            counts = {g: need for g in groups}
-            new = self._alloc.allocate(counts)
-            if new is None:
-                new = self._evict_and_allocate(counts, None)
-                if new is None:
+        if self._sole:  # one group: lists, no per-group dicts
+            g0 = self._g0
+            new0 = self._alloc.allocate_group(g0, need) if need > 0 else []
+            if new0 is None:
+                got = self._evict_and_allocate({g0: need}, None)
+                if got is None:
                     return None
+                new0 = got[g0]
+            if req is None:
+                req = self._reqs[request_id] = self._new(request_id)
+            if hit is None:
+                self._release_hold(req)
+                first = new0
+            else:
+                first = req.held[g0] + new0 if req.held else new0
+            req.tables = {g0: first}
+            new = {g0: new0}
         else:
-            new = {g: [] for g in groups}
-        if req is None:
-            req = self._reqs[request_id] = self._new(request_id)
-        if hit is None:
-            self._release_hold(req)
-            held = {g: [] for g in groups}
-        else:
-            held = req.held or {g: [] for g in groups}
-        req.tables = {g: held[g] + new[g] for g in groups}
-        req.first = req.tables[self._g0]
+            if need > 0:
+                counts = {g: need for g in groups}
+                new = self._alloc.allocate(counts)
+                if new is None:
+                    new = self._evict_and_allocate(counts, None)
+                    if new is None:
+                        return None
+            else:
+                new = {g: [] for g in groups}
+            if req is None:
+                req = self._reqs[request_id] = self._new(request_id)
+            if hit is None:
+                self._release_hold(req)
+                held = {g: [] for g in groups}
+            else:
+                held = req.held or {g: [] for g in groups}
+            req.tables = {g: held[g] + new[g] for g in groups}
+            first = req.tables[self._g0]
+        req.first = first
         req.cap = len(req.first) * bs
         req.held = None
         req.match = None

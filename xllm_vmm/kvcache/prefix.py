@@ -178,6 +178,37 @@ class PrefixCache:
                 for b in revived:
                     lru.pop(b, None)
 
+    def acquire_chain(self, hashes: Sequence[BlockHash], max_blocks: int) -> list[int]:
+        """:meth:`lookup` then :meth:`acquire` in one call, for a one-group cache without
+        linear-state checkpoints (``hybrid=False``; most models): the blocks of the longest
+        indexed prefix of ``hashes`` (at most ``max_blocks``), each referenced once more for
+        the caller, as a new list. Same counters and LRU effect as the two calls."""
+        g = self._sole
+        if g is None or self.hybrid:
+            raise PrefixCacheError("acquire_chain is for a one-group cache without "
+                                   "checkpoints; use lookup() and acquire()")
+        get = g.hash_to_block.get
+        out: list[int] = []
+        for h in (hashes if max_blocks >= len(hashes) else hashes[:max(0, max_blocks)]):
+            b = get(h)
+            if b is None:
+                break
+            out.append(b)
+        s = self._stats
+        s.queries += 1
+        s.query_tokens += len(hashes) * self.block_size
+        if out:
+            n = len(out)
+            s.hits += 1
+            s.hit_blocks += n
+            s.hit_tokens += n * self.block_size
+            revived = self.allocator.touch_many(g.name, out)
+            if revived:
+                pop = g.lru.pop
+                for b in revived:
+                    pop(b, None)
+        return out
+
     def touch(self, group: str, block: int) -> None:
         """One more reference on ``block`` (a restore joining another one in flight)."""
         if self.allocator.touch(group, block):
@@ -187,22 +218,25 @@ class PrefixCache:
         """Drop a request's references, tail block first, so that within one release the
         request's last blocks are evicted before its prefix. Returns the hashes whose blocks
         just became cached in every group (write-through candidates for the host tier)."""
-        kept = self.allocator.free({n: ids[::-1] for n, ids in blocks.items()})
-        if not kept:
-            return []
         g = self._sole
         a = self.allocator
-        if g is not None:
+        if g is not None:  # one group: no dicts on the way
+            kept1 = a.free_group(g.name, blocks[g.name][::-1])
+            if not kept1:
+                return []
             lru = g.lru
             bh = g.block_hash
             pins = a.pinned_blocks(g.name)
             out = []
-            for b in kept[g.name]:
+            for b in kept1:
                 h = bh.get(b)
                 if h is not None and b not in pins:
                     lru[b] = None
                     out.append(h)
             return out
+        kept = a.free({n: ids[::-1] for n, ids in blocks.items()})
+        if not kept:
+            return []
         cand: dict[BlockHash, None] = {}
         for name, bs in kept.items():
             gg = self._groups[name]
@@ -235,8 +269,41 @@ class PrefixCache:
                 raise PrefixCacheError(f"publish needs blocks for every cache group "
                                        f"{list(order)}; missing {name!r}")
         a = self.allocator
-        new = 0
         sole = self._sole
+        if sole is not None and not checkpoints:  # one group: one tight pass
+            ids = blocks[sole.name]
+            end = first_block + len(hashes)
+            if end > len(ids):
+                raise PrefixCacheError(f"publish: request block {max(len(ids), first_block)} "
+                                       "has no block id")
+            h2b = sole.hash_to_block
+            b2h = sole.block_hash
+            get = h2b.get
+            fresh: list[int] = []
+            dup = 0
+            for h, b in zip(hashes, ids[first_block:end]):
+                e = get(h)
+                if e is None:
+                    if b in b2h:
+                        for fb in fresh:  # a refused publish changes nothing
+                            del h2b[b2h.pop(fb)]
+                        raise PrefixCacheError(
+                            f"publish: request block {ids.index(b, first_block)} is "
+                            "already published under another hash (a block's content changed "
+                            "after it was published?)")
+                    h2b[h] = b
+                    b2h[b] = h
+                    fresh.append(b)
+                elif e != b:
+                    dup += 1
+            if fresh:
+                a.retain(sole.name, fresh)
+            st = self._stats
+            st.duplicate_publishes += dup
+            st.published_blocks += len(fresh)
+            st.indexed_hashes += len(fresh)
+            return len(fresh)
+        new = 0
         retained: list[int] | None = None  # the sole group's newly indexed blocks
         for j, h in enumerate(hashes):
             i = first_block + j
