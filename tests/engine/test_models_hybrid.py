@@ -195,3 +195,24 @@ def test_llm_generate_runs_the_hybrid_model_with_prefix_hits(qn):
         llm.llm_engine.shutdown()
     assert got == [C.hf_greedy(qn[1], base, 4), C.hf_greedy(qn[1], other, 4)]
     assert stats["linear_state_restores"] == 1 and stats["prefix_hit_tokens"] == 2 * BS
+
+
+def test_batched_decode_step_equals_the_recurrent_rule():
+    """The batched one-token path (decodes of several sequences) gives each sequence what the
+    per-sequence recurrent rule and conv give it."""
+    g = torch.Generator().manual_seed(5)
+    b = 3
+    q, k = torch.randn(b, 2, 8, generator=g), torch.randn(b, 2, 8, generator=g)
+    v, decay = torch.randn(b, 4, 8, generator=g), -torch.rand(b, 4, generator=g)
+    beta, s0 = torch.rand(b, 4, generator=g), torch.randn(b, 4, 8, 8, generator=g)
+    out, s = LA.gated_delta_step(q, k, v, decay, beta, s0)
+    x, cs, w = torch.randn(b, 6, generator=g), torch.randn(b, 6, 3, generator=g), torch.randn(6, 4, generator=g)
+    y, ns = LA.causal_conv1d_step(x, cs, w)
+    for i in range(b):
+        o1, s1 = LA.recurrent_gated_delta_rule(q[i:i + 1], k[i:i + 1], v[i:i + 1], decay[i:i + 1],
+                                               beta[i:i + 1], s0[i])
+        torch.testing.assert_close(out[i], o1[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(s[i], s1, atol=1e-5, rtol=1e-5)
+        y1, n1 = LA.causal_conv1d(x[i:i + 1], cs[i], w)
+        torch.testing.assert_close(y[i], y1[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ns[i], n1)

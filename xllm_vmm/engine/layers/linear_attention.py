@@ -120,6 +120,38 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     return out.transpose(0, 1).to(dtype), s
 
 
+def gated_delta_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                     state: Tensor) -> tuple[Tensor, Tensor]:
+    """One token of each of ``B`` sequences (batched decode): ``q``/``k`` (B, Hk, dk), ``v``
+    (B, Hv, dv), ``g``/``beta`` (B, Hv), ``state`` (B, Hv, dk, dv) -> (output (B, Hv, dv) in
+    ``v``'s dtype, new state float32); the recurrent rule of :func:`recurrent_gated_delta_rule`."""
+    import torch
+
+    dtype = v.dtype
+    rep = v.shape[1] // q.shape[1]
+    if rep > 1:
+        q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+    q, k, v = (t.to(torch.float32) for t in (q, k, v))
+    q, k = l2norm(q), l2norm(k)
+    q = q * q.shape[-1] ** -0.5
+    s = state.to(torch.float32) * g.to(torch.float32).exp()[..., None, None]
+    mem = (s * k[..., None]).sum(dim=-2)  # (B, H, dv)
+    delta = (v - mem) * beta.to(torch.float32)[..., None]
+    s = s + k[..., None] * delta[..., None, :]
+    return (s * q[..., None]).sum(dim=-2).to(dtype), s
+
+
+def causal_conv1d_step(x: Tensor, state: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    """One new input per sequence: ``x`` (B, C), ``state`` (B, C, K-1) -> (``silu`` outputs
+    (B, C), new state (B, C, K-1)); the same window sum as :func:`causal_conv1d`."""
+    import torch
+    import torch.nn.functional as F
+
+    full = torch.cat((state.to(weight.dtype), x.to(weight.dtype)[..., None]), dim=-1)  # (B, C, K)
+    y = (full * weight[None]).sum(-1)
+    return F.silu(y).to(x.dtype), full[..., 1:]
+
+
 def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                      state: Tensor) -> tuple[Tensor, Tensor]:
     """The recurrent form for short inputs (decode), the chunked form otherwise."""
@@ -215,5 +247,5 @@ class LinearStateCache:
         return {k[1]: self.snapshots.pop(k) for k in keys}
 
 
-__all__ = ["LinearStateCache", "causal_conv1d", "chunk_gated_delta_rule", "gated_delta_rule", "l2norm",
+__all__ = ["LinearStateCache", "causal_conv1d", "causal_conv1d_step", "gated_delta_step", "chunk_gated_delta_rule", "gated_delta_rule", "l2norm",
            "recurrent_gated_delta_rule"]

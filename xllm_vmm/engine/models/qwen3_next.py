@@ -33,7 +33,9 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from xllm_vmm.engine.layers.embedding import LMHead, VocabEmbedding
 from xllm_vmm.engine.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from xllm_vmm.engine.layers.linear_attention import LinearStateCache, causal_conv1d, gated_delta_rule
+from xllm_vmm.engine.layers.linear_attention import (LinearStateCache, causal_conv1d,
+                                                     causal_conv1d_step, gated_delta_rule,
+                                                     gated_delta_step)
 from xllm_vmm.engine.layers.mlp import GatedMLP, check_activation
 from xllm_vmm.engine.layers.moe import SparseMoE
 from xllm_vmm.engine.layers.parallel import SINGLE, TensorParallel
@@ -208,7 +210,22 @@ class GatedDeltaNet:
         state, li = backend.state, self.state_index
         out = torch.empty((t, self.nv, self.dv), dtype=x.dtype, device=x.device)
         kd = self.key_dim
-        for s in meta.seqs:
+        seqs = meta.seqs
+        dec = [s for s in seqs if s.q1 - s.q0 == 1 and not s.saves]
+        if len(dec) > 1:  # batched decode: one token of each sequence in one pass
+            rows = torch.tensor([s.q0 for s in dec], device=x.device)
+            slots = torch.tensor([s.slot for s in dec], device=x.device)
+            y, new_conv = causal_conv1d_step(mixed[rows], state.conv[slots, li], self.conv_w)
+            yq = y[:, :kd].reshape(-1, self.nk, self.dk)
+            yk = y[:, kd:2 * kd].reshape(-1, self.nk, self.dk)
+            yv = y[:, 2 * kd:].reshape(-1, self.nv, self.dv)
+            o, new_rec = gated_delta_step(yq, yk, yv, g[rows], beta[rows], state.rec[slots, li])
+            out[rows] = o
+            state.conv[slots, li] = new_conv.to(state.conv.dtype)
+            state.rec[slots, li] = new_rec.to(state.rec.dtype)
+            done = {id(s) for s in dec}
+            seqs = [s for s in seqs if id(s) not in done]
+        for s in seqs:
             conv, rec = state.conv[s.slot, li], state.rec[s.slot, li]
             cuts = s.saves + [s.start + (s.q1 - s.q0)]
             at = s.start
