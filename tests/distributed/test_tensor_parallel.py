@@ -99,3 +99,15 @@ def test_prefix_hits_and_chunked_prefill_equal_one_worker(llama_dir):
     two, hits2 = run(nnodes=2)
     assert two == one
     assert hits2 == hits1 > 0
+
+
+def test_four_workers_replicate_the_two_kv_heads(llama_dir):
+    # 4 workers, 2 KV heads: each worker caches one head (held by two workers), as the
+    # plan's per-worker layout says; the output still equals one worker's
+    one, info1 = generate(llama_dir)
+    four, info4 = generate(llama_dir, nnodes=4)
+    assert four == one
+    assert info4["kv_width"] * 2 == info1["kv_width"]  # one of two heads, not a quarter
+    assert info4["q_rows"] * 4 == info1["q_rows"]
+    assert [s["rank"] for s in info4["stats"]] == [0, 1, 2, 3]
+    assert not any(alive(p) for p in info4["pids"][1:])
