@@ -6,8 +6,9 @@ measured in the same run (absolute times move from run to run on shared machines
 - ``alloc_vs_freelist_ratio``: operations per second of the page-aware
   :class:`~xllm_vmm.kvcache.BlockAllocator` (bookkeeping only: a backing that maps nothing)
   over those of :class:`FreeListBlockPool` on the same allocate/free trace, the allocator
-  called the way the manager calls it, with a dict per call
-  (``allocate({"attn": n}, {"attn": last block})``, ``free({"attn": blocks})``).
+  called the way the manager calls it for a one-group model
+  (``allocate_group("attn", n, last block)``, ``free_group("attn", blocks)``; the dict API
+  ``allocate``/``free`` delegates to these per group).
   ``cache_vs_freelist_ratio`` is the same for the whole stack (cache + pool + driver, mapping
   slots on the selected driver).
 - ``admission_us``: the cost of one admission decision (:meth:`Admission.check_prefill`), and
@@ -173,33 +174,41 @@ def make_trace(cfg: KvBenchConfig) -> tuple[list[_Op], int]:
 
 def _replay_freelist(ops: list[_Op], pool: FreeListBlockPool) -> float:
     held: dict[int, list[int]] = {}
-    t0 = time.perf_counter()
-    for op in ops:
-        if op.kind == "alloc":
-            got = pool.allocate(op.n)
-            if got is None:
-                raise RuntimeError("free-list baseline ran out of blocks; size it larger")
-            held.setdefault(op.seq, []).extend(got)
-        elif op.kind == "free":
-            pool.free(held.pop(op.seq))
-    return time.perf_counter() - t0
-
-
-def _replay_allocator(ops: list[_Op], alloc: Any) -> float:
-    """The allocator on the trace through the path the manager uses: the dict API
-    (``allocate({group: n}, {group: last block})`` / ``free({group: blocks})``), the dicts
-    built per call."""
-    held: dict[int, list[int]] = {}
+    allocate, free = pool.allocate, pool.free  # the same caller bookkeeping on both sides
     t0 = time.perf_counter()
     for op in ops:
         if op.kind == "alloc":
             mine = held.get(op.seq)
-            got = alloc.allocate({"attn": op.n}, {"attn": mine[-1]} if mine else None)
+            got = allocate(op.n)
+            if got is None:
+                raise RuntimeError("free-list baseline ran out of blocks; size it larger")
+            if mine is None:
+                held[op.seq] = got
+            else:
+                mine.extend(got)
+        elif op.kind == "free":
+            free(held.pop(op.seq))
+    return time.perf_counter() - t0
+
+
+def _replay_allocator(ops: list[_Op], alloc: Any) -> float:
+    """The allocator on the trace through the path the manager uses for a one-group model:
+    ``allocate_group(group, n, last block)`` / ``free_group(group, blocks)``."""
+    held: dict[int, list[int]] = {}
+    allocate, free = alloc.allocate_group, alloc.free_group
+    t0 = time.perf_counter()
+    for op in ops:
+        if op.kind == "alloc":
+            mine = held.get(op.seq)
+            got = allocate("attn", op.n, mine[-1] if mine else -1)
             if got is None:
                 raise RuntimeError("allocator ran out of blocks on the benchmark trace")
-            held.setdefault(op.seq, []).extend(got["attn"])
+            if mine is None:
+                held[op.seq] = got
+            else:
+                mine.extend(got)
         elif op.kind == "free":
-            alloc.free({"attn": held.pop(op.seq)})
+            free("attn", held.pop(op.seq))
     return time.perf_counter() - t0
 
 

@@ -313,10 +313,17 @@ class BlockAllocator:
             if n < 0:
                 raise ValueError(f"negative block count {n} for group {group!r}")
             return self._take(g, n, hint, None)
-        new = self._activate_for({group: n})
-        if new is None:
+        # new slots (a prompt): the lowest inactive ones, activated in one backing call
+        k = -(-(n - g.free_active) // g.bps)
+        inactive = g.inactive
+        if k > len(inactive):
             return None
-        return self._take(g, n, hint, new[group])
+        chosen = [heappop(inactive) for _ in range(k)]
+        if not self.backing.activate({group: chosen}):
+            for s in chosen:
+                heappush(inactive, s)
+            return None
+        return self._take(g, n, hint, chosen)
 
     def _take(self, g: _Group, n: int, hint: int, new: list[int] | None) -> list[int]:
         """Hand out ``n`` blocks of ``g`` (not the one-block growth of :meth:`allocate`): the
@@ -497,15 +504,9 @@ class BlockAllocator:
                     if r > 0:
                         continue
                     raise IndexError  # a double free: refused below
-                if lo <= b < hi:
-                    if keep[b] or (pins and b in pins):
-                        pass  # cached: handled below
-                    else:
-                        stack.append(b)
-                        continue
-                elif not 0 <= b < nb:
-                    raise IndexError
-                if keep[b] or (pins and b in pins):
+                if keep[b] or (pins and b in pins):  # retained or pinned: cached
+                    if b < 0:
+                        raise IndexError
                     cached[b] = 1
                     ncached[b // bps] += 1
                     if kept is None:
@@ -513,6 +514,11 @@ class BlockAllocator:
                     else:
                         kept.append(b)
                     continue
+                if lo <= b < hi:  # the run's slot
+                    stack.append(b)
+                    continue
+                if not 0 <= b < nb:
+                    raise IndexError
                 if cur >= 0:
                     runs.append((cur, k0, len(stack)))
                 cur = b // bps
@@ -656,10 +662,11 @@ class BlockAllocator:
         """Keep ``blocks`` (live or cached) when their last reference goes: they hold a
         published prefix (the prefix cache calls this on publish)."""
         g = self._groups.get(group) or self._g(group)
+        ref, cached, keep = g.ref, g.cached, g.keep
         for b in blocks:
-            if not (g.ref[b] or g.cached[b]):
+            if not (ref[b] or cached[b]):
                 raise ValueError(f"retain of free block {b} in group {group!r}")
-            g.keep[b] = 1
+            keep[b] = 1
 
     def unretain(self, group: str, blocks: Sequence[int]) -> int:
         """Stop keeping ``blocks`` (their prefix was withdrawn): a live one is freed when its
