@@ -191,6 +191,12 @@ def test_llm_generate_runs_the_hybrid_model_with_prefix_hits(qn):
         got = [list(llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids)
                for p in (base, other)]
         stats = llm.llm_engine.kv_cache_manager.stats()
+        wp = llm.llm_engine.plan.workers[0]
+        state = llm.llm_engine.kv_cache_manager.state
+        # plan and the running engine agree: slots, bytes per slot, reserved bytes (HY-01)
+        assert wp.resident_slots == state.slots.capacity > 0
+        assert wp.resident_bytes_per_seq == state.cache.bytes_per_seq
+        assert wp.resident_bytes == state.slots.reserved_bytes == state.cache.reserved_bytes
     finally:
         llm.llm_engine.shutdown()
     assert got == [C.hf_greedy(qn[1], base, 4), C.hf_greedy(qn[1], other, 4)]

@@ -77,8 +77,11 @@ class LLMEngine:
         from xllm_vmm.engine.sampler import Sampler
         from xllm_vmm.engine.scheduler import Scheduler
 
-        # hybrid models: resident state slots + prefix checkpoints (issue 15); else unchanged
-        mgr, worker = attach_linear_state(mgr, worker, max_seqs=int(config["max_seqs_per_batch"]))
+        # hybrid models: resident state slots (as many as plan reserved) + prefix checkpoints
+        # (issue 15); else unchanged
+        slots = getattr(plan.workers[0], "resident_slots", 0) if plan is not None else 0
+        mgr, worker = attach_linear_state(
+            mgr, worker, max_seqs=int(slots or config["max_seqs_per_batch"]))
         self.model_dir = model_dir
         self.model_name = model_name
         self.config = config
