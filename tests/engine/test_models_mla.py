@@ -171,6 +171,8 @@ def test_llm_generate_runs_deepseek_v3(ds):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
         groups = llm.llm_engine.kv_cache_manager.group_names
+        # plan's layout is the running cache's (one latent tensor per layer, its widths)
+        assert llm.llm_engine.plan.layout == llm.llm_engine.kv_cache_manager.cache.layout
     finally:
         llm.llm_engine.shutdown()
     assert groups == ("mla",)
