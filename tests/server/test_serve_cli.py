@@ -211,3 +211,12 @@ def test_a_second_signal_cancels_at_once(tiny_llama_dir):
             proc.kill()
     assert code == 0, proc.stderr.read()
     assert events[-1] == "[DONE]" and "shutting down" in events[-2]
+
+
+def test_ignored_flags_lists_only_flags_without_effect():
+    from xllm_vmm.cli.serve import ignored_flags
+    from xllm_vmm.config import load
+
+    cfg = load(["--port=9000", "--block_size=16", "--num_threads=4", "--enable_graph=true",
+                "--nnodes=1", "--max_concurrent_requests=10"], env=None)
+    assert ignored_flags(cfg) == ["enable_graph", "num_threads"]

@@ -65,13 +65,15 @@ _BOOL_OPTS = {"--enable-admin": "enable_admin", "--enable_admin": "enable_admin"
 # xllm_vmm.engine.llm_engine). Every other explicitly set flag is validated and reported once
 # as accepted without effect.
 SERVE_FLAGS = frozenset({"model", "host", "port", "max_concurrent_requests", "config_json_file"})
-# The flags the CPU engine honours (xllm_vmm.engine.llm_engine's docstring); used when the
-# engine does not publish the list itself (HONOURED_FLAGS).
+# The flags the CPU engine honours (xllm_vmm.engine.llm_engine's docstring, and the worker set
+# of xllm_vmm.engine.distributed: nnodes, node_rank, master_node_addr, tp_size); used until
+# the engine publishes the list itself (llm_engine.HONOURED_FLAGS).
 _ENGINE_FLAGS = frozenset({
     "block_size", "enable_vmm_kvcache", "vmm_elastic", "enable_vmm_weights",
     "enable_prefix_cache", "host_blocks_factor", "max_seqs_per_batch", "max_tokens_per_batch",
     "enable_chunked_prefill", "max_memory_utilization", "max_cache_size",
-    "vmm_memory_reserve_bytes", "xxh3_128bits_seed", "random_seed", "devices", "model_id"})
+    "vmm_memory_reserve_bytes", "xxh3_128bits_seed", "random_seed", "devices", "model_id",
+    "nnodes", "node_rank", "master_node_addr", "tp_size"})
 
 
 class UsageError(Exception):
