@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence
 
-from xllm_vmm.kvcache.cache import CacheCapacity
+from xllm_vmm.kvcache.cache import CacheCapacity, largest_tokens
 from xllm_vmm.kvcache.resident import SequenceSlots
 
 __all__ = ["Admission", "AdmissionDecision", "CapacitySource"]
@@ -118,16 +118,6 @@ class Admission:
         best = None
         for w in self.workers:
             cap = w.capacity()
-            lo, hi = 0, 1
-            while cap.fits(w.demand(hi)):
-                lo, hi = hi, hi * 2
-                if hi > 1 << 40:
-                    break
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if cap.fits(w.demand(mid)):
-                    lo = mid
-                else:
-                    hi = mid
-            best = lo if best is None else min(best, lo)
+            n = largest_tokens(lambda t: cap.fits(w.demand(t)))  # noqa: B023 (used at once)
+            best = n if best is None else min(best, n)
         return best or 0

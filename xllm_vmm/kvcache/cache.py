@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 from xllm_vmm.kvcache.allocator import BlockAllocator, Compaction, GroupShape
+from xllm_vmm.models.search import largest
 from xllm_vmm.models.spec import CacheGroup, CacheLayout
 from xllm_vmm.pool.pool import Region, VmmPool
 
@@ -88,18 +89,19 @@ def fit_tokens(layout: CacheLayout, page_bytes: int, capacity_bytes: int) -> int
     def fits(t: int) -> bool:
         return _slot_bytes_for(layout, page_bytes, slots_for_tokens(layout, page_bytes, t)) \
             <= capacity_bytes
-    lo, hi = 0, 1
-    while fits(hi):
-        lo, hi = hi, hi * 2
-        if hi > 1 << 40:
-            break
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return largest_tokens(fits)
+
+
+#: the most tokens a capacity search reports (a budget larger than this is "unbounded")
+MAX_SEARCH_TOKENS = 1 << 40
+
+
+def largest_tokens(fits) -> int:
+    """The largest token count ``t >= 0`` with ``fits(t)`` (monotone: true up to some point),
+    by the project's one search (:func:`xllm_vmm.models.search.largest`); 0 when none fits,
+    :data:`MAX_SEARCH_TOKENS` when every count up to it does."""
+    t = largest(fits, 0, limit=MAX_SEARCH_TOKENS)
+    return MAX_SEARCH_TOKENS if t is None else max(0, t)
 
 
 @dataclass(frozen=True)

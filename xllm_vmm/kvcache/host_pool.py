@@ -1,11 +1,11 @@
 """The host KV pool: preallocated host memory for the host KV tier (HK-01, HK-06, HK-07), with its
 own hash index, LRU and pins.
 
-Sizing (HK-06): host capacity = configured device KV tensor capacity × ``host_blocks_factor``,
-preallocated at start, also in elastic mode. One *host block* holds the KV of one prefix hash in
-every cache group and every tensor of the group, back to back in the order the host tier lists
-them, so ``host_block_bytes = Σ_groups block_bytes`` and ``host blocks = floor(device KV
-capacity bytes × factor / host_block_bytes)``.
+Sizing (HK-06): :func:`~xllm_vmm.kvcache.host_support.host_pool_size` (the one home of the
+formula, re-exported here), preallocated at start, also in elastic mode. One *host block* holds
+the KV of one prefix hash in every cache group and every tensor of the group, back to back in
+the order the host tier lists them
+(:func:`~xllm_vmm.kvcache.host_support.host_block_bytes`).
 
 HK-07: start-up refuses a pool that does not fit in the host's available memory
 (``MemAvailable``), with the numbers and the largest factor / ``max_cache_size`` that would fit.

@@ -46,12 +46,8 @@ def device_capacity_bytes(cache: "VirtualKVCache") -> int:
     return sum(geo.num_slots * geo.slot_bytes for geo in cache.geometry.values())
 
 
-def host_block_bytes(cache: "VirtualKVCache") -> int:
-    """Bytes of one host block: one block of every tensor of every group (HK-06's, in
-    :mod:`~xllm_vmm.kvcache.host_support`)."""
-    return host_support.host_block_bytes(cache.layout)
-
-
 def plan_host_pool(cache: "VirtualKVCache", host_blocks_factor: float) -> HostPoolSize:
+    """HK-06 for this cache: :func:`~xllm_vmm.kvcache.host_support.host_pool_size` of its
+    configured device capacity and its layout's host block (both formulas live there)."""
     return host_pool_size(device_capacity_bytes(cache), host_blocks_factor,
-                          host_block_bytes(cache))
+                          host_support.host_block_bytes(cache.layout))

@@ -38,6 +38,7 @@ from xllm_vmm.pool.budget import (
     BudgetConfig,
     BudgetMode,
     ExecutionPeak,
+    budget_bytes,
     static_capacity_bytes,
 )
 from xllm_vmm.vmm.driver import Driver, VmmError, VmmInvalidArgument
@@ -296,11 +297,9 @@ class VmmPool:
         """Bytes of new physical memory the pool may take now (elastic; 0 otherwise)."""
         if self.mode is not BudgetMode.ELASTIC:
             return 0
-        free = self.driver.mem_info().free
-        left = free - self.execution_peak.bytes - self.budget.reserve_bytes
-        if self.budget.max_cache_size > 0:
-            left = min(left, self.budget.max_cache_size - self._held)
-        return max(0, left)
+        info = self.driver.mem_info()  # the elastic budget's one formula: budget.budget_bytes
+        return max(0, budget_bytes(self.budget, total=info.total, free=info.free,
+                                   execution_peak=self.execution_peak.bytes, held=self._held))
 
     def _paged_growth_left_bytes(self) -> int:
         """Growth of a paged tenant of a physical pool: free − execution peak − reserve."""
