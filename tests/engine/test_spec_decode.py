@@ -98,6 +98,25 @@ def test_greedy_is_identical_to_no_speculation(pair):
     assert len(d["spec_decode_num_accepted_tokens_per_pos"]) == k
 
 
+def test_prefix_hits_keep_the_output(pair):
+    """A prompt sharing whole blocks with an earlier one starts from the prefix cache (target
+    and draft blocks both cached); the draft's cache there is the earlier request's, which may
+    only cost acceptance: the output is still the target's greedy continuation."""
+    s = ManagedStack(pair[0], block_size=BS, draft_dir=pair[1], prefix=True)
+    try:
+        gen = SpeculativeGenerator(s.mgr, s.worker, s.draft, num_speculative_tokens=2)
+        base = _prompt(2 * BS + 3, 4)
+        first = gen.generate({"a": base}, 8)["a"]
+        other = base[:2 * BS + 1] + _prompt(4, 5)
+        second = gen.generate({"b": other}, 8)["b"]
+        hits = s.mgr.stats()["prefix_hit_tokens"]
+    finally:
+        s.close()
+    assert hits == 2 * BS
+    assert first == C.hf_greedy(pair[2], base, 8)
+    assert second == C.hf_greedy(pair[2], other, 8)
+
+
 def test_sampling_runs_with_a_seed_and_is_reproducible(pair):
     s = ManagedStack(pair[0], block_size=BS, draft_dir=pair[1])
     try:
