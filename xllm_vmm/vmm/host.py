@@ -327,18 +327,20 @@ class HostDriver(DriverBase):
         if not vas:
             return
         a, h = _u64s(vas), _u64s(handles)
-        failed = C.c_uint64()
-        self._check("map_batch",
-                    self._lib.hv_map_batch(self._live(), _addr(a), _addr(h), len(a), C.byref(failed)))
+        # the failing entry is named in the native message; no out-parameter is needed
+        rc = self._lib.hv_map_batch(self._live(), a.buffer_info()[0], h.buffer_info()[0],
+                                    len(a), None)
+        if rc:
+            self._check("map_batch", rc)
 
     def unmap_batch(self, vas: Sequence[int]) -> None:
         """Unmaps every mapping starting at ``vas[i]`` in one native call, all or nothing."""
         if not vas:
             return
         a = _u64s(vas)
-        failed = C.c_uint64()
-        self._check("unmap_batch",
-                    self._lib.hv_unmap_batch(self._live(), _addr(a), len(a), C.byref(failed)))
+        rc = self._lib.hv_unmap_batch(self._live(), a.buffer_info()[0], len(a), None)
+        if rc:
+            self._check("unmap_batch", rc)
 
     def is_mapped(self, va: int, nbytes: int) -> bool:
         """True when every byte of ``[va, va+nbytes)`` lies in mapped pages of this driver."""
