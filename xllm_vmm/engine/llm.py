@@ -78,7 +78,8 @@ class LLM:
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = False) -> list[RequestOutput]:
         """Run every prompt to completion (continuous batching over all of them); outputs in
-        prompt order. Bad input raises :class:`RequestError` before anything runs."""
+        prompt order. Bad input raises :class:`RequestError` before anything runs.
+        ``use_tqdm`` is accepted for vLLM compatibility and shows nothing."""
         items = self._as_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
