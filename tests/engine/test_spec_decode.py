@@ -117,6 +117,27 @@ def test_prefix_hits_keep_the_output(pair):
     assert second == C.hf_greedy(pair[2], other, 8)
 
 
+def test_hidden_state_slots_bound_the_running_sequences(pair):
+    """One MTP hidden-state slot: the three prompts run one after another (every verify step
+    holds one sequence), with the same output."""
+    s = ManagedStack(pair[0], block_size=BS, draft_dir=pair[1])
+    try:
+        prompts = {"a": _prompt(5, 6), "b": _prompt(9, 6), "c": _prompt(3, 6)}
+        seen = []
+        gen = SpeculativeGenerator(s.mgr, s.worker, s.draft, num_speculative_tokens=2,
+                                   max_seqs=1)
+        assert gen.slots.bytes_per_seq == 64 * 4  # one fp32 hidden vector per sequence
+        run = gen._target
+        gen._target = lambda chunks: (seen.append(len(chunks)), run(chunks))[1]
+        got = gen.generate(prompts, 6)
+        plain = s.generate(prompts, 6)
+        assert gen.slots.available == 1
+    finally:
+        s.close()
+    assert got == plain
+    assert set(seen) == {1}
+
+
 def test_sampling_runs_with_a_seed_and_is_reproducible(pair):
     s = ManagedStack(pair[0], block_size=BS, draft_dir=pair[1])
     try:

@@ -93,6 +93,8 @@ class _Seq:
     drafts: list[int] = field(default_factory=list)
     draft_probs: Any = None  # (K, V) when sampling
     done: bool = False
+    admitted: bool = False
+    slot: int | None = None  # its hidden-state ("embedding") slot while admitted
 
     @property
     def output(self) -> list[int]:
@@ -104,7 +106,12 @@ class SpeculativeGenerator:
     groups and ``"draft"``), the target ``worker`` and the ``draft`` module."""
 
     def __init__(self, mgr: Any, worker: Any, draft: MtpDraft, *,
-                 num_speculative_tokens: int) -> None:
+                 num_speculative_tokens: int, max_seqs: int = 256) -> None:
+        """``max_seqs``: hidden-state slots (one ``hidden`` vector per running sequence, what
+        the draft reads from the target; AD-03's MTP embedding slots): sequences beyond them
+        wait for one."""
+        from xllm_vmm.kvcache.resident import SequenceSlots
+
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         if "draft" not in mgr.group_names:
@@ -115,6 +122,9 @@ class SpeculativeGenerator:
         self.k = num_speculative_tokens
         self.block_size = mgr.block_size
         self.stats = SpecDecodeStats(num_speculative_tokens)
+        elem = draft.body.dtype.itemsize if draft is not None else 4
+        hidden = draft.config.hidden_size if draft is not None else 0
+        self.slots = SequenceSlots("mtp_embedding", max_seqs, hidden * elem)
 
     # -- helpers ------------------------------------------------------------------------------
     def _target(self, chunks: list) -> tuple[Any, list[tuple[int, int]]]:
@@ -174,9 +184,50 @@ class SpeculativeGenerator:
             s.draft_probs = torch.stack(s.draft_probs) if s.draft_probs else None
 
     # -- the loop -------------------------------------------------------------------------------
+    def _prefill(self, seqs: list[_Seq], temperature: float, gen: Any) -> None:
+        """Admit ``seqs`` (their hidden-state slots already taken): one target step over their
+        prompts (prefix hits skipped), the first token each, the draft's first proposals."""
+        from xllm_vmm.engine.step import SeqChunk
+
+        mgr, k = self.mgr, self.k
+        chunks, starts = [], []
+        for s in seqs:
+            hit = mgr.lookup(s.rid, s.tokens)
+            n0 = hit.num_tokens
+            got = mgr.allocate(s.rid, s.prompt_len - n0, hit=hit,
+                               num_prompt_tokens=s.prompt_len, lookahead=k + 1)
+            if got is None:
+                mgr.drop(s.rid)
+                raise RuntimeError(f"request {s.rid!r} does not fit the KV cache")
+            s.admitted = True
+            chunks.append(SeqChunk(s.rid, s.tokens[n0:], n0, got, True))
+            starts.append(n0)
+        out, rows = self._target(chunks)
+        catchup = []
+        for s, n0, (r0, r1) in zip(seqs, starts, rows):
+            tok, _ = self._pick(out.logits[r1 - 1], temperature, gen)
+            mgr.commit(s.rid, s.prompt_len, s.tokens)
+            s.computed = s.prompt_len
+            s.tokens.append(tok)
+            if len(s.output) >= s.max_tokens:
+                self._finish(s)
+                continue
+            catchup.append((s, n0, s.tokens[n0 + 1:s.prompt_len + 1], out.hidden_states[r0:r1]))
+        self._propose(seqs, catchup, temperature, gen)
+
+    def _finish(self, s: _Seq) -> None:
+        s.done = True
+        self.mgr.free(s.rid)
+        if s.slot is not None:
+            self.slots.release(s.slot)
+            s.slot = None
+
     def generate(self, prompts: dict[str, list[int]], max_tokens: int, *,
                  temperature: float = 0.0, seed: int | None = None) -> dict[str, list[int]]:
-        """Continuations of every prompt, exactly ``max_tokens`` tokens each (eos ignored)."""
+        """Continuations of every prompt, exactly ``max_tokens`` tokens each (eos ignored).
+
+        At most ``max_seqs`` sequences run at once (their hidden-state slots, AD-03); the others
+        wait and are admitted, in order, as slots are given back."""
         import torch
 
         from xllm_vmm.engine.spec_decode.rejection import greedy_verify, rejection_sample
@@ -185,32 +236,21 @@ class SpeculativeGenerator:
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         mgr, k = self.mgr, self.k
         seqs = [_Seq(rid, list(ids), len(ids), max_tokens) for rid, ids in prompts.items()]
-        chunks, starts = [], []
+        waiting = list(seqs)
         try:
-            for s in seqs:
-                hit = mgr.lookup(s.rid, s.tokens)
-                n0 = hit.num_tokens
-                got = mgr.allocate(s.rid, s.prompt_len - n0, hit=hit,
-                                   num_prompt_tokens=s.prompt_len, lookahead=k + 1)
-                if got is None:
-                    raise RuntimeError(f"request {s.rid!r} does not fit the KV cache")
-                chunks.append(SeqChunk(s.rid, s.tokens[n0:], n0, got, True))
-                starts.append(n0)
-            out, rows = self._target(chunks)
-            catchup = []
-            for s, n0, (r0, r1) in zip(seqs, starts, rows):
-                tok, _ = self._pick(out.logits[r1 - 1], temperature, gen)
-                mgr.commit(s.rid, s.prompt_len, s.tokens)
-                s.computed = s.prompt_len
-                s.tokens.append(tok)
-                if len(s.output) >= s.max_tokens:
-                    s.done = True
-                    mgr.free(s.rid)
+            while waiting or any(s.admitted and not s.done for s in seqs):
+                batch = []
+                while waiting:
+                    slot = self.slots.acquire()
+                    if slot is None:
+                        break
+                    waiting[0].slot = slot
+                    batch.append(waiting.pop(0))
+                if batch:
+                    self._prefill(batch, temperature, gen)
+                live = [s for s in seqs if s.admitted and not s.done]
+                if not live:
                     continue
-                catchup.append((s, n0, s.tokens[n0 + 1:s.prompt_len + 1], out.hidden_states[r0:r1]))
-            self._propose(seqs, catchup, temperature, gen)
-            while any(not s.done for s in seqs):
-                live = [s for s in seqs if not s.done]
                 chunks = [SeqChunk(s.rid, [s.tokens[-1]] + s.drafts, s.computed,
                                    mgr.block_tables(s.rid), True) for s in live]
                 out, rows = self._target(chunks)
@@ -236,8 +276,7 @@ class SpeculativeGenerator:
                     s.computed = start + len(emitted)  # [t, d_1 .. d_a] hold valid K/V
                     mgr.commit(s.rid, s.computed, s.tokens)
                     if len(s.output) >= s.max_tokens:
-                        s.done = True
-                        mgr.free(s.rid)
+                        self._finish(s)
                         continue
                     if mgr.allocate(s.rid, k + 1) is None:
                         raise RuntimeError(f"request {s.rid!r}: the KV cache is full")
@@ -246,8 +285,11 @@ class SpeculativeGenerator:
                 self._propose(live, catchup, temperature, gen)
         finally:
             for s in seqs:
-                if not s.done:
-                    mgr.free(s.rid)
+                if s.admitted and not s.done:
+                    self._finish(s)
+                elif s.slot is not None:
+                    self.slots.release(s.slot)
+                    s.slot = None
         return {s.rid: s.output for s in seqs}
 
 
