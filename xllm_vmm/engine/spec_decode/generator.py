@@ -21,9 +21,10 @@ token, to decoding without speculation; when sampling, distributed as the target
 Acceptance statistics (:class:`SpecDecodeStats`) follow vLLM's ``vllm:spec_decode_*`` metrics:
 drafts (verify rounds), draft tokens, accepted tokens, accepted tokens per position.
 
-Scope: a generation loop over a batch of prompts (prefill of every prompt in one step, then
-lock-step rounds); temperature sampling only (no top-k/top-p/penalties in this path). The
-continuous-batching scheduler does not drive it yet. A prefix hit leaves the draft's cache for
+Scope: a generation loop over a batch of prompts (admitted in waves bounded by the
+hidden-state slots, each wave prefilled in one step, then lock-step rounds); temperature sampling
+only (no top-k/top-p/penalties in this path). The continuous-batching scheduler does not drive
+it yet. A prefix hit leaves the draft's cache for
 the hit's positions as an earlier request wrote it: a proposal may then be worse, never the
 output (the target verifies every token).
 """
