@@ -75,6 +75,7 @@ class FakeEngine:
         self.script: list[int] | None = None  # when set: the tokens every request emits
         self.run = threading.Event()  # cleared by a test: step() waits (requests stay in flight)
         self.run.set()
+        self.in_step = False  # True while step() waits on ``run``
 
     def _touch(self):
         self.thread_ids.add(threading.get_ident())
@@ -107,7 +108,9 @@ class FakeEngine:
 
     def step(self):
         self._touch()
+        self.in_step = True
         self.run.wait(30)
+        self.in_step = False
         if self.step_delay:
             time.sleep(self.step_delay)
         outs = []

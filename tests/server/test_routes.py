@@ -425,7 +425,7 @@ def test_metrics_answer_while_the_engine_is_stuck(tokenizer, monkeypatch):
         eng.run.clear()  # the engine thread stays inside step()
         with HTTP.stream("POST", f"{srv.url}/v1/completions",
                          json={"prompt": "x", "max_tokens": 5, "stream": True}):
-            _wait(lambda: eng.reqs)
+            _wait(lambda: eng.reqs and eng.in_step)
             r = HTTP.get(f"{srv.url}/metrics")
             assert r.status_code == 200
             assert 'xllm_vmm_requests_in_flight{model_name="fake-model"} 1.0' in r.text
