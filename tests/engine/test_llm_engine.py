@@ -203,6 +203,7 @@ def test_stop_strings_and_stop_token_ids(llama, refs):
                                                  stop=[cut]))[0].outputs[0]
             assert o.finish_reason == "stop" and o.stop_reason == cut
             assert cut not in o.text and text.startswith(o.text)
+            assert "abort" not in llm.llm_engine.stats()["request_success"]
         assert llm.llm_engine.kv_cache_manager.stats()["live_blocks"] == 0
 
 

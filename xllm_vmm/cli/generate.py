@@ -156,8 +156,8 @@ def _run(eng, prompt: str, params, chat: bool, system: str | None, fmt: Generate
             if stream and u.delta_text:
                 sys.stdout.write(u.delta_text)
                 sys.stdout.flush()
-        if res.to_abort:
-            eng.abort_request(res.to_abort)
+        if res.to_abort:  # a stop string: finished as "stop"
+            eng.abort_request(res.to_abort, finish_reason="stop")
     seconds = time.monotonic() - t0
     out = proc.pop("generate")
     c = out.outputs[0]

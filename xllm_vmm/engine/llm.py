@@ -137,8 +137,8 @@ class LLM:
                         first.setdefault(u.parent_id, now)
                     if u.finished and proc.finished(u.parent_id):
                         done.setdefault(u.parent_id, now)
-                if res.to_abort:
-                    eng.abort_request(res.to_abort)
+                if res.to_abort:  # stop strings: finished as "stop"
+                    eng.abort_request(res.to_abort, finish_reason="stop")
         except BaseException:
             eng.abort_request(ids)
             raise

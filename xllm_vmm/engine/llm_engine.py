@@ -195,14 +195,16 @@ class LLMEngine:
                                                eos_token_ids=self._eos,
                                                parent_id=request_id if n > 1 else None))
 
-    def abort_request(self, request_id: str | list[str]) -> None:
+    def abort_request(self, request_id: str | list[str], *, finish_reason: str = "abort") -> None:
         """Abort requests (a parent id aborts its parallel samples); frees everything they hold
-        (blocks under a copy stay pinned until it ends). Unknown ids are ignored."""
+        (blocks under a copy stay pinned until it ends). Unknown ids are ignored.
+        ``finish_reason``: what ``stats()["request_success"]`` counts them as ("stop" when a
+        stop string ended them in the OutputProcessor)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
             for kid in self._children.pop(rid, [rid]):
                 if self.scheduler.abort(kid) is not None:
-                    self._count_finish("abort")
+                    self._count_finish(finish_reason)
                 parent = self._parent.pop(kid, None)
                 if parent is not None and parent[0] != rid:
                     left = self._children.get(parent[0])
