@@ -28,7 +28,7 @@ MiB = 1 << 20
 class ManagedStack:
     def __init__(self, model_dir, *, block_size: int = 16, max_tokens: int = 4096,
                  vmm: bool = True, prefix: bool = False, max_batch_tokens: int = 512,
-                 max_seqs: int = 8, draft_dir=None) -> None:
+                 max_seqs: int = 8, draft_dir=None, host_blocks_factor: float = 0.0) -> None:
         """``draft_dir``: an MTP draft directory; its cache is the layout's ``"draft"`` group
         (SD-01) and :attr:`draft` the loaded module."""
         spec = load_model_spec(str(model_dir))
@@ -41,7 +41,8 @@ class ManagedStack:
         mode = BudgetMode.ELASTIC if vmm else BudgetMode.PHYSICAL
         self.pool = VmmPool(self.driver, BudgetConfig(mode=mode, execution_peak_bytes=0), arena)
         self.mgr = build_kv_cache_manager(self.pool, self.layout, enable_prefix_cache=prefix,
-                                          max_tokens=max_tokens)
+                                          max_tokens=max_tokens,
+                                          host_blocks_factor=host_blocks_factor)
         self.worker = Worker.create(str(model_dir), pool=self.pool, kv_cache=self.mgr.cache)
         self.draft = None
         if draft_dir is not None:

@@ -238,3 +238,25 @@ def test_v32_greedy_with_chunked_prefill_and_prefix_hits(ds32):
     assert starts[0] == 2 * BS
     assert first == C.hf_greedy(ds32[1], base, 6)
     assert second == C.hf_greedy(ds32[1], other, 6)
+
+
+@pytest.mark.parametrize("which", ["ds", "ds32"])
+def test_host_tier_carries_latent_and_index_blocks(which, request):
+    """Cached blocks go to the host tier when the cache sleeps (MLA: the latents; MLA+INDEX:
+    the index keys too); after wake-up a prompt sharing two blocks is served from the host tier
+    (restored into fresh device blocks) with transformers' tokens."""
+    d, hf = request.getfixturevalue(which)
+    s = ManagedStack(d, block_size=BS, prefix=True, host_blocks_factor=2.0)
+    try:
+        base = _prompt(2 * BS + 6, 13)
+        first = s.generate({"a": base}, 4)["a"]
+        assert s.mgr.sleep(offload=True) > 0
+        s.mgr.wake_up()
+        other = base[:2 * BS + 1] + _prompt(5, 14)
+        second = s.generate({"b": other}, 4)["b"]
+        st = s.mgr.stats()
+    finally:
+        s.close()
+    assert st["host_offloaded_blocks"] == 2 and st["host_restored_blocks"] == 2
+    assert first == C.hf_greedy(hf, base, 4)
+    assert second == C.hf_greedy(hf, other, 4)
