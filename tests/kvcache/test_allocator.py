@@ -368,3 +368,41 @@ def test_one_group_dict_api_refuses_other_groups_by_name(backing):
         a.allocate({"attn": -1})
     assert a.allocate({"attn": 0}) == {"attn": []}
     a.check_invariants()
+
+
+def test_allocate_group_and_free_group_are_the_dict_api_per_group(backing):
+    a = make(backing)
+    b = make(FakeBacking())
+    ops = [("a", 3, -1), ("a", 1, 2), ("a", 6, -1), ("f", [0, 1]), ("a", 1, 3), ("a", 2, 7),
+           ("f", [4, 5, 6, 7]), ("a", 4, -1)]
+    held = []
+    for op in ops:
+        if op[0] == "a":
+            _, n, hint = op
+            got = a.allocate_group("attn", n, hint)
+            ref = b.allocate({"attn": n}, {"attn": hint} if hint >= 0 else None)
+            assert got == ref["attn"]
+            held += got
+        else:
+            assert a.free_group("attn", op[1]) is None
+            assert b.free({"attn": op[1]}) == {}
+        assert [a.slot_info("attn", s) for s in range(4)] == \
+            [b.slot_info("attn", s) for s in range(4)]
+    a.check_invariants()
+    free = [x for x in range(16) if a.ref_count("attn", x) == 0]
+    before = [a.slot_info("attn", s) for s in range(4)]
+    with pytest.raises(ValueError, match="double free"):
+        a.free_group("attn", [held[-1], free[0]])  # refused in its one pass: undone
+    assert [a.slot_info("attn", s) for s in range(4)] == before
+    with pytest.raises(ValueError, match="not a block of group"):
+        a.free_group("attn", [-1])
+    a.check_invariants()
+
+
+def test_allocate_group_refuses_when_no_slot_can_be_activated():
+    a = make(FakeBacking(), slots=1, bps=4)
+    assert a.allocate_group("attn", 5) is None
+    assert a.num_active_slots("attn") == 0
+    assert a.allocate_group("attn", 4) == [0, 1, 2, 3]
+    assert a.allocate_group("attn", 1) is None
+    a.check_invariants()

@@ -246,3 +246,51 @@ def test_stats_as_dict_has_operator_fields():
     for k in ("queries", "hits", "hit_tokens", "evictions", "cached_blocks", "cached_bytes",
               "hit_rate"):
         assert k in d
+
+
+def test_acquire_chain_is_lookup_then_acquire_with_the_same_ids_counters_and_lru():
+    alloc, prefix, run = make()
+    a = run.start(toks(1, 2, 3))
+    run.compute(a)
+    run.finish(a)  # blocks 0, 1, 2 cached, LRU tail first: 2, 1, 0
+    assert prefix.lru_order("attn") == [2, 1, 0]
+    hs = block_hashes(toks(1, 2, 9), BS)
+    before = prefix.stats.as_dict()
+    got = prefix.acquire_chain(hs, max_blocks=3)
+    assert got == [0, 1]  # block 3's hash (9) is not indexed: the chain stops there
+    assert alloc.groups["attn"].ref[0] == 1 and alloc.groups["attn"].ref[1] == 1
+    assert prefix.lru_order("attn") == [2]  # revived blocks left the LRU
+    s = prefix.stats
+    assert (s.queries - before["queries"], s.hits - before["hits"],
+            s.hit_blocks - before["hit_blocks"], s.hit_tokens - before["hit_tokens"]) == (1, 1, 2, 8)
+    assert prefix.acquire_chain(hs, max_blocks=1) == [0]  # capped; a live block: ref 2
+    assert alloc.groups["attn"].ref[0] == 2
+    assert prefix.acquire_chain(hs, max_blocks=0) == []
+    alloc.allocator.check_invariants()
+
+
+def test_acquire_chain_refuses_several_groups_and_hybrid_caches():
+    _, prefix, _ = make(groups=("attn", "draft"))
+    with pytest.raises(PrefixCacheError, match="one-group"):
+        prefix.acquire_chain([], 0)
+    _, prefix, _ = make(hybrid=True)
+    with pytest.raises(PrefixCacheError, match="checkpoints"):
+        prefix.acquire_chain([], 0)
+
+
+def test_a_refused_publish_changes_nothing():
+    alloc, prefix, run = make()
+    a = run.start(toks(1, 2, 3))
+    table = a.blocks["attn"]
+    hs = block_hashes(toks(1, 2, 3), BS)
+    prefix.publish({"attn": table}, hs[1:2], first_block=1)  # block 1 under hash 1
+    snapshot = (dict(prefix._groups["attn"].hash_to_block), prefix.stats.indexed_hashes)
+    # block 1 again, now under hash 0 (content changed): refused after hash 0 -> block 0 ok
+    bad = [hs[0], hs[2]]
+    with pytest.raises(PrefixCacheError, match="request block 1 is already published"):
+        prefix.publish({"attn": [table[0], table[1]]}, bad, first_block=0)
+    assert (dict(prefix._groups["attn"].hash_to_block), prefix.stats.indexed_hashes) == snapshot
+    assert not alloc.allocator.is_retained("attn", table[0])
+    with pytest.raises(PrefixCacheError, match="has no block id"):
+        prefix.publish({"attn": table[:2]}, hs, first_block=0)
+    assert prefix.stats.indexed_hashes == snapshot[1]
