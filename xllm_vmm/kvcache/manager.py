@@ -257,7 +257,7 @@ class KVCacheManager:
             req = self._reqs[request_id] = self._new(request_id)
         else:
             self._release_hold(req)
-        media = tuple(mm_hashes)
+        media = mm_hashes if type(mm_hashes) is tuple else tuple(mm_hashes)
         req.media = media
         bs = self.block_size
         prefix = self.prefix
@@ -557,7 +557,9 @@ class KVCacheManager:
             return
         tables = req.tables
         if self.prefix is not None:
-            self._offload(self.prefix.release(tables))
+            cached = self.prefix.release(tables)
+            if cached and self.host is not None:  # write-through (see _offload)
+                self.host.offload(cached)
         elif tables[self.group_names[0]]:
             self._alloc.free(tables)
 
