@@ -336,3 +336,24 @@ def test_every_family_matches_hf_through_llm(tmp_path, family):
         outs = llm.generate(prompts, GREEDY)
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, NEW), f"{family}: {len(p)} tokens"
+
+
+@pytest.mark.parametrize("vmm_weights", [False, True])
+def test_progress_reports_every_weight_byte_loaded(llama, vmm_weights):
+    """The ``progress`` option (serve's load bar) sees the load grow to its total, and the total
+    is the checkpoint's tensor bytes (plain tensors or the pool's weights tenant)."""
+    from safetensors import safe_open
+
+    d, _ = llama
+    calls: list[tuple[int, int]] = []
+    flags = {"enable_vmm_kvcache": True, "vmm_elastic": True,
+             "enable_vmm_weights": True} if vmm_weights else {}
+    with make(d, progress=lambda done, total: calls.append((done, total)), **flags):
+        assert calls, "progress was never called"
+        dones = [c[0] for c in calls]
+        assert dones == sorted(dones)
+        done, total = calls[-1]
+        assert done == total
+        with safe_open(str(d / "model.safetensors"), "pt") as f:
+            nbytes = sum(f.get_tensor(k).nbytes for k in f.keys())
+        assert total == nbytes

@@ -57,7 +57,9 @@ DEFAULT_HOST_DEVICE_MEMORY = 1 * GiB
 """Emulated device memory of the host (CPU) driver when ``device_memory`` is not given."""
 
 ENGINE_OPTIONS = ("max_model_len", "dtype", "device_memory", "attention_backend", "seed",
-                  *DIST_OPTIONS)
+                  "progress", *DIST_OPTIONS)
+"""Engine-only options (not engine flags). ``progress(done_bytes, total_bytes)`` is called while
+this process loads its weights (the CLI's progress bar); it never travels to spawned workers."""
 
 
 def _flag_token(name: str, value: Any) -> str:
@@ -567,7 +569,8 @@ def _build(cls: type, sized: _Sized, model_dir: str, opts: dict[str, Any], is_de
         dtype = resolve_dtype(opts.get("dtype", "auto"), ModelConfig.from_dir(model_dir).dtype)
         if weights is None:
             weights = load_weights(model_dir, pool=pool if vmm_w else None, dtype=dtype,
-                                   shard=dist.tp.shard_hook if dist is not None else None)
+                                   shard=dist.tp.shard_hook if dist is not None else None,
+                                   progress=opts.get("progress"))
         from xllm_vmm.kvcache import fit_tokens
 
         if elastic:  # the virtual size: the plan's arena for the KV cache

@@ -80,6 +80,8 @@ def _torch_device(kind: str, index: int) -> str:
 def _json_opts(opts: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for k, v in opts.items():
+        if k == "progress":  # this process's display only
+            continue
         if type(v).__module__ == "torch":  # a torch.dtype
             v = str(v).replace("torch.", "")
         out[k] = list(v) if isinstance(v, tuple) else v
