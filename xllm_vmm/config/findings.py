@@ -21,6 +21,10 @@ INPUT_IDS = {
                     "ep_size that does not divide the workers (nnodes x devices), a "
                     "tensor-parallel size that cannot split the model's heads",
     "CFG-IGNORED": "a flag the engine ignores here: tp_size outside the DiT backend (a warning)",
+    "CFG-SERVE": "what the engine runs but xllm-vmm serve refuses across several workers: "
+                 "dp_size > 1, ep_size > 1, several devices for one process of a multi-process "
+                 "launch, host_blocks_factor > 0 (a warning, an error with --strict; serve "
+                 "refuses it at start-up, plan lists it in serve_refuses)",
     "CFG-MODEL": "a --model that is a local path (starts with / . ~, or its parent directory "
                  "exists) but not a readable model directory",
     "CFG-JSON": "a config_json_file that does not exist here (a warning, an error with --strict: "

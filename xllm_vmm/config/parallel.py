@@ -95,3 +95,64 @@ def parallel_problems(cfg: Any, p: Parallel) -> list[tuple[str, str, tuple[str, 
                     "remove tp_size; the worker count is nnodes × the devices of one process "
                     "(one process per device), divided by dp_size"))
     return out
+
+
+#: The finding id of what ``xllm-vmm serve`` refuses across workers although the engine runs it.
+SERVE_REFUSES_ID = "CFG-SERVE"
+
+
+def spawns_per_device(cfg: Any) -> bool:
+    """True when one command lists several ``devices`` with ``nnodes=1`` and no
+    ``node_rank``: it is rank 0 on the first device and spawns one worker per other device
+    (the way ``serve`` runs several devices from one process). False for a ``devices`` list
+    that is not valid (the checker reports that as CFG-TYPE)."""
+    from xllm_vmm.config.values import parse_devices
+
+    explicit = getattr(cfg, "explicit", lambda name: False)
+    try:
+        n = len(parse_devices(str(cfg.get("devices", "") or "")))
+    except ValueError:
+        return False
+    return n > 1 and int(cfg.get("nnodes", 1) or 1) == 1 and not explicit("node_rank")
+
+
+def serve_refusals(cfg: Any, p: Parallel | None = None) -> list[tuple[str, str, str]]:
+    """What ``xllm-vmm serve`` (and ``LLM``/``LLMEngine``) refuses in a service of several
+    workers although the engine itself runs it: ``(flag, message, hint)`` each, in this order;
+    empty at one worker (``p.world == 1``: nothing of the multi-worker runtime runs).
+
+    The one home of these predicates: ``check-config`` reports each as :data:`SERVE_REFUSES_ID`
+    (a warning; an error with ``--strict``; ``plan`` lists it among ``serve_refuses``) and the
+    distributed start-up (``engine.distributed.topology``) raises them. Refused: ``dp_size > 1``
+    (every worker is one tensor-parallel rank); ``ep_size > 1`` (MoE experts are split by their
+    intermediate features instead); several ``devices`` for one process of a multi-process
+    launch (``nnodes > 1`` or a ``node_rank``: one device per process there; one command with
+    several devices, ``nnodes=1`` and no ``node_rank`` spawns one worker per device and is
+    supported); ``host_blocks_factor > 0`` (the host KV tier is not kept across workers yet).
+    ``cfg``: anything with ``cfg.get(flag)`` (and ``cfg.explicit(flag)`` when known)."""
+    p = p if p is not None else parallel_of(cfg)
+    if p.world == 1:
+        return []
+    out = []
+    if p.dp > 1:
+        out.append(("dp_size", f"dp_size={p.dp}: data parallelism across workers is not "
+                    "supported by xllm-vmm serve (every worker is one tensor-parallel rank; "
+                    f"{p.world} workers)",
+                    "remove dp_size (tensor parallel over all nnodes x devices workers), or "
+                    "run one service per data-parallel group"))
+    if p.ep > 1:
+        out.append(("ep_size", f"ep_size={p.ep}: expert parallelism is not supported by "
+                    "xllm-vmm serve; MoE experts are split by their intermediate features over "
+                    "every worker instead", "remove ep_size"))
+    if p.per_process > 1 and not spawns_per_device(cfg):
+        out.append(("devices", f"devices={cfg.get('devices')} with nnodes={p.nnodes} or a "
+                    "node_rank: under xllm-vmm serve a process of a multi-process launch "
+                    "serves one device",
+                    "give each process one device (nnodes = the number of devices), or start "
+                    "one command with several devices, nnodes=1 and no node_rank"))
+    factor = float(cfg.get("host_blocks_factor", 0) or 0)
+    if factor > 0:
+        out.append(("host_blocks_factor", f"host_blocks_factor={factor:g} > 0: the host KV "
+                    f"tier is not supported across several workers ({p.world}) by xllm-vmm "
+                    "serve yet", "set host_blocks_factor=0"))
+    return out

@@ -332,13 +332,27 @@ def _vmm01(x: _Ctx) -> _Out:
         return
     from xllm_vmm.config.parallel import parallel_of, parallel_problems
 
+    conflicts = set()  # flags the engine itself refuses: no CFG-SERVE on top of CFG-CONFLICT
     for severity, message, names, hint in parallel_problems(x.cfg, parallel_of(x.cfg)):
+        if severity == "error":
+            conflicts.add(names[0])
         srcs = {n: x.cfg.provenance(n) for n in names}
         shown = ", ".join(f"{n}={x.cfg[n] if x.cfg[n] != '' else 'auto'} ({srcs[n]})"
                           for n in names)
         yield Finding("CFG-CONFLICT" if severity == "error" else "CFG-IGNORED", severity,
                       f"{message} [{shown}]", flags={n: x.cfg[n] for n in names}, sources=srcs,
                       hint=hint, where=srcs[names[0]], input=x.cfg.label)
+    from xllm_vmm.config.parallel import SERVE_REFUSES_ID, serve_refusals
+
+    for name, message, hint in serve_refusals(x.cfg):
+        if name in conflicts:
+            continue
+        src = x.cfg.provenance(name)
+        yield Finding(SERVE_REFUSES_ID, "warning",
+                      f"{message} [{name}={x.cfg[name]} ({src})]; the engine itself runs it: "
+                      "a finding about xllm-vmm serve only",
+                      flags={name: x.cfg[name]}, sources={name: src}, hint=hint, where=src,
+                      input=x.cfg.label)
     yield from _ranks(x)
     yield from _split(x)
     if not x.vmm:

@@ -115,7 +115,7 @@ class WorkerPlan:
     groups: list[GroupPlan]
 
 
-SERVE_ERROR_RULES = frozenset({"HK-07"})
+SERVE_ERROR_RULES = frozenset({"HK-07", "CFG-SERVE"})  # CFG-SERVE: config.parallel
 """Rules that are warnings in check-config and plan but refuse to serve (RULES.md)."""
 
 

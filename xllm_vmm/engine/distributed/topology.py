@@ -20,7 +20,8 @@ Two ways to start a world of ``W > 1``:
 Supported: tensor parallelism over every worker. Refused at start-up with the flag named:
 ``dp_size > 1``, ``ep_size > 1``, several devices listed for a process of a multi-process
 launch (one device per process there), and the host KV tier (``host_blocks_factor > 0``)
-across workers.
+across workers — :func:`xllm_vmm.config.parallel.serve_refusals`, the same predicates
+``check-config`` reports as the warning ``CFG-SERVE``.
 
 Engine-only options (``LLMEngine.from_flags`` / ``LLM``; not catalogue flags):
 
@@ -40,6 +41,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Sequence
+
+from xllm_vmm.config.parallel import spawns_per_device  # noqa: F401  (its home; re-exported)
 
 DIST_OPTIONS = ("dist_timeout", "dist_startup_timeout", "worker_device_memory", "_spawned")
 """Engine-only options of the multi-worker runtime (``_spawned`` is set on spawned workers)."""
@@ -74,19 +77,6 @@ class Topology:
         return self.rank == 0
 
 
-def spawns_per_device(cfg: Any) -> bool:
-    """True when one command lists several ``devices`` with ``nnodes=1`` and no
-    ``node_rank``: it is rank 0 on the first device and spawns one worker per other device."""
-    from xllm_vmm.config.values import parse_devices
-
-    explicit = getattr(cfg, "explicit", lambda name: False)
-    try:
-        n = len(parse_devices(str(cfg.get("devices", "") or "")))
-    except ValueError:
-        return False
-    return n > 1 and int(cfg.get("nnodes", 1) or 1) == 1 and not explicit("node_rank")
-
-
 def device_list(cfg: Any) -> list[str]:
     """The ``devices`` entries as written (``cuda:0``), in order."""
     return [d.strip() for d in str(cfg.get("devices", "") or "").split(",") if d.strip()]
@@ -109,7 +99,7 @@ def topology_of(cfg: Any, opts: dict[str, Any]) -> Topology | None:
     this package runs). Raises :class:`~xllm_vmm.config.ConfigError` naming the flag for what
     is not supported (module docstring)."""
     from xllm_vmm.config import ConfigError, Finding
-    from xllm_vmm.config.parallel import parallel_of
+    from xllm_vmm.config.parallel import SERVE_REFUSES_ID, parallel_of, serve_refusals
 
     p = parallel_of(cfg)
     if p.world == 1:
@@ -119,23 +109,11 @@ def topology_of(cfg: Any, opts: dict[str, Any]) -> Topology | None:
         return ConfigError([Finding("CFG-CONFLICT", "error", message,
                                     flags={flag: cfg[flag]}, hint=hint)])
 
-    if p.dp > 1:
-        raise refuse("dp_size", f"dp_size={p.dp}: data parallelism across workers is not "
-                     "supported by this engine (every worker is one tensor-parallel rank)",
-                     "remove dp_size (tensor parallel over all nnodes x devices workers), or "
-                     "run one service per data-parallel group")
-    if p.ep > 1:
-        raise refuse("ep_size", f"ep_size={p.ep}: expert parallelism is not supported by this "
-                     "engine; MoE experts are split by their intermediate features over every "
-                     "worker instead", "remove ep_size")
-    if p.per_process > 1 and not spawns_per_device(cfg):
-        raise refuse("devices", f"devices={cfg['devices']} with nnodes={p.nnodes} or a "
-                     "node_rank: a process of a multi-process launch serves one device",
-                     "give each process one device (nnodes = the number of devices), or start "
-                     "one command with several devices, nnodes=1 and no node_rank")
-    if float(cfg["host_blocks_factor"] or 0) > 0:
-        raise refuse("host_blocks_factor", "host_blocks_factor > 0: the host KV tier is not "
-                     "supported across several workers yet", "set host_blocks_factor=0")
+    refusals = serve_refusals(cfg, p)  # the checker's CFG-SERVE (one home: config.parallel)
+    if refusals:
+        raise ConfigError([Finding(SERVE_REFUSES_ID, "error", message,
+                                   flags={flag: cfg[flag]}, hint=hint)
+                           for flag, message, hint in refusals])
     explicit = getattr(cfg, "explicit", lambda name: False)
     spawned = bool(opts.get("_spawned", False))
     spawn = not explicit("node_rank") and not spawned
