@@ -130,7 +130,7 @@ def test_worker_rank_exits_with_rank_0(llama_dir):
                 p.kill()
                 p.wait()
     assert code0 == 0, err0
-    assert code1 == 0, err1
+    assert code1 == 0, out1 + err1
     assert "no HTTP port on this rank" in out1 and "stopped with rank 0" in out1
 
 

@@ -320,7 +320,10 @@ def run(argv: list[str], out: Optional[TextIO] = None, err: Optional[TextIO] = N
     if dist is not None and dist.rank > 0:  # a worker set (issue 14): no HTTP on this rank
         from xllm_vmm.engine.distributed.serving import run_worker_rank
 
-        return run_worker_rank(engine, out, err)
+        global _worker_rank_ended
+        code = run_worker_rank(engine, out, err)
+        _worker_rank_ended = True
+        return code
     for f in getattr(engine, "warnings", []):
         if f.id not in {w.id for w in result.warnings}:
             err.write(f"warning {f.id}: {f.message}\n")
@@ -388,11 +391,32 @@ def run(argv: list[str], out: Optional[TextIO] = None, err: Optional[TextIO] = N
     return 0
 
 
+_worker_rank_ended = False
+"""Set once a worker rank (> 0) has served and released its engine (see :func:`_leave`)."""
+
+
+def _leave(code: int) -> int:
+    """The exit of the ``serve`` command. A worker rank whose engine is shut down (pool,
+    mappings and process group released) leaves with ``os._exit`` after flushing its output:
+    torch.distributed's store client threads can still be inside a call to a rank 0 that is
+    already gone, and their C++ destructors at interpreter teardown then abort the process
+    ("terminate called without an active exception", exit -6) although nothing is left to
+    release. Rank 0 and single-process servers exit normally."""
+    if _worker_rank_ended:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+    return code
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     from xllm_vmm.cli import output_guard
 
     def _run() -> None:
-        raise SystemExit(run(sys.argv[2:] if argv is None else argv))
+        raise SystemExit(_leave(run(sys.argv[2:] if argv is None else argv)))
 
     output_guard(_run)
 
@@ -414,4 +438,4 @@ from xllm_vmm.cli.app import app  # noqa: E402
 def _serve(ctx: typer.Context) -> None:
     """Serve the OpenAI-compatible API over the virtual-memory engine. Run `xllm-vmm serve
     --help` for its options; every engine flag is accepted in gflags syntax."""
-    raise typer.Exit(run(list(ctx.args)))
+    raise typer.Exit(_leave(run(list(ctx.args))))
