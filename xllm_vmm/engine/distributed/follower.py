@@ -32,4 +32,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import os
+
+    code = main()
+    # The engine is shut down (pool, mappings, process group released); leave without the
+    # interpreter's teardown, where torch.distributed's store threads still calling a rank 0
+    # that is gone can abort the process (see xllm_vmm.cli.serve._leave).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
