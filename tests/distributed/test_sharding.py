@@ -55,6 +55,13 @@ def test_indivisible_worker_counts_name_the_field():
         check_divisible(odd, 2)
 
 
+def test_a_one_worker_family_is_refused_before_workers_start():
+    nxt = ModelConfig.from_dict({**CFG.raw, "architectures": ["Qwen3NextForCausalLM"]})
+    with pytest.raises(LayoutError, match="Qwen3NextForCausalLM runs on one worker only"):
+        check_divisible(nxt, 2)
+    check_divisible(nxt, 1)  # one worker: nothing to split
+
+
 def test_master_addr_parsing():
     assert parse_master_addr("127.0.0.1:19888") == ("127.0.0.1", 19888)
     assert parse_master_addr("[::1]:5") == ("::1", 5)

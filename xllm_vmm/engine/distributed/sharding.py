@@ -40,8 +40,12 @@ _RULES = (
 
 def check_divisible(cfg: ModelConfig, world: int) -> None:
     """ValueError naming the model field when ``world`` workers cannot split it."""
+    from xllm_vmm.engine.models import model_class
     from xllm_vmm.models.errors import LayoutError
 
+    if world > 1 and not model_class(cfg.architecture).tensor_parallel:
+        raise LayoutError(f"{cfg.architecture} runs on one worker only in this engine (no "
+                          "tensor-parallel split of this family yet)", hint="use nnodes=1")
     need = [("num_attention_heads", cfg.num_heads), ("vocab_size", cfg.vocab_size)]
     if cfg.intermediate_size and not (cfg.num_experts and all(
             cfg.is_sparse_layer(i) for i in range(cfg.num_layers))):

@@ -131,10 +131,12 @@ class CausalLM:
 
     Family knobs (class attributes): ``qk_norm`` (per-head RMS norm of q and k, Qwen3),
     ``qkv_bias`` (True: required, False: none, None: used when the checkpoint has them),
-    ``sparse`` (MoE layers where :meth:`ModelConfig.is_sparse_layer`).
+    ``sparse`` (MoE layers where :meth:`ModelConfig.is_sparse_layer`), ``tensor_parallel``
+    (False: the family runs on one worker only; checked at start-up before workers spawn).
     """
 
     architectures: tuple[str, ...] = ()
+    tensor_parallel = True
     qk_norm = False
     qkv_bias: bool | None = None
     sparse = False

@@ -41,6 +41,7 @@ from xllm_vmm.engine.layers.moe import SparseMoE
 from xllm_vmm.engine.layers.parallel import SINGLE, TensorParallel
 from xllm_vmm.engine.layers.rotary import RotaryEmbedding
 from xllm_vmm.engine.models.config import ModelConfig
+from xllm_vmm.models.errors import LayoutError
 from xllm_vmm.engine.models.decoder import CausalLM, WeightsMismatch, _Weights
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -280,12 +281,14 @@ class Qwen3NextForCausalLM(CausalLM):
 
     architectures = ("Qwen3NextForCausalLM",)
     sparse = True
+    tensor_parallel = False  # the linear-attention state is not sharded yet
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, Tensor], *,
                  tp: TensorParallel = SINGLE, device: Any = None) -> None:
         check_activation(cfg.hidden_act)
-        if tp.world_size > 1:
-            raise NotImplementedError("Qwen3-Next with tensor parallel size > 1 is issue 14")
+        if tp.world_size > 1:  # start-up refuses this first (sharding.check_divisible)
+            raise LayoutError(f"{cfg.architecture} runs on one worker only (its linear-attention "
+                              "state is not sharded across workers)", hint="use nnodes=1")
         raw = cfg.raw
         self.config, self.tp = cfg, tp
         kinds = self._layer_types(cfg)
