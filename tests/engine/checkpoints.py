@@ -239,6 +239,23 @@ def load_hf_model(model_dir: str | Path):
         str(model_dir), dtype=torch.float32, attn_implementation="eager").eval()
 
 
+def random_prompt(n: int, seed: int = 0) -> list[int]:
+    """``n`` seeded token ids in [4, 384) (clear of the special tokens; inside every tiny
+    checkpoint's vocabulary)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 1000 + n)
+    return torch.randint(4, 384, (n,), generator=g).tolist()
+
+
+def hf_last_logits(hf, ids: list[int]):
+    """transformers' logits for the last position of ``ids`` (one forward, no cache)."""
+    import torch
+
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0, -1]
+
+
 def hf_greedy(model_dir_or_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Greedy continuation by transformers ``generate`` (eos ignored: exactly max_new_tokens)."""
     import torch

@@ -23,9 +23,7 @@ CASES = {
 }
 
 
-def _prompt(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(1000 * seed + n)
-    return torch.randint(4, 384, (n,), generator=g).tolist()
+_prompt = C.random_prompt
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -24,14 +24,10 @@ def qn(tmp_path_factory):
     return d, C.load_hf_model(d)
 
 
-def _prompt(n: int, seed: int = 0) -> list[int]:
-    g = torch.Generator().manual_seed(seed * 1000 + n)
-    return torch.randint(4, 384, (n,), generator=g).tolist()
+_prompt = C.random_prompt
 
 
-def _hf_last_logits(hf, ids):
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0, -1]
+_hf_last_logits = C.hf_last_logits
 
 
 @pytest.fixture

@@ -27,9 +27,7 @@ def pair(tmp_path_factory):
     return target, draft, C.load_hf_model(target)
 
 
-def _prompt(n: int, seed: int = 0) -> list[int]:
-    g = torch.Generator().manual_seed(seed * 1000 + n)
-    return torch.randint(4, 384, (n,), generator=g).tolist()
+_prompt = C.random_prompt
 
 
 def test_draft_directory_is_the_export_format(pair):
