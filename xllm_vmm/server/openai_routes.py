@@ -74,6 +74,26 @@ async def _chat_prompt(front: AsyncEngine, messages: list[dict], add_generation_
     return await asyncio.to_thread(render)
 
 
+def _gather(deltas: list[Delta], n_choices: int
+            ) -> tuple[list[str], list[list], dict[int, Delta], int, int]:
+    """A non-streamed response's choices from its deltas: text and logprobs per choice index,
+    each choice's finishing delta, completion tokens, and prompt tokens served from the cache
+    (counted once per finished choice)."""
+    text = ["" for _ in range(n_choices)]
+    lps: list[list] = [[] for _ in range(n_choices)]
+    final: dict[int, Delta] = {}
+    completion_tokens = cached = 0
+    for d in deltas:
+        text[d.index] += d.text
+        if d.logprobs:
+            lps[d.index].extend(d.logprobs)
+        completion_tokens += len(d.token_ids)
+        if d.finished:
+            final[d.index] = d
+            cached += d.num_cached_tokens
+    return text, lps, final, completion_tokens, cached
+
+
 def _budget(front: AsyncEngine, prompt_len: int, req, default: Optional[int],
             prompt_param: str) -> int:
     """The completion's token budget, or a 400 stating both numbers when it does not fit."""
@@ -248,19 +268,7 @@ def register(app: FastAPI, server) -> None:
                 media_type="text/event-stream")
         deltas = await _collect(gen, request)
         n_choices = len(prompts) * body.n
-        text = ["" for _ in range(n_choices)]
-        lps: list[list] = [[] for _ in range(n_choices)]
-        final: dict[int, Delta] = {}
-        completion_tokens = 0
-        cached = 0
-        for d in deltas:
-            text[d.index] += d.text
-            if d.logprobs:
-                lps[d.index].extend(d.logprobs)
-            completion_tokens += len(d.token_ids)
-            if d.finished:
-                final[d.index] = d
-                cached += d.num_cached_tokens
+        text, lps, final, completion_tokens, cached = _gather(deltas, n_choices)
         choices = []
         for i in range(n_choices):
             d = final.get(i)
@@ -295,19 +303,7 @@ def register(app: FastAPI, server) -> None:
             return StreamingResponse(_chat_stream(gen, body, front.name, rid, created, tok, k),
                                      media_type="text/event-stream")
         deltas = await _collect(gen, request)
-        text = ["" for _ in range(body.n)]
-        lps: list[list] = [[] for _ in range(body.n)]
-        final: dict[int, Delta] = {}
-        completion_tokens = 0
-        cached = 0
-        for d in deltas:
-            text[d.index] += d.text
-            if d.logprobs:
-                lps[d.index].extend(d.logprobs)
-            completion_tokens += len(d.token_ids)
-            if d.finished:
-                final[d.index] = d
-                cached += d.num_cached_tokens
+        text, lps, final, completion_tokens, cached = _gather(deltas, body.n)
         choices = []
         for i in range(body.n):
             d = final.get(i)
