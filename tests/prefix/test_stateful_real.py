@@ -132,6 +132,35 @@ class RealPrefixMachine(RuleBasedStateMachine):
         self.s.mgr.commit(req.rid, len(req.tokens), req.tokens)
         self.computed[id(req)] = len(req.hashes)
 
+    @precondition(lambda self: any(id(r) in self.computed for r in self.running))
+    @rule(i=st.integers(0, 100), k=st.integers(1, 2 * BS + 1), accepted=st.integers(0, 100))
+    def speculate(self, i, k, accepted):
+        """One decode token plus ``k`` speculative ones: allocate with lookahead (None: not
+        now), write them all, commit the accepted ones, truncate the rest (contracts2 §1):
+        exactly the blocks beyond the kept tokens come back, free."""
+        reqs = [r for r in self.running if id(r) in self.computed]
+        req = reqs[i % len(reqs)]
+        m = self.s.mgr
+        old = len(req.tokens)
+        t = m.allocate(req.rid, 1, lookahead=k)
+        if t is None:
+            return
+        g0 = self.groups[0]
+        assert len(t[g0]) == -(-(old + 1 + k) // BS)
+        j = accepted % (k + 1)  # drafts accepted: 0..k
+        req.tokens.extend(7 + (old + n) % 3 for n in range(1 + j))
+        req.hashes = block_hashes(req.tokens, BS)
+        self._write_blocks(req, old // BS, -(-len(req.tokens) // BS))
+        m.commit(req.rid, len(req.tokens), req.tokens)
+        keep = -(-len(req.tokens) // BS)
+        tail = {g: list(t[g][keep:]) for g in self.groups}
+        assert m.truncate(req.rid, len(req.tokens)) == len(tail[g0])
+        for g in self.groups:
+            assert len(t[g]) == keep
+            for b in tail[g]:
+                assert self.alloc.ref_count(g, b) == 0 and not self.alloc.is_cached(g, b)
+        self.computed[id(req)] = len(req.hashes)
+
     @rule(cap=st.none() | st.integers(1, 8))
     def compact(self, cap):
         """Between steps the manager compacts; block tables are rewritten in place."""

@@ -17,6 +17,7 @@ Lifecycle of a request (what the engine's scheduler does)::
     ...run the model on the chunk...
     mgr.commit(rid, num_computed, token_ids)      # publishes every newly complete block
     tables = mgr.allocate(rid, 1)                 # decode growth (lookahead: speculative room)
+    mgr.truncate(rid, kept)                       # speculative tokens rejected: tail blocks back
     mgr.free(rid)                                 # blocks cached or freed (transfer pins kept)
     mgr.step()                                    # once per engine iteration
 
@@ -539,6 +540,51 @@ class KVCacheManager:
         raise ValueError(f"commit({request_id!r}): num_computed_tokens={num_computed_tokens} "
                          f"must be within 0..min(tokens in its blocks {covered}, "
                          f"len(token_ids) {len(token_ids)})")
+
+    def truncate(self, request_id: str, num_tokens: int) -> int:
+        """Shrink the request's block tables (every group) to exactly
+        ``ceil(num_tokens / block_size)`` blocks; the blocks beyond go back to the allocator
+        at once, tail first. Used for rejected speculative tokens:
+        ``allocate(rid, 1, lookahead=K)``, run, ``commit`` the accepted tokens, then
+        ``truncate(rid, kept)``; the next :meth:`allocate` grows from the committed count
+        again.
+
+        Requires ``num_computed_tokens(rid) <= num_tokens <= tokens its blocks cover``
+        (``ValueError`` naming ``num_tokens`` otherwise; nothing changes). Because a block is
+        published only by :meth:`commit` of all its tokens, every block released here is
+        unpublished and referenced by this request alone (a held prefix hit, host-tier
+        restores and published blocks all lie below the committed count); a released block
+        a transfer still pins stays allocated until the transfer ends (invariant 4).
+        The table lists are shortened in place (lists from :meth:`block_tables` stay
+        current). Returns the number of blocks released per group (the same in every group:
+        tables have equal length)."""
+        req = self._req(request_id)
+        if not req.admitted:
+            raise KVCacheManagerError(f"truncate({request_id!r}) before allocate()")
+        bs = self.block_size
+        first = req.first
+        covered = len(first) * bs
+        if not isinstance(num_tokens, int) or not req.num_computed <= num_tokens <= covered:
+            raise ValueError(
+                f"truncate({request_id!r}): num_tokens={num_tokens!r} must be within "
+                f"{req.num_computed}..{covered} (committed tokens .. tokens in its blocks); "
+                "a committed block cannot be taken back")
+        keep = (num_tokens + self._bs_1) // bs
+        n = len(first) - keep
+        if n <= 0:
+            return 0
+        tables = req.tables
+        tail = {g: t[keep:] for g, t in tables.items()}
+        for t in tables.values():
+            del t[keep:]
+        req.cap = keep * bs
+        if self.prefix is not None:
+            cached = self.prefix.release(tail)  # unpublished: nothing becomes cached
+            if cached and self.host is not None:
+                self.host.offload(cached)
+        else:
+            self._alloc.free(tail)
+        return n
 
     def free(self, request_id: str) -> None:
         """The request is finished or aborted: its blocks are given back tail first (published
