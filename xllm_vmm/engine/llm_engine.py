@@ -49,6 +49,7 @@ from typing import Any
 
 from xllm_vmm.engine.distributed.topology import DIST_OPTIONS
 from xllm_vmm.engine.output import EngineOutput
+from xllm_vmm.engine.prompt_logprobs import PromptLogprobs
 from xllm_vmm.engine.request import Request, RequestError, child_request_id
 from xllm_vmm.engine.sampling_params import SamplingParams
 
@@ -103,6 +104,7 @@ class LLMEngine:
             max_seqs_per_batch=int(config["max_seqs_per_batch"]), max_model_len=max_model_len,
             enable_chunked_prefill=bool(config["enable_chunked_prefill"]), pool=pool)
         self.sampler = Sampler(seed)
+        self._prompt_lps = PromptLogprobs()
         self._eos = tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
         self._children: dict[str, list[str]] = {}
         self._parent: dict[str, tuple[str, int]] = {}
@@ -181,6 +183,7 @@ class LLMEngine:
                 f"the prompt has {len(ids)} tokens; with enable_chunked_prefill=false a prompt "
                 f"runs in one step of at most max_tokens_per_batch={budget} tokens: shorten "
                 "the prompt, raise max_tokens_per_batch or enable chunked prefill"))
+        PromptLogprobs.check(params, self.worker, bool(self.config["enable_prefix_cache"]))
         n = params.n
         kids = [child_request_id(request_id, i, n) for i in range(n)]
         taken = [k for k in (request_id, *kids) if k in self._children or k in self.scheduler.requests]
@@ -225,7 +228,9 @@ class LLMEngine:
         if out.step is None:
             results = sched.update(out) if out.finished else []
         else:
+            self._prompt_lps.prepare(out, self.worker)
             so = self.worker.execute(out.step)
+            self._prompt_lps.collect(out, so)
             rows = out.sampled
             if rows:
                 s = self.sampler.sample(so.logits, rows)
@@ -233,6 +238,7 @@ class LLMEngine:
             else:
                 toks, lps = [], None
             results = sched.update(out, toks, lps, int(so.execution_peak_bytes or 0))
+            self._prompt_lps.attach(out, results, sched.requests)
             self.num_steps += 1
         now = time.monotonic()
         for r in results:

@@ -46,6 +46,9 @@ class EngineOutput:
     """The id given to ``add_request`` (differs from ``request_id`` for a parallel sample)."""
     index: int = 0
     """Which parallel sample (0 .. n-1)."""
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """On a request's first output when ``SamplingParams.prompt_logprobs`` is set: one entry per
+    prompt token, None for position 0 (engine.prompt_logprobs)."""
 
 
 @dataclass
@@ -75,6 +78,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """vLLM's: per prompt token ``{token id: Logprob}`` (the token itself plus the
+    ``prompt_logprobs`` most likely), None for position 0; None when not asked for."""
 
 
 @dataclass
@@ -92,6 +98,8 @@ class RequestUpdate:
     num_cached_tokens: int
     parent_id: str = ""
     index: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """Set on the update that first carries them (see ``RequestOutput.prompt_logprobs``)."""
 
 
 class RequestState:
@@ -111,6 +119,7 @@ class RequestState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         self._tok = tokenizer
         self._detok = (IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
                        if params.detokenize and tokenizer is not None else None)
@@ -133,6 +142,14 @@ class RequestState:
         ids = list(out.new_token_ids)
         self.token_ids.extend(ids)
         self.num_cached_tokens = out.num_cached_tokens
+        new_prompt_lps = out.prompt_logprobs
+        if new_prompt_lps is not None:
+            if self._tok is not None:
+                for d in new_prompt_lps:
+                    for t, lp in (d or {}).items():
+                        if lp.decoded_token is None:
+                            lp.decoded_token = self._tok.decode([t], skip_special_tokens=False)
+            self.prompt_logprobs = new_prompt_lps
         new_lps = None
         if out.new_logprobs is not None and self.logprobs is not None:
             new_lps = []
@@ -173,7 +190,7 @@ class RequestState:
         self._emitted = max(self._emitted, end)
         upd = RequestUpdate(self.request_id, delta, ids, new_lps, self.finished, self.finish_reason,
                             self.stop_reason, len(self.prompt_token_ids), self.num_cached_tokens,
-                            self.parent_id, self.index)
+                            self.parent_id, self.index, new_prompt_lps)
         return upd, stopped_by_string
 
     _stop_cut: int | None = None
@@ -225,7 +242,8 @@ class OutputProcessor:
         first = sts[0]
         return RequestOutput(request_id, first.prompt, list(first.prompt_token_ids),
                              [s.completion() for s in sts], all(s.finished for s in sts),
-                             max(s.num_cached_tokens for s in sts))
+                             max(s.num_cached_tokens for s in sts),
+                             prompt_logprobs=first.prompt_logprobs)
 
     def process(self, outputs: Iterable[EngineOutput]) -> ProcessResult:
         ups: list[RequestUpdate] = []

@@ -42,6 +42,20 @@ def execution_peak_estimate(model: CausalLM, backend: AttentionBackend, meta: An
             + num_sampled * (cfg.vocab_size * 4 + cfg.hidden_size * elem))
 
 
+class _ReadOnlyKV:
+    """A backend whose ``write_kv`` does nothing (``StepInput.write_kv`` False): the step's
+    K/V already sit in their blocks; everything else is the wrapped backend's."""
+
+    def __init__(self, backend: AttentionBackend) -> None:
+        self._backend = backend
+
+    def write_kv(self, *args: Any) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+
 class ModelRunner:
     """Runs :class:`~xllm_vmm.engine.models.decoder.CausalLM` steps over ``kv`` views."""
 
@@ -73,14 +87,37 @@ class ModelRunner:
             meta = self.backend.prepare(step)
             ids = step.input_ids.to(dev, non_blocking=True)
             pos = step.positions.to(dev, non_blocking=True)
-            hidden = self.model.forward(ids, pos, self.kv.layers, self.backend, meta)
+            backend = self.backend
+            if not step.write_kv:
+                if any(c.start_pos for c in step.chunks) or hasattr(self.model, "make_kv"):
+                    raise ValueError("a read-only step (write_kv=False) runs chunks from position "
+                                     "0 on the standard decoder only")
+                backend = _ReadOnlyKV(backend)
+            hidden = self.model.forward(ids, pos, self.kv.layers, backend, meta)
             rows = step.sample_indices.to(dev)
             normed = self.model.final_hidden(hidden[rows])
             logits = self.model.logits(normed)
+            prompt_lps = self._prompt_logprobs(step, hidden) if any(
+                c.prompt_logprobs for c in step.chunks) else None
         if cuda:
             peak = int(torch.cuda.max_memory_allocated(dev) - base)
         else:
+            extra = sum(len(c.token_ids) for c in step.chunks if c.prompt_logprobs)
             peak = execution_peak_estimate(self.model, self.backend, meta, step.num_tokens,
-                                           step.num_sampled)
+                                           step.num_sampled + 2 * extra)
         self.last_execution_peak = peak
-        return StepOutput(logits=logits, hidden_states=normed, execution_peak_bytes=peak)
+        return StepOutput(logits=logits, hidden_states=normed, execution_peak_bytes=peak,
+                          prompt_logprobs=prompt_lps)
+
+    def _prompt_logprobs(self, step: StepInput, hidden: Any) -> dict[str, Any]:
+        """Float32 log-softmax of the raw logits of every row of the chunks that ask for it
+        (``SeqChunk.prompt_logprobs``), per request id, on the CPU."""
+        import torch
+
+        out: dict[str, Any] = {}
+        qsl = step.query_start_loc.tolist()
+        for i, c in enumerate(step.chunks):
+            if c.prompt_logprobs:
+                lg = self.model.logits(self.model.final_hidden(hidden[qsl[i]:qsl[i + 1]]))
+                out[c.request_id] = torch.log_softmax(lg, dim=-1).cpu()
+        return out

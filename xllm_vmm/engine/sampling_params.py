@@ -10,7 +10,10 @@ reproducible whatever else runs beside it; ``max_tokens`` None = up to ``max_mod
 ``min_tokens``: EOS and ``stop_token_ids`` cannot end the output before that many tokens;
 ``stop``: strings that end the output (not included unless ``include_stop_str_in_output``);
 ``logprobs``: number of most likely tokens whose log-probabilities are returned beside the sampled
-one (None = none, 0 = the sampled token only); ``presence_penalty``/``frequency_penalty`` in
+one (None = none, 0 = the sampled token only); ``prompt_logprobs``: number of most likely tokens
+whose log-probabilities are returned at every prompt position beside the prompt's own token
+(None = none, 0 = the prompt token only; position 0 has none; raw logits, no penalties: vLLM's
+meaning); ``presence_penalty``/``frequency_penalty`` in
 [-2, 2] over generated tokens; ``repetition_penalty`` > 0 over prompt and generated tokens (1 = off);
 ``n``: parallel samples of one prompt (sibling requests sharing the prompt's blocks).
 """
@@ -49,6 +52,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True
+    prompt_logprobs: int | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -135,6 +139,10 @@ class SamplingParams:
         if self.logprobs is not None:
             if not 0 <= integer("logprobs", self.logprobs) <= MAX_LOGPROBS:
                 raise bad("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None:
+            if not 0 <= integer("prompt_logprobs", self.prompt_logprobs) <= MAX_LOGPROBS:
+                raise bad("prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], "
+                                             f"got {self.prompt_logprobs}")
         for p in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= number(p, getattr(self, p)) <= 2.0:
                 raise bad(p, f"{p} must be in [-2, 2], got {getattr(self, p)}")

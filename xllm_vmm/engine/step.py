@@ -63,6 +63,9 @@ class SeqChunk:
     state_saves: tuple[int, ...] = ()
     """Block boundaries inside ``(start_pos, seq_len]`` after which the worker snapshots the
     state (a checkpoint published with that block, PC-02)."""
+    prompt_logprobs: bool = False
+    """Return the log-softmax of every row of this chunk (``StepOutput.prompt_logprobs``):
+    row i is position ``start_pos + i`` (prompt log-probabilities, engine.prompt_logprobs)."""
 
     @property
     def seq_len(self) -> int:
@@ -99,6 +102,10 @@ class StepInput:
     max_query_len: int = 0
     max_seq_len: int = 0
     group_names: tuple[str, ...] = field(default=())
+    write_kv: bool = True
+    """False: a read-only recompute (prompt log-probabilities of prefix-cache hits) — the
+    chunks' K/V are already in their (shared, published) blocks and are not written again.
+    Only chunks starting at position 0 of the standard decoder may run this way."""
 
     @property
     def num_tokens(self) -> int:
@@ -217,6 +224,9 @@ class StepOutput:
     logits: Tensor
     hidden_states: Tensor | None = None
     execution_peak_bytes: int = 0
+    prompt_logprobs: dict[str, Tensor] | None = None
+    """request id -> (len(token_ids), vocab) float32 log-softmax of the raw logits of every
+    row of each chunk with ``SeqChunk.prompt_logprobs`` (None when no chunk asked)."""
 
 
 __all__ = ["BLOCK_TABLE_PAD", "SeqChunk", "StepInput", "StepOutput"]
