@@ -196,7 +196,16 @@ class VmmPool:
         if paged_here:
             self._paged.add(name)
         elif self.mode is not BudgetMode.ELASTIC:
-            self._back_whole(region)
+            try:
+                self._back_whole(region)
+            except BaseException:  # a failed backing carves nothing: the arena space returns
+                self._regions.pop(name, None)
+                del self._in_use[name]
+                if end == "low":
+                    self._low -= pages
+                else:
+                    self._high += pages
+                raise
         return region
 
     def _is_paged(self, region: Region) -> bool:
