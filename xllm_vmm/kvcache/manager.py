@@ -50,8 +50,9 @@ Differences from ``contracts.md`` §1 (kept names; the nearest sound thing):
 - :meth:`KVCacheManager.drop` is the verb for a looked-up request that is never allocated; on
   an allocated one it is :meth:`free`.
 - :meth:`KVCacheManager.close` does not close the pool (the caller built it and owns it); a
-  factory call that raises (HK-05, HK-07, bad tuning) may leave the ``kv`` tenant region on
-  the pool: close that pool.
+  factory call that raises (HK-05, HK-07, bad tuning, a failed mapping or host allocation)
+  leaves nothing on the pool: no ``kv`` tenant, its arena space and pages given back, no host
+  buffer.
 - ``compact`` (and ``wait_ready``, ``num_computed_tokens``, ``drop``) are additions; tuning
   keys are listed in ``_TUNING``.
 
@@ -902,22 +903,36 @@ def build_kv_cache_manager(pool: Any, layout: Any, *, enable_prefix_cache: bool,
             f"the pool leaves room for no KV token (budget {pool.static_capacity_bytes()} "
             f"bytes, arena {pool.arena_bytes_left()} bytes left); raise "
             "max_memory_utilization / max_cache_size or pass max_tokens")
-    cache = VirtualKVCache.for_tokens(pool, layout, tokens)
-    prefix = host = None
-    if enable_prefix_cache:
-        prefix = PrefixCache(cache.allocator,
-                             {n: geo.group.block_bytes for n, geo in cache.geometry.items()},
-                             cache.layout.groups[0].block_size,
-                             hybrid=layout.resident is not None)  # PC-02
-    if prefix is not None and host_blocks_factor > 1:  # HK-01 (HK-02/HK-03: no host tier)
-        reason = host_tier_unsupported_reason(layout, vision=vision)
-        if reason:
-            raise HostTierUnsupported(f"{reason}; set host_blocks_factor=0 (or <= 1) to run "
-                                      "without the host tier")
-        size = plan_host_pool(cache, host_blocks_factor)  # HK-06
-        check_host_pool_fits(size, tuning.get("host_available_bytes"))  # HK-07
-        hpool = HostPool(size, driver or pool.driver, populate=tuning.get("host_populate", True))
-        host = HostTier(prefix, hpool, driver or pool.driver, KvBlockAddresses(cache))
     kw = {k: tuning[k] for k in ("compact", "compact_min_slots", "compact_max_blocks")
           if k in tuning}
-    return KVCacheManager(cache, prefix=prefix, host=host, hash_seed=hash_seed, **kw)
+    had_kv = pool.has_tenant("kv")
+    cache = hpool = host = None
+    try:
+        cache = VirtualKVCache.for_tokens(pool, layout, tokens)
+        prefix = None
+        if enable_prefix_cache:
+            prefix = PrefixCache(cache.allocator,
+                                 {n: geo.group.block_bytes for n, geo in cache.geometry.items()},
+                                 cache.layout.groups[0].block_size,
+                                 hybrid=layout.resident is not None)  # PC-02
+        if prefix is not None and host_blocks_factor > 1:  # HK-01 (HK-02/HK-03: no host tier)
+            reason = host_tier_unsupported_reason(layout, vision=vision)
+            if reason:
+                raise HostTierUnsupported(f"{reason}; set host_blocks_factor=0 (or <= 1) to "
+                                          "run without the host tier")
+            size = plan_host_pool(cache, host_blocks_factor)  # HK-06
+            check_host_pool_fits(size, tuning.get("host_available_bytes"))  # HK-07
+            hpool = HostPool(size, driver or pool.driver,
+                             populate=tuning.get("host_populate", True))
+            host = HostTier(prefix, hpool, driver or pool.driver, KvBlockAddresses(cache))
+        return KVCacheManager(cache, prefix=prefix, host=host, hash_seed=hash_seed, **kw)
+    except BaseException:
+        # nothing stays on the caller's pool: the host buffer, the "kv" region (its pages and
+        # its arena space); a "kv" tenant that was there before the call is not ours
+        if host is not None:
+            host.close()
+        elif hpool is not None:
+            hpool.close()
+        if not had_kv and pool.has_tenant("kv"):
+            pool.remove_tenant("kv")
+        raise
