@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #ifndef FALLOC_FL_KEEP_SIZE
@@ -42,6 +43,7 @@ typedef struct {
 struct hv_pool {
     pthread_mutex_t mu;
     int fd;
+    int backing;           /* HV_BACKING_*: what the memfd's pages are */
     uint64_t granule, limit, committed, nhandles, mapped, nmappings, reserved;
     uint64_t max_mappings; /* 0 = no cap; keeps the process under vm.max_map_count */
     int populate;          /* fill the page tables of new mappings (hv_set_populate) */
@@ -74,21 +76,46 @@ static int fail(int code, const char *fmt, ...) {
     return code;
 }
 
+#ifndef MFD_HUGETLB
+#define MFD_HUGETLB 0x0004U
+#endif
+#ifndef MFD_HUGE_2MB
+#define MFD_HUGE_2MB (21U << 26)
+#endif
+#ifndef MADV_HUGEPAGE
+#define MADV_HUGEPAGE 14
+#endif
+#define HV_HUGE_2M (2ull << 20)
+
 int hv_pool_open(hv_pool **out, uint64_t granule, uint64_t limit) {
+    return hv_pool_open_backed(out, granule, limit, HV_BACKING_SMALL);
+}
+
+int hv_pool_open_backed(hv_pool **out, uint64_t granule, uint64_t limit, int backing) {
     *out = NULL;
     long pg = sysconf(_SC_PAGESIZE);
     if (granule == 0 || granule % (uint64_t)pg != 0 || (granule & (granule - 1)) != 0)
         return fail(EINVAL, "granule %llu is not a power-of-two multiple of the page size %ld",
                     (unsigned long long)granule, pg);
+    if (backing != HV_BACKING_SMALL && backing != HV_BACKING_HUGETLB && backing != HV_BACKING_THP)
+        return fail(EINVAL, "unknown backing %d", backing);
+    if (backing != HV_BACKING_SMALL && granule % HV_HUGE_2M)
+        return fail(EINVAL, "huge-page backing needs a granule that is a multiple of 2 MiB, got %llu",
+                    (unsigned long long)granule);
     hv_pool *p = calloc(1, sizeof *p);
     if (!p) return fail(ENOMEM, "out of host memory for the pool state");
-    p->fd = memfd_create("xllm-vmm-host", MFD_CLOEXEC);
+    unsigned flags = MFD_CLOEXEC | (backing == HV_BACKING_HUGETLB ? MFD_HUGETLB | MFD_HUGE_2MB : 0);
+    p->fd = memfd_create("xllm-vmm-host", flags);
     if (p->fd < 0) {
         int e = errno;
         free(p);
+        if (backing == HV_BACKING_HUGETLB)
+            return fail(e, "memfd_create(MFD_HUGETLB|MFD_HUGE_2MB): %s (does this kernel have "
+                        "hugetlbfs with 2 MiB pages?)", strerror(e));
         return fail(e, "memfd_create: %s (check `ulimit -n`)", strerror(e));
     }
     pthread_mutex_init(&p->mu, NULL);
+    p->backing = backing;
     p->granule = granule;
     p->limit = limit;
     p->end_slot = 1; /* slot 0 is never handed out, so no handle is 0 */
@@ -128,6 +155,7 @@ void hv_stats(hv_pool *p, uint64_t *out) {
     out[HV_STAT_FILE_END] = p->end_slot * p->granule;
     out[HV_STAT_MAX_MAPPINGS] = p->max_mappings;
     out[HV_STAT_RELEASE_PENDING] = p->nstuck;
+    out[HV_STAT_BACKING] = (uint64_t)p->backing;
     pthread_mutex_unlock(&p->mu);
 }
 
@@ -195,6 +223,34 @@ static uint64_t handle_slot(hv_pool *p, uint64_t handle) {
 
 static void retry_stuck(hv_pool *p);
 
+/* Commits [off, off+size) of the memfd; -1 with errno on failure (what was committed may be
+ * left: the caller punches the range). 4 KiB pages and hugetlb: fallocate (hugetlbfs allocates
+ * and zeroes whole huge pages). Shmem THP: fallocate allocates no huge pages when
+ * shmem_enabled=advise (it has no VMA to advise), so the range is mapped once at a 2 MiB-aligned
+ * scratch address with MADV_HUGEPAGE and written with MADV_POPULATE_WRITE (Linux >= 5.14),
+ * which allocates (and zeroes) 2 MiB folios where the kernel can, 4 KiB pages otherwise. */
+static int commit_range(hv_pool *p, uint64_t off, uint64_t size) {
+    if (p->backing != HV_BACKING_THP) return fallocate(p->fd, 0, (off_t)off, (off_t)size);
+    struct stat st;
+    if (fstat(p->fd, &st) != 0) return -1;
+    if ((uint64_t)st.st_size < off + size && ftruncate(p->fd, (off_t)(off + size)) != 0) return -1;
+    uint64_t span = size + HV_HUGE_2M;
+    void *raw = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (raw == MAP_FAILED) return -1;
+    uint64_t at = ((uint64_t)raw + HV_HUGE_2M - 1) & ~(HV_HUGE_2M - 1);
+    int rc = 0, e = 0;
+    if (mmap((void *)at, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, p->fd, (off_t)off) ==
+            MAP_FAILED ||
+        madvise((void *)at, size, MADV_HUGEPAGE) != 0 ||
+        madvise((void *)at, size, MADV_POPULATE_WRITE) != 0) {
+        e = errno == EFAULT || errno == EHWPOISON ? ENOMEM : errno; /* a failed populate fault */
+        rc = -1;
+    }
+    munmap(raw, span);
+    if (rc) errno = e;
+    return rc;
+}
+
 int hv_create(hv_pool *p, uint64_t size, uint64_t *handle_out) {
     if (size == 0 || size % p->granule)
         return fail(EINVAL, "handle size %llu is not a positive multiple of the granularity %llu",
@@ -227,7 +283,7 @@ int hv_create(hv_pool *p, uint64_t size, uint64_t *handle_out) {
             goto out;
         }
     }
-    if (fallocate(p->fd, 0, (off_t)(slot * p->granule), (off_t)size) != 0) {
+    if (commit_range(p, slot * p->granule, size) != 0) {
         int e = errno;
         /* undo whatever fallocate managed to commit */
         fallocate(p->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)(slot * p->granule),
@@ -247,7 +303,7 @@ int hv_create(hv_pool *p, uint64_t size, uint64_t *handle_out) {
     }
     p->hpages[slot] = (uint32_t)pages;
     p->hmaps[slot] = 0;
-    p->hflags[slot] = 0;
+    p->hflags[slot] = p->backing == HV_BACKING_THP ? HV_USED : 0; /* THP: written (zeroed) already */
     p->committed += size;
     p->nhandles++;
     *handle_out = slot * p->granule;

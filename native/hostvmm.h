@@ -45,12 +45,27 @@ enum {
     HV_STAT_FILE_END,        /* end of the used offset range of the memfd */
     HV_STAT_MAX_MAPPINGS,    /* cap on live mappings, 0 = none */
     HV_STAT_RELEASE_PENDING, /* deferred-freed handles whose release failed, retried later */
+    HV_STAT_BACKING,         /* HV_BACKING_* of the pool's memfd */
     HV_STAT_COUNT
+};
+
+/* What the pool's memfd pages are (hv_pool_open_backed). */
+enum {
+    HV_BACKING_SMALL = 0,   /* 4 KiB shmem pages (hv_pool_open) */
+    HV_BACKING_HUGETLB = 1, /* memfd_create(MFD_HUGETLB|MFD_HUGE_2MB): needs vm.nr_hugepages;
+                             * ENOMEM once the free huge pages run out */
+    HV_BACKING_THP = 2      /* shmem transparent huge pages: handles are committed through a
+                             * MADV_HUGEPAGE scratch mapping (needs shmem_enabled advise/always;
+                             * the kernel falls back to 4 KiB pages where it finds no 2 MiB one) */
 };
 
 const char *hv_last_error(void);
 
 int hv_pool_open(hv_pool **out, uint64_t granule, uint64_t limit);
+/* hv_pool_open with the memfd backed by ``backing`` (HV_BACKING_*); huge-page backings need a
+ * granule that is a multiple of 2 MiB. Handles, maps and hole-punching frees work the same on
+ * every backing (2 MiB-aligned, so whole huge pages). */
+int hv_pool_open_backed(hv_pool **out, uint64_t granule, uint64_t limit, int backing);
 void hv_pool_close(hv_pool *p);
 int hv_pool_fd(hv_pool *p);
 uint64_t hv_granule(hv_pool *p);

@@ -27,7 +27,8 @@ DRIVER_KINDS = {"host": "host", "cpu": "host", "acl": "acl", "npu": "acl", "cuda
 
 
 def open_driver(kind: str = "host", *, device_index: int = 0, device_memory: int | None = None,
-                library: str | None = None, populate: bool = False) -> Driver:
+                library: str | None = None, populate: bool = False,
+                hugepages: str | None = None) -> Driver:
     """Opens the VMM driver for a device kind.
 
     ``kind``: ``"host"``/``"cpu"`` (memfd + mmap), ``"acl"``/``"npu"`` (libascendcl through
@@ -37,7 +38,9 @@ def open_driver(kind: str = "host", *, device_index: int = 0, device_memory: int
     :class:`VmmOutOfMemory` (host driver; for ACL it caps what the driver will allocate).
     ``populate`` (host driver) fills the page tables of each new mapping at map time, so the
     first writes into freshly mapped pages (KV slots) take no page faults; device memory has no
-    such faults and the ACL and CUDA drivers ignore it.
+    such faults and the ACL and CUDA drivers ignore it. ``hugepages`` (host driver): what backs
+    its handles — ``"auto"``, ``"hugetlb"``, ``"thp"`` or ``"off"`` (None: ``$XLLM_VMM_HOST_HUGEPAGES``,
+    else auto; see :mod:`xllm_vmm.vmm.hugepages`); device memory needs no such choice.
     Raises :class:`VmmUnavailable` when the device or its library is missing.
     """
     resolved = DRIVER_KINDS.get(str(kind).lower())
@@ -48,7 +51,8 @@ def open_driver(kind: str = "host", *, device_index: int = 0, device_memory: int
     if resolved == "host":
         from xllm_vmm.vmm.host import HostDriver
 
-        return HostDriver(device_index=device_index, device_memory=device_memory, populate=populate)
+        return HostDriver(device_index=device_index, device_memory=device_memory, populate=populate,
+                          hugepages=hugepages)
     if resolved == "acl":
         from xllm_vmm.vmm.acl import AclDriver
 

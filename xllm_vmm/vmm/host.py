@@ -38,6 +38,16 @@ populated (committed) at allocation. Every mapping costs VMAs (``vm.max_map_coun
 default); contiguous handles mapped contiguously merge into one VMA. The memfd is one file
 descriptor per driver.
 
+Huge pages (``hugepages=``, env ``XLLM_VMM_HOST_HUGEPAGES``; :mod:`xllm_vmm.vmm.hugepages`):
+``"off"`` backs handles with 4 KiB shmem pages; ``"thp"`` with shmem transparent huge pages
+(committed through a ``MADV_HUGEPAGE`` mapping, still ``Shmem`` and host memory); ``"hugetlb"``
+with a ``MFD_HUGETLB`` memfd: its handles are *not* host memory in ``MemAvailable`` or
+``Shmem`` but come from the free 2 MiB huge pages, so they are counted against those (a
+second ledger per hugetlb source, no margin) while host buffers stay on host memory; ``"auto"``
+(the default) takes hugetlb when the free huge pages hold what the driver may take, else thp
+where shmem THP is allowed, else off. The granularity stays 2 MiB on every backing, so a
+freed handle punches whole huge pages; releasing a GiB frees 512 pages instead of 262,144.
+
 Errors carry ``errno`` as ``code``. Not fork-safe: a forked child shares the mappings.
 """
 
@@ -51,6 +61,7 @@ import time
 import weakref
 from typing import Callable, Sequence
 
+from xllm_vmm.vmm import hugepages as hugepages_mod
 from xllm_vmm.vmm import native
 from xllm_vmm.vmm.base import DriverBase
 from xllm_vmm.vmm.driver import (ERRNO_ERRORS, CopyKind, MemInfo, Transfer, VmmError,
@@ -74,24 +85,24 @@ def default_host_margin(total: int) -> int:
 
 
 class _HostLedger:
-    """What the host drivers of this process that read one host-memory source hold, together.
+    """What the host drivers of this process that read one memory source hold, together.
 
-    A driver's reading of the host counts everything committed before it as used; what any
+    A driver's reading of the source counts everything committed before it as used; what any
     driver of the process commits after it is not in it. Each driver therefore subtracts what
     *all* of them committed since its reading (process-wide ``held`` now − ``held`` then), and
     checks and commits under the ledger's one lock: several drivers in one process (simulated
-    workers) cannot together commit beyond what the host had."""
+    workers) cannot together commit beyond what the source had."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
-        self.drivers: "weakref.WeakSet[HostDriver]" = weakref.WeakSet()
+        self.accounts: "weakref.WeakSet[_Account]" = weakref.WeakSet()
 
     def held(self) -> int:
-        """Bytes every live driver of this ledger holds now (handles + host buffers)."""
-        return sum(d._own_held() for d in list(self.drivers))
+        """Bytes every live driver's account on this ledger holds now."""
+        return sum(a.held() for a in list(self.accounts))
 
 
-#: one ledger per host-memory source (the default reader: every host driver of the process)
+#: one ledger per memory source (the default readers: every host driver of the process)
 _LEDGERS: "weakref.WeakKeyDictionary[Callable[[], MemInfo], _HostLedger]" = weakref.WeakKeyDictionary()
 _LEDGERS_LOCK = threading.Lock()
 
@@ -106,8 +117,82 @@ def _ledger_for(reader: Callable[[], MemInfo]) -> _HostLedger:
             ledger = _LEDGERS[reader] = _HostLedger()
             return ledger
 
+
+class _Account:
+    """One memory source as one driver commits against it: the source's last reading, what
+    the process held then, the margin left to the system. ``counts``: what of the driver's
+    memory comes from this source — ``"all"`` (4 KiB / THP shmem: handles and host buffers),
+    ``"handles"`` (hugetlb pages) or ``"buffers"`` (the host buffers of a hugetlb driver)."""
+
+    def __init__(self, driver: "HostDriver", reader: Callable[[], MemInfo], margin: int,
+                 counts: str, what: str, first: MemInfo | None = None) -> None:
+        self.reader, self.margin, self.counts, self.what = reader, margin, counts, what
+        self.ledger = _ledger_for(reader)
+        self._driver = weakref.ref(driver)
+        with self.ledger.lock:
+            self.reading = first if first is not None else reader()
+            self.held_at_reading = self.ledger.held()
+            self.read_at = time.monotonic()
+            self.ledger.accounts.add(self)
+
+    def held(self) -> int:
+        """Bytes the driver holds from this source (0 once closed or gone)."""
+        d = self._driver()
+        if d is None or d._closed:
+            return 0
+        handles = d.stats()["committed_bytes"] if self.counts != "buffers" else 0
+        buffers = d._hb_bytes if self.counts != "handles" else 0
+        return handles + buffers
+
+    def headroom(self, fresh: bool) -> int:
+        """Bytes the driver may still commit from this source (may be negative): available
+        at the last reading, less what the process's drivers committed since, less the margin.
+        Re-reads when ``fresh`` or when the reading is older than :data:`HOST_REREAD_S`."""
+        held = self.ledger.held()
+        now = time.monotonic()
+        if fresh or now - self.read_at > HOST_REREAD_S:
+            self.reading = self.reader()
+            self.held_at_reading = held
+            self.read_at = now
+        return self.reading.free - (held - self.held_at_reading) - self.margin
+
+    def check_room(self, op: str, size: int) -> None:
+        """:class:`VmmOutOfMemory` when committing ``size`` more bytes would leave the source
+        less than the margin (caller holds ``ledger.lock``)."""
+        if size <= 0 or size <= self.headroom(fresh=False):
+            return
+        room = self.headroom(fresh=True)
+        if size <= room:
+            return
+        gib = 1024 ** 3
+        d = self._driver()
+        mine = self.held()
+        if self.counts == "handles":
+            raise VmmOutOfMemory(
+                op, errno.ENOMEM,
+                f"out of huge pages: {size} bytes ({size / gib:.2f} GiB) requested, "
+                f"{max(0, room)} bytes ({max(0, room) / gib:.2f} GiB) of free 2 MiB hugetlb "
+                f"pages ({self.reading.free / gib:.2f} GiB free at the last reading, "
+                f"{mine / gib:.2f} GiB held by this driver, "
+                f"{self.ledger.held() / gib:.2f} GiB by every hugetlb driver of this process)",
+                "raise `sysctl vm.nr_hugepages`, ask for less, or open the driver with "
+                "hugepages='thp' or 'off'")
+        raise VmmOutOfMemory(
+            op, errno.ENOMEM,
+            f"out of host memory: {size} bytes ({size / gib:.2f} GiB) requested, "
+            f"{max(0, room)} bytes ({max(0, room) / gib:.2f} GiB) can be committed "
+            f"({self.reading.free / gib:.2f} GiB available on this host, a safety margin of "
+            f"{self.margin / gib:.2f} GiB left to the system, "
+            f"{(d._own_held() if d is not None else 0) / gib:.2f} GiB held by this driver, "
+            f"{self.ledger.held() / gib:.2f} GiB by every host driver of this process)",
+            "free host memory or ask for less")
+
+
 _STAT_NAMES = ("committed_bytes", "handles", "reservations", "reserved_bytes", "mapped_bytes",
-               "mappings", "limit_bytes", "file_end_bytes", "max_mappings", "release_pending")
+               "mappings", "limit_bytes", "file_end_bytes", "max_mappings", "release_pending",
+               "backing")
+#: the native pool's backing codes (HV_BACKING_* of hostvmm.h)
+BACKING_CODES = {"off": 0, "hugetlb": 1, "thp": 2}
 
 
 def _u64s(values: Sequence[int]) -> array.array:
@@ -135,45 +220,77 @@ class HostDriver(DriverBase):
     def __init__(self, *, device_index: int = 0, device_memory: int | None = None,
                  granularity: int = GRANULARITY, max_mappings: int | None = None,
                  populate: bool = False, host_margin: int | None = None,
-                 host_memory_reader: Callable[[], MemInfo] | None = None) -> None:
+                 host_memory_reader: Callable[[], MemInfo] | None = None,
+                 hugepages: str | None = None,
+                 hugetlb_memory_reader: Callable[[], MemInfo] | None = None) -> None:
         """``host_margin``: bytes of host memory never committed (see the module);
         ``host_memory_reader``: where host free/total bytes come from (default
-        :func:`~xllm_vmm.vmm.sysmem.host_memory`; tests pass a fake host)."""
+        :func:`~xllm_vmm.vmm.sysmem.host_memory`; tests pass a fake host).
+        ``hugepages``: what backs the handles — ``"auto"``, ``"hugetlb"``, ``"thp"`` or
+        ``"off"`` (see :mod:`xllm_vmm.vmm.hugepages`); ``None`` takes
+        ``$XLLM_VMM_HOST_HUGEPAGES``, else ``"auto"``. The backing in use is :attr:`hugepages`
+        (and ``stats()["backing"]``); an explicit mode the machine forbids is a
+        :class:`VmmInvalidArgument` naming the setting to change. ``hugetlb_memory_reader``:
+        where free/total hugetlb bytes come from (default
+        :func:`~xllm_vmm.vmm.hugepages.hugetlb_memory`)."""
         if device_memory is not None and device_memory <= 0:
             raise VmmInvalidArgument("open host driver", errno.EINVAL, "",
                                      f"device_memory must be a positive number of bytes, got {device_memory}")
         if host_margin is not None and host_margin < 0:
             raise VmmInvalidArgument("open host driver", errno.EINVAL, "",
                                      f"host_margin must be >= 0 bytes, got {host_margin}")
+        self._closed = True  # until the pool is open (the accounts read it)
+        self._hb_bytes = 0
         self._read_host_memory = host_memory_reader or host_memory
-        self._ledger = _ledger_for(self._read_host_memory)
+        read_hugetlb = hugetlb_memory_reader or hugepages_mod.hugetlb_memory
         first = self._read_host_memory()
         self.host_margin = default_host_margin(first.total) if host_margin is None else host_margin
+        try:
+            mode, _where = hugepages_mod.requested_mode(hugepages)
+            need = device_memory if device_memory is not None else max(0, first.free - self.host_margin)
+            huge = read_hugetlb() if mode in ("auto", "hugetlb") else MemInfo(0, 0)
+            backing, reason = hugepages_mod.resolve(mode, need, hugetlb=huge)
+        except ValueError as exc:
+            raise VmmInvalidArgument("open host driver", errno.EINVAL, "", str(exc)) from None
+        if backing == "hugetlb" and granularity % hugepages_mod.HUGE_PAGE:
+            raise VmmInvalidArgument("open host driver", errno.EINVAL, "",
+                                     f"hugepages=hugetlb needs a granularity that is a multiple of "
+                                     f"2 MiB, got {granularity}")
         self.device_index = device_index
         self.device_memory = device_memory
         self._lib = native.host_library()
         pool = C.c_void_p()
-        self._check("open host pool", self._lib.hv_pool_open(C.byref(pool), granularity,
-                                                             device_memory or 0))
+        self._check("open host pool", self._lib.hv_pool_open_backed(
+            C.byref(pool), granularity, device_memory or 0, BACKING_CODES[backing]))
         self._pool = pool.value
+        self._finalizer = weakref.finalize(self, _close_pool, self._lib, self._pool)
+        #: the backing in use: "hugetlb", "thp" or "off" (4 KiB pages)
+        self.hugepages = backing
+        #: why this backing (what auto found, or the explicit choice)
+        self.hugepages_reason = reason
         if max_mappings:
             self._lib.hv_set_max_mappings(self._pool, max_mappings)
         self._populate = bool(populate)
         self._lib.hv_set_populate(self._pool, int(self._populate))
         self._granularity = granularity
-        self._closed = False
         self._host_buffers: dict[int, int] = {}
         self._hb_lock = threading.Lock()
-        self._hb_bytes = 0
-        self._mem_lock = self._ledger.lock  # host-capacity check + commit, one step process-wide
-        with self._mem_lock:
-            self._reading = first
-            self._held_at_reading = self._ledger.held()
-            self._read_at = time.monotonic()
-            self._ledger.drivers.add(self)
+        self._closed = False
+        # host buffers always come from ordinary memory; hugetlb handles from the huge pages
+        # (not in MemAvailable: they count against the free huge pages, with no margin)
+        if backing == "hugetlb":
+            self._buffer_account = _Account(self, self._read_host_memory, self.host_margin,
+                                            "buffers", "host memory", first)
+            self._handle_account = _Account(self, read_hugetlb, 0, "handles", "hugetlb pages",
+                                            huge)
+        else:
+            self._buffer_account = self._handle_account = _Account(
+                self, self._read_host_memory, self.host_margin, "all", "host memory", first)
+        self._ledger = self._buffer_account.ledger
+        self._mem_lock = self._handle_account.ledger.lock  # handle capacity check + commit
+        self._buf_lock = self._buffer_account.ledger.lock  # host-buffer check + commit
         self._worker = CopyWorker(f"xllm-vmm-host{device_index}-copy")
         self.views = ViewRegistry()
-        self._finalizer = weakref.finalize(self, _close_pool, self._lib, self._pool)
 
     # ---- errors -------------------------------------------------------------------------------
 
@@ -209,16 +326,18 @@ class HostDriver(DriverBase):
         return self._granularity
 
     def mem_info(self) -> MemInfo:
-        """``free``: the bytes a new handle may take now — the host headroom (see the module),
-        and with ``device_memory`` the smaller of that and device_memory − live handle bytes.
-        ``total``: device_memory, else the host's total (cgroup limit or MemTotal)."""
+        """``free``: the bytes a new handle may take now — the headroom of the handles' source
+        (host memory, or the free hugetlb pages; see the module), and with ``device_memory``
+        the smaller of that and device_memory − live handle bytes. ``total``: device_memory,
+        else the source's total (cgroup limit or MemTotal; the hugetlb pool)."""
+        acc = self._handle_account
         with self._mem_lock:
-            room = max(0, self._host_headroom(fresh=False))
+            room = max(0, acc.headroom(fresh=False))
             if self.device_memory is not None:
                 committed = self.stats()["committed_bytes"]
                 return MemInfo(free=min(room, max(0, self.device_memory - committed)),
                                total=self.device_memory)
-            return MemInfo(free=room, total=self._reading.total)
+            return MemInfo(free=room, total=acc.reading.total)
 
     # ---- host capacity ------------------------------------------------------------------------
 
@@ -228,43 +347,9 @@ class HostDriver(DriverBase):
             return 0
         return self.stats()["committed_bytes"] + self._hb_bytes
 
-    def _held_bytes(self) -> int:
-        """Bytes every host driver of this process (same host-memory source) holds."""
-        return self._ledger.held()
-
-    def _host_headroom(self, fresh: bool) -> int:
-        """Host bytes this driver may still commit (may be negative): available at the last
-        reading, less what the host drivers of this process committed since, less the margin. Re-reads the host when
-        ``fresh`` or when the reading is older than :data:`HOST_REREAD_S`."""
-        held = self._held_bytes()
-        now = time.monotonic()
-        if fresh or now - self._read_at > HOST_REREAD_S:
-            self._reading = self._read_host_memory()
-            self._held_at_reading = held
-            self._read_at = now
-        return self._reading.free - (held - self._held_at_reading) - self.host_margin
-
-    def _check_host_room(self, op: str, size: int) -> None:
-        """Raises :class:`VmmOutOfMemory` when committing ``size`` more bytes would leave the
-        host less than the margin (caller holds ``_mem_lock``)."""
-        if size <= 0 or size <= self._host_headroom(fresh=False):
-            return
-        room = self._host_headroom(fresh=True)
-        if size <= room:
-            return
-        gib = 1024 ** 3
-        raise VmmOutOfMemory(
-            op, errno.ENOMEM,
-            f"out of host memory: {size} bytes ({size / gib:.2f} GiB) requested, "
-            f"{max(0, room)} bytes ({max(0, room) / gib:.2f} GiB) can be committed "
-            f"({self._reading.free / gib:.2f} GiB available on this host, a safety margin of "
-            f"{self.host_margin / gib:.2f} GiB left to the system, "
-            f"{self._own_held() / gib:.2f} GiB held by this driver, "
-            f"{self._held_bytes() / gib:.2f} GiB by every host driver of this process)",
-            "free host memory or ask for less")
-
     def stats(self) -> dict[str, int]:
-        """Counters of the native pool: committed/reserved/mapped bytes, handles, mappings."""
+        """Counters of the native pool: committed/reserved/mapped bytes, handles, mappings;
+        ``backing`` is the pool's :data:`BACKING_CODES` value (:attr:`hugepages` names it)."""
         out = (C.c_uint64 * len(_STAT_NAMES))()
         self._lib.hv_stats(self._live(), C.addressof(out))
         return dict(zip(_STAT_NAMES, out))
@@ -296,7 +381,7 @@ class HostDriver(DriverBase):
         h = C.c_uint64()
         pool = self._live()
         with self._mem_lock:
-            self._check_host_room("create_handle", size)
+            self._handle_account.check_room("create_handle", size)
             self._check("create_handle", self._lib.hv_create(pool, size, C.byref(h)),
                         f"size={size}")
         return h.value
@@ -392,8 +477,8 @@ class HostDriver(DriverBase):
         committed at once; :class:`VmmOutOfMemory` beyond the host capacity (see the module)."""
         check_size("alloc_host", size)
         ptr = C.c_uint64()
-        with self._mem_lock:
-            self._check_host_room("alloc_host", size)
+        with self._buf_lock:
+            self._buffer_account.check_room("alloc_host", size)
             self._check("alloc_host", self._lib.hv_host_alloc(size, C.byref(ptr)), f"size={size}")
             with self._hb_lock:
                 self._host_buffers[ptr.value] = size
@@ -401,7 +486,7 @@ class HostDriver(DriverBase):
         return ptr.value
 
     def free_host(self, ptr: int) -> None:
-        with self._mem_lock, self._hb_lock:
+        with self._buf_lock, self._hb_lock:
             size = self._host_buffers.pop(ptr, None)
             if size is None:
                 raise VmmInvalidArgument("free_host", errno.EINVAL, "",
@@ -421,7 +506,9 @@ class HostDriver(DriverBase):
         Idempotent. Tensor views over the arena must be dropped first."""
         if not self._begin_close():
             return
-        with self._mem_lock:  # memory freed and the driver leaves the ledger in one step
+        # memory freed and the driver leaves the ledgers in one step (buffer lock first, as
+        # everywhere)
+        with self._buf_lock, self._mem_lock:
             with self._hb_lock:
                 buffers, self._host_buffers = self._host_buffers, {}
                 self._hb_bytes = 0
@@ -429,9 +516,11 @@ class HostDriver(DriverBase):
                 self._lib.hv_host_free(ptr, size)
             self._closed = True
             self._finalizer()
-            self._ledger.drivers.discard(self)
+            for acc in {self._handle_account, self._buffer_account}:
+                acc.ledger.accounts.discard(acc)
 
     def __repr__(self) -> str:
         mem = f", device_memory={self.device_memory}" if self.device_memory else ""
         pop = ", populate=True" if self._populate else ""
+        mem += f", hugepages={self.hugepages!r}" if self.hugepages != "off" else ""
         return f"HostDriver(device_index={self.device_index}{mem}{pop}{', closed' if self._closed else ''})"

@@ -82,6 +82,7 @@ _INT = C.c_int
 _HOST_PROTOTYPES: dict[str, tuple[list, Any]] = {
     "hv_last_error": ([], C.c_char_p),
     "hv_pool_open": ([C.POINTER(C.c_void_p), _U64, _U64], _INT),
+    "hv_pool_open_backed": ([C.POINTER(C.c_void_p), _U64, _U64, _INT], _INT),
     "hv_pool_close": ([_POOL], None),
     "hv_pool_fd": ([_POOL], _INT),
     "hv_granule": ([_POOL], _U64),
