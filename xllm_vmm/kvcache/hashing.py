@@ -78,6 +78,26 @@ def _extra_bytes(extra_keys: Sequence[bytes | str | int] | None) -> bytes:
     return bytes(out)
 
 
+def request_extra_keys(*, cache_salt: str | None = None, lora: str | int | None = None
+                       ) -> tuple[str, ...]:
+    """The extra hash keys of a request (folded into its block 0, see the module docstring):
+    the adapter it runs with (``lora``: the LoRA name or id; ``None`` = the base model) and
+    vLLM's ``cache_salt`` (requests with different salts never share a block; ``None`` = no
+    salt). Each key is tagged with what it is, so a salt never collides with an adapter of the
+    same name. ``()`` when neither is given: the plain token hash."""
+    keys: list[str] = []
+    if lora is not None:
+        if isinstance(lora, bool) or not isinstance(lora, (str, int)):
+            raise ValueError(f"lora={lora!r}: the adapter's name (str) or id (int)")
+        keys.append(f"lora:{lora}")
+    if cache_salt is not None:
+        if not isinstance(cache_salt, str) or not cache_salt:
+            raise ValueError(f"cache_salt={cache_salt!r}: a non-empty string (vLLM's request "
+                             "field) or None")
+        keys.append(f"salt:{cache_salt}")
+    return tuple(keys)
+
+
 def token_bytes(token_ids: Sequence[int]) -> bytes:
     """Token ids as uint32 little endian. A negative id or one above 2**32-1 is refused."""
     try:

@@ -70,7 +70,13 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 from xllm_vmm.kvcache.allocator import Compaction
 from xllm_vmm.kvcache.cache import CacheLayoutError, VirtualKVCache, fit_tokens
-from xllm_vmm.kvcache.hashing import DEFAULT_SEED, BlockHash, MediaSpan, block_hashes
+from xllm_vmm.kvcache.hashing import (
+    DEFAULT_SEED,
+    BlockHash,
+    MediaSpan,
+    block_hashes,
+    request_extra_keys,
+)
 from xllm_vmm.kvcache.host_pool import HostPool, check_host_pool_fits
 from xllm_vmm.kvcache.host_tier import HostTier, Restore
 from xllm_vmm.kvcache.prefix import PrefixCache
@@ -145,6 +151,7 @@ class _Request:
     admitted: bool = False  # allocate() succeeded once
     hashes: list[BlockHash] = field(default_factory=list)  # complete blocks hashed so far
     media: tuple[MediaSpan, ...] = ()
+    extra: tuple[str, ...] = ()  # extra hash keys of block 0 (adapter, cache salt)
     published: int = 0  # request blocks [0, published) are in the index (or hit)
     # the held hit (lookup → allocate): device blocks referenced, host blocks pinned
     match: PrefixMatch | None = None
@@ -244,13 +251,20 @@ class KVCacheManager:
 
     # -- lookup --------------------------------------------------------------------------
     def lookup(self, request_id: str, token_ids: Sequence[int],
-               mm_hashes: Sequence[MediaSpan] = ()) -> PrefixMatch:
+               mm_hashes: Sequence[MediaSpan] = (), *, cache_salt: str | None = None,
+               lora: str | int | None = None) -> PrefixMatch:
         """The longest cached prefix of the prompt ``token_ids``: device blocks first, then the
         host tier's consecutive blocks after them, by the same XXH3-128 chain (tokens and the
         multimodal spans ``mm_hashes``). The hit is held — device blocks referenced, host
         blocks pinned — until :meth:`allocate` of this request or :meth:`drop`. A second lookup
         of the same (not yet allocated) request replaces the held hit. Without prefix caching
-        the match is empty (the request is still registered)."""
+        the match is empty (the request is still registered).
+
+        ``cache_salt`` (vLLM's request field) and ``lora`` (the adapter's name or id; ``None``
+        = the base model) are extra keys of the request's first block
+        (:func:`~xllm_vmm.kvcache.hashing.request_extra_keys`): every block the request
+        publishes chains over them, so requests that differ in either never share a block,
+        on the device or on the host tier."""
         req = self._reqs.get(request_id)
         if req is not None and req.admitted:
             raise KVCacheManagerError(f"lookup of request {request_id!r}, which is already "
@@ -261,13 +275,16 @@ class KVCacheManager:
             self._release_hold(req)
         media = mm_hashes if type(mm_hashes) is tuple else tuple(mm_hashes)
         req.media = media
+        extra = req.extra = (request_extra_keys(cache_salt=cache_salt, lora=lora)
+                             if cache_salt is not None or lora is not None else ())
         bs = self.block_size
         prefix = self.prefix
         if prefix is None:
             m = PrefixMatch(request_id, 0, 0, 0)
             req.match = m
             return m
-        hashes = block_hashes(token_ids, bs, seed=self.hash_seed, media=media)
+        hashes = block_hashes(token_ids, bs, seed=self.hash_seed, media=media,
+                              extra_keys=extra)
         req.hashes = hashes
         cap = (len(token_ids) - 1) // bs if token_ids else 0
         if self._chain:
@@ -522,7 +539,7 @@ class KVCacheManager:
         if have < full:
             hashes.extend(block_hashes(
                 token_ids[have * bs:full * bs], bs, seed=self.hash_seed, media=req.media,
-                parent=hashes[-1] if have else None, first_block=have))
+                extra_keys=req.extra, parent=hashes[-1] if have else None, first_block=have))
         first = req.published
         prefix.publish(req.tables, hashes[first:full], first_block=first,  # type: ignore
                        checkpoints=checkpoints)
