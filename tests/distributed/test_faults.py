@@ -1,6 +1,7 @@
 """Faults of a spawned worker set (offline engine): a worker killed or stopped (silent) makes
-the next step raise ``WorkerLost`` naming the rank within the timeout — never a hang — and
-shutdown still reaps every process."""
+the next step raise ``WorkerLost`` naming the rank — a silent one within the heartbeat
+timeout, well before the collective timeout; never a hang — and shutdown still reaps every
+process."""
 
 from __future__ import annotations
 
@@ -18,9 +19,13 @@ from xllm_vmm.engine.sampling_params import SamplingParams
 SP = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
 
 
+COLLECTIVE_S, HEARTBEAT_S = 120, 2
+
+
 @pytest.mark.parametrize("how", ["killed", "silent"])
 def test_lost_worker_is_named_and_reaped(llama_dir, how):
-    eng = LLMEngine.from_flags(str(llama_dir), **BASE, dist_timeout=8, nnodes=2)
+    eng = LLMEngine.from_flags(str(llama_dir), **BASE, dist_timeout=COLLECTIVE_S,
+                               dist_heartbeat_timeout=HEARTBEAT_S, nnodes=2)
     pid = eng.distributed.worker_stats()[1]["pid"]
     heard = []
     eng.distributed.add_failure_listener(heard.append)
@@ -35,13 +40,24 @@ def test_lost_worker_is_named_and_reaped(llama_dir, how):
         took = time.monotonic() - t0
         assert e.value.rank == 1 and "worker rank 1" in str(e.value)
         assert ("exited with signal 9" if how == "killed" else "stopped answering") in str(e.value)
-        assert took < 8 + 10  # the collective timeout plus the naming window, never a hang
+        # the heartbeat timeout plus slack, far below the collective timeout: a silent worker
+        # no longer holds rank 0's step in a collective until it times out
+        assert took < HEARTBEAT_S + 20 < COLLECTIVE_S
         assert heard and heard[0] is e.value
         with pytest.raises(WorkerLost):  # every later call fails the same way
             eng.step()
     finally:
         eng.shutdown()
     assert not alive(pid)
+
+
+def test_heartbeat_timeout_must_be_below_the_collective_timeout(llama_dir):
+    from xllm_vmm.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"dist_heartbeat_timeout=5 s must be below "
+                                          r"dist_timeout=5 s"):
+        LLMEngine.from_flags(str(llama_dir), **BASE, nnodes=2, dist_timeout=5,
+                             dist_heartbeat_timeout=5)
 
 
 def test_a_worker_failing_at_start_up_fails_start_up_naming_it(llama_dir):

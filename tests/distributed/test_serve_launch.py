@@ -8,6 +8,7 @@ error naming the address."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -28,7 +29,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(model, rank: int, master: str, *extra: str, startup: str = "300") -> subprocess.Popen:
+def serve(model, rank: int, master: str, *extra: str, startup: str = "300",
+          **env: str) -> subprocess.Popen:
     args = ["--model", str(model), "--port", "0", "--nnodes=2", f"--node_rank={rank}",
             f"--master_node_addr={master}", f"--block_size={BASE['block_size']}",
             f"--device-memory={BASE['device_memory']}", *extra]
@@ -37,7 +39,7 @@ def serve(model, rank: int, master: str, *extra: str, startup: str = "300") -> s
                             env=dict(os.environ, PYTHONUNBUFFERED="1",
                                      XLLM_VMM_DIST_TIMEOUT=TIMEOUT,
                                      XLLM_VMM_DIST_STARTUP_TIMEOUT=startup,
-                                     TORCH_CPP_LOG_LEVEL="ERROR"))
+                                     TORCH_CPP_LOG_LEVEL="ERROR") | env)
 
 
 def ready_url(proc: subprocess.Popen, deadline_s: float = 120) -> str:
@@ -113,6 +115,43 @@ def test_two_process_launch_serves_then_a_killed_worker_stops_it(llama_dir):
     assert code == 1, err
     assert "worker rank 1" in err and "Traceback" not in err
     assert "worker rank 1 lost" in out
+
+
+def test_a_silent_worker_mid_request_stops_the_server_before_the_collective_timeout(llama_dir):
+    # rank 1 stops answering (SIGSTOP) while rank 0 steps a long request: rank 0's step waits in
+    # a collective on it; the heartbeat (2 s), not the collective timeout (120 s), ends the wait
+    slow = {"XLLM_VMM_DIST_TIMEOUT": "120", "XLLM_VMM_DIST_HEARTBEAT_TIMEOUT": "2"}
+    master = f"127.0.0.1:{free_port()}"
+    r0 = serve(llama_dir, 0, master, **slow)
+    r1 = serve(llama_dir, 1, master, **slow)
+    health = None
+    try:
+        url = ready_url(r0)
+        body = {"prompt": PROMPT, "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
+            lines = resp.iter_lines()
+            next(lines)  # the request is being stepped
+            r1.send_signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            rest = "".join(lines)  # the stream ends (with an error) once the worker is lost
+        while time.monotonic() - t0 < 60:
+            r = httpx.get(f"{url}/health", timeout=2)
+            if r.status_code == 503:
+                health = r.json()["error"]["message"]
+                break
+            time.sleep(0.1)
+        code, out, err = finish(r0)
+        took = time.monotonic() - t0
+    finally:
+        for p in (r0, r1):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert health is not None and "worker rank 1 stopped answering" in health, (health, rest)
+    assert code == 1, err
+    assert "worker rank 1" in err and "Traceback" not in err
+    assert took < 60 < 120  # detected by the heartbeat, not by the collective timeout
 
 
 def test_worker_rank_exits_with_rank_0(llama_dir):

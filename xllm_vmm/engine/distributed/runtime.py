@@ -92,7 +92,8 @@ class Runtime:
     """See the module docstring. ``tp`` is this rank's
     :class:`~xllm_vmm.engine.layers.parallel.TensorParallel` (with the shard hook)."""
 
-    def __init__(self, topo: Topology, group: Any, procs: list, tp: Any) -> None:
+    def __init__(self, topo: Topology, group: Any, procs: list, tp: Any,
+                 abort: threading.Event | None = None) -> None:
         self.topo = topo
         self.group = group
         self.procs = procs
@@ -111,6 +112,8 @@ class Runtime:
         self._seq = 0
         self._listeners: list[Callable[[WorkerLost], None]] = []
         self._lock = threading.Lock()
+        self.lost_event = abort if abort is not None else threading.Event()
+        """Set when a worker is lost: rank 0's collectives stop waiting (:mod:`.deadline`)."""
         self.cache = self.pool = self.worker = self.watchdog = None
 
     # -- start-up ------------------------------------------------------------------------
@@ -155,11 +158,13 @@ class Runtime:
             reap(procs, 0)
             group.close()
             raise
-        rt = cls(topo, group, procs, TensorParallel(topo.rank, topo.world, group=group.steps,
-                                                   shard_hook=shard_hook(mcfg, topo.rank, topo.world)))
+        abort = threading.Event()
+        tp = TensorParallel(topo.rank, topo.world, group=group.steps,
+                            shard_hook=shard_hook(mcfg, topo.rank, topo.world),
+                            abort=abort if topo.rank == 0 else None)
+        rt = cls(topo, group, procs, tp, abort)
         if topo.rank == 0:
-            stale = min(topo.timeout_s, 10.0)
-            rt.watchdog = Watchdog(group, stale, rt._on_lost,
+            rt.watchdog = Watchdog(group, topo.heartbeat_timeout_s, rt._on_lost,
                                    alive=rt._proc_exit if procs else None)
         return rt
 
@@ -359,18 +364,23 @@ class Runtime:
         import torch
         import torch.distributed as dist
 
+        from xllm_vmm.engine.distributed import deadline
+
         group = None if startup else self.group.steps
+        abort = self.lost_event if self.rank == 0 and not startup else None
         t0 = time.perf_counter()
         try:
-            if objects or startup:
+            if startup:
                 out: list[Any] = [None] * self.world
                 dist.all_gather_object(out, status, group=group)
                 return out
+            if objects:
+                return deadline.all_gather_object(status, self.world, group, abort)
             row = torch.tensor([int(status.get(k, 0)) for k in _ROW]
                                + [_OK.get(status.get("ok"), -1), int(bool(status.get("error")))],
                                dtype=torch.int64)
             rows = [torch.empty_like(row) for _ in range(self.world)]
-            dist.all_gather(rows, row, group=group)
+            deadline.all_gather(rows, row, group, abort)
             out = []
             for r in rows:
                 v = r.tolist()
@@ -379,8 +389,8 @@ class Runtime:
                     st["ok"] = bool(v[len(_ROW)])
                 out.append(st)
             if any(r[-1].item() for r in rows):
-                errors: list[Any] = [None] * self.world
-                dist.all_gather_object(errors, status.get("error"), group=group)
+                errors = deadline.all_gather_object(status.get("error"), self.world, group,
+                                                    abort)
                 for st, e in zip(out, errors):
                     if e:
                         st["error"] = e
@@ -412,6 +422,7 @@ class Runtime:
             if self.failure is not None:
                 return
             self.failure = err
+            self.lost_event.set()  # rank 0's collectives waiting on the lost rank end now
             self.active = False  # what is left to release is released here only
             listeners = list(self._listeners)
         for fn in listeners:
@@ -423,7 +434,9 @@ class Runtime:
     def _looks_like_comm(self, e: BaseException) -> bool:
         import torch.distributed as dist
 
-        if isinstance(e, dist.DistError):
+        from xllm_vmm.engine.distributed.deadline import CollectiveAborted
+
+        if isinstance(e, (dist.DistError, CollectiveAborted)):
             return True
         return isinstance(e, RuntimeError) and any(w in str(e).lower() for w in _COMM_WORDS)
 

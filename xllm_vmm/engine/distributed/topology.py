@@ -26,8 +26,12 @@ across workers — :func:`xllm_vmm.config.parallel.serve_refusals`, the same pre
 Engine-only options (``LLMEngine.from_flags`` / ``LLM``; not catalogue flags):
 
 - ``dist_timeout`` (seconds; default ``$XLLM_VMM_DIST_TIMEOUT``, else 120): every collective
-  while serving; the watchdog calls a worker lost after ``min(dist_timeout, 10)`` seconds
-  without a heartbeat;
+  while serving (the bound a rank > 0 waits for rank 0);
+- ``dist_heartbeat_timeout`` (seconds; default ``$XLLM_VMM_DIST_HEARTBEAT_TIMEOUT``, else
+  ``min(10, dist_timeout / 2)``; must be below ``dist_timeout``): rank 0's watchdog calls a
+  worker lost after this long without a heartbeat, and rank 0's step, waiting on that worker
+  in a collective, ends then (:mod:`.deadline`) — a silent worker is detected in this time,
+  not after the collective timeout;
 - ``dist_startup_timeout`` (seconds; default ``$XLLM_VMM_DIST_STARTUP_TIMEOUT``, else 300):
   start-up — reaching the rendezvous, every rank arriving, every rank loading its weights
   (``serve`` reads both from the environment variables);
@@ -44,11 +48,13 @@ from typing import Any, Sequence
 
 from xllm_vmm.config.parallel import spawns_per_device  # noqa: F401  (its home; re-exported)
 
-DIST_OPTIONS = ("dist_timeout", "dist_startup_timeout", "worker_device_memory", "_spawned")
+DIST_OPTIONS = ("dist_timeout", "dist_heartbeat_timeout", "dist_startup_timeout",
+                "worker_device_memory", "_spawned")
 """Engine-only options of the multi-worker runtime (``_spawned`` is set on spawned workers)."""
 
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
+DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,7 @@ class Topology:
     worker_device_memory: tuple[int, ...] = ()
     spawned: bool = False
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
+    heartbeat_timeout_s: float = 10.0
 
     @property
     def address(self) -> str:
@@ -130,8 +137,18 @@ def topology_of(cfg: Any, opts: dict[str, Any]) -> Topology | None:
     timeout = _seconds(opts, "dist_timeout", "XLLM_VMM_DIST_TIMEOUT", DEFAULT_TIMEOUT_S)
     startup = _seconds(opts, "dist_startup_timeout", "XLLM_VMM_DIST_STARTUP_TIMEOUT",
                        DEFAULT_STARTUP_TIMEOUT_S)
+    heartbeat = _seconds(opts, "dist_heartbeat_timeout", "XLLM_VMM_DIST_HEARTBEAT_TIMEOUT",
+                         min(DEFAULT_HEARTBEAT_TIMEOUT_S, timeout / 2))
+    if heartbeat >= timeout:
+        from xllm_vmm.config import ConfigError, Finding
+
+        raise ConfigError([Finding(
+            "CFG-CONFLICT", "error", f"dist_heartbeat_timeout={heartbeat:g} s must be below "
+            f"dist_timeout={timeout:g} s (a silent worker is detected by its heartbeat before "
+            "a collective times out)", flags={"dist_heartbeat_timeout": heartbeat},
+            hint=f"give a heartbeat timeout below {timeout:g} s")])
     mem = _worker_memory(opts.get("worker_device_memory"), p.world)
-    return Topology(p.world, rank, spawn, host, port, timeout, mem, spawned, startup)
+    return Topology(p.world, rank, spawn, host, port, timeout, mem, spawned, startup, heartbeat)
 
 
 def _seconds(opts: dict[str, Any], name: str, env_name: str, default: float) -> float:

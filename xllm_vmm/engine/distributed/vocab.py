@@ -33,18 +33,18 @@ def embed(ids: Tensor, weight: Tensor, start: int, tp: TensorParallel) -> Tensor
 def gather_logits(part: Tensor, tp: TensorParallel) -> Tensor:
     """``(N, V)`` on rank 0 (slices in rank order), this rank's ``(N, V / W)`` elsewhere."""
     import torch
-    import torch.distributed as dist
 
+    from xllm_vmm.engine.distributed import deadline
     from xllm_vmm.engine.distributed.comm_stats import COMM
 
     part = part.contiguous()
     t0 = time.perf_counter()
     if tp.rank == 0:
         bufs = [torch.empty_like(part) for _ in range(tp.world_size)]
-        dist.gather(part, bufs, dst=0, group=tp.group)
+        deadline.gather(part, bufs, tp.group, tp.abort)
         out = torch.cat(bufs, dim=-1)
     else:
-        dist.gather(part, None, dst=0, group=tp.group)
+        deadline.gather(part, None, tp.group, tp.abort)
         out = part
     COMM.add("logits_gather", time.perf_counter() - t0, part.numel() * part.element_size())
     return out

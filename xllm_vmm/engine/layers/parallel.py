@@ -26,6 +26,10 @@ class TensorParallel:
     """The ``shard(name, shape)`` hook the weights were loaded with
     (:func:`xllm_vmm.engine.distributed.sharding.shard_hook`): the layers' tensors are already
     this rank's part and are used as they are. None: full tensors, narrowed by the layers."""
+    abort: Any = None
+    """Rank 0 of a worker set: the runtime's ``threading.Event`` set when a worker is lost;
+    a collective waiting on a silent worker then ends at once
+    (:mod:`xllm_vmm.engine.distributed.deadline`). None: wait as ``torch.distributed`` does."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -53,12 +57,11 @@ class TensorParallel:
         """Sum ``x`` over the ranks in place (identity at world size 1)."""
         if self.world_size == 1:
             return x
-        import torch.distributed as dist  # sharded path (issue 14)
-
+        from xllm_vmm.engine.distributed import deadline  # sharded path (issue 14)
         from xllm_vmm.engine.distributed.comm_stats import COMM
 
         t0 = time.perf_counter()
-        dist.all_reduce(x, group=self.group)
+        deadline.all_reduce(x, self.group, self.abort)
         COMM.add("all_reduce", time.perf_counter() - t0, x.numel() * x.element_size())
         return x
 
