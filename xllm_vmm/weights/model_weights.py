@@ -33,11 +33,12 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Union
 
 from xllm_vmm.weights.errors import SleepRefused, WeightsNotLoaded, WeightVmmRequired
+from xllm_vmm.weights.phases import PhaseClock
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -64,7 +65,9 @@ class SleepReport:
     minus after; 0 when another awake instance still uses the pages, or in a fixed pool), the
     other sleepable tenants' included when a :class:`~xllm_vmm.weights.sleep.SleepController`
     slept them too (``tenants_bytes_freed``: that part); ``host_bytes_freed``: host copy
-    dropped; ``seconds``: wall time of the call, which returns only once the memory is gone."""
+    dropped; ``seconds``: wall time of the call, which returns only once the memory is gone;
+    ``phases``: where those seconds went (:mod:`xllm_vmm.weights.phases`: ``unmap``,
+    ``release``, ..., ``other``; they add up to ``seconds``)."""
 
     level: int
     state: str
@@ -72,18 +75,22 @@ class SleepReport:
     host_bytes_freed: int
     seconds: float
     tenants_bytes_freed: int = 0
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class WakeReport:
     """What a wakeup did. ``source``: ``"host_copy"``, ``"checkpoint"``, ``"shared"`` (another
     awake instance had the pages mapped) or ``"none"`` (already awake); ``bytes_mapped``: device
-    memory taken; ``seconds``: wall time."""
+    memory taken; ``seconds``: wall time; ``phases``: where it went
+    (:mod:`xllm_vmm.weights.phases`: ``commit``, ``map``, ``copy``, ..., ``other``; they add
+    up to ``seconds``)."""
 
     state: str
     source: str
     bytes_mapped: int
     seconds: float
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 def _busy_count(busy: Busy) -> int:
@@ -222,7 +229,8 @@ class ModelWeights(Mapping):
     def sleep(self, level: int = 1, *, busy: Busy = None) -> SleepReport:
         """Light (``level=1``) or deep (``level=2``) sleep. ``busy``: running requests (a count
         or a function returning it); more than 0 refuses with :class:`SleepRefused`."""
-        t0 = time.perf_counter()
+        clock = PhaseClock()
+        t0 = clock.started
         store = self._require_vmm("sleep")
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 (light: keep a host copy) or 2 (deep: "
@@ -234,23 +242,30 @@ class ModelWeights(Mapping):
             if self._in_use:
                 raise SleepRefused(self._in_use, what="forward step")
             if _LEVELS.get(self._state, 0) >= level:
-                return SleepReport(level, self._state, 0, 0, time.perf_counter() - t0)
-            device, host = store.release_for_sleep(self, level)
+                seconds = time.perf_counter() - t0
+                return SleepReport(level, self._state, 0, 0, seconds,
+                                   phases=clock.finish(seconds))
+            device, host = store.release_for_sleep(self, level, clock)
             self._state = LIGHT_SLEEP if level == 1 else DEEP_SLEEP
-        return SleepReport(level, self._state, device, host, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        return SleepReport(level, self._state, device, host, seconds,
+                           phases=clock.finish(seconds))
 
     def wake_up(self) -> WakeReport:
         """Back to ``WAKEUP``, all or nothing: on failure nothing stays mapped and the state is
         unchanged (:class:`~xllm_vmm.weights.errors.WakeupOutOfMemory` names the missing
         bytes). Idempotent."""
-        t0 = time.perf_counter()
+        clock = PhaseClock()
+        t0 = clock.started
         store = self._require_vmm("wakeup")
         with store.lock:
             if self._state == WAKEUP:
-                return WakeReport(WAKEUP, "none", 0, time.perf_counter() - t0)
-            source, mapped = store.acquire_for_wake(self)
+                seconds = time.perf_counter() - t0
+                return WakeReport(WAKEUP, "none", 0, seconds, phases=clock.finish(seconds))
+            source, mapped = store.acquire_for_wake(self, clock)
             self._state = WAKEUP
-        return WakeReport(WAKEUP, source, mapped, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        return WakeReport(WAKEUP, source, mapped, seconds, phases=clock.finish(seconds))
 
     def fork(self) -> "ModelWeights":
         """Another instance over the same pages and host copy (nothing mapped or copied), in

@@ -30,6 +30,7 @@ from typing import Callable, Protocol, Sequence, runtime_checkable
 from xllm_vmm.weights.errors import SleepRefused, WeightVmmRequired
 from xllm_vmm.weights.model_weights import (LIGHT_SLEEP, WAKEUP, Busy, ModelWeights,
                                             SleepReport, WakeReport, _busy_count)
+from xllm_vmm.weights.phases import PhaseClock
 
 __all__ = ["Sleepable", "SleepController", "wait_idle"]
 
@@ -86,6 +87,7 @@ class SleepController:
     def sleep(self, level: int = 1, *, busy: Busy = None) -> SleepReport:
         """Sleeps the tenants and the weights (see the module docstring)."""
         t0 = time.perf_counter()
+        tenant_seconds = 0.0
         w = self._weights("sleep")
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 (light) or 2 (deep), got {level!r}")
@@ -97,7 +99,9 @@ class SleepController:
         if w.state == WAKEUP:
             try:
                 for t in self.tenants:
+                    t1 = time.perf_counter()
                     tenant_bytes += int(t.sleep())
+                    tenant_seconds += time.perf_counter() - t1
                     slept.append(t)
                 report = w.sleep(level)
             except BaseException:
@@ -106,9 +110,10 @@ class SleepController:
                 raise
         else:
             report = w.sleep(level)
+        seconds = time.perf_counter() - t0
         return SleepReport(level, w.state, report.bytes_freed + tenant_bytes,
-                           report.host_bytes_freed, time.perf_counter() - t0,
-                           tenants_bytes_freed=tenant_bytes)
+                           report.host_bytes_freed, seconds, tenants_bytes_freed=tenant_bytes,
+                           phases=_with_tenants(report.phases, tenant_seconds, seconds))
 
     def wake_up(self) -> WakeReport:
         """Wakes the weights, then the tenants (see the module docstring)."""
@@ -117,6 +122,7 @@ class SleepController:
         before = w.state
         report = w.wake_up()
         woken: list[Sleepable] = []
+        t1 = time.perf_counter()
         try:
             for t in self.tenants:
                 t.wake_up()
@@ -127,4 +133,20 @@ class SleepController:
             if before != WAKEUP:
                 w.sleep(1 if before == LIGHT_SLEEP else 2)
             raise
-        return WakeReport(w.state, report.source, report.bytes_mapped, time.perf_counter() - t0)
+        tenant_seconds = time.perf_counter() - t1
+        seconds = time.perf_counter() - t0
+        return WakeReport(w.state, report.source, report.bytes_mapped, seconds,
+                          phases=_with_tenants(report.phases, tenant_seconds, seconds))
+
+
+def _with_tenants(phases: dict[str, float], tenant_seconds: float,
+                  seconds: float) -> dict[str, float]:
+    """The weights' phases plus ``tenants``; ``other`` is recomputed against the controller's
+    wall time ``seconds`` (its own bookkeeping included)."""
+    clock = PhaseClock()
+    for name, s in phases.items():
+        if name != "other":
+            clock.add(name, s)
+    if tenant_seconds:
+        clock.add("tenants", tenant_seconds)
+    return clock.finish(seconds)

@@ -34,6 +34,7 @@ Units: bytes; ``seconds`` are wall-clock seconds (``time.perf_counter``).
 from __future__ import annotations
 
 import threading
+import time
 from typing import TYPE_CHECKING, Callable
 
 from xllm_vmm.pool.pool import Region, VmmPool
@@ -41,6 +42,7 @@ from xllm_vmm.vmm.driver import CopyKind, VmmError, VmmOutOfMemory
 from xllm_vmm.weights.errors import (WakeupFailed, WakeupOutOfMemory, WeightsError,
                                      WeightsOutOfMemory)
 from xllm_vmm.weights.image import WeightImage
+from xllm_vmm.weights.phases import PhaseClock
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -130,13 +132,21 @@ class WeightStore:
             self.tensors[p.name] = t
 
     # -- pages --------------------------------------------------------------------------
-    def _map_or_raise(self, action: str, state: str = "DEEP_SLEEP") -> None:
+    def _map_or_raise(self, action: str, state: str = "DEEP_SLEEP",
+                      clock: PhaseClock | None = None) -> None:
         """Maps every page of the region in one pool call (all or nothing), else raises
         :class:`WeightsOutOfMemory` (load) / :class:`WakeupOutOfMemory` (wakeup) with what
-        the pool could take."""
+        the pool could take. ``clock`` gets ``map`` (the driver's batched map) and ``commit``
+        (the rest of the pool call: creating the physical pages)."""
         pool, need, page = self.pool, self.region.nbytes, self.region.page_bytes
         available = pool.mappable_pages(self.region) * page
-        if pool.map_pages(self.region, self.pages, tag=WEIGHTS_TAG):
+        t0, map0 = time.perf_counter(), pool.map_seconds
+        ok = pool.map_pages(self.region, self.pages, tag=WEIGHTS_TAG)
+        if clock is not None:
+            mapped = pool.map_seconds - map0
+            clock.add("map", mapped)
+            clock.add("commit", time.perf_counter() - t0 - mapped)
+        if ok:
             return
         cause = ("the budget refused it (free memory − execution peak − reserve, and the "
                  "quota)" if available < need else "the device ran out of memory part way")
@@ -147,17 +157,27 @@ class WeightStore:
         raise WakeupOutOfMemory(needed_bytes=need, available_bytes=available, page_bytes=page,
                                 state=state, cause=cause)
 
-    def _unmap(self) -> int:
-        """Takes the region's pages out of use; returns the device bytes really freed."""
-        in_use = self.pool.pages_in_use(self.region)
+    def _unmap(self, clock: PhaseClock | None = None) -> int:
+        """Takes the region's pages out of use; returns the device bytes really freed.
+        ``clock`` gets ``sync``, ``unmap`` (the driver's batched unmap) and ``release`` (the
+        rest of the pool call: freeing the physical pages)."""
+        clock = clock or PhaseClock()
+        pool = self.pool
+        in_use = pool.pages_in_use(self.region)
         if not in_use:
             self.mapped = False
             return 0
-        self.driver.synchronize()
-        held = self.pool.held_bytes
-        self.pool.unmap_pages(self.region, sorted(in_use), tag=WEIGHTS_TAG, release=True)
+        with clock.phase("sync"):
+            self.driver.synchronize()
+        held = pool.held_bytes
+        pages = sorted(in_use)
+        t0, unmap0 = time.perf_counter(), pool.unmap_seconds
+        pool.unmap_pages(self.region, pages, tag=WEIGHTS_TAG, release=True)
+        unmapped = pool.unmap_seconds - unmap0
+        clock.add("unmap", unmapped)
+        clock.add("release", time.perf_counter() - t0 - unmapped)
         self.mapped = False
-        return held - self.pool.held_bytes
+        return held - pool.held_bytes
 
     # -- host copy ----------------------------------------------------------------------
     def _alloc_host(self) -> int:
@@ -262,11 +282,14 @@ class WeightStore:
     def light_holders(self, but=None) -> int:
         return sum(1 for h in self.holders if h is not but and h._state == "LIGHT_SLEEP")
 
-    def release_for_sleep(self, holder, level: int) -> tuple[int, int]:
+    def release_for_sleep(self, holder, level: int,
+                          clock: PhaseClock | None = None) -> tuple[int, int]:
         """``holder`` goes to sleep at ``level`` (1 light, 2 deep): returns (device bytes,
         host bytes) freed. The pages go when no other holder is awake; before that, a host
         copy is made (device-to-host) if a light sleeper needs one and none is kept. Raises,
-        with nothing changed, when that copy cannot be made."""
+        with nothing changed, when that copy cannot be made. ``clock``: the phases
+        (:mod:`xllm_vmm.weights.phases`)."""
+        clock = clock or PhaseClock()
         device = host = 0
         others_awake = self.awake_holders(but=holder)
         lights = self.light_holders(but=holder) + (level == 1)
@@ -280,36 +303,43 @@ class WeightStore:
                         f"host has no room for it ({exc}); use deep sleep (level 2), which "
                         "reloads from the checkpoint on wakeup") from exc
                 try:
-                    self._copy_d2h(addr)
+                    with clock.phase("host_copy"):
+                        self._copy_d2h(addr)
                 except BaseException:
                     self._free_host()
                     raise
-            device = self._unmap()
+            device = self._unmap(clock)
         keep_host = lights > 0 or (others_awake > 0 and self.keep_host_copy)
         if not keep_host:
-            host = self._free_host()
+            with clock.phase("host_free"):
+                host = self._free_host()
         return device, host
 
-    def acquire_for_wake(self, holder) -> tuple[str, int]:
+    def acquire_for_wake(self, holder, clock: PhaseClock | None = None) -> tuple[str, int]:
         """``holder`` wakes up: maps and fills the pages unless another holder keeps them
         mapped. Returns (source, device bytes mapped); source is ``"shared"`` (already
-        mapped), ``"host_copy"`` or ``"checkpoint"``. All or nothing (see the module)."""
+        mapped), ``"host_copy"`` or ``"checkpoint"``. All or nothing (see the module).
+        ``clock``: the phases (:mod:`xllm_vmm.weights.phases`)."""
+        clock = clock or PhaseClock()
         if self.mapped:
             return "shared", 0
         state = holder._state
         if self.host_addr is None:
-            self.image.checkpoint.check_unchanged()
+            with clock.phase("check"):
+                self.image.checkpoint.check_unchanged()
         held = self.pool.held_bytes
-        self._map_or_raise("wakeup", state)
+        self._map_or_raise("wakeup", state, clock)
         made_host = False
         try:
             if self.host_addr is not None:
                 source = "host_copy"
-                self._copy_h2d(self.host_addr, 0, self.image.nbytes)
+                with clock.phase("copy"):
+                    self._copy_h2d(self.host_addr, 0, self.image.nbytes)
             else:
                 source = "checkpoint"
                 made_host = self.keep_host_copy
-                self._fill_from_files(None)
+                with clock.phase("reload"):
+                    self._fill_from_files(None)
         except BaseException as exc:
             self._unmap()
             if made_host:
