@@ -35,6 +35,7 @@ from xllm_vmm.kvcache.cache import (
     slots_for_tokens,
 )
 from xllm_vmm.kvcache.manager import (
+    NULL_BLOCK,
     KVCacheManager,
     KVCacheManagerError,
     KVCapacity,
@@ -58,6 +59,7 @@ __all__ = [
     "KVCacheManager",
     "KVCacheManagerError",
     "KVCapacity",
+    "NULL_BLOCK",
     "PrefixMatch",
     "SequenceSlots",
     "SlotBacking",

@@ -26,8 +26,12 @@ over the manager, ``tests/prefix/test_stateful_real.py``):
 
 - Every block id in a request's table is referenced by that request (ref ≥ 1) until
   :meth:`~KVCacheManager.free`; table length = ⌈(tokens covered) / block_size⌉ in every group
-  (one block size across groups; a sliding-window group keeps every block of the sequence —
-  trimming a window is not done yet).
+  (one block size across groups). A sliding-window group (``max_tokens_per_seq`` = window
+  ``w``) gives back the blocks wholly outside the window as the request advances: with ``N``
+  tokens committed the next query attends to positions ``≥ N − w + 1``, so its table's first
+  ``(N − w + 1) // block_size`` entries become :data:`NULL_BLOCK` and those blocks go back
+  (published ones stay cached and findable, like vLLM v1's ``SlidingWindowManager``), at
+  :meth:`~KVCacheManager.allocate` — before it takes new blocks, so decode reuses them.
 - A held hit's device blocks are referenced from :meth:`~KVCacheManager.lookup` until
   :meth:`~KVCacheManager.allocate` or :meth:`~KVCacheManager.drop` / :meth:`free`; its host
   blocks are pinned in the host pool for the same time (never evicted in between).
@@ -84,12 +88,18 @@ from xllm_vmm.kvcache.host_support import host_tier_unsupported_reason
 from xllm_vmm.kvcache.prefix_setup import HostTierUnsupported, KvBlockAddresses, plan_host_pool
 
 __all__ = [
+    "NULL_BLOCK",
     "KVCacheManager",
     "KVCacheManagerError",
     "KVCapacity",
     "PrefixMatch",
     "build_kv_cache_manager",
 ]
+
+
+NULL_BLOCK = -1
+"""A block-table entry of a sliding-window group whose block was given back (wholly outside
+the window): never read by attention, never a block id."""
 
 
 class KVCacheManagerError(RuntimeError):
@@ -163,6 +173,8 @@ class _Request:
     first: list[int] = field(default_factory=list)  # tables[first group] (the same list)
     cap: int = -1  # tokens its blocks cover (len(first) × block_size); -1 until admitted
     publish_at: int = 1 << 62  # committing this many tokens completes the next block
+    # sliding-window groups: leading table entries given back (NULL_BLOCK), per group
+    trimmed: dict[str, int] | None = None
 
 
 _TUNING = {
@@ -197,6 +209,10 @@ class KVCacheManager:
         self.group_names: tuple[str, ...] = tuple(cache.geometry)
         self._g0 = self.group_names[0]
         self._sole = len(self.group_names) == 1
+        # sliding-window groups: (group, window in tokens); empty for most models
+        self._windows: tuple[tuple[str, int], ...] = tuple(
+            (n, geo.group.max_tokens_per_seq) for n, geo in cache.geometry.items()
+            if geo.group.max_tokens_per_seq is not None)
         self.prefix = prefix
         self.host = host
         # one group, prefix caching without a host tier or checkpoints: lookup is one
@@ -346,6 +362,8 @@ class KVCacheManager:
         if req is not None and hit is None and num_new_tokens >= 0 <= lookahead:
             # a running request (decode growth): the hot path (never asleep: sleep needs no
             # request to hold blocks); ``cap`` is -1 until the request is admitted
+            if self._windows and req.admitted:
+                self._trim(req)  # blocks that left the window first: growth reuses them
             tokens = req.num_computed + num_new_tokens + lookahead
             if tokens <= req.cap:
                 return req.tables
@@ -472,7 +490,40 @@ class KVCacheManager:
             for hb in req.held_host:
                 pool.unpin(hb)
             req.held_host = []
+        if self._windows:
+            self._trim(req)  # a long hit's blocks outside the window go back at once
         return req.tables
+
+    def _trim(self, req: _Request) -> int:
+        """Sliding-window groups: give back the blocks wholly outside the window of the next
+        query (positions ``< num_computed − w + 1``), replacing their entries by
+        :data:`NULL_BLOCK`. With prefix caching only published blocks are trimmed (a block
+        is published once committed, so this holds back nothing in practice, and
+        :meth:`~PrefixCache.publish` never sees a null entry); published blocks become cached
+        (findable by later requests until evicted). Returns the blocks given back."""
+        n_done = req.num_computed
+        bs = self.block_size
+        done = req.trimmed
+        freed = 0
+        for g, w in self._windows:
+            k = (n_done - w + 1) // bs
+            if self.prefix is not None and k > req.published:
+                k = req.published
+            start = done.get(g, 0) if done is not None else 0
+            if k <= start:
+                continue
+            t = req.tables[g]
+            blocks = t[start:k]
+            t[start:k] = [NULL_BLOCK] * (k - start)
+            if done is None:
+                done = req.trimmed = {}
+            done[g] = k
+            if self.prefix is not None:
+                self.prefix.release({g: blocks})  # no host tier with windows (HK-05)
+            else:
+                self._alloc.free({g: blocks})
+            freed += k - start
+        return freed
 
     # -- progress ------------------------------------------------------------------------
     def ready(self, request_id: str) -> bool:
@@ -620,6 +671,8 @@ class KVCacheManager:
         if not req.admitted:
             return
         tables = req.tables
+        if req.trimmed:  # sliding-window groups: their leading null entries hold nothing
+            tables = {g: t[req.trimmed.get(g, 0):] for g, t in tables.items()}
         if self.prefix is not None:
             cached = self.prefix.release(tables)
             if cached and self.host is not None:  # write-through (see _offload)
@@ -728,7 +781,8 @@ class KVCacheManager:
     # -- queries -------------------------------------------------------------------------
     def block_tables(self, request_id: str) -> dict[str, list[int]]:
         """The request's block tables (the manager's lists, updated in place by compaction
-        and restores; read them, do not modify them)."""
+        and restores; read them, do not modify them). A sliding-window group's table starts
+        with :data:`NULL_BLOCK` entries for the blocks given back (outside the window)."""
         return self._req(request_id).tables
 
     def capacity(self) -> KVCapacity:
@@ -862,7 +916,11 @@ class KVCacheManager:
         refs: dict[tuple[str, int], int] = {}
         for req in self._reqs.values():
             for g, t in req.tables.items():
-                for b in t:
+                k = req.trimmed.get(g, 0) if req.trimmed else 0
+                assert all(b == NULL_BLOCK for b in t[:k]), \
+                    f"request {req.rid!r}: trimmed entries of {g!r} are not null"
+                for b in t[k:]:
+                    assert b >= 0, f"request {req.rid!r}: a null entry inside {g!r}'s window"
                     refs[(g, b)] = refs.get((g, b), 0) + 1
             for g, t in (req.held or {}).items():
                 for b in t:
