@@ -22,8 +22,15 @@ blocks the prefix cache still keeps need: mapped KV at the floor means these two
 ``kv_live_blocks_after`` (0 when every request let go), ``kv_mapped_bytes_before``,
 ``reserved_virtual_bytes``; ``engine_steps``, ``engine_step_ms_mean`` and
 ``engine_busy_fraction`` (time inside ``LLMEngine.step()`` over the load's wall time, from
-``xllm_vmm_engine_step_seconds``: near 1, the model is the bottleneck, not the HTTP path). One
-warm-up request (not counted) precedes the load.
+``xllm_vmm_engine_step_seconds``: near 1, the model is the bottleneck, not the HTTP path);
+``rss_bytes_peak`` (when the server's process id is known: the most resident bytes of its
+process tree, every process's ``VmRSS`` summed, sampled with the metrics — shared pages count
+once per process, as ``ps`` shows them). One warm-up request (not counted) precedes the load.
+
+Prompts are the same for every server given the same seed, ``vocab`` and context: token ids
+are drawn in ``[4, vocab)`` (``vocab``: ``LoadConfig.vocab``, else the server's
+``/v1/models`` ``vocab_size``, else 256) and lengths are capped by its ``max_model_len``.
+``xllm_vmm.bench.serve_compare`` drives vLLM's server with this same load.
 
 The server runs in its own process (``xllm-vmm serve --port 0``, its ready line read from
 stdout) so that the load generator does not share its interpreter lock; ``url`` drives an
@@ -59,6 +66,7 @@ class LoadConfig:
     timeout: float = 300.0
     metrics_interval: float = 0.1
     api_key: Optional[str] = None
+    vocab: Optional[int] = None  # token ids drawn below this (None: the server's vocab_size)
 
     def check(self) -> None:
         if not 1 <= self.num_prompts <= 100_000:
@@ -74,6 +82,8 @@ class LoadConfig:
             raise ValueError(f"--output-len must be in 1..1048576, got {self.output_len}")
         if not 0 < self.timeout <= 86400:
             raise ValueError(f"--timeout must be in (0, 86400] seconds, got {self.timeout}")
+        if self.vocab is not None and not 5 <= self.vocab <= 1 << 24:
+            raise ValueError(f"vocab must be in 5..16777216 token ids, got {self.vocab}")
 
 
 @dataclass
@@ -94,6 +104,40 @@ def percentile(values: list[float], q: float) -> float:
     k = (len(xs) - 1) * q / 100.0
     lo, hi = math.floor(k), math.ceil(k)
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def tree_rss_bytes(pid: int) -> Optional[int]:
+    """Resident bytes of process ``pid`` and all its descendants (``VmRSS`` of each, from
+    ``/proc``, summed); None when ``pid`` is gone or ``/proc`` cannot be read (not Linux)."""
+    children: dict[int, list[int]] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return None
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        ppid = int(stat.rpartition(b")")[2].split()[1])  # after "(comm)": state ppid ...
+        children.setdefault(ppid, []).append(int(name))
+    total, found, todo = 0, False, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/status") as fh:
+                for line in fh:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+            found = True
+        except OSError:
+            continue
+        todo.extend(children.get(p, []))
+    return total if found else None
 
 
 def parse_metric(text: str, name: str, labels: dict[str, str] | None = None) -> Optional[float]:
@@ -156,8 +200,9 @@ async def _one(client, url: str, model: str, prompt: list[int], cfg: LoadConfig,
     return res
 
 
-async def drive(url: str, cfg: LoadConfig) -> dict:
-    """Run the load against the server at ``url``; returns the figures (module docstring)."""
+async def drive(url: str, cfg: LoadConfig, *, rss_pid: Optional[int] = None) -> dict:
+    """Run the load against the server at ``url``; returns the figures (module docstring).
+    ``rss_pid``: the server's process, whose tree's resident bytes are sampled."""
     import httpx
 
     cfg.check()
@@ -168,7 +213,7 @@ async def drive(url: str, cfg: LoadConfig) -> dict:
     async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout), limits=limits) as client:
         models = (await client.get(f"{url}/v1/models", headers=headers)).json()["data"]
         model = models[0]["id"]
-        vocab = int(models[0].get("vocab_size") or 256)
+        vocab = int(cfg.vocab or models[0].get("vocab_size") or 256)
         max_len = int(models[0].get("max_model_len") or (cfg.input_len * 2 + cfg.output_len))
         lo = max(1, int(cfg.input_len * (1 - cfg.range_ratio)))
         hi = max(lo, int(cfg.input_len * (1 + cfg.range_ratio)))
@@ -201,13 +246,21 @@ async def drive(url: str, cfg: LoadConfig) -> dict:
         step_sum0 = parse_metric(reserved_text, "xllm_vmm_engine_step_seconds_sum") or 0.0
         step_n0 = parse_metric(reserved_text, "xllm_vmm_engine_step_seconds_count") or 0.0
         peak = [before or 0.0]
+        rss_peak: list[Optional[int]] = [None]
         done = asyncio.Event()
+
+        def sample_rss() -> None:
+            if rss_pid is not None:
+                v = tree_rss_bytes(rss_pid)
+                if v is not None:
+                    rss_peak[0] = max(rss_peak[0] or 0, v)
 
         async def sampler():
             while not done.is_set():
                 v = await scrape()
                 if v is not None:
                     peak[0] = max(peak[0], v)
+                sample_rss()
                 await asyncio.sleep(cfg.metrics_interval)
 
         sampler_task = asyncio.create_task(sampler())
@@ -225,6 +278,7 @@ async def drive(url: str, cfg: LoadConfig) -> dict:
         for t in pending:
             t.cancel()
         wall = time.perf_counter() - t_start
+        sample_rss()
         done.set()
         await sampler_task
         if wtask is not None:
@@ -271,6 +325,7 @@ async def drive(url: str, cfg: LoadConfig) -> dict:
         "kv_live_blocks_after": live, "reserved_virtual_bytes": reserved,
         "engine_steps": int(steps), "engine_step_ms_mean": 1e3 * step_s / steps if steps else None,
         "engine_busy_fraction": step_s / wall if wall > 0 else None,
+        "rss_bytes_peak": rss_peak[0],
         **workers,
     }
 
@@ -351,6 +406,10 @@ class ServerProcess:
             self.proc.stdout.close()
         return self.proc.returncode
 
+    @property
+    def pid(self) -> Optional[int]:
+        return self.proc.pid if self.proc is not None else None
+
     def __enter__(self) -> "ServerProcess":
         return self.start()
 
@@ -366,7 +425,7 @@ def run(cfg: LoadConfig, *, serve_args: list[str] | None = None, url: str | None
         out["server"] = url
         return out
     with ServerProcess(list(serve_args or [])) as srv:
-        out = asyncio.run(drive(srv.url, cfg))
+        out = asyncio.run(drive(srv.url, cfg, rss_pid=srv.pid))
         out["server"] = "xllm-vmm serve " + " ".join(serve_args or [])
         code = srv.stop()
     out["server_exit_code"] = code

@@ -337,8 +337,9 @@ def bench_prefix(
         'Weights in the VMM pool on a checkpoint built locally (default about 1 GiB of bf16 in 4 '
         'shards, removed afterwards) or --model DIR: load_seconds (full reload, page cache '
         'dropped), light_sleep_seconds, sleep_released_fraction, wakeup_seconds, '
-        'wakeup_vs_reload_ratio, deep_wakeup_seconds, fork_extra_weight_bytes, '
-        'cycle_growth_bytes.'))
+        'wakeup_vs_reload_ratio, wakeup_vs_memcpy_ratio, phases of sleep and wakeup, the engine '
+        'sleep with a KV cache, deep_wakeup_seconds, fork_extra_weight_bytes, '
+        'cycle_growth_bytes; on cpu once per huge-page backing (--hugepages).'))
 def bench_weights(
     device: str = typer.Option("cpu", "--device", help=_DEVICE_HELP),
     device_index: int = typer.Option(0, "--device-index", min=0, help="Device number."),
@@ -355,6 +356,14 @@ def bench_weights(
     cycles: int = typer.Option(20, "--cycles", help="Sleep/wake cycles for cycle_growth_bytes "
                                                     "(1 to 10000)."),
     acl_library: Optional[str] = typer.Option(None, "--acl-library", help=_ACL_HELP),
+    hugepages: str = typer.Option("hugetlb,thp,off", "--hugepages",
+                                  help="cpu: backings to measure, comma-separated, of hugetlb, "
+                                       "thp, off, auto (the first gives the top-level fields; "
+                                       "as root the bench enables hugetlb/thp for its own "
+                                       "measurement and restores the settings)."),
+    kv_size: str = typer.Option("256MiB", "--kv-size", help="KV cache (prefix-cached blocks) "
+                                                             "slept with the weights for the "
+                                                             "engine_* fields; 0 skips them."),
     fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f", help="table or json."),
 ) -> None:
     from xllm_vmm.bench import weights as weights_bench
@@ -368,11 +377,25 @@ def bench_weights(
     _check("--shards", shards, 1, 1024)
     _check("--repeats", repeats, 1, _MAX_REPEATS)
     _check("--cycles", cycles, 1, 10_000)
+    try:
+        kv_bytes = parse_size(kv_size)
+        backings = weights_bench.parse_backings(hugepages)
+    except ValueError as exc:
+        raise _fail(2, str(exc) if "--hugepages" in str(exc)
+                    else f"--kv-size {kv_size!r} is not a size (e.g. 256MiB, 0)") from None
+    _check("--kv-size", kv_bytes, 0, 1 << 40)
+    opts = dict(size_bytes=size_bytes, shards=shards, dtype=dtype, repeats=repeats,
+                cycles=cycles, model_dir=model, kv_size=kv_bytes)
+    from xllm_vmm.vmm import DRIVER_KINDS
+
+    if DRIVER_KINDS.get(device.lower()) == "host":
+        results = _run("bench weights", lambda: weights_bench.run_host(
+            backings, device_index=device_index, **opts))
+        emit("bench weights", results, fmt)
+        return
     driver = _open_bench_driver(device, device_index, acl_library)
     try:
-        results = _run("bench weights", lambda: weights_bench.run(
-            driver, size_bytes=size_bytes, shards=shards, dtype=dtype, repeats=repeats,
-            cycles=cycles, model_dir=model))
+        results = _run("bench weights", lambda: weights_bench.run(driver, **opts))
     finally:
         driver.close()
     emit("bench weights", results, fmt)
@@ -452,6 +475,9 @@ def bench_serve(
     seed: int = typer.Option(0, help="Seed of prompts and arrivals."),
     timeout: float = typer.Option(600.0, help="Seconds the load may take in all."),
     serve_arg: list[str] = typer.Option([], "--serve-arg", help="Extra flag for serve (repeatable), e.g. --serve-arg=--vmm_elastic=false."),
+    vllm_venv: Optional[str] = typer.Option(None, "--vllm-venv", help="A venv with vLLM's CPU build: run `vllm serve` of the same model side by side (interleaved rounds, same load) and report vs_vllm_throughput_ratio."),
+    rounds: int = typer.Option(2, help="With --vllm-venv: interleaved rounds (ours, then vLLM's, one server at a time)."),
+    vllm_kv_space: int = typer.Option(2, "--vllm-kv-space", help="With --vllm-venv: VLLM_CPU_KVCACHE_SPACE, whole GiB of KV vLLM reserves up front."),
     fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
 ) -> None:
     from xllm_vmm.bench import serve as serve_bench
@@ -466,4 +492,14 @@ def bench_serve(
     args = None
     if url is None:
         args = serve_bench.serve_args(model, list(serve_arg), input_len, range_ratio, output_len)
+    if vllm_venv is not None:
+        from xllm_vmm.bench import serve_compare
+
+        if url is not None:
+            raise _fail(2, "--vllm-venv starts both servers itself: drop --url")
+        out = _run("bench serve", lambda: serve_compare.compare(
+            cfg, args, vllm_venv, rounds=rounds, kv_space_gib=vllm_kv_space))
+        emit("bench serve: xllm-vmm vs vllm serve", out if fmt is OutputFormat.json
+             else serve_compare.flat(out), fmt)
+        return
     emit("bench serve", _run("bench serve", lambda: serve_bench.run(cfg, serve_args=args, url=url)), fmt)

