@@ -50,9 +50,23 @@ def test_kv_heads_replicated_when_workers_exceed_them():
 def test_indivisible_worker_counts_name_the_field():
     with pytest.raises(LayoutError, match="num_attention_heads=4"):
         check_divisible(CFG, 3)
-    odd = ModelConfig.from_dict({**CFG.raw, "vocab_size": 385})
-    with pytest.raises(LayoutError, match="vocab_size=385"):
-        check_divisible(odd, 2)
+    tiny = ModelConfig.from_dict({**CFG.raw, "vocab_size": 5})
+    with pytest.raises(LayoutError, match="cannot split vocab_size=5: with 2 rows per worker "
+                                          "the last holds none"):
+        check_divisible(tiny, 4)
+
+
+@pytest.mark.parametrize("vocab, world", [(385, 2), (387, 4), (384, 4), (5, 2)])
+def test_a_vocabulary_the_workers_do_not_divide_is_padded(vocab, world):
+    # ceil(V / W) rows per worker, the last the rest: the ranges tile [0, V) exactly
+    odd = ModelConfig.from_dict({**CFG.raw, "vocab_size": vocab})
+    check_divisible(odd, world)
+    part = -(-vocab // world)
+    specs = [shard_hook(odd, r, world)("model.embed_tokens.weight", (vocab, 64))
+             for r in range(world)]
+    assert [(s.start, s.stop) for s in specs] == [
+        (r * part, min((r + 1) * part, vocab)) for r in range(world)]
+    assert specs[-1].stop == vocab and all(s.stop > s.start for s in specs)
 
 
 def test_a_one_worker_family_is_refused_before_workers_start():

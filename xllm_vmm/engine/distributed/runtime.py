@@ -161,6 +161,7 @@ class Runtime:
         abort = threading.Event()
         tp = TensorParallel(topo.rank, topo.world, group=group.steps,
                             shard_hook=shard_hook(mcfg, topo.rank, topo.world),
+                            vocab_size=int(mcfg.vocab_size),
                             abort=abort if topo.rank == 0 else None)
         rt = cls(topo, group, procs, tp, abort)
         if topo.rank == 0:

@@ -5,7 +5,7 @@ worker reads only its part of every tensor (Hugging Face names):
 
 | tensor | split |
 |---|---|
-| ``model.embed_tokens.weight``, ``lm_head.weight`` | rows (vocabulary): ``vocab / W`` each |
+| ``model.embed_tokens.weight``, ``lm_head.weight`` | rows (vocabulary): ``ceil(vocab / W)`` each, the last rank the rest (:func:`~xllm_vmm.engine.distributed.vocab.vocab_range`) |
 | ``*.self_attn.q_proj.{weight,bias}`` | rows: ``heads / W`` attention heads × ``head_dim`` |
 | ``*.self_attn.{k,v}_proj.{weight,bias}`` | rows: ``kv_heads / W`` KV heads; when ``W > kv_heads`` one head, rank ``r`` holding head ``r // (W / kv_heads)`` (replicated, as :func:`xllm_vmm.models.layout.kv_heads_per_worker` counts it) |
 | ``*.self_attn.o_proj.weight`` | columns: the same heads as ``q_proj`` |
@@ -46,7 +46,12 @@ def check_divisible(cfg: ModelConfig, world: int) -> None:
     if world > 1 and not model_class(cfg.architecture).tensor_parallel:
         raise LayoutError(f"{cfg.architecture} runs on one worker only in this engine (no "
                           "tensor-parallel split of this family yet)", hint="use nnodes=1")
-    need = [("num_attention_heads", cfg.num_heads), ("vocab_size", cfg.vocab_size)]
+    from xllm_vmm.engine.distributed.vocab import check_vocab
+
+    if world > 1 and check_vocab(cfg.vocab_size, world):
+        raise LayoutError(check_vocab(cfg.vocab_size, world),
+                          hint="use fewer workers (nnodes)")
+    need = [("num_attention_heads", cfg.num_heads)]
     if cfg.intermediate_size and not (cfg.num_experts and all(
             cfg.is_sparse_layer(i) for i in range(cfg.num_layers))):
         need.append(("intermediate_size", cfg.intermediate_size))
@@ -76,6 +81,7 @@ def kv_head_range(num_kv_heads: int, rank: int, world: int) -> tuple[int, int]:
 def shard_hook(cfg: ModelConfig, rank: int, world: int
                ) -> Callable[[str, tuple[int, ...]], "ShardSpec | None"]:
     """The ``shard=`` hook of rank ``rank`` of ``world`` (see the module table)."""
+    from xllm_vmm.engine.distributed.vocab import vocab_range
     from xllm_vmm.weights import ShardSpec
 
     check_divisible(cfg, world)
@@ -88,7 +94,7 @@ def shard_hook(cfg: ModelConfig, rank: int, world: int
         if kind is None:
             return None
         if kind == "vocab":
-            return ShardSpec.split(0, shape[0], rank, world)
+            return ShardSpec(0, *vocab_range(shape[0], rank, world))
         if kind == "q":
             return ShardSpec(0, rank * heads * d, (rank + 1) * heads * d)
         if kind == "kv":

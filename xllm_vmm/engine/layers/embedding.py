@@ -1,8 +1,9 @@
 """Token embedding and the LM head over referenced weights ``(vocab, hidden)``.
 
 World size > 1 (issue 14): the vocabulary-parallel split of
-:mod:`xllm_vmm.engine.distributed.vocab` (rows of the table per rank; masked lookup +
-all-reduce for the embedding; the head's logit slices gathered to rank 0).
+:mod:`xllm_vmm.engine.distributed.vocab` (``ceil(V / W)`` rows of the table per rank, the last
+rank's share shorter when ``W`` does not divide ``V``; masked lookup + all-reduce for the
+embedding; the head's padded logit slices gathered to rank 0 and cut to ``V``).
 """
 
 from __future__ import annotations
@@ -15,12 +16,25 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch import Tensor
 
 
-def _vocab_rows(weight: Tensor, tp: TensorParallel) -> tuple[Tensor, int]:
-    """This rank's rows of the table and the first row's token id (world size > 1)."""
+def _vocab_rows(weight: Tensor, tp: TensorParallel) -> tuple[Tensor, int, int]:
+    """This rank's rows of the table, the first row's token id and the full vocabulary size
+    (world size > 1). A sharded table (``tp.shard_hook``) is this rank's rows already; its
+    vocabulary size is ``tp.vocab_size``."""
+    from xllm_vmm.engine.distributed.vocab import vocab_range
+
     if tp.shard_hook is None:  # full table: a view of this rank's rows
-        start, size = tp.shard(weight.shape[0], "vocab_size")
-        return weight.narrow(0, start, size), start
-    return weight, tp.rank * weight.shape[0]
+        vocab = weight.shape[0]
+        start, stop = vocab_range(vocab, tp.rank, tp.world_size)
+        return weight.narrow(0, start, stop - start), start, vocab
+    vocab = tp.vocab_size
+    if not vocab:
+        raise ValueError("a sharded vocabulary table needs TensorParallel.vocab_size (the "
+                         "model's vocab_size)")
+    start, stop = vocab_range(vocab, tp.rank, tp.world_size)
+    if weight.shape[0] != stop - start:
+        raise ValueError(f"rank {tp.rank} holds {weight.shape[0]} vocabulary rows, the split "
+                         f"of vocab_size={vocab} over {tp.world_size} gives it {stop - start}")
+    return weight, start, vocab
 
 
 class VocabEmbedding:
@@ -28,7 +42,7 @@ class VocabEmbedding:
         self.tp = tp
         self.weight = weight  # as given (a tied head reads it): the full table or this rank's rows
         if tp.world_size > 1:  # sharded path (issue 14)
-            self.rows, self.vocab_start = _vocab_rows(weight, tp)
+            self.rows, self.vocab_start, _ = _vocab_rows(weight, tp)
 
     def __call__(self, ids: Tensor) -> Tensor:
         import torch.nn.functional as F
@@ -47,7 +61,7 @@ class LMHead:
         self.tp = tp
         self.weight = weight
         if tp.world_size > 1:  # sharded path (issue 14)
-            self.rows = _vocab_rows(weight, tp)[0]
+            self.rows, _, self.vocab_size = _vocab_rows(weight, tp)
 
     def __call__(self, hidden: Tensor) -> Tensor:
         import torch.nn.functional as F
@@ -55,5 +69,5 @@ class LMHead:
         if self.tp.world_size > 1:  # full logits on rank 0 only
             from xllm_vmm.engine.distributed.vocab import gather_logits
 
-            return gather_logits(F.linear(hidden, self.rows), self.tp)
+            return gather_logits(F.linear(hidden, self.rows), self.tp, self.vocab_size)
         return F.linear(hidden, self.weight)

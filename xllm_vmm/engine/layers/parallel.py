@@ -26,6 +26,9 @@ class TensorParallel:
     """The ``shard(name, shape)`` hook the weights were loaded with
     (:func:`xllm_vmm.engine.distributed.sharding.shard_hook`): the layers' tensors are already
     this rank's part and are used as they are. None: full tensors, narrowed by the layers."""
+    vocab_size: int = 0
+    """The model's full vocabulary when ``shard_hook`` splits the embedding and head tables
+    (:func:`xllm_vmm.engine.distributed.vocab.vocab_range`); 0: unknown (full tables)."""
     abort: Any = None
     """Rank 0 of a worker set: the runtime's ``threading.Event`` set when a worker is lost;
     a collective waiting on a silent worker then ends at once
