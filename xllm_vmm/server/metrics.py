@@ -14,7 +14,10 @@ Two kinds of series:
   ``vllm:num_preemptions``, ``vllm:prompt_tokens``, ``vllm:generation_tokens``, and the
   ``xllm_vmm_*`` figures of the pool (``stats()["pool"]``: the pool's ``PoolStats``), its
   tenants and the KV cache manager (``stats()["kvcache"]``); bytes unless the name says
-  otherwise. The tables below are the one home of these names.
+  otherwise; and, only while the engine speculates (``stats()["spec_decode"]``), vLLM's
+  ``vllm:spec_decode_num_drafts``, ``_num_draft_tokens``, ``_num_accepted_tokens`` and
+  ``_num_accepted_tokens_per_pos{position}`` counters. The tables below are the one home of
+  these names.
 
 Counters are exported as prometheus_client does (``_total`` suffix in the text, as vLLM's).
 Every series carries ``model_name``. Units: seconds, bytes, tokens.
@@ -89,6 +92,20 @@ KV_SERIES: tuple[tuple[str, str, str, str], ...] = (
      "counter"),
     ("prefix_evictions", "xllm_vmm_prefix_cache_evictions", "Cached blocks evicted.", "counter"),
 )
+
+# speculative decoding (engine.stats()["spec_decode"], present only while the engine
+# speculates) -> vLLM's counters; ``num_accepted_tokens_per_pos`` (a list, one cumulative count
+# per draft position) is the counter vllm:spec_decode_num_accepted_tokens_per_pos{position}.
+SPEC_DECODE_SERIES: tuple[tuple[str, str, str, str], ...] = (
+    ("num_drafts", "vllm:spec_decode_num_drafts", "Speculative drafts proposed.", "counter"),
+    ("num_draft_tokens", "vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.",
+     "counter"),
+    ("num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens",
+     "Draft tokens accepted by the target model.", "counter"),
+)
+SPEC_DECODE_PER_POS = ("num_accepted_tokens_per_pos",
+                       "vllm:spec_decode_num_accepted_tokens_per_pos",
+                       "Draft tokens accepted at each draft position (0-based).")
 
 
 def _get(obj: Any, key: str):
@@ -203,6 +220,16 @@ class _Snapshot:
                 v = _number(_get(kv, key))
                 if v is not None:
                     add(name, help_, kind, base, v)
+            spec = _get(stats, "spec_decode")  # only while the engine speculates
+            if spec:
+                for key, name, help_, kind in SPEC_DECODE_SERIES:
+                    v = _number(_get(spec, key))
+                    if v is not None:
+                        add(name, help_, kind, base, v)
+                key, name, help_ = SPEC_DECODE_PER_POS
+                for pos, v in enumerate(_get(spec, key) or ()):
+                    if _number(v) is not None:
+                        add(name, help_, "counter", {**base, "position": str(pos)}, float(v))
             dist = _get(stats, "distributed")  # a worker set (issue 14): per-rank figures
             if dist:
                 add("xllm_vmm_all_reduce_seconds_per_step", "Mean all-reduce time per step "

@@ -1,0 +1,58 @@
+"""``/metrics`` series read from engine statistics: speculative decoding (contracts2 section 2)
+rendered under vLLM's names only while the engine reports them."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+
+from tests.server.conftest import FakeEngine
+from xllm_vmm.bench.serve import parse_metric
+from xllm_vmm.server import AsyncEngine, RunningServer, ServerSettings, build_app
+from xllm_vmm.server.metrics import Metrics
+
+SPEC = {"num_drafts": 7, "num_draft_tokens": 21, "num_accepted_tokens": 12,
+        "num_accepted_tokens_per_pos": [6, 4, 2]}
+
+
+def _render(stats: dict) -> str:
+    return Metrics().render({"m": (stats, {"in_flight": 0})}).decode()
+
+
+def test_spec_decode_counters_with_vllm_names():
+    text = _render({"spec_decode": SPEC})
+    assert re.search(r"# TYPE vllm:spec_decode_num_drafts(_total)? counter", text)
+    assert parse_metric(text, "vllm:spec_decode_num_drafts_total", {"model_name": "m"}) == 7
+    assert parse_metric(text, "vllm:spec_decode_num_draft_tokens_total") == 21
+    assert parse_metric(text, "vllm:spec_decode_num_accepted_tokens_total") == 12
+    for pos, v in enumerate(SPEC["num_accepted_tokens_per_pos"]):
+        assert parse_metric(text, "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                            {"position": str(pos), "model_name": "m"}) == v
+    assert parse_metric(text, "vllm:spec_decode_num_accepted_tokens_per_pos_total") == 12
+
+
+def test_spec_decode_absent_when_the_engine_does_not_speculate():
+    for stats in ({}, {"spec_decode": None}, {"spec_decode": {}}):
+        assert "spec_decode" not in _render(stats)
+
+
+def test_spec_decode_partial_dict_renders_what_is_there():
+    text = _render({"spec_decode": {"num_drafts": 3}})
+    assert parse_metric(text, "vllm:spec_decode_num_drafts_total") == 3
+    assert "num_draft_tokens" not in text and "per_pos" not in text
+
+
+class _SpeculatingEngine(FakeEngine):
+    def stats(self):
+        return {**super().stats(), "spec_decode": dict(SPEC)}
+
+
+def test_spec_decode_on_the_metrics_route(tokenizer):
+    app = build_app(AsyncEngine(_SpeculatingEngine(tokenizer)), ServerSettings())
+    with RunningServer(app) as srv:
+        text = httpx.get(f"{srv.url}/metrics", timeout=30).text
+    assert parse_metric(text, "vllm:spec_decode_num_accepted_tokens_total",
+                        {"model_name": "fake-model"}) == 12
+    assert parse_metric(text, "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                        {"position": "2"}) == 2
