@@ -68,7 +68,9 @@ class ShardSpec:
     """The part of a tensor one worker loads: indices ``[start, stop)`` along ``dim``.
 
     A shard hook ``shard(name, shape) -> ShardSpec | None`` answers per tensor; ``None`` loads
-    it whole. :meth:`split` gives rank ``rank``'s equal part of ``world``.
+    it whole. :meth:`split` gives rank ``rank``'s equal part of ``world``; :meth:`skip` (a
+    tensor this worker does not hold at all, as an expert of another expert-parallel group)
+    leaves it out: it is not read, placed or returned.
     """
 
     dim: int
@@ -84,6 +86,15 @@ class ShardSpec:
             raise ValueError(f"dimension of {size} does not split into {world} equal parts")
         part = size // world
         return cls(dim, rank * part, (rank + 1) * part)
+
+    @classmethod
+    def skip(cls) -> "ShardSpec":
+        """This worker holds none of the tensor (see the class docstring)."""
+        return cls(-1, 0, 0)
+
+    @property
+    def skipped(self) -> bool:
+        return self.dim == -1
 
 
 @dataclass(frozen=True)

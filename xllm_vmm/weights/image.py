@@ -184,7 +184,10 @@ def plan_image(checkpoint: Checkpoint, dtype: "torch.dtype | None" = None,
     placed = []
     offset = 0
     for e in checkpoint.entries:
-        spec = _check_shard(e, shard(e.name, e.shape)) if shard is not None else None
+        spec = shard(e.name, e.shape) if shard is not None else None
+        if isinstance(spec, ShardSpec) and spec.skipped:  # not held by this worker
+            continue
+        spec = _check_shard(e, spec)
         shape = list(e.shape)
         if spec is not None:
             shape[spec.dim] = spec.stop - spec.start
