@@ -15,10 +15,18 @@ from xllm_vmm.cli.app import app
 def test_bench_map_json_fields(device, monkeypatch):
     monkeypatch.setenv("XLLM_VMM_ACL_LIBRARY", "emulation")
     r = CliRunner().invoke(app, ["bench", "map", "--device", device, "--pages", "4", "--rounds", "2",
-                                 "--repeats", "1", "--format", "json"])
+                                 "--repeats", "1", "--release-pages", "2", "--format", "json"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
     assert out["pages"] == 4 and out["page_bytes"] == 2 * 1024 * 1024
+    if device == "cpu":  # unmap + release per GiB on each huge-page backing the machine allows
+        assert out["backing"] in ("off", "thp", "hugetlb") and out["release_pages"] == 2
+        assert out["release_ms_per_gib_off"] > 0 and out["release_ms_per_gib_off_median"] > 0
+        for b in ("thp", "hugetlb"):
+            assert (isinstance(out[f"release_ms_per_gib_{b}"], float)
+                    or out[f"release_skipped_{b}"]), b
+    else:
+        assert "release_ms_per_gib_off" not in out and "backing" not in out
     for key in ("batched_vs_raw_ratio", "python_overhead_us_per_page", "batched_us_per_page",
                 "raw_us_per_page", "per_call_us_per_page"):
         assert isinstance(out[key], float), key
@@ -140,6 +148,8 @@ def _tiny_host(monkeypatch, free: int) -> None:
 
         kw.setdefault("host_margin", 4 << 20)
         kw.setdefault("host_memory_reader", reader)
+        if kw.get("hugepages") is None:  # the fake host is RAM: no hugetlb pages from the real one
+            kw["hugepages"] = "off"
         real(self, *a, **kw)
 
     monkeypatch.setattr(host_mod.HostDriver, "__init__", init)

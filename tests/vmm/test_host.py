@@ -291,6 +291,7 @@ def _fake_host_driver(free: int, margin: int = 4 * MiB, **kw):
     from xllm_vmm.vmm.host import HostDriver
 
     host = _FakeHost(free)
+    kw.setdefault("hugepages", "off")  # the fake host is RAM: no hugetlb pages from the real one
     d = HostDriver(host_margin=margin, host_memory_reader=host, **kw)
     host.driver = d
     return d, host
@@ -374,8 +375,8 @@ def test_two_host_drivers_in_one_process_cannot_together_over_commit():
     from xllm_vmm.vmm.host import HostDriver
 
     host = _SharedFakeHost(150 * MiB)
-    a = HostDriver(host_margin=0, host_memory_reader=host)
-    b = HostDriver(host_margin=0, host_memory_reader=host)
+    a = HostDriver(host_margin=0, host_memory_reader=host, hugepages="off")
+    b = HostDriver(host_margin=0, host_memory_reader=host, hugepages="off")
     host.drivers += [a, b]
     ha = a.create_handle(100 * MiB)
     assert (a.mem_info().free, b.mem_info().free) == (50 * MiB, 50 * MiB)
@@ -403,7 +404,7 @@ def test_concurrent_commits_of_two_drivers_never_exceed_the_host():
     from xllm_vmm.vmm.host import HostDriver
 
     host = _SharedFakeHost(40 * MiB)
-    drivers = [HostDriver(host_margin=0, host_memory_reader=host) for _ in range(2)]
+    drivers = [HostDriver(host_margin=0, host_memory_reader=host, hugepages="off") for _ in range(2)]
     host.drivers += drivers
     got = [[], []]
 

@@ -34,11 +34,19 @@ before (their pages initialised, as with a pool that keeps ready handles), and
 ``fresh_map_write_us_per_page`` / ``populated_fresh_map_write_us_per_page`` on handles created
 for the round (create + map + write + unmap + free: the elastic pool's path, where creating
 the handle and zeroing its pages cost the same either way).
+
+Release (host driver, ``--release-pages N``): unmap + free of N written 2 MiB pages, ms per
+GiB, on each huge-page backing (``release_ms_per_gib_off`` / ``_thp`` / ``_hugetlb``, best and
+median of interleaved repeats): what a light sleep costs per GiB. With ``--hugepages-setup``
+(default; root only) the bench raises ``vm.nr_hugepages`` by N and sets
+``shmem_enabled=advise`` for this measurement and restores both after it; a backing the
+machine does not allow is ``None`` with ``release_skipped_<backing>`` saying why.
 """
 
 from __future__ import annotations
 
 import array
+import contextlib
 import ctypes as C
 import platform
 import statistics
@@ -140,8 +148,13 @@ def scattered_order(n: int) -> list[int]:
     return list(range(0, n, 2)) + list(range(1, n, 2))
 
 
-def run(driver, pages: int = 64, rounds: int = 20, repeats: int = 3) -> dict[str, Any]:
+def run(driver, pages: int = 64, rounds: int = 20, repeats: int = 3, release_pages: int = 0,
+        hugepages_setup: bool = True) -> dict[str, Any]:
     """Measures the ways on ``driver``; leaves nothing mapped or allocated.
+
+    On the host driver, ``release_pages`` > 0 adds :func:`release_speed` (unmap + release ms
+    per GiB on each huge-page backing; ``hugepages_setup`` turns the huge pages on for it where
+    this process may, and restores the settings) and ``backing`` names the driver's own.
 
     Two layouts of the same pages: *contiguous* (address and memfd offset both increasing,
     what a pool mapping a run of fresh pages does; the host driver maps each run with one
@@ -153,6 +166,8 @@ def run(driver, pages: int = 64, rounds: int = 20, repeats: int = 3) -> dict[str
     their medians beside them."""
     if pages <= 0 or rounds <= 0 or repeats <= 0:
         raise ValueError(f"--pages, --rounds and --repeats must be positive (got {pages}, {rounds}, {repeats})")
+    if release_pages < 0:
+        raise ValueError(f"--release-pages must be >= 0 (got {release_pages})")
     g = driver.granularity
     check_map_fits(driver, pages)
     va = driver.reserve(2 * pages * g)
@@ -242,6 +257,9 @@ def run(driver, pages: int = 64, rounds: int = 20, repeats: int = 3) -> dict[str
         "populated_raw_us_per_page": p_raw,
         "populated_batched_vs_raw_ratio": p_batched / p_raw if p_raw else None,
         **writes,
+        **({"backing": driver.hugepages} if driver.name == "host" else {}),
+        **(release_speed(release_pages, repeats, hugepages_setup)
+           if driver.name == "host" and release_pages else {}),
     }
 
 
@@ -276,4 +294,88 @@ def _map_write(driver, va: int, vas: list[int], handles: list[int], repeats: int
                                          / out["populated_map_write_us_per_page"])
     out["populate_fresh_map_write_speedup"] = (out["fresh_map_write_us_per_page"]
                                                / out["populated_fresh_map_write_us_per_page"])
+    return out
+
+
+#: the huge-page backings ``release_speed`` measures, in report order
+RELEASE_BACKINGS = ("off", "thp", "hugetlb")
+
+
+def _release_once(driver, pages: int) -> float:
+    """Creates ``pages`` handles, maps them contiguously, writes every byte (the memory really
+    committed and touched, as weights or KV are), then times unmap_batch + free of every
+    handle: seconds. Leaves nothing behind."""
+    g = driver.granularity
+    hs = driver.create_handles(pages, g)
+    va = None
+    try:
+        va = driver.reserve(pages * g)
+        vas = [va + i * g for i in range(pages)]
+        driver.map_batch(vas, hs)
+        C.memset(va, 0x5A, pages * g)
+        t0 = time.perf_counter()
+        driver.unmap_batch(vas)
+        for h in hs:
+            driver.free_handle(h)
+        took = time.perf_counter() - t0
+        hs = []
+        return took
+    finally:
+        if va is not None:
+            for i in range(pages):
+                if driver.is_mapped(va + i * g, g):
+                    driver.unmap(va + i * g)
+        for h in hs:
+            driver.free_handle(h)
+        if va is not None:
+            driver.release(va, pages * g)
+
+
+def release_speed(pages: int = 128, repeats: int = 5, setup: bool = True) -> dict[str, Any]:
+    """Unmap + release of ``pages`` written 2 MiB pages, ms per GiB, on each backing of the host
+    driver (what a light sleep costs per GiB): ``release_ms_per_gib_{off,thp,hugetlb}`` (best
+    of ``repeats``, the backings interleaved) and ``..._median``; a backing the machine does not
+    allow is ``None`` with ``release_skipped_<backing>`` saying why. ``setup`` (root only): turn
+    the huge pages on for the measurement (``vm.nr_hugepages`` raised by ``pages``,
+    ``shmem_enabled=advise``) and restore the settings after it."""
+    from xllm_vmm.vmm import hugepages as hp
+    from xllm_vmm.vmm.host import HostDriver
+
+    if pages <= 0 or repeats <= 0:
+        raise ValueError(f"--release-pages and --repeats must be positive (got {pages}, {repeats})")
+    gib = pages * 2 * 1024 * 1024 / 1024 ** 3
+    out: dict[str, Any] = {"release_pages": pages}
+    with contextlib.ExitStack() as stack:
+        if setup:
+            for name, enter in (("hugetlb", lambda: hp.extra_hugetlb_pages(pages)),
+                                ("thp", hp.shmem_thp_advise)):
+                try:
+                    stack.enter_context(enter())
+                except hp.SettingUnavailable as exc:
+                    out[f"release_setup_{name}"] = str(exc)
+        drivers = {}
+        try:
+            for backing in RELEASE_BACKINGS:
+                try:
+                    d = HostDriver(hugepages=backing)
+                except Exception as exc:  # the machine forbids it: say why, measure the rest
+                    out[f"release_skipped_{backing}"] = str(exc)
+                    continue
+                if d.mem_info().free < pages * d.granularity:
+                    out[f"release_skipped_{backing}"] = (
+                        f"{d.mem_info().free} bytes free for {pages} pages")
+                    d.close()
+                    continue
+                drivers[backing] = d
+            times: dict[str, list[float]] = {b: [] for b in drivers}
+            for _ in range(repeats):
+                for b, d in drivers.items():
+                    times[b].append(_release_once(d, pages))
+        finally:
+            for d in drivers.values():
+                d.close()
+    for b in RELEASE_BACKINGS:
+        t = times.get(b)
+        out[f"release_ms_per_gib_{b}"] = min(t) * 1e3 / gib if t else None
+        out[f"release_ms_per_gib_{b}_median"] = statistics.median(t) * 1e3 / gib if t else None
     return out

@@ -174,6 +174,12 @@ def bench_map(
     repeats: int = typer.Option(7, "--repeats", help="Interleaved measurements of every way; "
                                                      "the best and the median are reported "
                                                      "(1 to 100)."),
+    release_pages: int = typer.Option(64, "--release-pages", help="Host driver: written 2 MiB "
+                                      "pages unmapped + released per backing (fields "
+                                      "release_ms_per_gib_*); 0 skips it."),
+    hugepages_setup: bool = typer.Option(True, "--hugepages-setup/--no-hugepages-setup",
+                                         help="Host driver, root: turn huge pages on for the "
+                                              "release measurement and restore the settings."),
     acl_library: Optional[str] = typer.Option(None, "--acl-library", help=_ACL_HELP),
     fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f", help="table or json."),
 ) -> None:
@@ -182,10 +188,12 @@ def bench_map(
     _check("--pages", pages, 1, 1 << 30)
     _check("--rounds", rounds, 1, 100_000)
     _check("--repeats", repeats, 1, _MAX_REPEATS)
+    _check("--release-pages", release_pages, 0, 1 << 20)
     driver = _open_bench_driver(device, device_index, acl_library)
     try:
-        results = _run("bench map", lambda: map_bench.run(driver, pages=pages, rounds=rounds,
-                                                          repeats=repeats))
+        results = _run("bench map", lambda: map_bench.run(
+            driver, pages=pages, rounds=rounds, repeats=repeats, release_pages=release_pages,
+            hugepages_setup=hugepages_setup))
     finally:
         driver.close()
     emit("bench map (µs per page, map+unmap)", results, fmt)

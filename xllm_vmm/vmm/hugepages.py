@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -157,29 +158,51 @@ class SettingUnavailable(RuntimeError):
 
 
 @contextlib.contextmanager
-def machine_setting(path: Path, value: str | Callable[[str], str]):
+def machine_setting(path: Path, value: str | Callable[[str], str],
+                    restore: Callable[[str, str], str] | None = None):
     """Sets the kernel setting ``path`` (``vm.nr_hugepages``, ``shmem_enabled``) to ``value``
     (or ``value(old)``) for the ``with`` block and restores the previous value after it, under
     an exclusive lock shared by every process using this function (benchmarks and tests that
     change huge-page settings do not undo each other). Raises :class:`SettingUnavailable` when
-    the setting cannot be changed here (needs root)."""
+    the setting cannot be changed here (needs root). ``restore(old, current)``: the value to
+    put back (default: ``old``), for a setting another program may change meanwhile."""
     if os.geteuid() != 0 or not path.exists():
         raise SettingUnavailable(f"{path} cannot be changed here (needs root and the kernel setting)")
-    with open(SETTINGS_LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with _settings_lock():
+        old = _selected(path.read_text().strip()) or ""
+        new = value(old) if callable(value) else value
         try:
-            old = _selected(path.read_text().strip()) or ""
-            new = value(old) if callable(value) else value
-            try:
-                path.write_text(new)
-            except OSError as exc:
-                raise SettingUnavailable(f"cannot write {new!r} to {path}: {exc}") from None
-            try:
-                yield old
-            finally:
-                path.write_text(old)
+            path.write_text(new)
+        except OSError as exc:
+            raise SettingUnavailable(f"cannot write {new!r} to {path}: {exc}") from None
+        try:
+            yield old
         finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            path.write_text(restore(old, path.read_text().strip()) if restore else old)
+
+
+_LOCAL = threading.RLock()
+_depth = [0, None]  # nesting depth in this process, the locked file
+
+
+@contextlib.contextmanager
+def _settings_lock():
+    """The machine-wide settings lock (``flock`` of :data:`SETTINGS_LOCK`), re-entrant within
+    a process (one ``with`` may change several settings)."""
+    with _LOCAL:
+        if _depth[0] == 0:
+            f = open(SETTINGS_LOCK, "a")
+            fcntl.flock(f, fcntl.LOCK_EX)
+            _depth[1] = f
+        _depth[0] += 1
+        try:
+            yield
+        finally:
+            _depth[0] -= 1
+            if _depth[0] == 0:
+                f, _depth[1] = _depth[1], None
+                fcntl.flock(f, fcntl.LOCK_UN)
+                f.close()
 
 
 def extra_hugetlb_pages(count: int):
@@ -187,7 +210,9 @@ def extra_hugetlb_pages(count: int):
     :func:`machine_setting`); yields the free 2 MiB pages then (the kernel may find fewer)."""
     @contextlib.contextmanager
     def ctx():
-        with machine_setting(NR_HUGEPAGES, lambda old: str(int(old or 0) + count)):
+        # restored relatively: lowered by ``count`` again, whatever another program set meanwhile
+        with machine_setting(NR_HUGEPAGES, lambda old: str(int(old or 0) + count),
+                             lambda old, cur: str(max(int(old or 0), int(cur or 0) - count))):
             yield hugetlb_memory().free // HUGE_PAGE
     return ctx()
 
