@@ -56,3 +56,26 @@ def test_spec_decode_on_the_metrics_route(tokenizer):
                         {"model_name": "fake-model"}) == 12
     assert parse_metric(text, "vllm:spec_decode_num_accepted_tokens_per_pos_total",
                         {"position": "2"}) == 2
+
+
+def test_the_servers_own_costs_are_counted(tokenizer):
+    """Output-thread and stream-encoding seconds and the tokens handled reach /metrics and
+    ``bench serve``'s per-token figures."""
+    import asyncio
+
+    from xllm_vmm.bench import serve as bs
+
+    app = build_app(AsyncEngine(FakeEngine(tokenizer, max_model_len=256)), ServerSettings())
+    with RunningServer(app) as srv:
+        with httpx.stream("POST", f"{srv.url}/v1/completions", timeout=30,
+                          json={"prompt": "hi", "max_tokens": 5, "stream": True}) as r:
+            assert sum(1 for line in r.iter_lines() if line.startswith("data: {")) == 5
+        text = httpx.get(f"{srv.url}/metrics", timeout=30).text
+        assert parse_metric(text, "xllm_vmm_output_tokens_total") == 5
+        assert parse_metric(text, "xllm_vmm_output_thread_seconds_total") > 0
+        assert parse_metric(text, "xllm_vmm_stream_encode_seconds_total") > 0
+        cfg = bs.LoadConfig(num_prompts=4, request_rate=float("inf"), input_len=8, output_len=3)
+        out = asyncio.run(bs.drive(srv.url, cfg))
+    assert out["output_thread_us_per_token"] > 0 and out["stream_encode_us_per_token"] > 0
+    assert 0 < out["output_thread_busy_fraction"] < 1
+    assert 0 < out["stream_encode_busy_fraction"] < 1

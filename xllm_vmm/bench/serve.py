@@ -23,6 +23,11 @@ blocks the prefix cache still keeps need: mapped KV at the floor means these two
 ``reserved_virtual_bytes``; ``engine_steps``, ``engine_step_ms_mean`` and
 ``engine_busy_fraction`` (time inside ``LLMEngine.step()`` over the load's wall time, from
 ``xllm_vmm_engine_step_seconds``: near 1, the model is the bottleneck, not the HTTP path);
+the server's own work beside it: ``output_thread_busy_fraction`` / ``_us_per_token`` (the
+output thread: detokenizing, stop strings, metrics, hand-off) and
+``stream_encode_busy_fraction`` / ``_us_per_token`` (the event loop building and
+JSON-encoding the SSE chunks), from ``xllm_vmm_output_thread_seconds``,
+``xllm_vmm_stream_encode_seconds`` and ``xllm_vmm_output_tokens``;
 ``rss_bytes_peak`` (when the server's process id is known: the most resident bytes of its
 process tree, every process's ``VmRSS`` summed, sampled with the metrics — shared pages count
 once per process, as ``ps`` shows them). One warm-up request (not counted) precedes the load.
@@ -245,6 +250,7 @@ async def drive(url: str, cfg: LoadConfig, *, rss_pid: Optional[int] = None) -> 
         reserved = parse_metric(reserved_text, "xllm_vmm_reserved_virtual_bytes")
         step_sum0 = parse_metric(reserved_text, "xllm_vmm_engine_step_seconds_sum") or 0.0
         step_n0 = parse_metric(reserved_text, "xllm_vmm_engine_step_seconds_count") or 0.0
+        own0 = _own_costs(reserved_text)
         peak = [before or 0.0]
         rss_peak: list[Optional[int]] = [None]
         done = asyncio.Event()
@@ -295,6 +301,8 @@ async def drive(url: str, cfg: LoadConfig, *, rss_pid: Optional[int] = None) -> 
         server_peak = parse_metric(end_text, "xllm_vmm_kv_mapped_peak_bytes")
         step_s = (parse_metric(end_text, "xllm_vmm_engine_step_seconds_sum") or 0.0) - step_sum0
         steps = (parse_metric(end_text, "xllm_vmm_engine_step_seconds_count") or 0.0) - step_n0
+        own = {k: (v - own0[k] if v is not None and own0[k] is not None else None)
+               for k, v in _own_costs(end_text).items()}
         if server_peak is not None:  # the server's own high-water mark, read after every step
             peak[0] = max(peak[0], server_peak)
         after, floor, live = await idle_figures()
@@ -326,8 +334,26 @@ async def drive(url: str, cfg: LoadConfig, *, rss_pid: Optional[int] = None) -> 
         "engine_steps": int(steps), "engine_step_ms_mean": 1e3 * step_s / steps if steps else None,
         "engine_busy_fraction": step_s / wall if wall > 0 else None,
         "rss_bytes_peak": rss_peak[0],
+        "output_thread_busy_fraction": (own["output_s"] / wall
+                                        if own["output_s"] is not None and wall > 0 else None),
+        "output_thread_us_per_token": (1e6 * own["output_s"] / own["tokens"]
+                                       if own["output_s"] is not None and own["tokens"]
+                                       else None),
+        "stream_encode_busy_fraction": (own["stream_s"] / wall
+                                        if own["stream_s"] is not None and wall > 0 else None),
+        "stream_encode_us_per_token": (1e6 * own["stream_s"] / own["tokens"]
+                                       if own["stream_s"] is not None and own["tokens"]
+                                       else None),
         **workers,
     }
+
+
+def _own_costs(text: str) -> dict:
+    """The server's own counters (``xllm_vmm_output_thread_seconds``, ``_output_tokens``,
+    ``_stream_encode_seconds``; None where the server has none, e.g. vLLM's)."""
+    return {"output_s": parse_metric(text, "xllm_vmm_output_thread_seconds_total"),
+            "tokens": parse_metric(text, "xllm_vmm_output_tokens_total"),
+            "stream_s": parse_metric(text, "xllm_vmm_stream_encode_seconds_total")}
 
 
 async def _sample_workers(client, url: str, cfg: LoadConfig, done: asyncio.Event,

@@ -138,6 +138,9 @@ def build_app(front: AsyncEngine, settings: Optional[ServerSettings] = None,
                 stats = {}
             snaps[name] = (stats or {}, {"sleeping": f.sleeping, "in_flight": f.num_in_flight,
                                          "kv_mapped_peak_bytes": f.kv_mapped_peak_bytes,
+                                         "output_busy_seconds": f.output_busy_s,
+                                         "output_tokens": f.output_tokens,
+                                         "stream_busy_seconds": f.stream_busy_s,
                                          "num_requests_running": f._num_running,
                                          "num_requests_waiting":
                                              f._num_waiting + f._pending_adds})

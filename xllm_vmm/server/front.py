@@ -47,8 +47,11 @@ log = logging.getLogger("xllm_vmm.server")
 class Delta:
     """What one request gained since the last delta. ``text`` is new, complete UTF-8 text;
     ``logprobs``, when asked for, holds one entry per new token: ``(token_id, logprob,
-    [(top_id, top_logprob), ...])``. A final delta has ``finished`` set; ``error`` is an
-    :class:`APIError` when the request failed instead."""
+    [(top_id, top_logprob), ...])``. ``prompt_logprobs``, on the first delta of a request that
+    asked for them (``SamplingParams.prompt_logprobs``), is the engine's list as it gave it:
+    one entry per prompt token, None for position 0, else ``{token_id: Logprob}``. A final
+    delta has ``finished`` set; ``error`` is an :class:`APIError` when the request failed
+    instead."""
 
     index: int
     text: str = ""
@@ -61,6 +64,7 @@ class Delta:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     error: Optional[APIError] = None
+    prompt_logprobs: Optional[list] = None
 
 
 class _Req:
@@ -134,6 +138,14 @@ class AsyncEngine:
         self._engine_thread: Optional[threading.Thread] = None
         self._output_thread: Optional[threading.Thread] = None
         self.steps = 0
+        #: seconds the output thread spent on step outputs (detokenizing, stop strings,
+        #: metrics, hand-off to the event loop) and the tokens it handled; seconds the event
+        #: loop spent building and encoding SSE chunks (``openai_routes``): the server's own
+        #: cost beside the engine's step (``xllm_vmm_output_thread_seconds``,
+        #: ``xllm_vmm_stream_encode_seconds``, ``xllm_vmm_output_tokens``)
+        self.output_busy_s = 0.0
+        self.output_tokens = 0
+        self.stream_busy_s = 0.0
         self._kv_cache = getattr(getattr(engine, "kv_cache_manager", None), "cache", None)
         self.kv_mapped_peak_bytes: Optional[int] = 0 if self._kv_cache is not None else None
 
@@ -549,6 +561,7 @@ class AsyncEngine:
                     self._inbox.put(("abort", r.rid))
                 continue
             _, when, outs = item
+            t0 = time.perf_counter()
             batch: dict = {}  # loop -> [(queue, delta)]: one wake-up per loop per step
             for out in outs:
                 try:
@@ -565,6 +578,8 @@ class AsyncEngine:
                     loop.call_soon_threadsafe(_put_all, items)
                 except RuntimeError:  # the loop is closed: nobody is listening any more
                     pass
+            self.output_tokens += sum(len(o.new_token_ids) for o in outs)
+            self.output_busy_s += time.perf_counter() - t0
 
     def _on_output(self, out, when: float, batch: dict) -> None:
         with self._lock:
@@ -593,7 +608,8 @@ class AsyncEngine:
                       stop_reason=upd.stop_reason if finished else None,
                       num_prompt_tokens=int(upd.num_prompt_tokens or len(r.prompt_ids)),
                       num_cached_tokens=max(0, int(upd.num_cached_tokens or 0)),
-                      num_output_tokens=r.n_out)
+                      num_output_tokens=r.n_out,
+                      prompt_logprobs=getattr(upd, "prompt_logprobs", None))
         if finished:
             with self._lock:
                 self._streams.pop(r.rid, None)

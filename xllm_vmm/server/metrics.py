@@ -108,6 +108,16 @@ SPEC_DECODE_PER_POS = ("num_accepted_tokens_per_pos",
                        "Draft tokens accepted at each draft position (0-based).")
 
 
+# the server's own work beside the engine step (the front's counters, AsyncEngine attributes)
+FRONT_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("output_busy_seconds", "xllm_vmm_output_thread_seconds",
+     "Seconds the output thread spent on step outputs (detokenize, stop strings, hand-off)."),
+    ("output_tokens", "xllm_vmm_output_tokens", "Output tokens the output thread handled."),
+    ("stream_busy_seconds", "xllm_vmm_stream_encode_seconds",
+     "Seconds the event loop spent building and JSON-encoding streamed chunks."),
+)
+
+
 def _get(obj: Any, key: str):
     if obj is None:
         return None
@@ -245,6 +255,10 @@ class _Snapshot:
                 float(bool(front.get("sleeping"))))
             add("xllm_vmm_requests_in_flight", "Requests the front holds (queued or running).",
                 "gauge", base, float(front.get("in_flight", 0)))
+            for key, name, help_ in FRONT_COUNTERS:
+                v = _number(front.get(key))
+                if v is not None:
+                    add(name, help_, "counter", base, v)
             peak = front.get("kv_mapped_peak_bytes")
             if peak is not None:
                 add("xllm_vmm_kv_mapped_peak_bytes", "Most KV bytes mapped after any engine step "

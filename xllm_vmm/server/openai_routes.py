@@ -145,18 +145,62 @@ class _Tokens:
 
 
 def _completion_logprobs(tok: _Tokens, entries, offset: int) -> dict:
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    """OpenAI's legacy ``logprobs`` object of ``entries`` (``(token_id, logprob, top)``; a
+    ``logprob`` of None — the prompt's first token, which nothing predicts — gives None in
+    ``token_logprobs`` and ``top_logprobs``), text offsets counted from ``offset``."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                            "text_offset": []}
     for tid, lp, top in entries:
         s = tok(tid)
         out["tokens"].append(s)
         out["token_logprobs"].append(lp)
-        best: dict[str, float] = {}
-        for t, v in top:  # most likely first: two ids with one text keep the likelier
-            best.setdefault(tok(t), v)
-        out["top_logprobs"].append(best)
+        if lp is None:
+            out["top_logprobs"].append(None)
+        else:
+            best: dict[str, float] = {}
+            for t, v in top:  # most likely first: two ids with one text keep the likelier
+                best.setdefault(tok(t), v)
+            out["top_logprobs"].append(best)
         out["text_offset"].append(offset)
         offset += len(s)
     return out
+
+
+def _prompt_entries(prompt_ids: list[int], plps) -> list:
+    """The engine's prompt logprobs (one entry per prompt token, None first) as
+    ``_completion_logprobs`` entries, most likely first."""
+    if plps is None or len(plps) != len(prompt_ids):
+        raise APIError(500, "the engine returned no prompt logprobs for an echoed prompt "
+                            f"({0 if plps is None else len(plps)} for {len(prompt_ids)} tokens)")
+    out = []
+    for tid, entry in zip(prompt_ids, plps):
+        if entry is None:
+            out.append((int(tid), None, None))
+            continue
+        items = sorted(((int(k), float(v.logprob)) for k, v in dict(entry).items()),
+                       key=lambda kv: -kv[1])
+        chosen = next((v for k, v in items if k == tid), float("nan"))
+        out.append((int(tid), chosen, items))
+    return out
+
+
+def _echo_logprobs(tok: _Tokens, prompt_ids: list[int], plps, entries, prefix_len: int) -> dict:
+    """``logprobs`` of an echoed choice: the prompt's tokens (offsets from 0, the first one's
+    logprob None), then the completion's (offsets from the echoed text's length)."""
+    head = _completion_logprobs(tok, _prompt_entries(prompt_ids, plps), 0)
+    tail = _completion_logprobs(tok, entries, prefix_len)
+    return {k: head[k] + tail[k] for k in head}
+
+
+def _prompt_logprobs_json(plps) -> Optional[list]:
+    """vLLM's ``prompt_logprobs`` field: per prompt position None or ``{"token_id":
+    {"logprob", "rank", "decoded_token"}}``."""
+    if plps is None:
+        return None
+    return [None if e is None else
+            {str(k): {"logprob": float(v.logprob), "rank": v.rank,
+                      "decoded_token": v.decoded_token} for k, v in dict(e).items()}
+            for e in plps]
 
 
 def _chat_logprobs(tok: _Tokens, entries, k: int) -> dict:
@@ -240,6 +284,10 @@ def register(app: FastAPI, server) -> None:
         err = front.admission_error(body.n)
         if err is not None:
             raise err
+        if body.prompt_logprobs is not None and body.stream:
+            raise APIError(400, "prompt_logprobs are not available with stream=true (a "
+                                "streamed echo with logprobs carries them in its first chunk)",
+                           param="prompt_logprobs")
         prompts: list[list[int]] = []
         texts: list[str] = []
         for p in body.prompts():
@@ -253,7 +301,9 @@ def register(app: FastAPI, server) -> None:
             prompts.append(ids)
         budgets = [_budget(front, len(ids), body, COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
                    for ids in prompts]
-        kwargs = body.sampling_kwargs(max_tokens=min(budgets), logprobs=body.logprobs)
+        want_plps = body.engine_prompt_logprobs()
+        kwargs = body.sampling_kwargs(max_tokens=min(budgets), logprobs=body.logprobs,
+                                      prompt_logprobs=want_plps)
         rid = front.new_request_id("cmpl")
         gen = await front.generate(rid, prompts, kwargs, n=body.n)
         created = int(time.time())
@@ -262,23 +312,34 @@ def register(app: FastAPI, server) -> None:
         def echo_text(index: int) -> str:
             return texts[index // body.n] if body.echo else ""
 
+        def choice_logprobs(index: int, entries, plps, prefix_len: int) -> Optional[dict]:
+            if body.logprobs is None:
+                return None
+            if body.echo:  # the echoed prompt's tokens first, as OpenAI's legacy completions
+                return _echo_logprobs(tok, prompts[index // body.n], plps, entries, prefix_len)
+            return _completion_logprobs(tok, entries, prefix_len)
+
         if body.stream:
             return StreamingResponse(
-                _completion_stream(gen, body, front.name, rid, created, tok, echo_text),
+                _completion_stream(gen, body, front.name, rid, created, tok, echo_text,
+                                   choice_logprobs),
                 media_type="text/event-stream")
         deltas = await _collect(gen, request)
         n_choices = len(prompts) * body.n
         text, lps, final, completion_tokens, cached = _gather(deltas, n_choices)
+        plps = {d.index: d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None}
         choices = []
         for i in range(n_choices):
             d = final.get(i)
             prefix = echo_text(i)
-            choices.append({
+            choice = {
                 "index": i, "text": prefix + text[i],
-                "logprobs": _completion_logprobs(tok, lps[i], len(prefix))
-                if body.logprobs is not None else None,
+                "logprobs": choice_logprobs(i, lps[i], plps.get(i), len(prefix)),
                 "finish_reason": d.finish_reason if d else None,
-                "stop_reason": d.stop_reason if d else None})
+                "stop_reason": d.stop_reason if d else None}
+            if want_plps is not None:
+                choice["prompt_logprobs"] = _prompt_logprobs_json(plps.get(i))
+            choices.append(choice)
         return JSONResponse({"id": rid, "object": "text_completion", "created": created,
                              "model": front.name, "choices": choices,
                              "usage": _usage(gen.num_prompt_tokens, completion_tokens, cached)})
@@ -331,7 +392,11 @@ async def _guarded(gen: Generation, events: AsyncIterator[str]) -> AsyncIterator
 
 
 def _completion_stream(gen: Generation, body: CompletionRequest, model: str, rid: str,
-                       created: int, tok: _Tokens, echo_text) -> AsyncIterator[str]:
+                       created: int, tok: _Tokens, echo_text, choice_logprobs
+                       ) -> AsyncIterator[str]:
+    """With ``echo`` the prompt's text comes first: in a chunk of its own before any token,
+    or — with ``logprobs`` — in each choice's first token chunk, whose ``logprobs`` then start
+    with the prompt's tokens (``choice_logprobs``)."""
     async def events():
         include_usage = body.include_usage()
         continuous = body.continuous_usage()
@@ -348,25 +413,40 @@ def _completion_stream(gen: Generation, body: CompletionRequest, model: str, rid
                 c["usage"] = _usage(gen.num_prompt_tokens, completion_tokens)
             return c
 
-        if body.echo:
-            n_choices = len(gen.reqs)
-            for i in range(n_choices):
+        # echo + logprobs: each choice's prompt goes out with its first token chunk
+        to_echo = set(range(len(gen.reqs))) if body.echo and body.logprobs is not None else set()
+        plps: dict[int, list] = {}
+        if body.echo and not to_echo:
+            for i in range(len(gen.reqs)):
                 prefix = echo_text(i)
                 offsets[i] = len(prefix)
                 yield _sse(chunk([{"index": i, "text": prefix, "logprobs": None,
                                    "finish_reason": None, "stop_reason": None}]))
         async for d in gen:
+            t0 = time.perf_counter()
             completion_tokens += len(d.token_ids)
+            if d.prompt_logprobs is not None:
+                plps[d.index] = d.prompt_logprobs
             if not (d.text or d.finished or d.token_ids):
                 continue
-            lp = None
-            if body.logprobs is not None and d.logprobs:
+            text, lp = d.text, None
+            if d.index in to_echo:
+                to_echo.discard(d.index)
+                prefix = echo_text(d.index)
+                text = prefix + d.text
+                lp = choice_logprobs(d.index, d.logprobs or [], plps.pop(d.index, None),
+                                     len(prefix))
+                offsets[d.index] = len(prefix)
+            elif body.logprobs is not None and d.logprobs:
                 lp = _completion_logprobs(tok, d.logprobs, offsets.get(d.index, 0))
             offsets[d.index] = offsets.get(d.index, 0) + len(d.text)
             if d.finished:
                 cached += d.num_cached_tokens
-            yield _sse(chunk([{"index": d.index, "text": d.text, "logprobs": lp,
-                               "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}]))
+            event = _sse(chunk([{"index": d.index, "text": text, "logprobs": lp,
+                                 "finish_reason": d.finish_reason,
+                                 "stop_reason": d.stop_reason}]))
+            gen.front.stream_busy_s += time.perf_counter() - t0
+            yield event
         if include_usage:
             final = {"id": rid, "object": "text_completion", "created": created, "model": model,
                      "choices": [], "usage": _usage(gen.num_prompt_tokens, completion_tokens,
@@ -398,6 +478,7 @@ def _chat_stream(gen: Generation, body: ChatCompletionRequest, model: str, rid: 
             yield _sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                "logprobs": None, "finish_reason": None}]))
         async for d in gen:
+            t0 = time.perf_counter()
             completion_tokens += len(d.token_ids)
             if not (d.text or d.finished or d.token_ids):
                 continue
@@ -406,9 +487,11 @@ def _chat_stream(gen: Generation, body: ChatCompletionRequest, model: str, rid: 
                 else {}
             if d.finished:
                 cached += d.num_cached_tokens
-            yield _sse(chunk([{"index": d.index, "delta": delta, "logprobs": lp,
-                               "finish_reason": d.finish_reason,
-                               "stop_reason": d.stop_reason}]))
+            event = _sse(chunk([{"index": d.index, "delta": delta, "logprobs": lp,
+                                 "finish_reason": d.finish_reason,
+                                 "stop_reason": d.stop_reason}]))
+            gen.front.stream_busy_s += time.perf_counter() - t0
+            yield event
         if include_usage:
             yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                         "model": model, "choices": [],

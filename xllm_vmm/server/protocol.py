@@ -87,7 +87,8 @@ class _Sampling(BaseModel):
     def max_tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
-    def sampling_kwargs(self, *, max_tokens: int, logprobs: Optional[int]) -> dict[str, Any]:
+    def sampling_kwargs(self, *, max_tokens: int, logprobs: Optional[int],
+                        prompt_logprobs: Optional[int] = None) -> dict[str, Any]:
         """Keyword arguments of the engine's ``SamplingParams`` (vLLM's field names); fields the
         client did not send are left out so that the engine's defaults apply."""
         kw: dict[str, Any] = {"max_tokens": max_tokens, "n": 1,
@@ -105,6 +106,8 @@ class _Sampling(BaseModel):
             kw["stop_token_ids"] = list(self.stop_token_ids)
         if logprobs is not None:
             kw["logprobs"] = logprobs
+        if prompt_logprobs is not None:
+            kw["prompt_logprobs"] = prompt_logprobs
         return kw
 
     def include_usage(self) -> bool:
@@ -121,6 +124,9 @@ class CompletionRequest(_Sampling):
     prompt: PromptType
     echo: bool = False
     logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    #: vLLM's extra parameter: the most likely tokens per prompt position (0: the prompt
+    #: token's own log-probability only), returned as the choice's ``prompt_logprobs``
+    prompt_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: Optional[int] = Field(default=None, ge=1)
     suffix: Optional[str] = None
 
@@ -145,6 +151,14 @@ class CompletionRequest(_Sampling):
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of other than n is not supported (leave it out)")
         return self
+
+    def engine_prompt_logprobs(self) -> Optional[int]:
+        """What the engine is asked for (``SamplingParams.prompt_logprobs``): the explicit
+        ``prompt_logprobs``, else ``logprobs`` when ``echo`` is set (the echoed prompt's tokens
+        carry log-probabilities too, as OpenAI's legacy completions do), else None."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[Union[str, list[int]]]:
         """One entry per prompt: text, or token ids."""
