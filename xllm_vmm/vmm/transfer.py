@@ -7,7 +7,7 @@ GIL, so Python threads keep running while bytes move. Transfers complete in subm
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Callable
 
 
@@ -34,6 +34,7 @@ class CopyWorker:
         self._name = name
         self._init = thread_init
         self._pool: ThreadPoolExecutor | None = None
+        self._last: Future | None = None  # the latest submitted transfer
         self._lock = threading.Lock()
 
     def submit(self, fn: Callable[[], None]) -> FutureTransfer:
@@ -42,17 +43,20 @@ class CopyWorker:
                 self._pool = ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix=self._name, initializer=self._init
                 )
-            return FutureTransfer(self._pool.submit(fn))
+            self._last = self._pool.submit(fn)
+            return FutureTransfer(self._last)
 
     def drain(self) -> None:
-        """Waits for every transfer submitted so far (their errors stay with their Transfer)."""
+        """Waits for every transfer submitted so far (their errors stay with their Transfer).
+        One worker runs them in order, so that is the latest one; when it is done already
+        this returns at once (no round trip through the worker thread: a sleep's sync)."""
         with self._lock:
-            pool = self._pool
-        if pool is not None:
-            pool.submit(lambda: None).result()
+            last = self._last
+        if last is not None and not last.done():
+            wait([last])
 
     def shutdown(self) -> None:
         with self._lock:
-            pool, self._pool = self._pool, None
+            pool, self._pool, self._last = self._pool, None, None
         if pool is not None:
             pool.shutdown(wait=True)
