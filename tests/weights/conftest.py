@@ -3,6 +3,7 @@ tests run on: the host driver (memfd + mmap) and the ACL emulation."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -89,14 +90,22 @@ def checksums(weights) -> dict[str, str]:
 
 
 DRIVERS = ["host", "acl-emulation"]
+#: the host driver on each huge-page backing: ``host`` is 4 KiB pages (the fresh machine),
+#: ``host-thp`` shmem THP, ``host-hugetlb`` a hugetlb memfd (see :func:`backing_enabled`)
+HOST_BACKINGS = ["host", "host-thp", "host-hugetlb"]
+#: 2 MiB huge pages a hugetlb test adds to the machine's for its duration
+TEST_HUGE_PAGES = 160
 
 
 def open_test_driver(kind: str, device_memory: int | None = None):
+    """``host`` (4 KiB pages, whatever the machine's huge-page settings: never ``auto``),
+    ``host-thp``, ``host-hugetlb`` (inside :func:`backing_enabled`) or ``acl-emulation``."""
     from xllm_vmm.vmm import VmmUnavailable, open_driver
 
     try:
-        if kind == "host":
-            return open_driver("host", device_memory=device_memory)
+        if kind.startswith("host"):
+            mode = kind.partition("-")[2] or "off"
+            return open_driver("host", device_memory=device_memory, hugepages=mode)
         return open_driver("acl", library="emulation", device_memory=device_memory)
     except (VmmUnavailable, OSError) as e:  # pragma: no cover - native build missing
         pytest.skip(f"{kind} driver unavailable here: {e}")
@@ -112,6 +121,40 @@ def make_pool(driver, arena_bytes: int = 64 * MiB, **budget):
 @pytest.fixture(params=DRIVERS)
 def driver_kind(request) -> str:
     return request.param
+
+
+@contextlib.contextmanager
+def backing_enabled(kind: str):
+    """Makes the machine allow ``kind``'s huge-page backing for the ``with`` block:
+    ``host-hugetlb`` raises ``vm.nr_hugepages`` by :data:`TEST_HUGE_PAGES`, ``host-thp`` sets
+    shmem_enabled=advise when it is off — root only, under the lock shared by every process
+    changing these settings, restored after (:mod:`xllm_vmm.vmm.hugepages`); skipped with the
+    reason where that cannot be done. Other kinds need nothing."""
+    from xllm_vmm.vmm import hugepages as hp
+
+    try:
+        if kind == "host-hugetlb":
+            with hp.extra_hugetlb_pages(TEST_HUGE_PAGES) as free:
+                if free < TEST_HUGE_PAGES:
+                    pytest.skip(f"the kernel found {free} free 2 MiB huge pages of the "
+                                f"{TEST_HUGE_PAGES} asked for")
+                yield
+            return
+        if kind == "host-thp" and not hp.thp_shmem_allowed():
+            with hp.shmem_thp_advise():
+                yield
+            return
+    except hp.SettingUnavailable as exc:
+        pytest.skip(f"{kind}: {exc}")
+    yield
+
+
+@pytest.fixture(params=HOST_BACKINGS + ["acl-emulation"])
+def backing_kind(request):
+    """Every driver the memory tests run on: the host driver on each huge-page backing (the
+    backing enabled for the test) and the ACL emulation."""
+    with backing_enabled(request.param):
+        yield request.param
 
 
 @pytest.fixture

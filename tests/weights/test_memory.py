@@ -1,6 +1,8 @@
-"""Memory really released and re-acquired: the host driver's Shmem (RssShmem of this process)
-drops by at least 99% of the weight bytes in light sleep; the ACL emulation's aclrtGetMemInfo
-free rises by the weights' pages; 20 sleep/wake cycles grow neither RSS, nor Shmem, nor file
+"""Memory really released and re-acquired: the host driver's Shmem (RssShmem of this process;
+with hugetlb backing its HugetlbPages, which are not shmem) drops by at least 99% of the weight
+bytes in light sleep, on every huge-page backing (4 KiB pages, shmem THP, hugetlb: each enabled
+for its test, see ``conftest.backing_enabled``); the ACL emulation's aclrtGetMemInfo free rises
+by the weights' pages; 20 sleep/wake cycles grow neither RSS, nor Shmem/hugetlb pages, nor file
 descriptors, nor mappings."""
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.weights.conftest import (MiB, checksums, make_pool, open_test_driver,  # noqa: E402
-                                    random_tensors, save_checkpoint)
+from tests.weights.conftest import (HOST_BACKINGS, MiB, backing_enabled,  # noqa: E402
+                                    checksums, make_pool, open_test_driver, random_tensors,
+                                    save_checkpoint)
 from xllm_vmm.weights import load_weights  # noqa: E402
 
 
@@ -23,6 +26,11 @@ def _status(key: str) -> int:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     raise AssertionError(f"no {key} in /proc/self/status")
+
+
+def _host_pages() -> int:
+    """Bytes of this process's shmem and hugetlb pages: where host driver handles live."""
+    return _status("RssShmem") + _status("HugetlbPages")
 
 
 def _mappings() -> int:
@@ -42,17 +50,24 @@ def model16(tmp_path_factory):
                            shards=2)
 
 
-def test_host_light_sleep_drops_shmem_by_the_weight_bytes(model16):
-    d = open_test_driver("host", 256 * MiB)
+@pytest.mark.parametrize("kind", HOST_BACKINGS)
+def test_host_light_sleep_drops_shmem_by_the_weight_bytes(model16, kind):
+    with backing_enabled(kind):
+        d = open_test_driver(kind, 256 * MiB)
+        assert d.hugepages == {"host": "off", "host-thp": "thp", "host-hugetlb": "hugetlb"}[kind]
+        _drops_and_comes_back(d, model16)
+
+
+def _drops_and_comes_back(d, model16) -> None:
     pool = make_pool(d, 64 * MiB)
     w = load_weights(model16, pool=pool)
     assert w.nbytes > 12 * MiB
-    awake = _status("RssShmem")
+    awake = _host_pages()
     w.sleep(1)
-    dropped = awake - _status("RssShmem")
-    assert dropped >= 0.99 * w.nbytes, f"RssShmem dropped {dropped} of {w.nbytes} bytes"
+    dropped = awake - _host_pages()
+    assert dropped >= 0.99 * w.nbytes, f"RssShmem+HugetlbPages dropped {dropped} of {w.nbytes} bytes"
     w.wake_up()
-    assert _status("RssShmem") - (awake - dropped) >= 0.99 * w.nbytes  # and comes back
+    assert _host_pages() - (awake - dropped) >= 0.99 * w.nbytes  # and comes back
     w.close()
     w = None
     gc.collect()
@@ -79,9 +94,8 @@ def test_acl_emulation_free_rises_by_the_weight_pages(model16):
     d.close()
 
 
-@pytest.mark.parametrize("kind", ["host", "acl-emulation"])
-def test_twenty_cycles_grow_nothing(model16, kind):
-    d = open_test_driver(kind, 256 * MiB)
+def test_twenty_cycles_grow_nothing(model16, backing_kind):
+    d = open_test_driver(backing_kind, 256 * MiB)
     pool = make_pool(d, 64 * MiB)
     w = load_weights(model16, pool=pool)
     want = checksums(w)
@@ -93,16 +107,16 @@ def test_twenty_cycles_grow_nothing(model16, kind):
     for level in (1, 2):  # warm up: first use of every path
         cycle(level)
     gc.collect()
-    base = (_status("VmRSS"), _status("RssShmem"), _fds(), _mappings())
+    base = (_status("VmRSS"), _host_pages(), _fds(), _mappings())
     for i in range(20):
         cycle(1 + i % 2)
     gc.collect()
-    rss, shmem, fds, maps = (_status("VmRSS"), _status("RssShmem"), _fds(), _mappings())
+    rss, shmem, fds, maps = (_status("VmRSS"), _host_pages(), _fds(), _mappings())
     assert fds == base[2], "file descriptors grew"
     # a re-allocated host copy may or may not merge with a neighbouring VMA (±1); a leak is
     # one mapping per cycle or more
     assert maps - base[3] <= 1, f"mappings grew by {maps - base[3]} over 20 cycles"
-    assert shmem == base[1], f"Shmem grew by {shmem - base[1]} bytes"
+    assert shmem == base[1], f"Shmem + hugetlb pages grew by {shmem - base[1]} bytes"
     # RSS: Python's own heap may move by a few pages; a leaked host copy or page would be
     # megabytes (the weights are 16 MiB)
     assert rss - base[0] < 2 * MiB, f"RSS grew by {rss - base[0]} bytes over 20 cycles"

@@ -69,10 +69,11 @@ def _leak_free(inner, pool, host_buffers: int) -> None:
 
 
 @pytest.mark.parametrize("level", [1, 2])
-def test_injected_oom_at_every_page_index(tmp_path, driver_kind, level):
+def test_injected_oom_at_every_page_index(tmp_path, backing_kind, level):
+    """On the ACL emulation and the host driver on every huge-page backing."""
     model = save_checkpoint(tmp_path / "m", {"a": torch.randn(PAGE // 4 * 3),  # 6 MiB f32
                                              "b": torch.randn(1000)})
-    inner = open_test_driver(driver_kind, 256 << 20)
+    inner = open_test_driver(backing_kind, 256 << 20)
     d = FaultyDriver(inner)
     pool = make_pool(d, 32 << 20)
     w = load_weights(model, pool=pool)

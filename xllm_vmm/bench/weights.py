@@ -1,35 +1,63 @@
 """``xllm-vmm bench weights``: load, light sleep, wakeup, deep sleep and fork of a checkpoint in
 the VMM pool, on a checkpoint built locally (default about 1 GiB of bf16 in 4 shards) or a
-model directory given.
+model directory given; on the host driver once per huge-page backing asked for
+(``--hugepages``, default ``hugetlb,thp,off``), in one run.
 
 Fields (seconds are wall-clock; ``*_seconds`` is the best of ``repeats``, ``*_median`` the
-median):
+median). The top-level fields are those of the first backing measured (``backing`` names it;
+``backings`` lists every one measured); each backing's own figures are repeated under its name
+(``hugetlb_light_sleep_ms_per_gib``, ``off_wakeup_vs_memcpy_ratio``, ...), and a backing the
+machine could not give is ``<name>_backing = "unavailable: <why>"``.
 
 - ``load_seconds``: ``load_weights`` into the pool — read the files into the host copy, map the
   region, copy host-to-device — with the files' page cache dropped first
   (``posix_fadvise(DONTNEED)``; ``page_cache_dropped`` says whether ``mincore`` then found the
   files out of the cache), i.e. a full reload from the safetensors files;
   ``load_warm_seconds`` with the files in page cache.
-- ``light_sleep_seconds`` (and ``light_sleep_ms_per_gib``): unmap and release every weight page.
+- ``light_sleep_seconds`` (and ``light_sleep_ms_per_gib``): unmap and release every weight
+  page (``ModelWeights.sleep(1)``). Its phases (:mod:`xllm_vmm.weights.phases`) of the best
+  run: ``light_sleep_<phase>_seconds`` for ``sync``, ``unmap``, ``release``, ``other``.
 - ``sleep_released_fraction``: memory really released by a light sleep over the weight bytes —
-  on the host driver the drop of this process's ``RssShmem``, elsewhere the driver's free
-  memory rise (``sleep_released_measure`` names it). Target ≥ 0.99.
-- ``wakeup_seconds`` (and ``wakeup_gib_per_s``): map + restore from the host copy.
+  on the host driver the drop of this process's ``RssShmem`` + ``HugetlbPages`` (hugetlb pages
+  are not shmem), elsewhere the driver's free memory rise (``sleep_released_measure`` names it).
+  Target ≥ 0.99.
+- ``wakeup_seconds`` (and ``wakeup_gib_per_s``): map + restore from the host copy; phases of
+  the best run: ``wakeup_<phase>_seconds`` for ``commit`` (creating the pages: the kernel
+  allocates and zeroes them), ``map``, ``copy``, ``other``.
+- ``memcpy_seconds``: the same bytes copied from the host copy into the region's pages while
+  they are mapped and already written (the driver's batched host-to-device copy in the same
+  chunks: on the host driver one native ``memcpy`` per chunk), best of ``repeats`` — the copy
+  bandwidth a wakeup is limited by. ``wakeup_vs_memcpy_ratio`` = ``wakeup_seconds /
+  memcpy_seconds`` (1 would be a wakeup at copy bandwidth); ``wakeup_copy_vs_memcpy_ratio`` the
+  same for the wakeup's copy phase alone (first-touch page faults show here).
 - ``wakeup_vs_reload_ratio`` = ``wakeup_seconds / load_seconds`` (target ≤ 0.5);
   ``wakeup_vs_warm_reload_ratio`` against the warm-cache load.
 - ``deep_wakeup_seconds``: wakeup after deep sleep (host copy dropped): reload from the files,
   page cache dropped first.
-- ``fork_extra_weight_bytes``: pool-held bytes + host copy bytes (+ RssShmem on the host
-  driver) a fork of the same checkpoint adds (0).
-- ``cycle_growth_bytes``: growth of pool-held + host copy + RssShmem bytes over ``cycles``
-  light/deep sleep-wake cycles (0); ``cycle_fd_growth`` and ``cycle_mapping_growth`` count
-  file descriptors and memory mappings; ``cycle_rss_growth_bytes`` is informational (the
-  Python heap moves by pages).
+- ``engine_light_sleep_seconds`` / ``engine_wakeup_seconds`` (with ``--kv-size`` > 0): the
+  engine's sleep (``LLMEngine.sleep`` is a :class:`~xllm_vmm.weights.SleepController` over the
+  weights and the KV cache manager): the weights plus a prefix-cached KV cache of
+  ``kv_bytes`` in the same pool, with ``engine_kv_sleep_seconds`` (the KV manager's part:
+  dropping its cached blocks and releasing their pages), ``engine_bytes_freed`` and
+  ``engine_light_sleep_ms_per_gib`` over the weights + KV bytes.
+- ``fork_extra_weight_bytes``: pool-held bytes + host copy bytes (+ RssShmem + HugetlbPages on
+  the host driver) a fork of the same checkpoint adds (0).
+- ``cycle_growth_bytes``: growth of pool-held + host copy + RssShmem + HugetlbPages bytes over
+  ``cycles`` light/deep sleep-wake cycles (0); ``cycle_fd_growth`` and
+  ``cycle_mapping_growth`` count file descriptors and memory mappings;
+  ``cycle_rss_growth_bytes`` is informational (the Python heap moves by pages).
 - ``bytes_identical``: every tensor byte equal to the first load's after all of the above.
+
+Machine settings: ``hugetlb`` needs free 2 MiB huge pages and ``thp`` shmem THP
+(:mod:`xllm_vmm.vmm.hugepages`); where they are off and the bench runs as root, it raises
+``vm.nr_hugepages`` by what the pool needs / sets ``shmem_enabled=advise`` for that backing's
+measurement only and restores the previous value after it (``<name>_setting`` says what it
+changed); otherwise that backing is reported unavailable with the setting to change.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import shutil
@@ -38,7 +66,7 @@ import tempfile
 import time
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from xllm_vmm.bench.limits import check_fits, check_range, host_headroom
 
@@ -167,46 +195,111 @@ def _digest(weights) -> int:
     return crc
 
 
+#: phases of a light sleep and of a wakeup reported as fields (:mod:`xllm_vmm.weights.phases`)
+_SLEEP_FIELDS = ("sync", "unmap", "release", "other")
+_WAKE_FIELDS = ("commit", "map", "copy", "other")
+#: the fields repeated under each backing's name
+_PER_BACKING = (
+    "backing", "setting", "light_sleep_ms_per_gib", "light_sleep_seconds",
+    "light_sleep_unmap_seconds", "light_sleep_release_seconds", "sleep_released_fraction",
+    "wakeup_seconds", "wakeup_commit_seconds", "wakeup_map_seconds", "wakeup_copy_seconds",
+    "memcpy_seconds", "wakeup_vs_memcpy_ratio", "wakeup_vs_reload_ratio", "load_seconds",
+    "deep_wakeup_seconds", "engine_light_sleep_ms_per_gib", "engine_kv_sleep_seconds",
+    "engine_wakeup_seconds", "fork_extra_weight_bytes", "cycle_growth_bytes", "bytes_identical")
+#: the backings ``--hugepages`` accepts (``auto``: whatever the driver picks as the machine is)
+BACKINGS = ("hugetlb", "thp", "off", "auto")
+DEFAULT_BACKINGS = "hugetlb,thp,off"
+_KV_BLOCK_TOKENS = 16
+_KV_TENSORS = 4  # two layers, K and V
+
+
+def parse_backings(text: str) -> tuple[str, ...]:
+    """``--hugepages`` as a tuple of distinct backings, in the order given; ValueError naming
+    the option otherwise."""
+    out: list[str] = []
+    for part in str(text).split(","):
+        mode = part.strip().lower()
+        if mode not in BACKINGS:
+            raise ValueError(f"--hugepages {text!r}: {part.strip()!r} is not one of "
+                             f"{', '.join(BACKINGS)} (a comma-separated list measures each)")
+        if mode not in out:
+            out.append(mode)
+    return tuple(out)
+
+
 def _summary(values: list[float]) -> tuple[float, float]:
     return min(values), statistics.median(values)
 
 
-def run(driver, *, size_bytes: int = _GiB, shards: int = 4, dtype: str = "bf16",
-        repeats: int = 3, cycles: int = 20, model_dir: str | None = None,
-        workdir: str | None = None) -> dict[str, Any]:
-    """Runs the benchmark on ``driver`` (see the module docstring); returns flat results."""
+def _held_host_memory() -> int:
+    """This process's shmem and hugetlb pages (bytes): where host driver handles live."""
+    return _status("RssShmem") + _status("HugetlbPages")
+
+
+def _best(reports: list) -> Any:
+    return min(reports, key=lambda r: r.seconds)
+
+
+def _memcpy_seconds(w, driver) -> float:
+    """One copy of the image from the host copy into the region while it is mapped and
+    written: the chunks and the call a wakeup's copy uses (see the module docstring)."""
+    from xllm_vmm.vmm.driver import CopyKind
+
+    store = w._store  # the bench measures the store's own copy path on its own buffers
+    vas, offs, sizes = store._chunks(0, store.image.nbytes)
+    t = time.perf_counter()
+    driver.copy_batch(vas, [store.host_addr + o for o in offs], sizes, CopyKind.H2D)
+    driver.synchronize()
+    return time.perf_counter() - t
+
+
+def _kv_layout(kv_bytes: int, page: int):
+    """A two-layer K/V layout whose ``kv_bytes`` fill whole pages of every tensor."""
+    from xllm_vmm.models.spec import CacheGroup, CacheLayout, CacheTensor
+
+    per_token = page // 4 // _KV_BLOCK_TOKENS  # four blocks per page
+    tensors = tuple(CacheTensor(f"layer{i}.{kv}", per_token) for i in range(2) for kv in "kv")
+    layout = CacheLayout("bench-weights", 1, (CacheGroup("attn", tensors, _KV_BLOCK_TOKENS),))
+    block = per_token * _KV_BLOCK_TOKENS * _KV_TENSORS  # bytes of one block, all tensors
+    blocks = max(1, kv_bytes // block)
+    return layout, blocks
+
+
+def _fill_kv(kv, blocks: int, n: int) -> None:
+    """One request of ``blocks`` full blocks and one token more (capacity: ``blocks + 1``),
+    committed and freed: its full blocks stay mapped as cached prefixes (what a sleep has to
+    drop)."""
+    tokens = [(n * 7919 + i) % 50_000 for i in range(blocks * _KV_BLOCK_TOKENS + 1)]
+    rid = f"bench-{n}"
+    hit = kv.lookup(rid, tokens)
+    if kv.allocate(rid, len(tokens) - hit.num_tokens, hit=hit) is None:
+        raise RuntimeError(f"the KV cache could not take {blocks} blocks for the engine sleep "
+                           "measurement; lower --kv-size")
+    kv.commit(rid, len(tokens), tokens)
+    kv.free(rid)
+
+
+def measure(driver, model: Path, *, repeats: int, cycles: int, kv_bytes: int = 0) -> dict[str, Any]:
+    """Every figure of the module docstring for ``model`` on ``driver`` (flat results)."""
     from xllm_vmm.pool import BudgetConfig, VmmPool
-    from xllm_vmm.weights import load_weights
+    from xllm_vmm.weights import SleepController, load_weights
     from xllm_vmm.weights.checkpoint import read_checkpoint
 
-    check_range("--repeats", repeats, 1, 100)
-    check_range("--cycles", cycles, 1, 10_000)
-    check_range("--shards", shards, 1, 1024)
-    if dtype.lower() not in _DTYPES:
-        raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(sorted(_DTYPES))}")
-    tmp = None
-    t0 = time.perf_counter()
-    if model_dir is None:
-        check_range("--size", size_bytes, _MiB, 1 << 40)
-        # files + host copy + pool pages + the build's own tensors
-        check_fits(3 * size_bytes + 64 * _MiB, host_headroom(), option="--size",
-                   value=size_bytes, what="the checkpoint's page cache, the host copy and the "
-                   "pool pages", where="the host")
-        tmp = Path(tempfile.mkdtemp(prefix="xllm-vmm-bench-weights-", dir=workdir))
-        model = build_checkpoint(tmp / "model", size_bytes, shards, _DTYPES[dtype.lower()])
-    else:
-        model = Path(model_dir)
-    build_seconds = time.perf_counter() - t0
     ckpt = read_checkpoint(model)
     nbytes = ckpt.nbytes
     page = driver.granularity
-    arena = (-(-nbytes // page) + 4 + len(ckpt.entries)) * page
+    kv_layout, kv_blocks = _kv_layout(kv_bytes, page) if kv_bytes > 0 else (None, 0)
+    kv_pages = -(-(kv_blocks + 1) // 4) * _KV_TENSORS if kv_bytes > 0 else 0
+    arena = (-(-nbytes // page) + 4 + len(ckpt.entries) + kv_pages + 2 * _KV_TENSORS) * page
     free = driver.mem_info().free
-    check_fits(arena, free, option="--size", value=size_bytes, what="the weights' pages")
+    check_fits(arena, free, option="--size", value=nbytes, what="the weights' (and KV) pages")
     pool = VmmPool(driver, BudgetConfig(execution_peak_bytes=0), arena)
     host = driver.name == "host"
-    w = child = None
+    w = child = kv = None
     try:
+        # an untimed first load: first use of the memory (a fresh hugetlb pool is slow once)
+        load_weights(model, pool=pool).close()
+        gc.collect()
         cold = []
         dropped = True
         for _ in range(repeats):
@@ -228,27 +321,54 @@ def run(driver, *, size_bytes: int = _GiB, shards: int = 4, dtype: str = "bf16",
                 gc.collect()
         want = _digest(w)
         device_bytes = w.device_bytes
-        sleeps, wakes, fractions = [], [], []
+        sleeps, wakes, fractions, copies = [], [], [], []
         for _ in range(repeats):
-            shmem, dev_free = _status("RssShmem"), driver.mem_info().free
+            copies.append(_memcpy_seconds(w, driver))
+            held, dev_free = _held_host_memory(), driver.mem_info().free
             r = w.sleep(1)
-            sleeps.append(r.seconds)
+            sleeps.append(r)
             if host:
-                fractions.append((shmem - _status("RssShmem")) / nbytes)
+                fractions.append((held - _held_host_memory()) / nbytes)
             else:
                 fractions.append((driver.mem_info().free - dev_free) / nbytes)
-            wakes.append(w.wake_up().seconds)
+            wakes.append(w.wake_up())
         deep = []
         for _ in range(repeats):
             w.sleep(2)
             drop_page_cache(model)
             deep.append(w.wake_up().seconds)
+        engine: dict[str, Any] = {}
+        if kv_layout is not None:
+            from xllm_vmm.kvcache import build_kv_cache_manager
+
+            kv = build_kv_cache_manager(pool, kv_layout, enable_prefix_cache=True,
+                                        max_tokens=(kv_blocks + 1) * _KV_BLOCK_TOKENS,
+                                        compact=False)
+            ctl = SleepController(w, [kv])
+            esleeps, ewakes = [], []
+            for i in range(repeats):
+                _fill_kv(kv, kv_blocks, i)
+                esleeps.append(ctl.sleep(1))
+                ewakes.append(ctl.wake_up())
+            best = _best(esleeps)
+            gib_all = (nbytes + best.tenants_bytes_freed) / _GiB
+            engine = {
+                "kv_bytes": best.tenants_bytes_freed,
+                "engine_light_sleep_seconds": best.seconds,
+                "engine_light_sleep_seconds_median": statistics.median(r.seconds for r in esleeps),
+                "engine_light_sleep_ms_per_gib": best.seconds * 1000 / gib_all,
+                "engine_kv_sleep_seconds": best.phases.get("tenants", 0.0),
+                "engine_bytes_freed": best.bytes_freed,
+                "engine_wakeup_seconds": min(r.seconds for r in ewakes),
+            }
+            kv.close()
+            kv = None
         # fork
-        held, host_copy, shmem = pool.held_bytes, w.host_copy_bytes, _status("RssShmem")
+        held, host_copy, shmem = pool.held_bytes, w.host_copy_bytes, _held_host_memory()
         child = w.fork()
         fork_extra = (pool.held_bytes - held) + (child.host_copy_bytes - host_copy)
         if host:
-            fork_extra += _status("RssShmem") - shmem
+            fork_extra += _held_host_memory() - shmem
         child.close()
         child = None
         # cycles
@@ -258,7 +378,7 @@ def run(driver, *, size_bytes: int = _GiB, shards: int = 4, dtype: str = "bf16",
         gc.collect()
 
         def snap():
-            return (pool.held_bytes + w.host_copy_bytes + _status("RssShmem"),
+            return (pool.held_bytes + w.host_copy_bytes + _held_host_memory(),
                     _count("/proc/self/fd"), _count("/proc/self/maps"), _status("VmRSS"))
 
         before = snap()
@@ -269,45 +389,52 @@ def run(driver, *, size_bytes: int = _GiB, shards: int = 4, dtype: str = "bf16",
         after = snap()
         identical = _digest(w) == want
     finally:
+        if kv is not None:
+            kv.close()
         for x in (child, w):
             if x is not None:
                 x.close()
         w = child = None
         gc.collect()
         pool.close()
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
     load, load_med = _summary(cold)
     load_warm, load_warm_med = _summary(warm)
-    sleep_s, sleep_med = _summary(sleeps)
-    wake_s, wake_med = _summary(wakes)
+    sleep, wake = _best(sleeps), _best(wakes)
     deep_s, deep_med = _summary(deep)
+    memcpy = min(copies)
     gib = nbytes / _GiB
-    return {
+    out: dict[str, Any] = {
         "driver": driver.name,
+        "backing": getattr(driver, "hugepages", "device"),
         "weight_bytes": nbytes,
         "device_bytes": device_bytes,
         "tensors": len(ckpt.entries),
         "files": len(ckpt.files),
         "repeats": repeats,
-        "build_seconds": build_seconds,
         "page_cache_dropped": dropped,
         "load_seconds": load,
         "load_seconds_median": load_med,
         "load_warm_seconds": load_warm,
         "load_warm_seconds_median": load_warm_med,
-        "light_sleep_seconds": sleep_s,
-        "light_sleep_seconds_median": sleep_med,
-        "light_sleep_ms_per_gib": sleep_s * 1000 / gib,
+        "light_sleep_seconds": sleep.seconds,
+        "light_sleep_seconds_median": statistics.median(r.seconds for r in sleeps),
+        "light_sleep_ms_per_gib": sleep.seconds * 1000 / gib,
+        **{f"light_sleep_{p}_seconds": sleep.phases.get(p, 0.0) for p in _SLEEP_FIELDS},
         "sleep_released_fraction": min(fractions),
-        "sleep_released_measure": "RssShmem" if host else "mem_info.free",
-        "wakeup_seconds": wake_s,
-        "wakeup_seconds_median": wake_med,
-        "wakeup_gib_per_s": gib / wake_s if wake_s > 0 else float("inf"),
-        "wakeup_vs_reload_ratio": wake_s / load,
-        "wakeup_vs_warm_reload_ratio": wake_s / load_warm,
+        "sleep_released_measure": "RssShmem+HugetlbPages" if host else "mem_info.free",
+        "wakeup_seconds": wake.seconds,
+        "wakeup_seconds_median": statistics.median(r.seconds for r in wakes),
+        **{f"wakeup_{p}_seconds": wake.phases.get(p, 0.0) for p in _WAKE_FIELDS},
+        "wakeup_gib_per_s": gib / wake.seconds if wake.seconds > 0 else float("inf"),
+        "memcpy_seconds": memcpy,
+        "memcpy_gib_per_s": gib / memcpy if memcpy > 0 else float("inf"),
+        "wakeup_vs_memcpy_ratio": wake.seconds / memcpy,
+        "wakeup_copy_vs_memcpy_ratio": wake.phases.get("copy", 0.0) / memcpy,
+        "wakeup_vs_reload_ratio": wake.seconds / load,
+        "wakeup_vs_warm_reload_ratio": wake.seconds / load_warm,
         "deep_wakeup_seconds": deep_s,
         "deep_wakeup_seconds_median": deep_med,
+        **engine,
         "fork_extra_weight_bytes": fork_extra,
         "cycles": cycles,
         "cycle_growth_bytes": after[0] - before[0],
@@ -316,3 +443,119 @@ def run(driver, *, size_bytes: int = _GiB, shards: int = 4, dtype: str = "bf16",
         "cycle_rss_growth_bytes": after[3] - before[3],
         "bytes_identical": identical,
     }
+    return out
+
+
+def _check_options(repeats: int, cycles: int, shards: int, dtype: str) -> None:
+    check_range("--repeats", repeats, 1, 100)
+    check_range("--cycles", cycles, 1, 10_000)
+    check_range("--shards", shards, 1, 1024)
+    if dtype.lower() not in _DTYPES:
+        raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(sorted(_DTYPES))}")
+
+
+@contextlib.contextmanager
+def _model(size_bytes: int, shards: int, dtype: str, model_dir: str | None,
+           workdir: str | None) -> Iterator[tuple[Path, float]]:
+    """(the model directory, seconds to build it): ``model_dir``, or a checkpoint built in a
+    temporary directory removed afterwards."""
+    if model_dir is not None:
+        yield Path(model_dir), 0.0
+        return
+    check_range("--size", size_bytes, _MiB, 1 << 40)
+    # files + host copy + pool pages + the build's own tensors
+    check_fits(3 * size_bytes + 64 * _MiB, host_headroom(), option="--size",
+               value=size_bytes, what="the checkpoint's page cache, the host copy and the "
+               "pool pages", where="the host")
+    tmp = Path(tempfile.mkdtemp(prefix="xllm-vmm-bench-weights-", dir=workdir))
+    try:
+        t0 = time.perf_counter()
+        model = build_checkpoint(tmp / "model", size_bytes, shards, _DTYPES[dtype.lower()])
+        yield model, time.perf_counter() - t0
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run(driver, *, size_bytes: int = _GiB, shards: int = 4, dtype: str = "bf16",
+        repeats: int = 3, cycles: int = 20, model_dir: str | None = None,
+        workdir: str | None = None, kv_size: int = 0) -> dict[str, Any]:
+    """Runs the benchmark on ``driver`` (one backing: the driver's own); flat results."""
+    _check_options(repeats, cycles, shards, dtype)
+    with _model(size_bytes, shards, dtype, model_dir, workdir) as (model, build):
+        out = measure(driver, model, repeats=repeats, cycles=cycles, kv_bytes=kv_size)
+    return {"build_seconds": build, **out}
+
+
+@contextlib.contextmanager
+def _backing_allowed(mode: str, need_bytes: int) -> Iterator[str]:
+    """Makes the machine allow ``mode`` for the ``with`` block when it does not yet (root:
+    :mod:`xllm_vmm.vmm.hugepages`' shared-lock settings, restored after); yields what was
+    changed (``""`` for nothing). Raises ``hugepages.SettingUnavailable`` with the reason when
+    the machine cannot give the backing."""
+    from xllm_vmm.vmm import hugepages as hp
+
+    if mode == "hugetlb":
+        free = hp.hugetlb_memory().free
+        if free >= need_bytes:
+            yield ""
+            return
+        extra = -(-(need_bytes - free) // hp.HUGE_PAGE)
+        with hp.extra_hugetlb_pages(extra) as pages:
+            if pages * hp.HUGE_PAGE < need_bytes:
+                raise hp.SettingUnavailable(
+                    f"the kernel found {pages} free 2 MiB huge pages of the "
+                    f"{need_bytes // hp.HUGE_PAGE} the pool needs (memory fragmented?)")
+            yield f"vm.nr_hugepages +{extra} for this measurement"
+        return
+    if mode == "thp" and not hp.thp_shmem_allowed():
+        with hp.shmem_thp_advise() as old:
+            yield f"shmem_enabled {old} -> advise for this measurement"
+        return
+    yield ""
+
+
+def run_host(backings: tuple[str, ...] = ("hugetlb", "thp", "off"), *, size_bytes: int = _GiB,
+             shards: int = 4, dtype: str = "bf16", repeats: int = 3, cycles: int = 20,
+             model_dir: str | None = None, workdir: str | None = None, kv_size: int = 0,
+             device_index: int = 0) -> dict[str, Any]:
+    """The host driver once per backing of ``backings`` on one checkpoint (see the module
+    docstring); the first backing measured gives the top-level fields."""
+    from xllm_vmm.vmm import hugepages as hp
+    from xllm_vmm.vmm import open_driver
+
+    _check_options(repeats, cycles, shards, dtype)
+    if not backings:
+        raise ValueError("--hugepages names no backing")
+    out: dict[str, Any] = {}
+    measured: list[str] = []
+    with _model(size_bytes, shards, dtype, model_dir, workdir) as (model, build):
+        from xllm_vmm.weights.checkpoint import read_checkpoint
+
+        nbytes = read_checkpoint(model).nbytes
+        page = hp.HUGE_PAGE
+        need = (-(-nbytes // page) + 8 + len(read_checkpoint(model).entries)) * page \
+            + (-(-kv_size // page) + 8) * page
+        for mode in backings:
+            try:
+                with _backing_allowed(mode, need) as setting:
+                    d = open_driver("host", device_index=device_index, hugepages=mode)
+                    try:
+                        r = measure(d, model, repeats=repeats, cycles=cycles, kv_bytes=kv_size)
+                    finally:
+                        d.close()
+            except hp.SettingUnavailable as exc:
+                out[f"{mode}_backing"] = f"unavailable: {exc}"
+                continue
+            r["setting"] = setting
+            if not measured:
+                out.update(r)
+            measured.append(mode)
+            for key in _PER_BACKING:
+                if key in r:
+                    out[f"{mode}_{key}"] = r[key]
+    if not measured:
+        raise RuntimeError("no backing could be measured: " + "; ".join(
+            f"{k[:-8]}: {v}" for k, v in out.items() if k.endswith("_backing")))
+    out["build_seconds"] = build
+    out["backings"] = ",".join(measured)
+    return out
