@@ -75,7 +75,7 @@ class LLMEngine:
     def __init__(self, *, model_dir: str, model_name: str, config: Any, plan: Any, driver: Any,
                  pool: Any, weights: Any, mgr: Any, worker: Any, tokenizer: Any,
                  max_model_len: int, seed: int | None, warnings: list | None = None,
-                 is_demo: bool = False, owns_driver: bool = True) -> None:
+                 is_demo: bool = False, owns_driver: bool = True, draft: Any = None) -> None:
         from xllm_vmm.engine.linear_state import attach_linear_state
         from xllm_vmm.engine.sampler import Sampler
         from xllm_vmm.engine.scheduler import Scheduler
@@ -85,6 +85,19 @@ class LLMEngine:
         slots = getattr(plan.workers[0], "resident_slots", 0) if plan is not None else 0
         mgr, worker = attach_linear_state(
             mgr, worker, max_seqs=int(slots or config["max_seqs_per_batch"]))
+        self.draft = draft
+        self.speculator = None
+        if draft is not None:  # MTP speculative decoding (issue 15)
+            from xllm_vmm.engine.spec_decode.speculator import MtpSlotsKVManager, MtpSpeculator
+            from xllm_vmm.kvcache.resident import SequenceSlots
+
+            hidden = draft.config.hidden_size * draft.body.dtype.itemsize
+            self.spec_slots = SequenceSlots("mtp_embedding", int(config["max_seqs_per_batch"]),
+                                            hidden)
+            mgr = MtpSlotsKVManager(mgr, self.spec_slots)
+            self.speculator = MtpSpeculator(
+                mgr, draft, num_speculative_tokens=int(config["num_speculative_tokens"]),
+                max_model_len=max_model_len, seed=None if seed is None else seed + 1)
         self.model_dir = model_dir
         self.model_name = model_name
         self.config = config
@@ -225,8 +238,15 @@ class LLMEngine:
             return []
         sched = self.scheduler
         out = sched.schedule()
+        spec = self.speculator
         if out.step is None:
             results = sched.update(out) if out.finished else []
+        elif spec is not None:  # MTP speculative decoding (spec_decode.speculator)
+            so = spec.target_step(self.worker, out.step)
+            toks, lps = spec.sample(out, so, self.sampler)
+            results = sched.update(out, toks, lps, int(so.execution_peak_bytes or 0))
+            spec.propose(out, so)
+            self.num_steps += 1
         else:
             self._prompt_lps.prepare(out, self.worker)
             so = self.worker.execute(out.step)
@@ -329,6 +349,8 @@ class LLMEngine:
             "kvcache": kv,
             **({"distributed": self.distributed.stats()}  # several workers (issue 14)
                if getattr(self, "distributed", None) is not None else {}),
+            **({"spec_decode": self.speculator.metrics()}  # MTP speculation (issue 15)
+               if self.speculator is not None else {}),
         }
 
     # -- sleep / wake / fork -------------------------------------------------------------
@@ -409,6 +431,9 @@ class LLMEngine:
         close = getattr(self.worker, "close", None)
         if close is not None:
             close()
+        if self.draft is not None:  # its views over the draft group go before the cache
+            self.draft.close()
+            self.draft = self.speculator = None
         self.kv_cache_manager.close()
         wclose = getattr(self.weights, "close", None)
         if wclose is not None:
@@ -566,7 +591,7 @@ def _build(cls: type, sized: _Sized, model_dir: str, opts: dict[str, Any], is_de
                           max_cache_size=int(cfg["max_cache_size"]),
                           reserve_bytes=int(cfg["vmm_memory_reserve_bytes"]),
                           execution_peak_bytes=wp.execution_peak_bytes)
-    pool = mgr = worker = None
+    pool = mgr = worker = draft = None
     own_weights = weights is None
     try:
         pool = VmmPool(driver, budget, arena)
@@ -599,20 +624,22 @@ def _build(cls: type, sized: _Sized, model_dir: str, opts: dict[str, Any], is_de
                                **({"tp": dist.tp} if dist is not None else {}))
         if dist is not None:
             worker = dist.attach(mgr, worker, pool)
+        draft = _load_draft(cfg, plan, mgr, worker, dtype, dist)
         tok = Tokenizer.from_dir(model_dir)
     except BaseException:
         # undo in reverse; a failure while undoing must not hide the error that matters
         import contextlib
         import gc
 
-        steps = [getattr(dist, "abort", None), getattr(worker, "close", None),
+        steps = [getattr(dist, "abort", None), getattr(draft, "close", None),
+                 getattr(worker, "close", None),
                  getattr(mgr, "close", None),
                  getattr(weights, "close", None) if own_weights else None]
         for close in steps:
             if close is not None:
                 with contextlib.suppress(Exception):
                     close()
-        worker = mgr = weights = None
+        worker = mgr = weights = draft = None
         gc.collect()  # tensor views over the arena must be gone before it is released
         for close in (getattr(pool, "close", None), driver.close if owns else None):
             if close is not None:
@@ -626,10 +653,72 @@ def _build(cls: type, sized: _Sized, model_dir: str, opts: dict[str, Any], is_de
     eng = cls(model_dir=model_dir, model_name=name, config=cfg, plan=plan, driver=driver,
               pool=pool, weights=weights, mgr=mgr, worker=worker, tokenizer=tok,
               max_model_len=sized.max_model_len, seed=None if seed < 0 else seed,
-              warnings=sized.warnings, is_demo=is_demo, owns_driver=owns)
+              warnings=sized.warnings, is_demo=is_demo, owns_driver=owns, draft=draft)
     eng._opts = dict(opts)
     eng.distributed = dist
     return eng
+
+
+def _load_draft(cfg: Any, plan: Any, mgr: Any, worker: Any, dtype: Any, dist: Any) -> Any:
+    """The MTP draft module for ``num_speculative_tokens > 0`` (None otherwise), over the
+    ``"draft"`` group of ``mgr``'s cache (the plan's layout has it: SD-01).
+
+    Refused with a :class:`ConfigError` naming the flags: an algorithm other than MTP (Eagle3
+    with virtual KV and speculation with PD disaggregation are refused before, by SD-02/SD-03
+    among the rules; Suffix, DFlash and Eagle3 drafts have no implementation here), several
+    workers, a hybrid (linear-state) target, a draft directory that is not an MTP export or
+    does not match the target (hidden size, vocabulary). The draft's weights are ordinary
+    tensors (not in the pool): sleep and fork leave them as they are."""
+    from xllm_vmm.config import ConfigError, Finding
+
+    k = int(cfg["num_speculative_tokens"])
+    if k <= 0:
+        return None
+    names = ("num_speculative_tokens", "speculative_algorithm", "draft_model")
+    flags = {n: cfg[n] for n in names}
+
+    def refuse(message: str, hint: str) -> ConfigError:
+        return ConfigError([Finding("CFG-CONFLICT", "error", message, flags=flags, hint=hint)])
+
+    alg = str(cfg["speculative_algorithm"]).strip()
+    if alg.upper() != "MTP":
+        raise refuse(f"speculative_algorithm={alg}: this engine runs MTP speculative decoding "
+                     "only (a co-located draft_model exported by export_mtp.py)",
+                     "use --speculative_algorithm=MTP with --draft_model, or "
+                     "--num_speculative_tokens=0")
+    if dist is not None:
+        raise refuse("MTP speculative decoding runs with one worker (tp_size=1) in this "
+                     "engine", "set --num_speculative_tokens=0, or one device")
+    from xllm_vmm.engine.linear_state import needs_linear_state
+
+    if needs_linear_state(worker):
+        raise refuse("MTP speculative decoding with a hybrid linear-attention target is not "
+                     "supported (its linear state cannot roll back rejected drafts)",
+                     "set --num_speculative_tokens=0")
+    if "draft" not in mgr.group_names:
+        raise refuse(f"the plan's cache layout has no draft group (groups: {mgr.group_names}); "
+                     "the draft_model directory was not read as a model",
+                     "pass --draft_model=<the MTP export directory with its config.json>")
+    from xllm_vmm.engine.spec_decode.mtp import MtpDraft
+    from xllm_vmm.models import ModelConfigError
+
+    draft_dir = str(Path(str(cfg["draft_model"])).expanduser())
+    try:
+        draft = MtpDraft.load(draft_dir, mgr.cache, dtype=dtype)
+    except (ModelConfigError, ValueError, OSError) as e:
+        raise refuse(f"draft_model {draft_dir!r}: {getattr(e, 'message', None) or e}",
+                     getattr(e, "hint", "") or "pass an MTP draft directory (export_mtp.py "
+                     "format)") from None
+    tcfg = getattr(getattr(worker, "model", None), "config", None)
+    if tcfg is not None:
+        bad = [(f, getattr(draft.config, f), getattr(tcfg, f)) for f in ("hidden_size", "vocab_size")
+               if getattr(draft.config, f, None) != getattr(tcfg, f, None)]
+        if bad:
+            draft.close()
+            f, dv, tv = bad[0]
+            raise refuse(f"draft_model {draft_dir!r}: its {f} is {dv}, the target's is {tv}",
+                         "pass the MTP draft exported from this target")
+    return draft
 
 
 __all__ = ["DEFAULT_HOST_DEVICE_MEMORY", "ENGINE_OPTIONS", "LLMEngine", "child_request_id"]

@@ -78,6 +78,12 @@ class Request:
     first_token_time: float | None = None
     admitted_order: int = -1
     """Monotonic admission counter: preemption takes the highest (newest) first."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Speculative decoding (issue 15): the draft's proposals for the positions after the last
+    token, verified by the target in the request's next decode step (empty: plain decode)."""
+    spec_draft_probs: Any = None
+    """The draft distributions ``(len(spec_token_ids), vocab)`` the proposals were sampled
+    from (None for a greedy request): the rejection rule's ``q``."""
     _all: list[int] | None = field(default=None, repr=False, compare=False)
 
     @property

@@ -66,6 +66,9 @@ class ScheduledChunk:
     start_pos: int
     num_tokens: int
     sample: bool
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Speculative decoding: draft tokens verified after the chunk's one decode token (the
+    step computes ``num_tokens + len(spec_token_ids)`` positions; empty: no speculation)."""
 
 
 @dataclass
@@ -153,6 +156,7 @@ class Scheduler:
     # -- scheduling ----------------------------------------------------------------------
     def _preempt(self, req: Request) -> None:
         self.mgr.free(req.request_id)
+        req.spec_token_ids, req.spec_draft_probs = [], None
         self.running.remove(req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
@@ -189,7 +193,13 @@ class Scheduler:
             if n <= 0:  # nothing to compute (cannot happen for a running request)
                 i += 1
                 continue
-            got = mgr.allocate(rid, n)
+            # speculative decoding: a decode verifies its drafts (what the budget leaves)
+            spec = (req.spec_token_ids[:token_budget - n]
+                    if req.spec_token_ids and req.num_uncomputed_tokens == 1 else [])
+            got = mgr.allocate(rid, n, lookahead=len(spec)) if spec else mgr.allocate(rid, n)
+            if got is None and spec:  # no room for the drafts: decode plainly, preempt nobody
+                spec = []
+                got = mgr.allocate(rid, n)
             self_preempted = False
             while got is None:
                 victim = self.running[-1]
@@ -216,9 +226,9 @@ class Scheduler:
                 break
             tables[rid] = got
             chunks.append(ScheduledChunk(req, req.num_computed_tokens, n,
-                                         req.num_computed_tokens + n == req.num_tokens))
+                                         req.num_computed_tokens + n == req.num_tokens, spec))
             scheduled_ids.add(rid)
-            token_budget -= n
+            token_budget -= n + len(spec)
             i += 1
 
         admitted: list[str] = []
@@ -275,10 +285,21 @@ class Scheduler:
         if chunks:
             step = StepInput.build(
                 [SeqChunk(c.request.request_id,
-                          c.request.all_token_ids[c.start_pos:c.start_pos + c.num_tokens],
+                          c.request.all_token_ids[c.start_pos:c.start_pos + c.num_tokens]
+                          + c.spec_token_ids,
                           c.start_pos, tables[c.request.request_id], c.sample) for c in chunks],
                 self.block_size)
         return SchedulerOutput(chunks, step, preempted, admitted, finished)
+
+    def _truncate(self, request_id: str, num_tokens: int) -> None:
+        """Give back the blocks beyond ``num_tokens`` (rejected drafts' KV; contract section 1).
+        A manager without ``truncate`` keeps them as the request's lookahead."""
+        truncate = getattr(self.mgr, "truncate", None)
+        if truncate is not None:
+            self.released_spec_blocks += truncate(request_id, num_tokens)
+
+    released_spec_blocks = 0
+    """Blocks speculative decoding gave back at once (rejected drafts), all requests."""
 
     def _never_fits(self, req: Request) -> bool:
         """Nothing runs and ``req`` was refused: true when its footprint exceeds the whole KV
@@ -309,12 +330,19 @@ class Scheduler:
         return False
 
     # -- results -------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, token_ids: Sequence[int] = (),
-               logprobs: Sequence[dict[int, Logprob] | None] | None = None,
+    def update(self, out: SchedulerOutput, token_ids: Sequence[int | Sequence[int]] = (),
+               logprobs: Sequence[Any] | None = None,
                execution_peak_bytes: int = 0) -> list[EngineOutput]:
         """Apply a step's results: ``token_ids[i]`` / ``logprobs[i]`` sampled for
         ``out.sampled[i]``. Returns one :class:`EngineOutput` per request that produced a token
-        or finished."""
+        or finished.
+
+        Speculative decoding: for a chunk with ``spec_token_ids``, ``token_ids[i]`` is the list
+        of tokens verification emitted (the accepted drafts, then the target's token) and
+        ``logprobs[i]`` a list of the same length (or None). They are appended one by one until
+        a stop condition; the accepted drafts hold valid KV (``num_computed_tokens`` = the
+        chunk's start + 1 + accepted drafts kept), and the blocks beyond that go back at once
+        (``mgr.truncate``: the rejected drafts' KV is never published)."""
         self.steps += 1
         if execution_peak_bytes > 0:
             self.execution_peak_bytes = max(self.execution_peak_bytes, execution_peak_bytes)
@@ -330,25 +358,43 @@ class Scheduler:
             req = c.request
             if req.status is not RequestStatus.RUNNING:  # aborted meanwhile
                 continue
-            req.num_computed_tokens = c.start_pos + c.num_tokens
-            mgr.commit(req.request_id, req.num_computed_tokens, req.all_token_ids)
             if not c.sample:
+                req.num_computed_tokens = c.start_pos + c.num_tokens
+                mgr.commit(req.request_id, req.num_computed_tokens, req.all_token_ids)
                 continue
             j = by_req[req.request_id]
-            tok = int(token_ids[j])
-            req.append_output(tok)
-            lp = logprobs[j] if logprobs is not None else None
-            if lp is not None:
-                req.output_logprobs.append(lp)
-            self.generation_tokens += 1
-            status = req.check_stop(tok, self.max_model_len)
+            got, lp_got = token_ids[j], logprobs[j] if logprobs is not None else None
+            if c.spec_token_ids:
+                toks = [int(t) for t in got]
+                lps = list(lp_got) if lp_got is not None else [None] * len(toks)
+            else:
+                toks, lps = [int(got)], [lp_got]
+            new: list[int] = []
+            new_lps: list[Any] = []
+            status = None
+            for tok, lp in zip(toks, lps):
+                req.append_output(tok)
+                new.append(tok)
+                if lp is not None:
+                    req.output_logprobs.append(lp)
+                    new_lps.append(lp)
+                self.generation_tokens += 1
+                status = req.check_stop(tok, self.max_model_len)
+                if status is not None:
+                    break
+            # the chunk's tokens and the accepted drafts before the last new token hold KV
+            req.num_computed_tokens = c.start_pos + c.num_tokens + len(new) - 1
+            mgr.commit(req.request_id, req.num_computed_tokens, req.all_token_ids)
+            req.spec_token_ids, req.spec_draft_probs = [], None
             if status is not None:
                 self._finish(req, status)
+            elif c.spec_token_ids:
+                self._truncate(req.request_id, req.num_computed_tokens)
             results.append(EngineOutput(
-                req.request_id, [tok], status is not None,
+                req.request_id, new, status is not None,
                 status.finish_reason if status is not None else None,
                 req.stop_reason if status is not None else None,
-                [lp] if lp is not None else None, req.num_prompt_tokens,
+                new_lps or None, req.num_prompt_tokens,
                 max(req.num_cached_tokens, 0)))
         for req in out.finished:
             results.append(EngineOutput(req.request_id, [], True, req.finish_reason, None, None,
