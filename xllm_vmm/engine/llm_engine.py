@@ -32,8 +32,10 @@ default 1 GiB on the host driver, the device's total otherwise), ``attention_bac
 ``enable_prefix_cache``, ``host_blocks_factor``, ``max_seqs_per_batch``,
 ``max_tokens_per_batch``, ``enable_chunked_prefill``, ``max_memory_utilization``,
 ``max_cache_size``, ``vmm_memory_reserve_bytes``, ``xxh3_128bits_seed``, ``random_seed``,
-``devices``, ``model_id``; every other flag is validated (as check-config does) and has no
-effect here.
+``devices``, ``model_id``, and MTP speculative decoding's ``draft_model``,
+``speculative_algorithm`` (MTP only), ``num_speculative_tokens``
+(:mod:`xllm_vmm.engine.spec_decode.speculator`); every other flag is validated (as
+check-config does) and has no effect here (:data:`HONOURED_FLAGS`).
 
 Parallel samples (``SamplingParams.n > 1``) are sibling requests ``{request_id}#{i}``
 (:func:`child_request_id`); their :class:`EngineOutput` carries ``parent_request_id`` and
@@ -56,6 +58,18 @@ from xllm_vmm.engine.sampling_params import SamplingParams
 GiB = 1 << 30
 DEFAULT_HOST_DEVICE_MEMORY = 1 * GiB
 """Emulated device memory of the host (CPU) driver when ``device_memory`` is not given."""
+
+HONOURED_FLAGS = frozenset({
+    "block_size", "enable_vmm_kvcache", "vmm_elastic", "enable_vmm_weights",
+    "enable_prefix_cache", "host_blocks_factor", "max_seqs_per_batch", "max_tokens_per_batch",
+    "enable_chunked_prefill", "max_memory_utilization", "max_cache_size",
+    "vmm_memory_reserve_bytes", "xxh3_128bits_seed", "random_seed", "devices", "model_id",
+    # several workers (engine.distributed, issue 14)
+    "nnodes", "node_rank", "master_node_addr", "tp_size",
+    # MTP speculative decoding (spec_decode.speculator, issue 15)
+    "draft_model", "speculative_algorithm", "num_speculative_tokens"})
+"""The engine flags this engine acts on (``serve`` lists every other explicitly set flag once
+as accepted without effect); the module docstring says what each does."""
 
 ENGINE_OPTIONS = ("max_model_len", "dtype", "device_memory", "attention_backend", "seed",
                   "progress", *DIST_OPTIONS)
@@ -721,4 +735,5 @@ def _load_draft(cfg: Any, plan: Any, mgr: Any, worker: Any, dtype: Any, dist: An
     return draft
 
 
-__all__ = ["DEFAULT_HOST_DEVICE_MEMORY", "ENGINE_OPTIONS", "LLMEngine", "child_request_id"]
+__all__ = ["DEFAULT_HOST_DEVICE_MEMORY", "ENGINE_OPTIONS", "HONOURED_FLAGS", "LLMEngine",
+           "child_request_id"]
