@@ -23,11 +23,12 @@ blocks the prefix cache still keeps need: mapped KV at the floor means these two
 ``reserved_virtual_bytes``; ``engine_steps``, ``engine_step_ms_mean`` and
 ``engine_busy_fraction`` (time inside ``LLMEngine.step()`` over the load's wall time, from
 ``xllm_vmm_engine_step_seconds``: near 1, the model is the bottleneck, not the HTTP path);
-the server's own work beside it: ``output_thread_busy_fraction`` / ``_us_per_token`` (the
-output thread: detokenizing, stop strings, metrics, hand-off) and
+the server's own CPU time beside it: ``output_thread_busy_fraction`` / ``_us_per_token``
+(the output thread: detokenizing, stop strings, metrics, hand-off) and
 ``stream_encode_busy_fraction`` / ``_us_per_token`` (the event loop building and
-JSON-encoding the SSE chunks), from ``xllm_vmm_output_thread_seconds``,
-``xllm_vmm_stream_encode_seconds`` and ``xllm_vmm_output_tokens``;
+JSON-encoding the SSE chunks), CPU seconds over wall seconds or per output token, from
+``xllm_vmm_output_thread_cpu_seconds``, ``xllm_vmm_stream_encode_cpu_seconds`` and
+``xllm_vmm_output_tokens``;
 ``rss_bytes_peak`` (when the server's process id is known: the most resident bytes of its
 process tree, every process's ``VmRSS`` summed, sampled with the metrics — shared pages count
 once per process, as ``ps`` shows them). One warm-up request (not counted) precedes the load.
@@ -349,11 +350,11 @@ async def drive(url: str, cfg: LoadConfig, *, rss_pid: Optional[int] = None) -> 
 
 
 def _own_costs(text: str) -> dict:
-    """The server's own counters (``xllm_vmm_output_thread_seconds``, ``_output_tokens``,
-    ``_stream_encode_seconds``; None where the server has none, e.g. vLLM's)."""
-    return {"output_s": parse_metric(text, "xllm_vmm_output_thread_seconds_total"),
+    """The server's own counters (``xllm_vmm_output_thread_cpu_seconds``, ``_output_tokens``,
+    ``_stream_encode_cpu_seconds``; None where the server has none, e.g. vLLM's)."""
+    return {"output_s": parse_metric(text, "xllm_vmm_output_thread_cpu_seconds_total"),
             "tokens": parse_metric(text, "xllm_vmm_output_tokens_total"),
-            "stream_s": parse_metric(text, "xllm_vmm_stream_encode_seconds_total")}
+            "stream_s": parse_metric(text, "xllm_vmm_stream_encode_cpu_seconds_total")}
 
 
 async def _sample_workers(client, url: str, cfg: LoadConfig, done: asyncio.Event,

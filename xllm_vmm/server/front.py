@@ -138,11 +138,12 @@ class AsyncEngine:
         self._engine_thread: Optional[threading.Thread] = None
         self._output_thread: Optional[threading.Thread] = None
         self.steps = 0
-        #: seconds the output thread spent on step outputs (detokenizing, stop strings,
-        #: metrics, hand-off to the event loop) and the tokens it handled; seconds the event
-        #: loop spent building and encoding SSE chunks (``openai_routes``): the server's own
-        #: cost beside the engine's step (``xllm_vmm_output_thread_seconds``,
-        #: ``xllm_vmm_stream_encode_seconds``, ``xllm_vmm_output_tokens``)
+        #: CPU seconds (``time.thread_time``: waits for the interpreter lock or the kernel
+        #: not counted) the output thread spent on step outputs (detokenizing, stop strings,
+        #: metrics, hand-off to the event loop) and the tokens it handled; CPU seconds the
+        #: event loop spent building and encoding SSE chunks (``openai_routes``): the
+        #: server's own cost beside the engine's step (``xllm_vmm_output_thread_cpu_seconds``,
+        #: ``xllm_vmm_stream_encode_cpu_seconds``, ``xllm_vmm_output_tokens``)
         self.output_busy_s = 0.0
         self.output_tokens = 0
         self.stream_busy_s = 0.0
@@ -561,7 +562,7 @@ class AsyncEngine:
                     self._inbox.put(("abort", r.rid))
                 continue
             _, when, outs = item
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             batch: dict = {}  # loop -> [(queue, delta)]: one wake-up per loop per step
             for out in outs:
                 try:
@@ -579,7 +580,7 @@ class AsyncEngine:
                 except RuntimeError:  # the loop is closed: nobody is listening any more
                     pass
             self.output_tokens += sum(len(o.new_token_ids) for o in outs)
-            self.output_busy_s += time.perf_counter() - t0
+            self.output_busy_s += time.thread_time() - t0
 
     def _on_output(self, out, when: float, batch: dict) -> None:
         with self._lock:

@@ -110,11 +110,12 @@ SPEC_DECODE_PER_POS = ("num_accepted_tokens_per_pos",
 
 # the server's own work beside the engine step (the front's counters, AsyncEngine attributes)
 FRONT_COUNTERS: tuple[tuple[str, str, str], ...] = (
-    ("output_busy_seconds", "xllm_vmm_output_thread_seconds",
-     "Seconds the output thread spent on step outputs (detokenize, stop strings, hand-off)."),
+    ("output_busy_seconds", "xllm_vmm_output_thread_cpu_seconds",
+     "CPU seconds the output thread spent on step outputs (detokenize, stop strings, "
+     "hand-off)."),
     ("output_tokens", "xllm_vmm_output_tokens", "Output tokens the output thread handled."),
-    ("stream_busy_seconds", "xllm_vmm_stream_encode_seconds",
-     "Seconds the event loop spent building and JSON-encoding streamed chunks."),
+    ("stream_busy_seconds", "xllm_vmm_stream_encode_cpu_seconds",
+     "CPU seconds the event loop spent building and JSON-encoding streamed chunks."),
 )
 
 
@@ -159,23 +160,35 @@ class Metrics:
         self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                ["model_name", "finished_reason"], registry=self.registry)
         self._snapshots: dict[str, tuple[dict, dict]] = {}
+        self._by_model: dict[str, tuple] = {}
         self._lock = threading.Lock()
         self.registry.register(_Snapshot(self))
 
     # -- observations (output thread) ---------------------------------------------------
+    def _children(self, model: str) -> tuple:
+        """The model's labelled (ttft, itl, tpot, step) histograms, looked up once: ``labels``
+        takes a lock and builds a key on every call, and the inter-token ones are observed
+        for every output token."""
+        ch = self._by_model.get(model)
+        if ch is None:
+            ch = self._by_model[model] = (self.ttft.labels(model), self.itl.labels(model),
+                                          self.tpot.labels(model), self.step.labels(model))
+        return ch
+
     def observe_first_token(self, model: str, req, when: float) -> None:
-        self.ttft.labels(model).observe(max(0.0, when - req.arrival))
+        self._children(model)[0].observe(max(0.0, when - req.arrival))
 
     def observe_inter_token(self, model: str, req, when: float, n_tokens: int) -> None:
         if req.last_token is None or n_tokens <= 0:
             return
         gap = max(0.0, when - req.last_token) / n_tokens
+        _, itl, tpot, _ = self._children(model)
         for _ in range(n_tokens):
-            self.itl.labels(model).observe(gap)
-            self.tpot.labels(model).observe(gap)
+            itl.observe(gap)
+            tpot.observe(gap)
 
     def observe_step(self, model: str, seconds: float) -> None:
-        self.step.labels(model).observe(seconds)
+        self._children(model)[3].observe(seconds)
 
     def observe_finish(self, model: str, reason: str | None, req, when: float) -> None:
         self.success.labels(model, reason or "abort").inc()

@@ -423,7 +423,7 @@ def _completion_stream(gen: Generation, body: CompletionRequest, model: str, rid
                 yield _sse(chunk([{"index": i, "text": prefix, "logprobs": None,
                                    "finish_reason": None, "stop_reason": None}]))
         async for d in gen:
-            t0 = time.perf_counter()
+            t0 = time.thread_time()  # CPU seconds of the event loop's thread
             completion_tokens += len(d.token_ids)
             if d.prompt_logprobs is not None:
                 plps[d.index] = d.prompt_logprobs
@@ -445,7 +445,7 @@ def _completion_stream(gen: Generation, body: CompletionRequest, model: str, rid
             event = _sse(chunk([{"index": d.index, "text": text, "logprobs": lp,
                                  "finish_reason": d.finish_reason,
                                  "stop_reason": d.stop_reason}]))
-            gen.front.stream_busy_s += time.perf_counter() - t0
+            gen.front.stream_busy_s += time.thread_time() - t0
             yield event
         if include_usage:
             final = {"id": rid, "object": "text_completion", "created": created, "model": model,
@@ -478,7 +478,7 @@ def _chat_stream(gen: Generation, body: ChatCompletionRequest, model: str, rid: 
             yield _sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                "logprobs": None, "finish_reason": None}]))
         async for d in gen:
-            t0 = time.perf_counter()
+            t0 = time.thread_time()  # CPU seconds of the event loop's thread
             completion_tokens += len(d.token_ids)
             if not (d.text or d.finished or d.token_ids):
                 continue
@@ -490,7 +490,7 @@ def _chat_stream(gen: Generation, body: ChatCompletionRequest, model: str, rid: 
             event = _sse(chunk([{"index": d.index, "delta": delta, "logprobs": lp,
                                  "finish_reason": d.finish_reason,
                                  "stop_reason": d.stop_reason}]))
-            gen.front.stream_busy_s += time.perf_counter() - t0
+            gen.front.stream_busy_s += time.thread_time() - t0
             yield event
         if include_usage:
             yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
