@@ -341,17 +341,18 @@ class VmmPool:
         ``ValueError``.
         """
         in_use = self._in_use[region.tenant]
-        for p in pages:
-            if not 0 <= p < region.pages:
-                raise ValueError(f"page {p} outside tenant {region.tenant!r} "
-                                 f"({region.pages} pages)")
-            if p in in_use:
-                raise ValueError(f"page {p} of tenant {region.tenant!r} is already in use")
         n = len(pages)
-        if len(set(pages)) != n:
-            raise ValueError(f"map_pages: duplicate pages in {list(pages)}")
         if n == 0:
             return True
+        if min(pages) < 0 or max(pages) >= region.pages or not in_use.isdisjoint(pages):
+            for p in pages:  # the slow path only names the offending page
+                if not 0 <= p < region.pages:
+                    raise ValueError(f"page {p} outside tenant {region.tenant!r} "
+                                     f"({region.pages} pages)")
+                if p in in_use:
+                    raise ValueError(f"page {p} of tenant {region.tenant!r} is already in use")
+        if n > 1 and len(set(pages)) != n:
+            raise ValueError(f"map_pages: duplicate pages in {list(pages)}")
         if self._is_paged(region):
             if not self._map_elastic(region, pages):
                 self.failed_maps += 1
@@ -407,9 +408,9 @@ class VmmPool:
         weights going to sleep give their memory back whole). Unmapping a page not in use
         raises ``ValueError``."""
         in_use = self._in_use[region.tenant]
-        for p in pages:
-            if p not in in_use:
-                raise ValueError(f"page {p} of tenant {region.tenant!r} is not in use")
+        if not in_use.issuperset(pages):
+            p = next(p for p in pages if p not in in_use)
+            raise ValueError(f"page {p} of tenant {region.tenant!r} is not in use")
         if not pages:
             return
         if self._is_paged(region):
