@@ -47,11 +47,12 @@ def _tag(h: int, tensor: int) -> bytes:
 class RealPrefixMachine(RuleBasedStateMachine):
     KIND = "host"
     LAYOUT = staticmethod(flat_layout)
+    HOST_FACTOR = 1.5
 
     def __init__(self) -> None:
         super().__init__()
         self.s = Stack(self.KIND, self.LAYOUT(), budget=BUDGET, max_tokens=4 * 8 * BS,
-                       host_factor=1.5, step_copies=True)
+                       host_factor=self.HOST_FACTOR, step_copies=True)
         self.alloc = self.s.cache.allocator
         self.groups = self.s.groups
         self.running: list = []
@@ -203,7 +204,8 @@ class RealPrefixMachine(RuleBasedStateMachine):
 
     @rule()
     def drain_copies(self):
-        self.s.host.wait_all()
+        if self.s.host is not None:
+            self.s.host.wait_all()
 
     @precondition(lambda self: not self.running)
     @rule(offload=st.booleans())
@@ -211,7 +213,8 @@ class RealPrefixMachine(RuleBasedStateMachine):
         """Invariant 6 (the KV part): sleep with no request releases every KV page; after
         wake_up the cache maps on demand again."""
         self.s.mgr.sleep(offload=offload)
-        assert self.s.pool.mapped_bytes == 0 and self.s.host.in_flight == 0
+        assert self.s.pool.mapped_bytes == 0
+        assert self.s.host is None or self.s.host.in_flight == 0
         self.s.mgr.wake_up()
 
     @rule()
@@ -265,7 +268,7 @@ class RealPrefixMachine(RuleBasedStateMachine):
 
     @invariant()
     def copies_in_flight_hold_their_blocks(self):
-        for t in self.s.host._inflight:
+        for t in (self.s.host._inflight if self.s.host is not None else ()):
             for g, ids in t.device.items():
                 for b in ids:
                     assert self.alloc.ref_count(g, b) > 0 or self.alloc.is_cached(g, b), \
@@ -279,13 +282,16 @@ class RealPrefixMachine(RuleBasedStateMachine):
                 s.mgr.free(req.rid)
             self.running.clear()
             s.mgr.step()  # submits the write-through of the blocks just released
-            s.host.wait_all()
+            if s.host is not None:
+                s.host.wait_all()
             s.mgr.reset_prefix_cache()
             for g in self.groups:
                 assert self.alloc.num_live_blocks(g) == 0, f"{g}: live blocks leaked"
                 assert self.alloc.num_cached_blocks(g) == 0
-            assert s.pool.mapped_bytes == 0 and s.host.in_flight == 0
-            assert all(s.host.pool.pin_count(b) == 0 for b in range(s.host.pool.capacity))
+            assert s.pool.mapped_bytes == 0
+            if s.host is not None:
+                assert s.host.in_flight == 0
+                assert all(s.host.pool.pin_count(b) == 0 for b in range(s.host.pool.capacity))
             assert s.prefix.stats.cached_blocks == 0
             s.mgr.close()
             s.pool.close()
@@ -312,15 +318,24 @@ class TwoGroupPrefixMachine(RealPrefixMachine):
     LAYOUT = staticmethod(mla_index_layout)
 
 
+class NoHostPrefixMachine(RealPrefixMachine):
+    """Prefix caching without a host tier, one group: the manager's flat one-group paths
+    (lookup through acquire_chain, the direct admission, the flat publish and release)."""
+
+    HOST_FACTOR = 0.0
+
+
 _SETTINGS = settings(max_examples=examples(20), stateful_step_count=40, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])
 RealPrefixMachine.TestCase.settings = _SETTINGS
 AclEmuPrefixMachine.TestCase.settings = _SETTINGS
+NoHostPrefixMachine.TestCase.settings = _SETTINGS
 TwoGroupPrefixMachine.TestCase.settings = settings(
     max_examples=examples(10), stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestRealPrefixStatefulHost = RealPrefixMachine.TestCase
 TestRealPrefixStatefulAclEmu = AclEmuPrefixMachine.TestCase
+TestRealPrefixStatefulNoHost = NoHostPrefixMachine.TestCase
 TestRealPrefixStatefulTwoGroups = TwoGroupPrefixMachine.TestCase
 
 

@@ -309,21 +309,37 @@ class BlockAllocator:
                 buckets[k - 1][slot] = None
             g.free_active -= 1
             return [b]
-        if n <= g.free_active:
+        fa = g.free_active
+        if n <= fa:  # _take without new slots: the hint's slot, then partial, fullest first
             if n < 0:
                 raise ValueError(f"negative block count {n} for group {group!r}")
-            return self._take(g, n, hint, None)
-        # new slots (a prompt): the lowest inactive ones, activated in one backing call
-        k = -(-(n - g.free_active) // g.bps)
+            out: list[int] = []
+            if n:
+                if 0 <= hint < g.nblocks:
+                    n = self._take_near(g, hint, n, out)
+                if n:
+                    self._take_partial(g, n, out)
+            return out
+        # new slots (a prompt, or growth with every active slot full): the lowest inactive
+        # ones, activated in one backing call
+        k = -(-(n - fa) // g.bps)
         inactive = g.inactive
         if k > len(inactive):
             return None
-        chosen = [heappop(inactive) for _ in range(k)]
+        chosen = [heappop(inactive)] if k == 1 else [heappop(inactive) for _ in range(k)]
         if not self.backing.activate({group: chosen}):
             for s in chosen:
                 heappush(inactive, s)
             return None
-        return self._take(g, n, hint, chosen)
+        out = []
+        if fa:  # _take: the hint's slot, partial slots, then the new ones
+            if 0 <= hint < g.nblocks:
+                n = self._take_near(g, hint, n, out)
+            if n:
+                n = self._take_partial(g, n, out)
+        for slot in chosen:
+            n = self._take_new_slot(g, slot, n, out)
+        return out
 
     def _take(self, g: _Group, n: int, hint: int, new: list[int] | None) -> list[int]:
         """Hand out ``n`` blocks of ``g`` (not the one-block growth of :meth:`allocate`): the
@@ -473,6 +489,77 @@ class BlockAllocator:
         if released:
             self.backing.deactivate({group: released})
         return k
+
+    def free_group_lru(self, group: str, blocks: Sequence[int], lru: dict[int, None]
+                       ) -> list[int] | None:
+        """:meth:`free_group` for the prefix cache's one-group release, in one pass: a block
+        reaching ref 0 that is retained and not pinned becomes cached and is appended to
+        ``lru`` (the caller's ordered dict of evictable blocks, oldest first) — the caller
+        owns that order, the allocator only appends; one that is pinned becomes cached and
+        is returned (``None`` when none); any other is freed as :meth:`free_group` frees it
+        (its slot released when it empties). A block without a reference, or not a block of
+        the group, raises ``ValueError`` and nothing changes (``lru`` included)."""
+        g = self._groups.get(group) or self._g(group)
+        ref = g.ref
+        keep = g.keep
+        pins = g.pins
+        cached = g.cached
+        ncached = g.ncached
+        bps = g.bps
+        gone: list[int] | None = None
+        pinned: list[int] | None = None
+        n_lru = 0
+        it = iter(blocks)
+        try:
+            for b in it:
+                r = ref[b] - 1
+                if r:
+                    if r > 0 and b >= 0:
+                        ref[b] = r
+                        continue
+                    raise IndexError  # a double free or a negative id: refused below
+                if b < 0:
+                    raise IndexError
+                ref[b] = 0
+                if keep[b] and not (pins and b in pins):
+                    cached[b] = 1
+                    ncached[b // bps] += 1
+                    lru[b] = None
+                    n_lru += 1
+                elif pins and b in pins:
+                    cached[b] = 1
+                    ncached[b // bps] += 1
+                    if pinned is None:
+                        pinned = [b]
+                    else:
+                        pinned.append(b)
+                elif gone is None:
+                    gone = [b]
+                else:
+                    gone.append(b)
+        except (IndexError, TypeError):
+            done = len(blocks) - it.__length_hint__() - 1  # entries fully processed
+            for b in reversed(list(blocks)[:done]):  # before this call each had ref >= 1
+                if cached[b] and not ref[b]:
+                    cached[b] = 0
+                    ncached[b // bps] -= 1
+                    lru.pop(b, None)
+                ref[b] += 1
+            bad = list(blocks)[done]
+            if not isinstance(bad, int) or not 0 <= bad < g.nblocks:
+                raise ValueError(f"free of block {bad!r}: not a block of group {g.name!r} "
+                                 f"(0..{g.nblocks - 1})") from None
+            raise ValueError(f"free of block {bad} in group {g.name!r} that holds no "
+                             "reference (double free)") from None
+        if n_lru or pinned:
+            g.n_cached += n_lru + (len(pinned) if pinned else 0)
+        if gone:  # unretained, unpinned: the one freeing pass (its stack runs, its slots)
+            for b in gone:
+                ref[b] = 1
+            _, released = self._free_group(g, gone, False)
+            if released:
+                self.backing.deactivate({group: released})
+        return pinned
 
     def _free_group(self, g: _Group, blks: Sequence[int], check: bool
                     ) -> tuple[list[int] | None, list[int]]:

@@ -262,6 +262,11 @@ class VirtualKVCache:
     def activate(self, slots: Mapping[str, Sequence[int]]) -> bool:
         """Map every page of ``slots`` in one pool call, in address order (so that the pages
         of consecutive slots of one tensor form runs the host driver maps with one call)."""
+        if len(slots) == 1:  # one slot of one group (most activations): its pages ascend
+            for name, ss in slots.items():
+                if len(ss) == 1:
+                    return self.pool.map_pages(self.region,
+                                               self.geometry[name].slot_pages(ss[0]))
         pages: list[int] = []
         for name, ss in slots.items():
             geo = self.geometry[name]
@@ -272,6 +277,11 @@ class VirtualKVCache:
 
     def deactivate(self, slots: Mapping[str, Sequence[int]]) -> None:
         """Unmap every page of ``slots`` in one pool call, in address order."""
+        if len(slots) == 1:
+            for name, ss in slots.items():
+                if len(ss) == 1:
+                    self.pool.unmap_pages(self.region, self.geometry[name].slot_pages(ss[0]))
+                    return
         pages: list[int] = []
         for name, ss in slots.items():
             geo = self.geometry[name]

@@ -69,7 +69,7 @@ Units: tokens (``num_*_tokens``), blocks (ids, counts), bytes (``*_bytes``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple, Sequence
 
 from xllm_vmm.kvcache.allocator import Compaction
@@ -151,30 +151,39 @@ class KVCapacity:
         return min(self.total_blocks.values()) * self.block_size
 
 
-@dataclass(eq=False, slots=True)
 class _Request:
-    """The manager's state of one request."""
+    """The manager's state of one request (a plain slotted class: one is made per request on
+    the hot path, so no generated ``__init__`` with default factories)."""
 
-    rid: str
-    tables: dict[str, list[int]]
-    num_computed: int = 0  # tokens whose KV is written (or restored / hit)
-    admitted: bool = False  # allocate() succeeded once
-    hashes: list[BlockHash] = field(default_factory=list)  # complete blocks hashed so far
-    media: tuple[MediaSpan, ...] = ()
-    extra: tuple[str, ...] = ()  # extra hash keys of block 0 (adapter, cache salt)
-    published: int = 0  # request blocks [0, published) are in the index (or hit)
-    # the held hit (lookup → allocate): device blocks referenced, host blocks pinned
-    match: PrefixMatch | None = None
-    held: dict[str, list[int]] | None = None
-    held_host: list[int] = field(default_factory=list)
-    # a restore in flight (allocate → ready)
-    restore: Restore | None = None
-    restore_dev_blocks: int = 0
-    first: list[int] = field(default_factory=list)  # tables[first group] (the same list)
-    cap: int = -1  # tokens its blocks cover (len(first) × block_size); -1 until admitted
-    publish_at: int = 1 << 62  # committing this many tokens completes the next block
-    # sliding-window groups: leading table entries given back (NULL_BLOCK), per group
-    trimmed: dict[str, int] | None = None
+    __slots__ = ("rid", "tables", "num_computed", "admitted", "hashes", "media", "extra",
+                 "published", "match", "held", "held_host", "restore", "restore_dev_blocks",
+                 "first", "cap", "publish_at", "trimmed")
+
+    def __init__(self, rid: str, tables: dict[str, list[int]]) -> None:
+        self.rid = rid
+        self.tables = tables
+        self.num_computed = 0  # tokens whose KV is written (or restored / hit)
+        self.admitted = False  # allocate() succeeded once
+        self.hashes: list[BlockHash] = []  # complete blocks hashed so far
+        self.media: tuple[MediaSpan, ...] = ()
+        self.extra: tuple[str, ...] = ()  # extra hash keys of block 0 (adapter, cache salt)
+        self.published = 0  # request blocks [0, published) are in the index (or hit)
+        # the held hit (lookup → allocate): device blocks referenced, host blocks pinned
+        self.match: PrefixMatch | None = None
+        self.held: dict[str, list[int]] | None = None
+        self.held_host: list[int] = _NO_HOST  # replaced (never appended to) when it holds some
+        # a restore in flight (allocate → ready)
+        self.restore: Restore | None = None
+        self.restore_dev_blocks = 0
+        self.first: list[int] = _NO_HOST  # tables[first group] (the same list) once admitted
+        self.cap = -1  # tokens its blocks cover (len(first) × block_size); -1 until admitted
+        self.publish_at = 1 << 62  # committing this many tokens completes the next block
+        # sliding-window groups: leading table entries given back (NULL_BLOCK), per group
+        self.trimmed: dict[str, int] | None = None
+
+
+_NO_HOST: list[int] = []  # shared empty default (never mutated)
+_new_match = tuple.__new__  # PrefixMatch without its Python-level __new__ (hot path)
 
 
 _TUNING = {
@@ -218,8 +227,14 @@ class KVCacheManager:
         # one group, prefix caching without a host tier or checkpoints: lookup is one
         # acquire_chain call (most models)
         self._chain = (self._sole and prefix is not None and host is None
-                       and not prefix.hybrid)
+                       and not prefix.hybrid and not self._windows)
+        # the one-group hot paths below call these directly (bound once)
+        self._alloc_group = cache.allocator.allocate_group
+        self._free_group_lru = cache.allocator.free_group_lru
+        self._pg = prefix._groups[self._g0] if self._chain else None  # index + LRU of g0
+        self._keep = cache.allocator._groups[self._g0].keep if self._chain else None
         self.hash_seed = hash_seed
+        self._plain_seed = hash_seed == DEFAULT_SEED
         self._alloc = cache.allocator
         self._reqs: dict[str, _Request] = {}
         self._restoring: dict[str, _Request] = {}  # requests with a host restore in flight
@@ -299,15 +314,18 @@ class KVCacheManager:
             m = PrefixMatch(request_id, 0, 0, 0)
             req.match = m
             return m
-        hashes = block_hashes(token_ids, bs, seed=self.hash_seed, media=media,
-                              extra_keys=extra)
+        if media or extra or not self._plain_seed:
+            hashes = block_hashes(token_ids, bs, seed=self.hash_seed, media=media,
+                                  extra_keys=extra)
+        else:  # the same chain; no keyword handling (most requests)
+            hashes = block_hashes(token_ids, bs)
         req.hashes = hashes
         cap = (len(token_ids) - 1) // bs if token_ids else 0
         if self._chain:
             blocks = prefix.acquire_chain(hashes, cap)
             req.held = {self._g0: blocks}
             n = len(blocks) * bs
-            m = PrefixMatch(request_id, n, n, 0)
+            m = _new_match(PrefixMatch, (request_id, n, n, 0, None))
             req.match = m
             return m
         hit = prefix.lookup(hashes, max_blocks=cap)
@@ -319,10 +337,13 @@ class KVCacheManager:
         if host is not None and n_dev < cap:
             n_host = host.match(hashes, n_dev, max_blocks=cap)
             pool = host.pool
+            held_host = []
             for h in hashes[n_dev:n_dev + n_host]:
                 hb = pool.lookup(h)
                 pool.pin(hb)  # type: ignore[arg-type]
-                req.held_host.append(hb)  # type: ignore[arg-type]
+                held_host.append(hb)
+            if held_host:
+                req.held_host = held_host  # type: ignore[assignment]
         m = PrefixMatch(request_id, (n_dev + n_host) * bs, n_dev * bs, n_host * bs,
                         hit.checkpoint)
         req.match = m
@@ -338,7 +359,7 @@ class KVCacheManager:
             pool = self.host.pool  # type: ignore[union-attr]
             for hb in req.held_host:
                 pool.unpin(hb)
-            req.held_host = []
+            req.held_host = _NO_HOST
         req.match = None
 
     # -- allocate ------------------------------------------------------------------------
@@ -369,8 +390,37 @@ class KVCacheManager:
                 return req.tables
             if req.admitted:
                 first = req.first
-                return self._grow(req, req.tables, first,
-                                  (tokens + self._bs_1) // self.block_size - len(first))
+                need = (tokens + self._bs_1) // self.block_size - len(first)
+                if self._sole:  # one group: next to its last block, no dicts
+                    new1 = self._alloc_group(self._g0, need, first[-1] if first else -1)
+                    if new1 is not None:
+                        first += new1
+                        req.cap = len(first) * self.block_size
+                        return req.tables
+                return self._grow(req, req.tables, first, need)
+        elif (self._chain and req is not None and hit is not None and req.match is hit
+              and num_prompt_tokens is None and num_new_tokens >= 0 <= lookahead
+              and not self._asleep):
+            # a fresh request with its held hit, one group, prefix caching only (most
+            # models): _admit's sole-group path without its general bookkeeping
+            bs = self.block_size
+            first = req.held[self._g0]  # type: ignore[index]
+            n_dev = len(first)
+            need = (n_dev * bs + num_new_tokens + lookahead + self._bs_1) // bs - n_dev
+            if need > 0:
+                new0 = self._alloc_group(self._g0, need)
+                if new0 is None:  # eviction first: the general path (nothing changed yet)
+                    return self._admit(request_id, req, num_new_tokens, hit, lookahead, None)
+                first += new0
+            req.tables[self._g0] = first
+            req.first = first
+            req.cap = len(first) * bs
+            req.held = req.match = None
+            req.admitted = True
+            req.num_computed = n_dev * bs
+            req.published = n_dev
+            req.publish_at = (n_dev + 1) * bs
+            return req.tables
         if self._asleep:
             raise KVCacheManagerError("allocate while the KV cache is asleep: wake_up() first")
         if num_new_tokens < 0 or lookahead < 0:
@@ -489,7 +539,7 @@ class KVCacheManager:
             pool = self.host.pool  # type: ignore[union-attr]
             for hb in req.held_host:
                 pool.unpin(hb)
-            req.held_host = []
+            req.held_host = _NO_HOST
         if self._windows:
             self._trim(req)  # a long hit's blocks outside the window go back at once
         return req.tables
@@ -588,14 +638,61 @@ class KVCacheManager:
         hashes = req.hashes
         have = len(hashes)
         if have < full:
-            hashes.extend(block_hashes(
-                token_ids[have * bs:full * bs], bs, seed=self.hash_seed, media=req.media,
-                extra_keys=req.extra, parent=hashes[-1] if have else None, first_block=have))
+            if have and not req.media and self._plain_seed:  # extra keys are in block 0 only
+                hashes.extend(block_hashes(token_ids[have * bs:full * bs], bs,
+                                           parent=hashes[-1], first_block=have))
+            else:
+                hashes.extend(block_hashes(
+                    token_ids[have * bs:full * bs], bs, seed=self.hash_seed, media=req.media,
+                    extra_keys=req.extra, parent=hashes[-1] if have else None,
+                    first_block=have))
         first = req.published
-        prefix.publish(req.tables, hashes[first:full], first_block=first,  # type: ignore
-                       checkpoints=checkpoints)
+        if self._chain and not checkpoints:
+            self._publish_sole(req.first, hashes, first, full)
+        else:
+            prefix.publish(req.tables, hashes[first:full], first_block=first,  # type: ignore
+                           checkpoints=checkpoints)
         req.published = full
         req.publish_at = (full + 1) * bs
+
+    def _publish_sole(self, ids: list[int], hashes: list[BlockHash], first: int, full: int
+                      ) -> None:
+        """:meth:`PrefixCache.publish` of request blocks ``[first, full)`` for the one-group
+        cache without checkpoints, written flat (the index, the allocator's retained flags
+        and the counters; same effects, tested against it). A conflict (a block already
+        indexed under another hash) undoes what it did and lets ``publish`` raise."""
+        pg = self._pg
+        h2b = pg.hash_to_block  # type: ignore[union-attr]
+        b2h = pg.block_hash  # type: ignore[union-attr]
+        get = h2b.get
+        keep = self._keep
+        fresh: list[int] = []
+        dup = 0
+        for i in range(first, full):
+            h = hashes[i]
+            b = ids[i]
+            e = get(h)
+            if e is None:
+                if b in b2h:  # undo, then the reference path raises (nothing changed)
+                    for fb in fresh:
+                        del h2b[b2h.pop(fb)]
+                        keep[fb] = 0  # type: ignore[index]
+                    self.prefix.publish({self._g0: ids}, hashes[first:full],  # type: ignore
+                                        first_block=first)
+                    raise AssertionError("unreachable: publish refuses the conflict")
+                h2b[h] = b
+                b2h[b] = h
+                keep[b] = 1  # type: ignore[index]  # retain (the block is live: ref >= 1)
+                fresh.append(b)
+            elif e != b:
+                dup += 1
+        st = self.prefix._stats  # type: ignore[union-attr]
+        if dup:
+            st.duplicate_publishes += dup
+        if fresh:
+            n = len(fresh)
+            st.published_blocks += n
+            st.indexed_hashes += n
 
     def _refuse_commit(self, request_id: str, num_computed_tokens: int,
                        token_ids: Sequence[int]) -> None:
@@ -669,6 +766,11 @@ class KVCacheManager:
             req.restore = None
             self._restoring.pop(request_id, None)
         if not req.admitted:
+            return
+        if self._chain:  # PrefixCache.release's one-group path, flat (no host tier here)
+            first = req.first
+            if first:  # tail first; retained blocks join the LRU in that order
+                self._free_group_lru(self._g0, first[::-1], self._pg.lru)  # type: ignore
             return
         tables = req.tables
         if req.trimmed:  # sliding-window groups: their leading null entries hold nothing

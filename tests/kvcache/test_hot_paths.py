@@ -1,0 +1,128 @@
+"""The flat hot paths against the general ones they stand for: ``BlockAllocator.free_group_lru``
+against ``free_group`` + the prefix cache's LRU (ids, flags, stacks, slots, refusals), and the
+manager's one-group paths (direct admission, flat publish, flat release) against the
+manager's general paths on the same requests (tables, index, LRU, counters)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.kvcache.conftest import FakeBacking, make
+from tests.kvcache.test_manager import Env, toks
+
+
+def _state(a, g="attn"):
+    gg = a._groups[g]
+    return (list(gg.ref), bytes(gg.cached), bytes(gg.keep), dict(gg.pins),
+            [None if s is None else list(s) for s in gg.stacks], list(gg.ncached),
+            [dict(b) for b in gg.buckets], sorted(gg.inactive), gg.free_active, gg.n_cached,
+            gg.n_active)
+
+
+def test_free_group_lru_equals_free_group_plus_the_lru():
+    rng = random.Random(1)
+    for trial in range(30):
+        a1, a2 = (make(FakeBacking(), slots=6, bps=4) for _ in range(2))
+        lru1: dict[int, None] = {}
+        lru2: dict[int, None] = {}
+        reqs = []
+        for _ in range(12):
+            n = rng.randint(1, 5)
+            x, y = a1.allocate_group("attn", n), a2.allocate_group("attn", n)
+            assert x == y
+            if x is None:
+                break
+            keep = [b for b in x if rng.random() < 0.6]
+            if keep:
+                a1.retain("attn", keep)
+                a2.retain("attn", keep)
+            if keep and rng.random() < 0.3:
+                a1.pin("attn", keep[0])
+                a2.pin("attn", keep[0])
+            reqs.append(x)
+            if rng.random() < 0.5:
+                r = reqs.pop(rng.randrange(len(reqs)))
+                kept = a1.free_group("attn", r[::-1]) or []
+                pins = a1.pinned_blocks("attn")
+                for b in kept:
+                    if a1.is_retained("attn", b) and b not in pins:
+                        lru1[b] = None
+                pinned = a2.free_group_lru("attn", r[::-1], lru2)
+                assert (pinned or []) == [b for b in kept if b in pins]
+                assert list(lru1) == list(lru2)
+                assert _state(a1) == _state(a2)
+        a2.check_invariants()
+        assert a1.backing.calls == a2.backing.calls
+
+
+def test_free_group_lru_refusal_changes_nothing():
+    a = make(FakeBacking(), slots=4, bps=4)
+    x = a.allocate_group("attn", 6)
+    a.retain("attn", x[:3])
+    lru = {99: None}
+    before = _state(a)
+    for bad, msg in (([x[0], x[1], x[1]], "double free"), ([x[0], 77], "not a block"),
+                     ([x[2], -1], "not a block"), ([x[3], "z"], "not a block")):
+        with pytest.raises(ValueError, match=msg):
+            a.free_group_lru("attn", bad, lru)
+        assert _state(a) == before and list(lru) == [99]
+    assert a.free_group_lru("attn", x[::-1], lru) is None
+    assert list(lru) == [99, x[2], x[1], x[0]]
+    a.check_invariants()
+
+
+def _drive(m, rng, rounds=60):
+    """A random workload through the verbs; returns what a caller can see after each step."""
+    seen = []
+    live: dict[str, list[int]] = {}
+    systems = [toks(1, 2), toks(3), toks(1, 2, 4, tail=0)]
+    for i in range(rounds):
+        op = rng.random()
+        if op < 0.45 or not live:
+            rid = f"r{i}"
+            p = list(rng.choice(systems)) + [rng.randrange(50, 60) for _ in range(rng.randint(1, 6))]
+            hit = m.lookup(rid, p)
+            t = m.allocate(rid, len(p) - hit.num_tokens, hit=hit)
+            if t is None:
+                m.drop(rid)
+                seen.append(("none", rid))
+                continue
+            m.commit(rid, len(p), p)
+            live[rid] = p
+            seen.append(("arrive", rid, hit.num_tokens, {g: list(v) for g, v in t.items()}))
+        elif op < 0.8:
+            rid = rng.choice(sorted(live))
+            p = live[rid]
+            if m.allocate(rid, 1) is None:
+                seen.append(("grow-none", rid))
+                continue
+            p.append(rng.randrange(50, 53))
+            m.commit(rid, len(p), p)
+            seen.append(("grow", rid, list(m.block_tables(rid)["attn"])))
+        else:
+            rid = rng.choice(sorted(live))
+            m.free(rid)
+            del live[rid]
+            seen.append(("free", rid))
+        st = m.stats()
+        seen.append((m.prefix.lru_order("attn"), dict(m.prefix._groups["attn"].hash_to_block),
+                     st["live_blocks"], st["cached_blocks"], st["prefix_hits"],
+                     st["prefix_published_blocks"], st["prefix_evictions"]))
+        m.check_invariants()
+    return seen
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_flat_manager_paths_equal_the_general_ones(seed):
+    """The same workload with the flat paths on (``_chain``) and off: identical tables, index,
+    LRU order and counters at every step (eviction included: a small budget)."""
+    e1, e2 = Env(budget_slots=3), Env(budget_slots=3)
+    try:
+        assert e1.mgr._chain
+        e2.mgr._chain = False  # the general paths (as with a host tier or several groups)
+        assert _drive(e1.mgr, random.Random(seed)) == _drive(e2.mgr, random.Random(seed))
+    finally:
+        e1.close()
+        e2.close()
