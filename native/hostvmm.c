@@ -45,6 +45,7 @@ struct hv_pool {
     int fd;
     int backing;           /* HV_BACKING_*: what the memfd's pages are */
     uint64_t granule, limit, committed, nhandles, mapped, nmappings, reserved;
+    uint64_t gshift, gmask; /* granule = 1 << gshift, gmask = granule - 1 (no divisions) */
     uint64_t max_mappings; /* 0 = no cap; keeps the process under vm.max_map_count */
     int populate;          /* fill the page tables of new mappings (hv_set_populate) */
     int no_populate_write; /* MADV_POPULATE_WRITE is not supported by this kernel */
@@ -117,6 +118,8 @@ int hv_pool_open_backed(hv_pool **out, uint64_t granule, uint64_t limit, int bac
     pthread_mutex_init(&p->mu, NULL);
     p->backing = backing;
     p->granule = granule;
+    p->gshift = (uint64_t)__builtin_ctzll(granule);
+    p->gmask = granule - 1;
     p->limit = limit;
     p->end_slot = 1; /* slot 0 is never handed out, so no handle is 0 */
     *out = p;
@@ -215,8 +218,8 @@ static int push_free(hv_pool *p, uint64_t slot, uint64_t pages) {
 
 /* Looks up a live handle; returns its slot or UINT64_MAX. Caller holds the lock. */
 static uint64_t handle_slot(hv_pool *p, uint64_t handle) {
-    if (handle == 0 || handle % p->granule) return UINT64_MAX;
-    uint64_t slot = handle / p->granule;
+    if (handle == 0 || handle & p->gmask) return UINT64_MAX;
+    uint64_t slot = (handle >> p->gshift);
     if (slot >= p->end_slot || p->hpages[slot] == 0) return UINT64_MAX;
     return slot;
 }
@@ -252,10 +255,10 @@ static int commit_range(hv_pool *p, uint64_t off, uint64_t size) {
 }
 
 int hv_create(hv_pool *p, uint64_t size, uint64_t *handle_out) {
-    if (size == 0 || size % p->granule)
+    if (size == 0 || size & p->gmask)
         return fail(EINVAL, "handle size %llu is not a positive multiple of the granularity %llu",
                     (unsigned long long)size, (unsigned long long)p->granule);
-    uint64_t pages = size / p->granule;
+    uint64_t pages = (size >> p->gshift);
     if (pages > UINT32_MAX) return fail(EINVAL, "handle size %llu is too large", (unsigned long long)size);
     pthread_mutex_lock(&p->mu);
     retry_stuck(p);
@@ -409,10 +412,10 @@ int hv_handle_info(hv_pool *p, uint64_t handle, uint64_t *size, uint64_t *mapcou
 /* ---- reservations ------------------------------------------------------------------------- */
 
 int hv_reserve(hv_pool *p, uint64_t size, uint64_t *va_out) {
-    if (size == 0 || size % p->granule)
+    if (size == 0 || size & p->gmask)
         return fail(EINVAL, "reservation size %llu is not a positive multiple of the granularity %llu",
                     (unsigned long long)size, (unsigned long long)p->granule);
-    uint64_t npages = size / p->granule;
+    uint64_t npages = (size >> p->gshift);
     uint64_t *ent = calloc(npages, sizeof *ent);
     if (!ent) return fail(ENOMEM, "out of host memory for the page table of %llu pages",
                           (unsigned long long)npages);
@@ -539,7 +542,7 @@ out:
 static int check_map_locked(hv_pool *p, uint64_t va, uint64_t handle, int restore,
                             uint64_t pending, uint64_t *slot_out, hv_resv **r_out,
                             uint64_t *first_out) {
-    if (va % p->granule)
+    if (va & p->gmask)
         return fail(EINVAL, "map address %#llx is not aligned to the granularity %llu",
                     (unsigned long long)va, (unsigned long long)p->granule);
     uint64_t slot = handle_slot(p, handle);
@@ -549,7 +552,7 @@ static int check_map_locked(hv_pool *p, uint64_t va, uint64_t handle, int restor
     uint64_t pages = p->hpages[slot], size = pages * p->granule;
     hv_resv *r = find_resv(p, va);
     if (!r) return fail(EFAULT, "map address %#llx is not inside a reservation", (unsigned long long)va);
-    uint64_t first = (va - r->va) / p->granule;
+    uint64_t first = ((va - r->va) >> p->gshift);
     if (first + pages > r->npages)
         return fail(EINVAL, "mapping %llu bytes at %#llx runs past the end of its reservation [%#llx, %#llx)",
                     (unsigned long long)size, (unsigned long long)va, (unsigned long long)r->va,
@@ -624,10 +627,10 @@ static int find_mapping_locked(hv_pool *p, uint64_t va, hv_resv **r_out, uint64_
                                uint64_t *handle_out) {
     hv_resv *r = find_resv(p, va);
     if (!r) return fail(EFAULT, "unmap address %#llx is not inside a reservation", (unsigned long long)va);
-    if ((va - r->va) % p->granule)
+    if ((va - r->va) & p->gmask)
         return fail(EINVAL, "unmap address %#llx is not aligned to the granularity %llu",
                     (unsigned long long)va, (unsigned long long)p->granule);
-    uint64_t first = (va - r->va) / p->granule;
+    uint64_t first = ((va - r->va) >> p->gshift);
     uint64_t e0 = r->ent[first];
     if (!(e0 & HV_START_BIT))
         return fail(ENOENT, e0 ? "address %#llx is inside a mapping but not its start"
@@ -657,9 +660,12 @@ static int unmap_range(uint64_t va, uint64_t size) {
  * whole batch is done). */
 static void record_unmap_locked(hv_pool *p, hv_resv *r, uint64_t first, uint64_t handle,
                                 int keep) {
-    uint64_t slot = handle / p->granule;
+    uint64_t slot = (handle >> p->gshift);
     uint64_t pages = p->hpages[slot];
-    memset(&r->ent[first], 0, pages * sizeof *r->ent);
+    if (pages == 1)
+        r->ent[first] = 0;
+    else
+        memset(&r->ent[first], 0, pages * sizeof *r->ent);
     r->mapped_pages -= pages;
     p->hmaps[slot]--;
     p->mapped -= pages * p->granule;
@@ -673,7 +679,7 @@ static int unmap_locked(hv_pool *p, uint64_t va, uint64_t *handle_out, int keep)
     uint64_t first, handle;
     int rc = find_mapping_locked(p, va, &r, &first, &handle);
     if (rc) return rc;
-    rc = unmap_range(va, p->hpages[handle / p->granule] * p->granule);
+    rc = unmap_range(va, p->hpages[(handle >> p->gshift)] * p->granule);
     if (rc) return rc;
     record_unmap_locked(p, r, first, handle, keep);
     if (handle_out) *handle_out = handle;
@@ -721,8 +727,8 @@ static int map_run_locked(hv_pool *p, const uint64_t *vas, const uint64_t *handl
     }
     if (j - i > 1 && mmap_range(p, vas[i], total, handles[i], wp) == 0) {
         for (uint64_t k = i; k < j; k++) {
-            uint64_t sk = handles[k] / p->granule;
-            record_map_locked(p, r, first + (vas[k] - vas[i]) / p->granule, sk, handles[k]);
+            uint64_t sk = (handles[k] >> p->gshift);
+            record_map_locked(p, r, first + ((vas[k] - vas[i]) >> p->gshift), sk, handles[k]);
         }
         *done = j - i;
         return 0;
@@ -769,10 +775,10 @@ int hv_map_batch(hv_pool *p, const uint64_t *vas, const uint64_t *handles, uint6
 static int check_unmap_locked(hv_pool *p, uint64_t va, uint64_t **ent) {
     hv_resv *r = find_resv(p, va);
     if (!r) return fail(EFAULT, "unmap address %#llx is not inside a reservation", (unsigned long long)va);
-    if ((va - r->va) % p->granule)
+    if ((va - r->va) & p->gmask)
         return fail(EINVAL, "unmap address %#llx is not aligned to the granularity %llu",
                     (unsigned long long)va, (unsigned long long)p->granule);
-    uint64_t *e = &r->ent[(va - r->va) / p->granule];
+    uint64_t *e = &r->ent[((va - r->va) >> p->gshift)];
     if (*e & HV_CLAIM_BIT)
         return fail(ENOENT, "address %#llx is listed twice in the batch", (unsigned long long)va);
     if (!(*e & HV_START_BIT))
@@ -820,10 +826,10 @@ int hv_unmap_batch(hv_pool *p, const uint64_t *vas, uint64_t n, uint64_t *failed
         hv_resv *r, *r2;
         uint64_t first, handle, f2, h2;
         find_mapping_locked(p, vas[i], &r, &first, &handle); /* checked above */
-        uint64_t total = p->hpages[handle / p->granule] * p->granule, j = i + 1;
+        uint64_t total = p->hpages[(handle >> p->gshift)] * p->granule, j = i + 1;
         while (j < n && vas[j] == vas[i] + total &&
                find_mapping_locked(p, vas[j], &r2, &f2, &h2) == 0 && r2 == r) {
-            total += p->hpages[h2 / p->granule] * p->granule;
+            total += p->hpages[(h2 >> p->gshift)] * p->granule;
             j++;
         }
         if (j - i > 1 && unmap_range(vas[i], total) == 0) {
@@ -850,10 +856,318 @@ int hv_unmap_batch(hv_pool *p, const uint64_t *vas, uint64_t n, uint64_t *failed
         if (failed) *failed = i;
     }
     /* deferred-freed handles left with no mapping (all of them on success) are released now */
-    for (uint64_t j = 0; j < i; j++) release_unmapped(p, undone[j] / p->granule);
+    for (uint64_t j = 0; j < i; j++) release_unmapped(p, (undone[j] >> p->gshift));
 out:
     pthread_mutex_unlock(&p->mu);
     free(undone);
+    return rc;
+}
+
+/* ---- run records ------------------------------------------------------------------------ */
+
+/* A run is checked, mapped and recorded with one pass over its pages when every handle in it
+ * is one granule (the common case: the pool's 2 MiB pages): no loop-carried dependency, the
+ * counters updated once per run. Runs with larger handles take the general walk. */
+
+/* Caller holds the lock. Checks run (va, off, size) of hv_map_runs: the live handles tiling
+ * [off, off+size) of the memfd, mapped whole at va + (offset - off), in one reservation over
+ * unmapped pages, under the mapping cap. No side effect. *count = handles, *fresh = 1 when
+ * one was never mapped (populate writes then), *single = 1 when every handle is one granule. */
+static int check_map_run_locked(hv_pool *p, uint64_t va, uint64_t off, uint64_t size,
+                                hv_resv **r_out, uint64_t *first_out, uint64_t *count,
+                                int *fresh, int *single) {
+    if (size == 0 || size & p->gmask || va & p->gmask || off & p->gmask)
+        return fail(EINVAL, "run at %#llx of %llu bytes from handle %#llx is not a positive, "
+                    "aligned multiple of the granularity %llu", (unsigned long long)va,
+                    (unsigned long long)size, (unsigned long long)off, (unsigned long long)p->granule);
+    hv_resv *r = find_resv(p, va);
+    if (!r) return fail(EFAULT, "map address %#llx is not inside a reservation", (unsigned long long)va);
+    uint64_t first = (va - r->va) >> p->gshift, pages = size >> p->gshift, slot0 = off >> p->gshift;
+    if (pages > r->npages - first)
+        return fail(EINVAL, "run of %llu bytes at %#llx runs past the end of its reservation "
+                    "[%#llx, %#llx)", (unsigned long long)size, (unsigned long long)va,
+                    (unsigned long long)r->va, (unsigned long long)(r->va + r->size));
+    const uint64_t *e = &r->ent[first];
+    uint64_t n = 0, busy = 0, bad = 0;
+    int stale = 0;
+    if (slot0 != 0 && slot0 < p->end_slot && pages <= p->end_slot - slot0) {
+        const uint32_t *hp = &p->hpages[slot0];
+        const uint8_t *hf = &p->hflags[slot0];
+        for (uint64_t i = 0; i < pages; i++) { /* independent checks, one pass */
+            bad |= (uint64_t)(hp[i] != 1) | (hf[i] & HV_PENDING_FREE);
+            stale |= !(hf[i] & HV_USED);
+            busy |= e[i];
+        }
+    } else {
+        bad = 1;
+    }
+    *single = !bad;
+    if (bad) { /* handles of several granules, or an invalid one: the general walk says which */
+        stale = 0;
+        for (uint64_t pg = 0; pg < pages;) {
+            uint64_t h = off + (pg << p->gshift), slot = handle_slot(p, h);
+            if (slot == UINT64_MAX || (p->hflags[slot] & HV_PENDING_FREE))
+                return fail(EBADF, "unknown handle %#llx (never created, or already freed) in the "
+                            "run at %#llx", (unsigned long long)h, (unsigned long long)va);
+            uint64_t hpg = p->hpages[slot];
+            if (hpg > pages - pg)
+                return fail(EINVAL, "handle %#llx of %llu bytes runs past the end of the run at "
+                            "%#llx (%llu bytes)", (unsigned long long)h,
+                            (unsigned long long)(hpg << p->gshift), (unsigned long long)va,
+                            (unsigned long long)size);
+            stale |= !(p->hflags[slot] & HV_USED);
+            pg += hpg;
+            n++;
+        }
+        for (uint64_t i = 0; i < pages; i++) busy |= e[i];
+    } else {
+        n = pages;
+    }
+    if (busy)
+        for (uint64_t i = 0; i < pages; i++)
+            if (e[i])
+                return fail(EEXIST, "address %#llx is already mapped; unmap it first",
+                            (unsigned long long)(va + (i << p->gshift)));
+    if (p->max_mappings && p->nmappings + n > p->max_mappings)
+        return fail(ENOMEM, "mapping limit of %llu mappings reached (it keeps the process under "
+                    "vm.max_map_count); use larger handles or raise the limit",
+                    (unsigned long long)p->max_mappings);
+    *r_out = r;
+    *first_out = first;
+    *count = n;
+    *fresh = stale;
+    return 0;
+}
+
+/* Caller holds the lock: the bookkeeping of a mapped run (``single``: one-granule handles). */
+static void record_map_run_locked(hv_pool *p, hv_resv *r, uint64_t first, uint64_t off,
+                                  uint64_t pages, uint64_t count, int single) {
+    if (!single) {
+        for (uint64_t pg = 0; pg < pages;) {
+            uint64_t slot = (off >> p->gshift) + pg;
+            record_map_locked(p, r, first + pg, slot, off + (pg << p->gshift));
+            pg += p->hpages[slot];
+        }
+        return;
+    }
+    uint64_t *e = &r->ent[first], slot0 = off >> p->gshift;
+    uint32_t *hm = &p->hmaps[slot0];
+    uint8_t *hf = &p->hflags[slot0];
+    for (uint64_t i = 0; i < pages; i++) {
+        e[i] = (off + (i << p->gshift)) | HV_START_BIT;
+        hm[i]++;
+        hf[i] |= HV_USED;
+    }
+    r->mapped_pages += pages;
+    p->mapped += pages << p->gshift;
+    p->nmappings += count;
+}
+
+/* Caller holds the lock: maps back, from its page-table entries (left as they were), every
+ * mapping of [va, va+size) that the kernel unmapped. Returns how many could not be. */
+static uint64_t remap_from_entries(hv_pool *p, hv_resv *r, uint64_t va, uint64_t size) {
+    uint64_t first = (va - r->va) >> p->gshift, pages = size >> p->gshift, left = 0;
+    for (uint64_t pg = 0; pg < pages;) {
+        uint64_t h = r->ent[first + pg] & ~HV_START_BIT, hp = p->hpages[h >> p->gshift];
+        left += mmap_range(p, va + (pg << p->gshift), hp << p->gshift, h, 0) != 0;
+        pg += hp ? hp : 1;
+    }
+    return left;
+}
+
+int hv_map_runs(hv_pool *p, const uint64_t *runs, uint64_t n, uint64_t *failed) {
+    pthread_mutex_lock(&p->mu);
+    int rc = 0;
+    uint64_t k = 0;
+    for (; k < n; k++) {
+        uint64_t va = runs[3 * k], off = runs[3 * k + 1], size = runs[3 * k + 2], first = 0, count = 0;
+        hv_resv *r = NULL;
+        int fresh = 0, single = 0;
+        rc = check_map_run_locked(p, va, off, size, &r, &first, &count, &fresh, &single);
+        if (!rc) rc = mmap_range(p, va, size, off, p->populate && fresh && !p->no_populate_write);
+        if (rc) break;
+        record_map_run_locked(p, r, first, off, size >> p->gshift, count, single);
+    }
+    if (rc) {
+        char saved[sizeof hv_err];
+        memcpy(saved, hv_err, sizeof saved);
+        uint64_t left = 0; /* mappings the kernel would not unmap again (ENOMEM on a VMA split) */
+        for (uint64_t j = k; j-- > 0;) {
+            uint64_t va = runs[3 * j], pages = runs[3 * j + 2] >> p->gshift;
+            hv_resv *r = find_resv(p, va);
+            uint64_t first = (va - r->va) >> p->gshift;
+            if (unmap_range(va, runs[3 * j + 2]) == 0) {
+                for (uint64_t pg = 0; pg < pages;) {
+                    uint64_t h = r->ent[first + pg] & ~HV_START_BIT, hp = p->hpages[h >> p->gshift];
+                    record_unmap_locked(p, r, first + pg, h, 0);
+                    pg += hp;
+                }
+            } else {
+                for (uint64_t pg = pages; pg-- > 0;)
+                    if (r->ent[first + pg] & HV_START_BIT)
+                        left += unmap_locked(p, va + (pg << p->gshift), NULL, 0) != 0;
+            }
+        }
+        snprintf(hv_err, sizeof hv_err, "run %llu of %llu: %s%s", (unsigned long long)k,
+                 (unsigned long long)n, saved,
+                 left ? " (and the rollback could not unmap every earlier run)" : "");
+        if (failed) *failed = k;
+    }
+    pthread_mutex_unlock(&p->mu);
+    return rc;
+}
+
+/* Caller holds the lock. Checks run (va, size) of hv_unmap_runs: inside one reservation and
+ * tiled exactly by mappings; with ``claim`` (several runs in the call) none of them claimed by
+ * an earlier run, and claims their first pages (HV_CLAIM_BIT, cleared by the caller).
+ * *pending += how many of their handles are deferred-freed; *single = every mapping is one
+ * granule. */
+static int check_unmap_run_locked(hv_pool *p, uint64_t va, uint64_t size, int claim,
+                                  uint64_t *pending, int *single) {
+    if (size == 0 || size & p->gmask || va & p->gmask)
+        return fail(EINVAL, "unmap run at %#llx of %llu bytes is not a positive, aligned multiple "
+                    "of the granularity %llu", (unsigned long long)va, (unsigned long long)size,
+                    (unsigned long long)p->granule);
+    hv_resv *r = find_resv(p, va);
+    if (!r) return fail(EFAULT, "unmap address %#llx is not inside a reservation", (unsigned long long)va);
+    uint64_t first = (va - r->va) >> p->gshift, pages = size >> p->gshift;
+    if (pages > r->npages - first)
+        return fail(EINVAL, "unmap run of %llu bytes at %#llx runs past the end of its reservation",
+                    (unsigned long long)size, (unsigned long long)va);
+    uint64_t *e = &r->ent[first], bad = 0, pend = 0;
+    if (!claim) { /* one pass, no dependency: every page starts a one-granule mapping */
+        for (uint64_t i = 0; i < pages; i++) {
+            uint64_t v = e[i], slot = (v & ~HV_START_BIT) >> p->gshift;
+            bad |= (uint64_t)!(v & HV_START_BIT) | (uint64_t)(p->hpages[slot] != 1);
+            pend += (p->hflags[slot] & HV_PENDING_FREE) != 0;
+        }
+        if (!bad) {
+            *single = 1;
+            *pending += pend;
+            return 0;
+        }
+    }
+    *single = 0;
+    for (uint64_t pg = 0; pg < pages;) {
+        uint64_t v = e[pg];
+        if (v & HV_CLAIM_BIT)
+            return fail(ENOENT, "address %#llx is listed twice in the batch",
+                        (unsigned long long)(va + (pg << p->gshift)));
+        if (!(v & HV_START_BIT))
+            return fail(ENOENT, v ? "address %#llx is inside a mapping but not its start"
+                                  : "address %#llx is not mapped",
+                        (unsigned long long)(va + (pg << p->gshift)));
+        uint64_t slot = (v & ~HV_START_BIT) >> p->gshift, hp = p->hpages[slot];
+        if (hp > pages - pg)
+            return fail(EINVAL, "the mapping at %#llx runs past the end of the unmap run at %#llx "
+                        "(%llu bytes)", (unsigned long long)(va + (pg << p->gshift)),
+                        (unsigned long long)va, (unsigned long long)size);
+        if (claim) e[pg] = v | HV_CLAIM_BIT;
+        *pending += (p->hflags[slot] & HV_PENDING_FREE) != 0;
+        pg += hp;
+    }
+    return 0;
+}
+
+static void unclaim_runs_locked(hv_pool *p, const uint64_t *runs, uint64_t n) {
+    for (uint64_t k = 0; k < n; k++) {
+        hv_resv *r = find_resv(p, runs[2 * k]);
+        if (!r) continue;
+        uint64_t first = (runs[2 * k] - r->va) >> p->gshift;
+        uint64_t pages = runs[2 * k + 1] >> p->gshift;
+        if (pages > r->npages - first) pages = r->npages - first;
+        for (uint64_t i = 0; i < pages; i++) r->ent[first + i] &= ~HV_CLAIM_BIT;
+    }
+}
+
+/* Caller holds the lock: the bookkeeping of an unmapped run whose mappings are all one
+ * granule and none deferred-freed (checked). */
+static void record_unmap_single_run_locked(hv_pool *p, hv_resv *r, uint64_t first,
+                                           uint64_t pages) {
+    uint64_t *e = &r->ent[first];
+    for (uint64_t i = 0; i < pages; i++) {
+        p->hmaps[(e[i] & ~HV_START_BIT) >> p->gshift]--;
+        e[i] = 0;
+    }
+    r->mapped_pages -= pages;
+    p->mapped -= pages << p->gshift;
+    p->nmappings -= pages;
+}
+
+/* Caller holds the lock: unmaps the mappings of run [va, va+size) (checked) mapping by
+ * mapping, after the run's one system call failed. On failure maps back what it unmapped and
+ * returns the error; the page-table entries are not changed either way. */
+static int unmap_run_one_by_one(hv_pool *p, hv_resv *r, uint64_t va, uint64_t size) {
+    uint64_t first = (va - r->va) >> p->gshift, pages = size >> p->gshift;
+    for (uint64_t pg = 0; pg < pages;) {
+        uint64_t h = r->ent[first + pg] & ~HV_START_BIT, hp = p->hpages[h >> p->gshift];
+        int rc = unmap_range(va + (pg << p->gshift), hp << p->gshift);
+        if (rc) {
+            char saved[sizeof hv_err];
+            memcpy(saved, hv_err, sizeof saved);
+            if (pg) remap_from_entries(p, r, va, pg << p->gshift);
+            memcpy(hv_err, saved, sizeof saved);
+            return rc;
+        }
+        pg += hp;
+    }
+    return 0;
+}
+
+int hv_unmap_runs(hv_pool *p, const uint64_t *runs, uint64_t n, uint64_t *failed) {
+    pthread_mutex_lock(&p->mu);
+    int rc = 0, claim = n > 1, all_single = 1;
+    uint64_t k = 0, pending = 0;
+    char saved[sizeof hv_err];
+    for (; k < n; k++) { /* every run checked before anything is unmapped */
+        int single = 0;
+        rc = check_unmap_run_locked(p, runs[2 * k], runs[2 * k + 1], claim, &pending, &single);
+        if (rc) break;
+        all_single &= single;
+    }
+    if (claim) unclaim_runs_locked(p, runs, rc ? k + 1 : n);
+    if (rc) {
+        memcpy(saved, hv_err, sizeof saved);
+        snprintf(hv_err, sizeof hv_err, "run %llu of %llu: %s (nothing was unmapped)",
+                 (unsigned long long)k, (unsigned long long)n, saved);
+        if (failed) *failed = k;
+        goto out;
+    }
+    /* the system calls first, the bookkeeping once all succeeded: a failure maps the earlier
+     * runs back from their page-table entries, which are still intact */
+    for (k = 0; k < n; k++) {
+        uint64_t va = runs[2 * k], size = runs[2 * k + 1];
+        if (unmap_range(va, size) == 0) continue;
+        rc = unmap_run_one_by_one(p, find_resv(p, va), va, size);
+        if (rc) break;
+    }
+    if (rc) {
+        memcpy(saved, hv_err, sizeof saved);
+        uint64_t left = 0; /* mappings the kernel would not map back */
+        for (uint64_t j = k; j-- > 0;)
+            left += remap_from_entries(p, find_resv(p, runs[2 * j]), runs[2 * j], runs[2 * j + 1]);
+        snprintf(hv_err, sizeof hv_err, "run %llu of %llu: %s%s", (unsigned long long)k,
+                 (unsigned long long)n, saved,
+                 left ? " (and the rollback could not map every earlier mapping back)" : "");
+        if (failed) *failed = k;
+        goto out;
+    }
+    for (k = 0; k < n; k++) {
+        uint64_t va = runs[2 * k], pages = runs[2 * k + 1] >> p->gshift;
+        hv_resv *r = find_resv(p, va);
+        uint64_t first = (va - r->va) >> p->gshift;
+        if (all_single && !pending) {
+            record_unmap_single_run_locked(p, r, first, pages);
+            continue;
+        }
+        for (uint64_t pg = 0; pg < pages;) { /* releases deferred-freed handles as it goes */
+            uint64_t h = r->ent[first + pg] & ~HV_START_BIT, hp = p->hpages[h >> p->gshift];
+            record_unmap_locked(p, r, first + pg, h, 0);
+            pg += hp;
+        }
+    }
+out:
+    pthread_mutex_unlock(&p->mu);
     return rc;
 }
 
@@ -865,7 +1179,7 @@ static int check_mapped_locked(hv_pool *p, uint64_t va, uint64_t len) {
     while (cur < end) {
         hv_resv *r = find_resv(p, cur);
         if (!r) return fail(EFAULT, "address %#llx is not inside a reservation", (unsigned long long)cur);
-        uint64_t page = (cur - r->va) / p->granule;
+        uint64_t page = ((cur - r->va) >> p->gshift);
         if (!r->ent[page]) return fail(ENOENT, "address %#llx is not mapped", (unsigned long long)cur);
         cur = r->va + (page + 1) * p->granule;
     }

@@ -103,6 +103,19 @@ int hv_map_batch(hv_pool *p, const uint64_t *vas, const uint64_t *handles, uint6
  * misuse unmaps nothing; a kernel failure after that re-maps what this call unmapped. A handle
  * freed with hv_free_deferred is released only once the batch has succeeded. */
 int hv_unmap_batch(hv_pool *p, const uint64_t *vas, uint64_t n, uint64_t *failed);
+/* Run records: the batched calls with one record per run instead of one entry per handle.
+ * ``runs`` holds ``n`` triples (va, handle, size): the live handles that tile
+ * [handle, handle+size) of the memfd (contiguous handles, each mapped whole) are mapped at
+ * va + (their offset - handle) with one mmap per run; the bookkeeping stays per handle (each
+ * can be unmapped on its own later). All or nothing: on failure every run this call mapped is
+ * unmapped again; *failed = the run's index. */
+int hv_map_runs(hv_pool *p, const uint64_t *runs, uint64_t n, uint64_t *failed);
+/* ``runs`` holds ``n`` pairs (va, size): unmaps every mapping in [va, va+size), which must be
+ * tiled exactly by mappings (none listed twice), with one system call per run. All or nothing
+ * as hv_unmap_batch: every run is checked before anything is unmapped; a kernel failure after
+ * that maps back what this call unmapped; deferred-freed handles are released at the end. */
+int hv_unmap_runs(hv_pool *p, const uint64_t *runs, uint64_t n, uint64_t *failed);
+
 /* 0 when every byte of [va, va+len) lies in mapped pages of this pool, else ENOENT/EFAULT. */
 int hv_check_mapped(hv_pool *p, uint64_t va, uint64_t len);
 

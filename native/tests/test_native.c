@@ -135,6 +135,83 @@ int main(void) {
     CHECK(hv_release(p, cv, 8 * G) == 0);
     hv_pool_close(p);
 
+    /* run records: one record per contiguous run, bookkeeping per handle, all or nothing */
+    CHECK(hv_pool_open(&p, G, 16 * G) == 0);
+    uint64_t rv, rh[6], big, stats2[HV_STAT_COUNT];
+    CHECK(hv_reserve(p, 16 * G, &rv) == 0);
+    for (int i = 0; i < 4; i++) CHECK(hv_create(p, G, &rh[i]) == 0);
+    CHECK(hv_create(p, 2 * G, &big) == 0 && big == rh[3] + G); /* a two-granule handle after them */
+    uint64_t run1[3] = {rv, rh[0], 4 * G}, unrun1[2] = {rv, 4 * G};
+    CHECK(hv_map_runs(p, run1, 1, &failed) == 0);
+    for (int i = 0; i < 4; i++) memset((void *)(rv + i * G), 0x20 + i, G);
+    hv_stats(p, stats2);
+    CHECK(stats2[HV_STAT_MAPPINGS] == 4 && stats2[HV_STAT_MAPPED] == 4 * G);
+    CHECK(hv_unmap(p, rv + 2 * G, NULL) == 0); /* each handle is its own mapping */
+    CHECK(hv_unmap_runs(p, unrun1, 1, &failed) == ENOENT && failed == 0); /* a hole: refused */
+    CHECK(hv_check_mapped(p, rv, G) == 0); /* ... and nothing was unmapped */
+    CHECK(hv_map(p, rv + 2 * G, rh[2]) == 0 && ((unsigned char *)rv)[2 * G + 5] == 0x22);
+    CHECK(hv_unmap_runs(p, unrun1, 1, &failed) == 0);
+    hv_stats(p, stats2);
+    CHECK(stats2[HV_STAT_MAPPINGS] == 0 && stats2[HV_STAT_MAPPED] == 0);
+    /* a run with the two-granule handle: the general walk */
+    uint64_t run2[3] = {rv + 8 * G, rh[2], 4 * G}, unrun2[2] = {rv + 8 * G, 4 * G};
+    CHECK(hv_map_runs(p, run2, 1, &failed) == 0);
+    CHECK(((unsigned char *)rv)[8 * G + 1] == 0x22 && ((unsigned char *)rv)[9 * G + 1] == 0x23);
+    hv_stats(p, stats2);
+    CHECK(stats2[HV_STAT_MAPPINGS] == 3 && stats2[HV_STAT_MAPPED] == 4 * G);
+    CHECK(hv_free(p, big) == EBUSY);
+    CHECK(hv_unmap_runs(p, unrun2, 1, &failed) == 0);
+    /* the second run fails (handle inside the big one's middle / a range already mapped):
+     * the first is unmapped again, the index is exact */
+    uint64_t two[6] = {rv, rh[0], 2 * G, rv + 4 * G, big + G, G};
+    CHECK(hv_map_runs(p, two, 2, &failed) == EBADF && failed == 1);
+    CHECK(hv_check_mapped(p, rv, 1) == ENOENT);
+    uint64_t overlap[6] = {rv, rh[0], 2 * G, rv + G, rh[2], G};
+    CHECK(hv_map_runs(p, overlap, 2, &failed) == EEXIST && failed == 1);
+    CHECK(hv_check_mapped(p, rv, 1) == ENOENT);
+    uint64_t past[3] = {rv + 14 * G, rh[0], 4 * G}; /* past the end of the reservation */
+    CHECK(hv_map_runs(p, past, 1, &failed) == EINVAL);
+    uint64_t odd[3] = {rv + 1, rh[0], G};
+    CHECK(hv_map_runs(p, odd, 1, &failed) == EINVAL);
+    uint64_t freed[3] = {rv, rh[3] + 3 * G, G}; /* past the last handle: never created */
+    CHECK(hv_map_runs(p, freed, 1, &failed) == EBADF);
+    /* unmap runs: listed twice, over a hole, through the middle of a mapping */
+    CHECK(hv_map_runs(p, run1, 1, &failed) == 0);
+    uint64_t twice[4] = {rv, 2 * G, rv + G, G};
+    CHECK(hv_unmap_runs(p, twice, 2, &failed) == ENOENT && failed == 1);
+    CHECK(hv_check_mapped(p, rv, 4 * G) == 0);
+    uint64_t halves[4] = {rv + 2 * G, 2 * G, rv, 2 * G}; /* several runs, any order */
+    CHECK(hv_unmap_runs(p, halves, 2, &failed) == 0);
+    CHECK(hv_map_runs(p, run2, 1, &failed) == 0);
+    uint64_t mid[2] = {rv + 8 * G, 3 * G}; /* ends inside the two-granule mapping */
+    CHECK(hv_unmap_runs(p, mid, 1, &failed) == EINVAL);
+    /* a deferred-freed handle is released when its run is unmapped */
+    CHECK(hv_free_deferred(p, big) == 0);
+    CHECK(hv_unmap_runs(p, unrun2, 1, &failed) == 0);
+    hv_stats(p, stats2);
+    CHECK(stats2[HV_STAT_HANDLES] == 4 && stats2[HV_STAT_COMMITTED] == 4 * G);
+    /* the mapping cap counts every handle of a run */
+    hv_set_max_mappings(p, 3);
+    CHECK(hv_map_runs(p, run1, 1, &failed) == ENOMEM);
+    hv_set_max_mappings(p, 0);
+    hv_set_populate(p, 1);
+    CHECK(hv_map_runs(p, run1, 1, &failed) == 0 && ((unsigned char *)rv)[3 * G] == 0x23);
+    CHECK(hv_unmap_runs(p, unrun1, 1, &failed) == 0);
+    for (int i = 0; i < 4; i++) CHECK(hv_free(p, rh[i]) == 0);
+    hv_stats(p, stats2);
+    CHECK(stats2[HV_STAT_MAPPINGS] == 0 && stats2[HV_STAT_HANDLES] == 0 && stats2[HV_STAT_BACKING] == 0);
+    CHECK(hv_release(p, rv, 16 * G) == 0);
+    hv_pool_close(p);
+
+    /* huge-page backings: refused for a granule that is not a multiple of 2 MiB */
+    CHECK(hv_pool_open_backed(&p, G / 2, 0, HV_BACKING_HUGETLB) == EINVAL && p == NULL);
+    CHECK(hv_pool_open_backed(&p, G, 0, 7) == EINVAL && p == NULL);
+    CHECK(hv_pool_open_backed(&p, G, 0, HV_BACKING_THP) == 0);
+    hv_stats(p, stats2);
+    CHECK(stats2[HV_STAT_BACKING] == HV_BACKING_THP);
+    CHECK(hv_create(p, G, &rh[0]) == 0 && hv_free(p, rh[0]) == 0); /* committed, with or without THP */
+    hv_pool_close(p);
+
     CHECK(aclInit(NULL) == 0 && aclInit(NULL) == 100002);
     CHECK(aclGetRecentErrMsg() != NULL && aclGetRecentErrMsg() == NULL);
     void *av, *ah;

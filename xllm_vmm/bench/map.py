@@ -10,9 +10,13 @@ in interleaved repeats (best and median reported):
 * ``raw``: the device calls with no bookkeeping — on the host a C loop doing exactly the
   per-page ``mmap`` system calls (scattered pages: the limit on this host); on ACL/CUDA the
   library's map/unmap functions called straight through ctypes;
-* ``contiguous_batched``: ``batched`` on *contiguous* pages (address and memfd offset both
-  increasing): the host driver maps each contiguous run with one ``mmap`` and unmaps it with
-  one, keeping its bookkeeping per handle;
+* ``contiguous_batched``: on *contiguous* pages (address and memfd offset both increasing),
+  the host driver's run records: one ``map_runs`` + one ``unmap_runs`` call per round on
+  arrays built once (one record and one ``mmap`` per contiguous run, the bookkeeping still per
+  handle); other drivers: ``batched`` on those pages. ``contiguous_map_batch`` (host): the
+  same pages through ``map_batch``/``unmap_batch`` with Python lists (arrays built per call);
+* ``native_call_us`` (host): one ctypes call of a trivial native function, the fixed cost of
+  every batched call;
 * ``coalesced_raw`` (host): a C loop with one ``mmap`` per contiguous run and one for the
   unmap — the limit for contiguous pages.
 
@@ -115,6 +119,31 @@ def _raw_fn(driver, vas: list[int], handles: list[int], rounds: int, coalesced: 
     return None
 
 
+def runs_fn(driver, vas: list[int], handles: list[int], rounds: int):
+    """``rounds`` of map_runs + unmap_runs on run records built once (the host driver's path
+    for contiguous pages: no per-page work in Python)."""
+    batch = driver.prepare_runs(vas, handles)
+
+    def runs() -> None:
+        for _ in range(rounds):
+            driver.map_runs(batch)
+            driver.unmap_runs(batch)
+    return runs
+
+
+def native_call_us(driver, calls: int = 20000) -> float | None:
+    """µs per ctypes call of a trivial native function (``hv_granule``) on the host driver:
+    the fixed cost each batched call pays before the kernel does anything; best of 3."""
+    if driver.name != "host":
+        return None
+    fn, pool = driver._lib.hv_granule, driver._pool
+
+    def loop() -> None:
+        for _ in range(calls):
+            fn(pool)
+    return best_seconds(loop, 3) / calls * 1e6
+
+
 def check_map_fits(driver, pages: int) -> None:
     """Refuses (:class:`~xllm_vmm.bench.limits.BenchTooLarge`) a ``--pages`` whose handles do
     not fit in the driver's free memory: ``pages`` pages, twice on the host driver (the
@@ -197,6 +226,9 @@ def run(driver, pages: int = 64, rounds: int = 20, repeats: int = 3, release_pag
             driver.populate = False
         fns = {"batched": batched_of(svas, scattered), "per_call": per_call,
                "contiguous_batched": batched_of(vas, handles)}
+        if hasattr(driver, "map_runs"):  # run records built once, passed as they are
+            fns["contiguous_map_batch"] = fns["contiguous_batched"]
+            fns["contiguous_batched"] = runs_fn(driver, vas, handles, rounds)
         raw = _raw_fn(driver, svas, scattered, rounds)
         if raw:
             fns["raw"] = raw
@@ -253,6 +285,8 @@ def run(driver, pages: int = 64, rounds: int = 20, repeats: int = 3, release_pag
         "batched_vs_coalesced_ratio_median": (med["contiguous_batched"] / med["coalesced_raw"]
                                               if t_co else None),
         "coalescing_speedup": t_batched / t_cb,
+        "contiguous_map_batch_us_per_page": best.get("contiguous_map_batch"),
+        "native_call_us": native_call_us(driver),
         "populated_batched_us_per_page": p_batched,
         "populated_raw_us_per_page": p_raw,
         "populated_batched_vs_raw_ratio": p_batched / p_raw if p_raw else None,

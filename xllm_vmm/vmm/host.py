@@ -203,6 +203,54 @@ def _u64s(values: Sequence[int]) -> array.array:
                                  f"addresses, handles and sizes must be non-negative ints: {exc}") from exc
 
 
+def runs_of(vas: Sequence[int], handles: Sequence[int], sizes: Sequence[int] | int
+            ) -> tuple[array.array, array.array]:
+    """The run records of mapping ``handles[i]`` (``sizes[i]`` bytes, or one size for all) at
+    ``vas[i]``: ``(map_runs, unmap_runs)`` arrays for :meth:`HostDriver.map_runs` /
+    :meth:`HostDriver.unmap_runs`, one record per run of entries contiguous both in address
+    and in memfd offset. Built once per layout; the arrays can be passed again and again."""
+    if len(vas) != len(handles):
+        raise VmmInvalidArgument("runs_of", errno.EINVAL, "",
+                                 f"{len(vas)} addresses but {len(handles)} handles")
+    one = sizes if isinstance(sizes, int) else None
+    maps: list[int] = []
+    unmaps: list[int] = []
+    end_va = end_h = -1
+    for i, (va, h) in enumerate(zip(vas, handles)):
+        size = one if one is not None else sizes[i]
+        if va == end_va and h == end_h:
+            maps[-1] += size
+            unmaps[-1] += size
+        else:
+            maps += (va, h, size)
+            unmaps += (va, size)
+        end_va, end_h = va + size, h + size
+    return _u64s(maps), _u64s(unmaps)
+
+
+class RunBatch:
+    """Run records prepared once (:meth:`HostDriver.prepare_runs`): ``maps`` holds
+    ``(va, handle, nbytes)`` triples, ``unmaps`` the matching ``(va, nbytes)`` pairs, one per
+    run contiguous in address and memfd offset, with their ctypes arguments built, so mapping
+    or unmapping the same layout again costs one native call and nothing per page in Python.
+    The arrays must not be resized (the native call reads them by address)."""
+
+    __slots__ = ("maps", "unmaps", "nbytes", "_maps_ptr", "_nmaps", "_unmaps_ptr", "_nunmaps")
+
+    def __init__(self, maps: array.array, unmaps: array.array) -> None:
+        self.maps, self.unmaps = maps, unmaps
+        #: bytes in the batch (the runs' sizes added up)
+        self.nbytes = sum(unmaps[1::2])
+        self._maps_ptr = C.c_void_p(maps.buffer_info()[0] if len(maps) else None)
+        self._nmaps = C.c_uint64(len(maps) // 3)
+        self._unmaps_ptr = C.c_void_p(unmaps.buffer_info()[0] if len(unmaps) else None)
+        self._nunmaps = C.c_uint64(len(unmaps) // 2)
+
+    def __len__(self) -> int:
+        """Number of runs."""
+        return len(self.unmaps) // 2
+
+
 def _addr(arr: array.array) -> int:
     return arr.buffer_info()[0]
 
@@ -263,6 +311,8 @@ class HostDriver(DriverBase):
         self._check("open host pool", self._lib.hv_pool_open_backed(
             C.byref(pool), granularity, device_memory or 0, BACKING_CODES[backing]))
         self._pool = pool.value
+        self._pool_arg = C.c_void_p(self._pool)  # prebuilt ctypes arguments of the run calls
+        self._map_runs, self._unmap_runs = self._lib.hv_map_runs, self._lib.hv_unmap_runs
         self._finalizer = weakref.finalize(self, _close_pool, self._lib, self._pool)
         #: the backing in use: "hugetlb", "thp" or "off" (4 KiB pages)
         self.hugepages = backing
@@ -426,6 +476,53 @@ class HostDriver(DriverBase):
         rc = self._lib.hv_unmap_batch(self._live(), a.buffer_info()[0], len(a), None)
         if rc:
             self._check("unmap_batch", rc)
+
+    def prepare_runs(self, vas: Sequence[int], handles: Sequence[int],
+                     sizes: Sequence[int] | int | None = None) -> "RunBatch":
+        """The run records of mapping ``handles[i]`` (``sizes[i]`` bytes; default one
+        granule each) at ``vas[i]``, prepared once for :meth:`map_runs` / :meth:`unmap_runs`
+        (see :class:`RunBatch`)."""
+        maps, unmaps = runs_of(vas, handles, self._granularity if sizes is None else sizes)
+        return RunBatch(maps, unmaps)
+
+    def map_runs(self, runs: "RunBatch | array.array | Sequence[int]") -> None:
+        """Maps run records in one native call, all or nothing: a :class:`RunBatch`, or a flat
+        ``array('Q')`` (or sequence) of ``(va, handle, nbytes)`` triples, each run the handles
+        that tile ``[handle, handle + nbytes)`` of the memfd (contiguous handles) mapped at
+        ``va`` onward with one ``mmap``. Each handle stays its own mapping (unmap it alone
+        later, or with :meth:`unmap_batch`). A prepared batch costs no per-page work in Python
+        and no argument conversion."""
+        if type(runs) is RunBatch:
+            if self._closed:
+                self._live()
+            rc = self._map_runs(self._pool_arg, runs._maps_ptr, runs._nmaps, None)
+        else:
+            a = runs if isinstance(runs, array.array) and runs.typecode == "Q" else _u64s(runs)
+            n, rest = divmod(len(a), 3)
+            if rest:
+                raise VmmInvalidArgument("map_runs", errno.EINVAL, "",
+                                         f"{len(a)} values are not (va, handle, nbytes) triples")
+            rc = self._lib.hv_map_runs(self._live(), a.buffer_info()[0], n, None) if n else 0
+        if rc:
+            self._check("map_runs", rc)
+
+    def unmap_runs(self, runs: "RunBatch | array.array | Sequence[int]") -> None:
+        """Unmaps run records in one native call, all or nothing: a :class:`RunBatch`, or a
+        flat ``array('Q')`` (or sequence) of ``(va, nbytes)`` pairs, each range tiled exactly
+        by mappings (any handles, mapped any way), unmapped with one system call per run."""
+        if type(runs) is RunBatch:
+            if self._closed:
+                self._live()
+            rc = self._unmap_runs(self._pool_arg, runs._unmaps_ptr, runs._nunmaps, None)
+        else:
+            a = runs if isinstance(runs, array.array) and runs.typecode == "Q" else _u64s(runs)
+            n, rest = divmod(len(a), 2)
+            if rest:
+                raise VmmInvalidArgument("unmap_runs", errno.EINVAL, "",
+                                         f"{len(a)} values are not (va, nbytes) pairs")
+            rc = self._lib.hv_unmap_runs(self._live(), a.buffer_info()[0], n, None) if n else 0
+        if rc:
+            self._check("unmap_runs", rc)
 
     def is_mapped(self, va: int, nbytes: int) -> bool:
         """True when every byte of ``[va, va+nbytes)`` lies in mapped pages of this driver."""

@@ -1,0 +1,96 @@
+"""Run records on the host driver: ``runs_of`` / ``prepare_runs`` find the runs contiguous in
+address and memfd offset, ``map_runs`` / ``unmap_runs`` map each with one call, all or nothing,
+while every handle stays its own mapping."""
+
+from __future__ import annotations
+
+import array
+import ctypes as C
+
+import pytest
+
+from xllm_vmm.vmm import VmmAlreadyMapped, VmmError, VmmInvalidArgument, VmmNotMapped
+from xllm_vmm.vmm.host import HostDriver, RunBatch, runs_of
+
+MiB = 1024 * 1024
+G = 2 * MiB
+
+
+@pytest.fixture
+def drv():
+    d = HostDriver(hugepages="off")
+    yield d
+    d.close()
+
+
+def test_runs_of_splits_where_address_or_offset_breaks():
+    vas = [0, G, 2 * G, 10 * G, 11 * G, 12 * G]
+    hs = [G, 2 * G, 3 * G, 4 * G, 9 * G, 10 * G]  # the run breaks in address, then in offset
+    maps, unmaps = runs_of(vas, hs, G)
+    assert list(maps) == [0, G, 3 * G, 10 * G, 4 * G, G, 11 * G, 9 * G, 2 * G]
+    assert list(unmaps) == [0, 3 * G, 10 * G, G, 11 * G, 2 * G]
+    maps, _ = runs_of([0, 2 * G], [G, 3 * G], [2 * G, G])  # sizes per entry
+    assert list(maps) == [0, G, 3 * G]
+    with pytest.raises(VmmInvalidArgument, match="2 addresses but 1 handles"):
+        runs_of([0, G], [G], G)
+
+
+def test_map_runs_keeps_each_handle_its_own_mapping(drv):
+    hs = drv.create_handles(6, G)
+    va = drv.reserve(12 * G)
+    vas = [va + i * G for i in range(6)]
+    batch = drv.prepare_runs(vas, hs)
+    assert isinstance(batch, RunBatch) and len(batch) == 1 and batch.nbytes == 6 * G
+    drv.map_runs(batch)
+    assert drv.stats()["mappings"] == 6 and drv.is_mapped(va, 6 * G)
+    for i in range(6):
+        C.memset(vas[i], 0x30 + i, G)
+    drv.unmap(vas[2])  # one handle alone
+    with pytest.raises(VmmNotMapped):
+        drv.unmap_runs(batch)  # a hole in the run: refused, nothing unmapped
+    assert drv.is_mapped(va, 2 * G) and drv.is_mapped(vas[3], 3 * G)
+    drv.map(vas[2], hs[2])
+    drv.unmap_runs(batch)
+    assert drv.stats()["mappings"] == 0 and not drv.is_mapped(va, 1)
+    # the same handles reversed elsewhere: one run per handle, the data follows the handle
+    rev = drv.prepare_runs([va + (6 + i) * G for i in range(6)], hs[::-1])
+    assert len(rev) == 6
+    drv.map_runs(rev)
+    assert C.string_at(va + 6 * G, 1) == b"\x35" and C.string_at(va + 12 * G - 1, 1) == b"\x30"
+    drv.unmap_batch([va + (6 + i) * G for i in range(6)])  # run mappings unmap any way
+    # plain arrays and sequences work too
+    drv.map_runs(array.array("Q", [va, hs[0], 3 * G]))
+    drv.unmap_runs([va, 3 * G])
+    for h in hs:
+        drv.free_handle(h)
+    drv.release(va, 12 * G)
+
+
+def test_map_runs_is_all_or_nothing_and_names_the_run(drv):
+    hs = drv.create_handles(4, G)
+    va = drv.reserve(8 * G)
+    drv.map(va + 5 * G, hs[3])
+    runs = [va, hs[0], 2 * G, va + 4 * G, hs[2], 2 * G]  # the second run hits the mapping
+    with pytest.raises(VmmAlreadyMapped, match="run 1 of 2"):
+        drv.map_runs(runs)
+    assert drv.stats()["mappings"] == 1 and not drv.is_mapped(va, 1)
+    with pytest.raises(VmmInvalidArgument, match="not \\(va, handle, nbytes\\) triples"):
+        drv.map_runs([va, hs[0]])
+    with pytest.raises(VmmInvalidArgument, match="not \\(va, nbytes\\) pairs"):
+        drv.unmap_runs([va])
+    with pytest.raises(VmmError, match="unknown handle"):
+        drv.map_runs([va, hs[3] + G, G])  # past the last handle
+    with pytest.raises(VmmInvalidArgument, match="runs past the end of its reservation"):
+        drv.map_runs([va + 6 * G, hs[0], 4 * G])
+    drv.map_runs([va, hs[0], 3 * G])
+    with pytest.raises(VmmNotMapped, match="listed twice"):
+        drv.unmap_runs([va, 2 * G, va + G, G])
+    assert drv.is_mapped(va, 3 * G)
+    drv.unmap_runs([va + 2 * G, G, va, 2 * G, va + 5 * G, G])  # several runs, any order
+    assert drv.stats()["mappings"] == 0
+    for h in hs:
+        drv.free_handle(h)
+    drv.release(va, 8 * G)
+    drv.close()
+    with pytest.raises(VmmInvalidArgument, match="closed"):
+        drv.map_runs(RunBatch(array.array("Q", [va, hs[0], G]), array.array("Q", [va, G])))
