@@ -58,3 +58,24 @@ def test_cuda_load_sleep_wake_fork_are_exact(tmp_path, cuda_pool):
     exact(child)
     child.close()
     w.close()
+
+
+def test_cuda_sleep_and_wakeup_take_the_shared_path(tmp_path, cuda_pool):
+    """The phases of the host and ACL paths (one store, one pool call each way): the pages are
+    unmapped and released, then committed, mapped and copied; the device's free memory comes
+    back over cycles (nothing leaked per cycle)."""
+    from xllm_vmm.weights import load_weights
+
+    d, pool = cuda_pool
+    model = save_checkpoint(tmp_path / "m", random_tensors("float32", hidden=256), shards=2)
+    w = load_weights(model, pool=pool)
+    light = w.sleep(1)
+    assert {"unmap", "release"} <= set(light.phases)
+    wake = w.wake_up()
+    assert wake.source == "host_copy" and {"commit", "map", "copy"} <= set(wake.phases)
+    free = d.mem_info().free
+    for i in range(6):
+        w.sleep(1 + i % 2)
+        w.wake_up()
+    assert d.mem_info().free >= free - (2 << 20)  # the CUDA allocator may round by a page
+    w.close()

@@ -68,9 +68,15 @@ def _leak_free(inner, pool, host_buffers: int) -> None:
         assert len(inner._host_buffers) == host_buffers
 
 
+@pytest.mark.parametrize("batch_pages", [None, 1])
 @pytest.mark.parametrize("level", [1, 2])
-def test_injected_oom_at_every_page_index(tmp_path, backing_kind, level):
-    """On the ACL emulation and the host driver on every huge-page backing."""
+def test_injected_oom_at_every_page_index(tmp_path, backing_kind, level, batch_pages,
+                                          monkeypatch):
+    """On the ACL emulation and the host driver on every huge-page backing; a wakeup from
+    the host copy maps in batches with the copies overlapping (``batch_pages=1``: one page
+    per batch, so a failure at page k comes after k batches mapped and copying)."""
+    if batch_pages is not None:
+        monkeypatch.setattr("xllm_vmm.weights.store.WAKE_BATCH_BYTES", batch_pages * PAGE)
     model = save_checkpoint(tmp_path / "m", {"a": torch.randn(PAGE // 4 * 3),  # 6 MiB f32
                                              "b": torch.randn(1000)})
     inner = open_test_driver(backing_kind, 256 << 20)

@@ -43,7 +43,8 @@ machine could not give is ``<name>_backing = "unavailable: <why>"``.
 - ``fork_extra_weight_bytes``: pool-held bytes + host copy bytes (+ RssShmem + HugetlbPages on
   the host driver) a fork of the same checkpoint adds (0).
 - ``cycle_growth_bytes``: growth of pool-held + host copy + RssShmem + HugetlbPages bytes over
-  ``cycles`` light/deep sleep-wake cycles (0); ``cycle_fd_growth`` and
+  ``cycles`` sleep-wake cycles, every fourth deep (0; the backings after the first run a
+  quarter of them, at least 2: ``<name>_cycles``); ``cycle_fd_growth`` and
   ``cycle_mapping_growth`` count file descriptors and memory mappings;
   ``cycle_rss_growth_bytes`` is informational (the Python heap moves by pages).
 - ``bytes_identical``: every tensor byte equal to the first load's after all of the above.
@@ -205,7 +206,8 @@ _PER_BACKING = (
     "wakeup_seconds", "wakeup_commit_seconds", "wakeup_map_seconds", "wakeup_copy_seconds",
     "memcpy_seconds", "wakeup_vs_memcpy_ratio", "wakeup_vs_reload_ratio", "load_seconds",
     "deep_wakeup_seconds", "engine_light_sleep_ms_per_gib", "engine_kv_sleep_seconds",
-    "engine_wakeup_seconds", "fork_extra_weight_bytes", "cycle_growth_bytes", "bytes_identical")
+    "engine_wakeup_seconds", "fork_extra_weight_bytes", "cycles", "cycle_growth_bytes",
+    "bytes_identical")
 #: the backings ``--hugepages`` accepts (``auto``: whatever the driver picks as the machine is)
 BACKINGS = ("hugetlb", "thp", "off", "auto")
 DEFAULT_BACKINGS = "hugetlb,thp,off"
@@ -383,7 +385,7 @@ def measure(driver, model: Path, *, repeats: int, cycles: int, kv_bytes: int = 0
 
         before = snap()
         for i in range(cycles):
-            w.sleep(1 + i % 2)
+            w.sleep(2 if i % 4 == 3 else 1)  # every fourth cycle deep (a reload from the files)
             w.wake_up()
         gc.collect()
         after = snap()
@@ -540,7 +542,8 @@ def run_host(backings: tuple[str, ...] = ("hugetlb", "thp", "off"), *, size_byte
                 with _backing_allowed(mode, need) as setting:
                     d = open_driver("host", device_index=device_index, hugepages=mode)
                     try:
-                        r = measure(d, model, repeats=repeats, cycles=cycles, kv_bytes=kv_size)
+                        n = cycles if not measured else max(2, cycles // 4)
+                        r = measure(d, model, repeats=repeats, cycles=n, kv_bytes=kv_size)
                     finally:
                         d.close()
             except hp.SettingUnavailable as exc:

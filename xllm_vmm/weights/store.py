@@ -18,8 +18,13 @@ holder is awake or in light sleep and ``keep_host_copy`` is on, or while one is 
 every holder is in deep sleep or closed. So sleeping one instance never releases pages another
 awake instance uses, and a fork of the same checkpoint maps nothing new.
 
-Wakeup is all or nothing: the pages are mapped in one batched pool call (rolled back by the pool
-on failure), then filled (host copy, else the checkpoint files: checked unchanged first); if
+Wakeup is all or nothing. From the host copy, the pages are mapped :data:`WAKE_BATCH_BYTES` at a
+time and each batch's host-to-device copy starts as soon as it is mapped, so copying one batch
+overlaps creating and mapping the next (the kernel zeroing fresh pages on the host driver,
+``cuMemCreate``/``cuMemMap`` on a device); the budget is checked for the whole region before
+the first batch, and if a batch cannot be mapped or a copy fails, every copy is waited for and
+everything mapped is unmapped again. From the checkpoint files (checked unchanged first) the
+pages are mapped in one batched pool call (rolled back by the pool on failure), then filled; if
 filling fails, the pages are unmapped again and any host copy this attempt made is freed.
 
 Modes of the pool: elastic (weights sleep gives memory back); physical (weight-only VMM:
@@ -47,13 +52,16 @@ from xllm_vmm.weights.phases import PhaseClock
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["WeightStore", "TENANT", "WEIGHTS_TAG", "COPY_CHUNK_BYTES"]
+__all__ = ["WeightStore", "TENANT", "WEIGHTS_TAG", "COPY_CHUNK_BYTES", "WAKE_BATCH_BYTES"]
 
 TENANT = "weights"
 WEIGHTS_TAG = "weights"
 #: Largest single entry of a batched host<->device copy, and the staging window without a host
 #: copy (bytes).
 COPY_CHUNK_BYTES = 64 << 20
+#: Pages a wakeup from the host copy maps per pool call before starting their copy (bytes;
+#: whole pages, at least one).
+WAKE_BATCH_BYTES = 64 << 20
 _HOST_ALIGN = 4096
 
 
@@ -148,14 +156,65 @@ class WeightStore:
             clock.add("commit", time.perf_counter() - t0 - mapped)
         if ok:
             return
+        raise self._map_failure(action, state, available)
+
+    def _map_failure(self, action: str, state: str, available: int) -> WeightsOutOfMemory:
+        """The error for a map of the region that failed, ``available`` bytes being what the
+        pool could map before it."""
+        need, page = self.region.nbytes, self.region.page_bytes
         cause = ("the budget refused it (free memory − execution peak − reserve, and the "
                  "quota)" if available < need else "the device ran out of memory part way")
         available = min(available, need - page)
         if action == "load":
-            raise WeightsOutOfMemory("load", needed_bytes=need, available_bytes=available,
-                                     page_bytes=page, cause=cause)
-        raise WakeupOutOfMemory(needed_bytes=need, available_bytes=available, page_bytes=page,
-                                state=state, cause=cause)
+            return WeightsOutOfMemory("load", needed_bytes=need, available_bytes=available,
+                                      page_bytes=page, cause=cause)
+        return WakeupOutOfMemory(needed_bytes=need, available_bytes=available, page_bytes=page,
+                                 state=state, cause=cause)
+
+    def _map_and_restore(self, state: str, clock: PhaseClock) -> None:
+        """Wakeup from the host copy, batch by batch with the copies overlapping the maps (see
+        the module docstring); all or nothing. ``clock`` gets ``commit`` and ``map`` (the pool
+        calls) and ``copy`` (waiting for the copies after the last batch is mapped: the part
+        of the copy that the maps did not hide)."""
+        pool, region, page = self.pool, self.region, self.region.page_bytes
+        available = pool.mappable_pages(region) * page
+        if available < region.nbytes:  # refused before anything is mapped
+            raise self._map_failure("wakeup", state, available)
+        per = max(1, WAKE_BATCH_BYTES // page)
+        mapped: list[int] = []
+        transfers: list = []
+        error: BaseException | None = None
+        try:
+            for i in range(0, len(self.pages), per):
+                batch = self.pages[i:i + per]
+                t0, map0 = time.perf_counter(), pool.map_seconds
+                ok = pool.map_pages(region, batch, tag=WEIGHTS_TAG)
+                took = pool.map_seconds - map0
+                clock.add("map", took)
+                clock.add("commit", time.perf_counter() - t0 - took)
+                if not ok:
+                    error = self._map_failure("wakeup", state, available)
+                    break
+                mapped.extend(batch)
+                lo, hi = batch[0] * page, min(self.image.nbytes, (batch[-1] + 1) * page)
+                if lo < hi:
+                    vas, offs, sizes = self._chunks(lo, hi)
+                    transfers.append(self.driver.copy_batch_async(
+                        vas, [self.host_addr + o for o in offs], sizes, CopyKind.H2D))
+        except BaseException as exc:
+            error = exc
+        with clock.phase("copy"):
+            for t in transfers:
+                try:
+                    t.wait()
+                except BaseException as exc:  # the first error wins
+                    error = error or exc
+        if error is None:
+            return
+        if mapped:
+            self.driver.synchronize()
+            pool.unmap_pages(region, mapped, tag=WEIGHTS_TAG, release=True)
+        raise error
 
     def _unmap(self, clock: PhaseClock | None = None) -> int:
         """Takes the region's pages out of use; returns the device bytes really freed.
@@ -203,10 +262,6 @@ class WeightStore:
             offs.append(off)
             sizes.append(n)
         return vas, offs, sizes
-
-    def _copy_h2d(self, host: int, lo: int, hi: int, host_base: int = 0) -> None:
-        vas, offs, sizes = self._chunks(lo, hi)
-        self.driver.copy_batch(vas, [host + o - host_base for o in offs], sizes, CopyKind.H2D)
 
     def _copy_d2h(self, host: int) -> None:
         vas, offs, sizes = self._chunks(0, self.image.nbytes)
@@ -328,13 +383,13 @@ class WeightStore:
             with clock.phase("check"):
                 self.image.checkpoint.check_unchanged()
         held = self.pool.held_bytes
-        self._map_or_raise("wakeup", state, clock)
+        if self.host_addr is None:
+            self._map_or_raise("wakeup", state, clock)
         made_host = False
         try:
             if self.host_addr is not None:
                 source = "host_copy"
-                with clock.phase("copy"):
-                    self._copy_h2d(self.host_addr, 0, self.image.nbytes)
+                self._map_and_restore(state, clock)
             else:
                 source = "checkpoint"
                 made_host = self.keep_host_copy
