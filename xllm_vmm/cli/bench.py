@@ -486,6 +486,7 @@ def bench_serve(
     vllm_venv: Optional[str] = typer.Option(None, "--vllm-venv", help="A venv with vLLM's CPU build: run `vllm serve` of the same model side by side (interleaved rounds, same load) and report vs_vllm_throughput_ratio."),
     rounds: int = typer.Option(2, help="With --vllm-venv: interleaved rounds (ours, then vLLM's, one server at a time)."),
     vllm_kv_space: int = typer.Option(2, "--vllm-kv-space", help="With --vllm-venv: VLLM_CPU_KVCACHE_SPACE, whole GiB of KV vLLM reserves up front."),
+    engine_only: bool = typer.Option(False, "--engine-only", help="Replay the same load straight on the engine in this process (no HTTP, no server threads): the server's share is the difference."),
     fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
 ) -> None:
     from xllm_vmm.bench import serve as serve_bench
@@ -500,6 +501,15 @@ def bench_serve(
     args = None
     if url is None:
         args = serve_bench.serve_args(model, list(serve_arg), input_len, range_ratio, output_len)
+    if engine_only:
+        from xllm_vmm.bench import serve_replay
+
+        if url is not None or vllm_venv is not None:
+            raise _fail(2, "--engine-only runs the engine in this process: drop --url and "
+                           "--vllm-venv")
+        emit("bench serve --engine-only", _run("bench serve", lambda: serve_replay.replay(
+            cfg, args)), fmt)
+        return
     if vllm_venv is not None:
         from xllm_vmm.bench import serve_compare
 
@@ -511,3 +521,5 @@ def bench_serve(
              else serve_compare.flat(out), fmt)
         return
     emit("bench serve", _run("bench serve", lambda: serve_bench.run(cfg, serve_args=args, url=url)), fmt)
+
+from xllm_vmm.cli import bench_spec as _bench_spec  # noqa: E402,F401  (registers bench spec)
