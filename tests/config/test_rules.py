@@ -317,7 +317,8 @@ def test_worker_counts_the_engine_refuses(argv, message):
 
 @pytest.mark.parametrize("argv, serve_refuses", [
     (["--nnodes=2", "--node_rank=1"], []), (["--nnodes=6", "--dp_size=3"], ["dp_size"]),
-    (["--nnodes=8", "--ep_size=4"], ["ep_size"]),
+    (["--nnodes=8", "--ep_size=4"], []), (["--nnodes=8", "--ep_size=4", "--dp_size=2"],
+                                          ["dp_size", "ep_size"]),
     (["--nnodes=3", "--devices=npu:0,npu:1", "--dp_size=6"], ["dp_size", "devices"]),
 ])
 def test_worker_counts_the_engine_accepts(argv, serve_refuses):

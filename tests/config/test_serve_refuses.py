@@ -27,9 +27,13 @@ OFFICIAL = Path(__file__).parent / "data" / "official"
 #: (trigger flags, the flag named, nearest non-trigger flags)
 CASES = [
     (["--nnodes=2", "--dp_size=2"], "dp_size", ["--nnodes=2", "--dp_size=1"]),
-    # one worker: dp_size=1 of a single device is the only valid one; ep_size=2 there is
-    # CFG-CONFLICT (does not divide), never CFG-SERVE
-    (["--nnodes=2", "--ep_size=2"], "ep_size", ["--nnodes=2", "--ep_size=1"]),
+    # ep_size alone is supported (expert groups); with dp_size > 1 it is refused — the dp_size
+    # refusal comes first, then this one (tested at once below); the nearest non-trigger is
+    # ep_size over every worker without dp_size
+    (["--nnodes=2", "--num_speculative_tokens=1"], "num_speculative_tokens",
+     ["--nnodes=2", "--num_speculative_tokens=0"]),
+    (["--nnodes=1", "--devices=npu:0,npu:1", "--num_speculative_tokens=2"],
+     "num_speculative_tokens", ["--nnodes=1", "--devices=npu:0,npu:1", "--ep_size=2"]),
     (["--nnodes=2", "--devices=npu:0,npu:1"], "devices", ["--nnodes=1", "--devices=npu:0,npu:1"]),
     (["--nnodes=2", "--node_rank=1", "--devices=npu:0,npu:1"], "devices",
      ["--nnodes=2", "--node_rank=1", "--devices=npu:1"]),
@@ -69,13 +73,21 @@ def test_start_up_raises_the_same_refusal(trigger, flag, near):
 
 def test_every_refusal_is_reported_at_once():
     argv = ["--nnodes=2", "--dp_size=2", "--ep_size=2", "--devices=npu:0,npu:1",
-            "--host_blocks_factor=4"]
-    assert [list(f.flags)[0] for f in serve_findings(*argv)] == [
-        "dp_size", "ep_size", "devices", "host_blocks_factor"]
+            "--host_blocks_factor=4", "--num_speculative_tokens=1"]
+    want = ["dp_size", "ep_size", "num_speculative_tokens", "devices", "host_blocks_factor"]
+    assert [list(f.flags)[0] for f in serve_findings(*argv)] == want
     with pytest.raises(ConfigError) as e:
         topology_of(load(argv), {})
-    assert [list(f.flags)[0] for f in e.value.findings] == [
-        "dp_size", "ep_size", "devices", "host_blocks_factor"]
+    assert [list(f.flags)[0] for f in e.value.findings] == want
+
+
+def test_ep_size_alone_is_served_and_with_dp_size_says_why_not():
+    assert serve_findings("--nnodes=4", "--ep_size=2") == []
+    assert serve_findings("--nnodes=4", "--ep_size=4") == []
+    topology_of(load(["--nnodes=4", "--ep_size=2"]), {})  # starts (ep 2 of 4 workers)
+    dp, ep = serve_findings("--nnodes=4", "--ep_size=2", "--dp_size=2")
+    assert list(ep.flags) == ["ep_size"] and "all-to-all" in ep.message
+    assert "ep_size alone is supported" in ep.message
 
 
 def test_one_worker_has_nothing_to_refuse():
@@ -105,11 +117,12 @@ def test_exit_code_warning_by_default_error_with_strict():
 
 
 def test_official_scripts_on_the_real_engine_stay_exit_0_and_fail_strict():
-    """glm5_single.sh runs ep_size=8 over its devices: a warning here, never exit 1 unless
-    --strict (the script is valid for the engine itself)."""
+    """glm5_single.sh runs MTP (num_speculative_tokens=1) with ep_size=8 over its devices:
+    the speculation is a warning here (ep_size alone is served), never exit 1 unless --strict
+    (the script is valid for the engine itself)."""
     code, doc = check(str(OFFICIAL / "glm5_single.sh"))
     found = [f for f in doc["inputs"][0]["findings"] if f["id"] == "CFG-SERVE"]
-    assert code == 0 and [list(f["flags"]) for f in found] == [["ep_size"]]
+    assert code == 0 and [list(f["flags"]) for f in found] == [["num_speculative_tokens"]]
     assert check(str(OFFICIAL / "glm5_single.sh"), "--strict")[0] == 1
 
 

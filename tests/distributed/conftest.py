@@ -48,6 +48,23 @@ def children() -> set[int]:
     return out
 
 
+@pytest.fixture(autouse=True, scope="session")
+def plain_host_pages():
+    """Every worker (spawned workers inherit the environment) backs its pool with 4 KiB pages:
+    several worker processes racing for the host's free huge pages (``hugepages=auto`` picks
+    hugetlb when some are free, which another engineer's bench may have set) would fail a
+    start-up with ENOSPC that has nothing to do with what these tests check."""
+    import os
+
+    old = os.environ.get("XLLM_VMM_HOST_HUGEPAGES")
+    os.environ["XLLM_VMM_HOST_HUGEPAGES"] = "off"
+    yield
+    if old is None:
+        os.environ.pop("XLLM_VMM_HOST_HUGEPAGES", None)
+    else:
+        os.environ["XLLM_VMM_HOST_HUGEPAGES"] = old
+
+
 @pytest.fixture(autouse=True)
 def no_leftover_workers():
     before = children()

@@ -29,14 +29,47 @@ def test_rows_and_columns_per_rank():
         "dim": 0, "start": 16, "stop": 32}
     assert h1("model.layers.0.mlp.down_proj.weight", (64, 128)).__dict__ == {
         "dim": 1, "start": 64, "stop": 128}
-    assert h1("model.layers.0.mlp.experts.3.up_proj.weight", (128, 64)).__dict__ == {
-        "dim": 0, "start": 64, "stop": 128}
+    moe = ModelConfig.from_dict({**CFG.raw, "architectures": ["Qwen3MoeForCausalLM"],
+                                 "num_experts": 4, "moe_intermediate_size": 128})
+    assert shard_hook(moe, 1, 2)("model.layers.0.mlp.experts.3.up_proj.weight",
+                                 (128, 64)).__dict__ == {"dim": 0, "start": 64, "stop": 128}
     assert h1("lm_head.weight", (384, 64)).__dict__ == {"dim": 0, "start": 192, "stop": 384}
     for whole in ("model.norm.weight", "model.layers.0.input_layernorm.weight",
                   "model.layers.0.self_attn.o_proj.bias", "model.layers.0.mlp.gate.weight",
                   "model.layers.0.self_attn.q_norm.weight"):
         assert h0(whole, (64,)) is None
     assert held_shape(h0, q, (64, 64)) == (32, 64)
+
+
+MOE = ModelConfig.from_dict({**CFG.raw, "architectures": ["Qwen3MoeForCausalLM"],
+                             "num_experts": 8, "moe_intermediate_size": 32})
+
+
+@pytest.mark.parametrize("world, ep", [(2, 1), (2, 2), (4, 2), (4, 4)])
+def test_expert_parallel_groups_hold_each_expert_slice_once(world, ep):
+    # every (expert, intermediate feature) is loaded by exactly one worker; the rest skip it
+    held: dict[tuple[int, int], int] = {}
+    for r in range(world):
+        h = shard_hook(MOE, r, world, ep)
+        for j in range(8):
+            spec = h(f"model.layers.0.mlp.experts.{j}.gate_proj.weight", (32, 64))
+            down = h(f"model.layers.0.mlp.experts.{j}.down_proj.weight", (64, 32))
+            assert spec.skipped == down.skipped
+            if spec.skipped:
+                continue
+            assert (down.dim, down.start, down.stop) == (1, spec.start, spec.stop)
+            for f in range(spec.start, spec.stop):
+                held[(j, f)] = held.get((j, f), 0) + 1
+        assert sum(not h(f"model.layers.0.mlp.experts.{j}.up_proj.weight", (32, 64)).skipped
+                   for j in range(8)) == 8 // ep  # a worker holds its group's experts only
+    assert held == {(j, f): 1 for j in range(8) for f in range(32)}
+
+
+def test_expert_parallel_refusals_name_the_field():
+    with pytest.raises(LayoutError, match="3 expert-parallel groups cannot split num_experts=8"):
+        check_divisible(ModelConfig.from_dict({**MOE.raw, "num_attention_heads": 12}), 6, 3)
+    with pytest.raises(LayoutError, match="has no routed experts"):
+        check_divisible(CFG, 2, 2)
 
 
 def test_kv_heads_replicated_when_workers_exceed_them():

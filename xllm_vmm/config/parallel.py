@@ -124,8 +124,11 @@ def serve_refusals(cfg: Any, p: Parallel | None = None) -> list[tuple[str, str, 
     The one home of these predicates: ``check-config`` reports each as :data:`SERVE_REFUSES_ID`
     (a warning; an error with ``--strict``; ``plan`` lists it among ``serve_refuses``) and the
     distributed start-up (``engine.distributed.topology``) raises them. Refused: ``dp_size > 1``
-    (every worker is one tensor-parallel rank); ``ep_size > 1`` (MoE experts are split by their
-    intermediate features instead); several ``devices`` for one process of a multi-process
+    (every worker is one tensor-parallel rank); ``ep_size > 1`` together with ``dp_size > 1``
+    (expert groups that span data-parallel groups need an all-to-all between them; ``ep_size``
+    alone is supported: each expert group holds its experts, combined by the layer's
+    all-reduce — the model's expert count is checked at start-up); MTP speculative decoding
+    (``num_speculative_tokens > 0``: its draft runs on one worker only); several ``devices`` for one process of a multi-process
     launch (``nnodes > 1`` or a ``node_rank``: one device per process there; one command with
     several devices, ``nnodes=1`` and no ``node_rank`` spawns one worker per device and is
     supported); ``host_blocks_factor > 0`` (the host KV tier is not kept across workers yet).
@@ -140,10 +143,18 @@ def serve_refusals(cfg: Any, p: Parallel | None = None) -> list[tuple[str, str, 
                     f"{p.world} workers)",
                     "remove dp_size (tensor parallel over all nnodes x devices workers), or "
                     "run one service per data-parallel group"))
-    if p.ep > 1:
-        out.append(("ep_size", f"ep_size={p.ep}: expert parallelism is not supported by "
-                    "xllm-vmm serve; MoE experts are split by their intermediate features over "
-                    "every worker instead", "remove ep_size"))
+    if p.ep > 1 and p.dp > 1:
+        out.append(("ep_size", f"ep_size={p.ep} with dp_size={p.dp}: expert groups that span "
+                    "data-parallel groups need an all-to-all between the groups, which "
+                    "xllm-vmm serve does not have (ep_size alone is supported: each expert "
+                    "group holds its experts and the layer's all-reduce combines them)",
+                    "remove dp_size (tensor parallel over every worker, experts split "
+                    "ep_size ways)"))
+    spec = int(cfg.get("num_speculative_tokens", 0) or 0)
+    if spec > 0:
+        out.append(("num_speculative_tokens", f"num_speculative_tokens={spec}: MTP "
+                    f"speculative decoding runs on one worker in xllm-vmm serve, not across "
+                    f"{p.world}", "set num_speculative_tokens=0, or serve on one device"))
     if p.per_process > 1 and not spawns_per_device(cfg):
         out.append(("devices", f"devices={cfg.get('devices')} with nnodes={p.nnodes} or a "
                     "node_rank: under xllm-vmm serve a process of a multi-process launch "

@@ -130,10 +130,11 @@ class Runtime:
 
         mcfg = ModelConfig.from_dir(model_dir)
         try:
-            check_divisible(mcfg, topo.world)
+            check_divisible(mcfg, topo.world, topo.ep)
         except LayoutError as e:
             raise ConfigError([Finding("CFG-CONFLICT", "error", str(e), flags={
-                "nnodes": cfg["nnodes"]}, hint=getattr(e, "hint", ""))]) from None
+                "nnodes": cfg["nnodes"], **({"ep_size": topo.ep} if topo.ep > 1 else {})},
+                hint=getattr(e, "hint", ""))]) from None
         group = Group(topo, _torch_device(kind, index))
         procs: list = []
         try:
@@ -160,7 +161,8 @@ class Runtime:
             raise
         abort = threading.Event()
         tp = TensorParallel(topo.rank, topo.world, group=group.steps,
-                            shard_hook=shard_hook(mcfg, topo.rank, topo.world),
+                            shard_hook=shard_hook(mcfg, topo.rank, topo.world, topo.ep),
+                            ep_size=topo.ep,
                             vocab_size=int(mcfg.vocab_size),
                             abort=abort if topo.rank == 0 else None)
         rt = cls(topo, group, procs, tp, abort)

@@ -1,22 +1,29 @@
 """What each tensor-parallel worker loads of a checkpoint: the one home of the split rules.
 
 :func:`shard_hook` answers :func:`xllm_vmm.weights.load_weights`'s ``shard(name, shape)`` so a
-worker reads only its part of every tensor (Hugging Face names):
+worker reads only its part of every tensor (Hugging Face names). ``W`` workers, ``ep``
+expert-parallel groups (``ep_size``), ``W / ep`` workers in each:
 
 | tensor | split |
 |---|---|
 | ``model.embed_tokens.weight``, ``lm_head.weight`` | rows (vocabulary): ``ceil(vocab / W)`` each, the last rank the rest (:func:`~xllm_vmm.engine.distributed.vocab.vocab_range`) |
-| ``*.self_attn.q_proj.{weight,bias}`` | rows: ``heads / W`` attention heads × ``head_dim`` |
+| ``*.self_attn.{q_proj,q_b_proj}.{weight,bias}`` | rows: ``heads / W`` attention heads (× ``head_dim``; MLA: × ``qk_nope + qk_rope``) |
 | ``*.self_attn.{k,v}_proj.{weight,bias}`` | rows: ``kv_heads / W`` KV heads; when ``W > kv_heads`` one head, rank ``r`` holding head ``r // (W / kv_heads)`` (replicated, as :func:`xllm_vmm.models.layout.kv_heads_per_worker` counts it) |
-| ``*.self_attn.o_proj.weight`` | columns: the same heads as ``q_proj`` |
-| ``*.mlp.{gate,up}_proj.{weight,bias}``, ``*.mlp.experts.N.{gate,up}_proj.weight`` | rows: ``intermediate / W`` |
-| ``*.mlp.down_proj.weight``, ``*.mlp.experts.N.down_proj.weight`` | columns: ``intermediate / W`` |
-| everything else (norms, q/k norms, the MoE router, ``o_proj``/``down_proj`` biases) | whole |
+| ``*.self_attn.kv_b_proj.weight`` (MLA) | rows: the same heads (× ``qk_nope + v_head_dim``) |
+| ``*.self_attn.o_proj.weight`` | columns: the same heads (× ``head_dim``; MLA: × ``v_head_dim``) |
+| ``*.mlp.{gate,up}_proj``, ``*.mlp.shared_experts.{gate,up}_proj`` | rows: ``intermediate / W`` |
+| ``*.mlp.down_proj``, ``*.mlp.shared_experts.down_proj`` | columns: ``intermediate / W`` |
+| ``*.mlp.experts.J.*`` | expert ``J`` is held by the ``W / ep`` workers of expert group ``J // (E / ep)`` only (:func:`expert_range`; the others skip it: ``ShardSpec.skip()``), its intermediate features split ``W / ep`` ways among them (:func:`expert_split`) |
+| everything else (norms, q/k norms, MLA's ``q_a_proj``/``kv_a_proj_with_mqa`` and their norms — the latent is replicated —, the MoE router and its bias, DeepSeek-V3.2's indexer, ``o_proj``/``down_proj`` biases) | whole |
+
+With ``ep = 1`` every worker holds every expert's ``1 / W`` slice; with ``ep = W`` whole
+experts, ``E / W`` each. Either way each (expert, intermediate slice) pair lives on exactly one
+worker, so the layer's one all-reduce sums every expert's contribution once.
 
 The layers (``xllm_vmm.engine.layers``) are told through ``TensorParallel.shard_hook`` that their
 tensors are already this rank's part; a row-parallel bias is added once after the all-reduce.
-:func:`check_divisible` states what ``W`` must divide, with the model's numbers, before
-anything is loaded.
+:func:`check_divisible` states what ``W`` (and ``ep``) must divide, with the model's numbers,
+before anything is loaded.
 """
 
 from __future__ import annotations
@@ -30,38 +37,77 @@ if TYPE_CHECKING:  # pragma: no cover
 
 _RULES = (
     (re.compile(r"^(model\.embed_tokens|lm_head)\.weight$"), "vocab"),
-    (re.compile(r"\.self_attn\.q_proj\.(weight|bias)$"), "q"),
+    (re.compile(r"\.self_attn\.(q_proj|q_b_proj)\.(weight|bias)$"), "heads_rows"),
     (re.compile(r"\.self_attn\.[kv]_proj\.(weight|bias)$"), "kv"),
-    (re.compile(r"\.self_attn\.o_proj\.weight$"), "o"),
-    (re.compile(r"\.mlp\.(experts\.\d+\.)?(gate|up)_proj\.(weight|bias)$"), "ffn_in"),
-    (re.compile(r"\.mlp\.(experts\.\d+\.)?down_proj\.weight$"), "ffn_out"),
+    (re.compile(r"\.self_attn\.kv_b_proj\.weight$"), "heads_rows"),
+    (re.compile(r"\.self_attn\.o_proj\.weight$"), "heads_cols"),
+    (re.compile(r"\.mlp\.experts\.\d+\.(gate|up)_proj\.(weight|bias)$"), "expert_in"),
+    (re.compile(r"\.mlp\.experts\.\d+\.down_proj\.weight$"), "expert_out"),
+    (re.compile(r"\.mlp\.(shared_experts\.)?(gate|up)_proj\.(weight|bias)$"), "ffn_in"),
+    (re.compile(r"\.mlp\.(shared_experts\.)?down_proj\.weight$"), "ffn_out"),
 )
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
 
-def check_divisible(cfg: ModelConfig, world: int) -> None:
-    """ValueError naming the model field when ``world`` workers cannot split it."""
+def num_routed_experts(cfg: ModelConfig) -> int:
+    """Routed experts of the model (``num_experts``; DeepSeek's ``n_routed_experts``)."""
+    return int(cfg.num_experts or cfg.raw.get("n_routed_experts") or 0)
+
+
+def is_mla(cfg: ModelConfig) -> bool:
+    return bool(cfg.raw.get("kv_lora_rank"))
+
+
+def expert_range(num_experts: int, rank: int, world: int, ep: int) -> tuple[int, int]:
+    """``[first, stop)`` of the routed experts rank ``rank`` holds: those of its expert group
+    ``rank // (world / ep)``, ``num_experts / ep`` of them."""
+    per = num_experts // ep
+    group = rank // (world // ep)
+    return group * per, (group + 1) * per
+
+
+def expert_split(rank: int, world: int, ep: int) -> tuple[int, int]:
+    """``(index, ways)``: the slice of each held expert's intermediate features rank ``rank``
+    holds — ``ways = world / ep`` slices, this rank's at ``rank % ways``."""
+    ways = world // ep
+    return rank % ways, ways
+
+
+def check_divisible(cfg: ModelConfig, world: int, ep: int = 1) -> None:
+    """:class:`~xllm_vmm.models.errors.LayoutError` naming the model field when ``world``
+    workers (in ``ep`` expert groups) cannot split it."""
+    from xllm_vmm.engine.distributed.vocab import check_vocab
     from xllm_vmm.engine.models import model_class
     from xllm_vmm.models.errors import LayoutError
 
     if world > 1 and not model_class(cfg.architecture).tensor_parallel:
         raise LayoutError(f"{cfg.architecture} runs on one worker only in this engine (no "
                           "tensor-parallel split of this family yet)", hint="use nnodes=1")
-    from xllm_vmm.engine.distributed.vocab import check_vocab
-
     if world > 1 and check_vocab(cfg.vocab_size, world):
         raise LayoutError(check_vocab(cfg.vocab_size, world),
                           hint="use fewer workers (nnodes)")
-    need = [("num_attention_heads", cfg.num_heads)]
-    if cfg.intermediate_size and not (cfg.num_experts and all(
-            cfg.is_sparse_layer(i) for i in range(cfg.num_layers))):
-        need.append(("intermediate_size", cfg.intermediate_size))
-    if cfg.num_experts:
-        need.append(("moe_intermediate_size", cfg.moe_intermediate_size))
-    for field, n in need:
-        if n % world:
-            raise LayoutError(f"{world} tensor-parallel workers cannot split {field}={n} of "
-                              f"{cfg.architecture}",
-                              hint=f"use a worker count (nnodes) that divides {n}")
+    experts = num_routed_experts(cfg)
+    need = [("num_attention_heads", cfg.num_heads, world)]
+    dense_layers = cfg.intermediate_size and not (cfg.num_experts and all(
+        cfg.is_sparse_layer(i) for i in range(cfg.num_layers)))
+    if dense_layers:
+        need.append(("intermediate_size", cfg.intermediate_size, world))
+    if experts:
+        need.append(("moe_intermediate_size", cfg.moe_intermediate_size
+                     or int(cfg.raw.get("moe_intermediate_size") or 0), world // ep))
+        if ep > 1:
+            need.append(("num_experts" if cfg.num_experts else "n_routed_experts", experts, ep))
+    elif ep > 1:
+        raise LayoutError(f"ep_size={ep}: {cfg.architecture} has no routed experts to split",
+                          hint="remove ep_size (ep_size=1) for a dense model")
+    for field, n, ways in need:
+        if n % ways:
+            who = (f"{ways} expert-parallel groups" if field in ("num_experts", "n_routed_experts")
+                   else f"{ways} tensor-parallel workers")
+            raise LayoutError(f"{who} cannot split {field}={n} of {cfg.architecture}",
+                              hint=f"use a worker count (nnodes) / ep_size that divides {n}")
+    if is_mla(cfg):  # the latent is replicated: no KV heads to split
+        return
     kv = cfg.num_kv_heads
     if (kv % world) if world <= kv else (world % kv):
         raise LayoutError(f"{world} workers can neither split nor evenly replicate the {kv} KV "
@@ -78,16 +124,18 @@ def kv_head_range(num_kv_heads: int, rank: int, world: int) -> tuple[int, int]:
     return head, head + 1
 
 
-def shard_hook(cfg: ModelConfig, rank: int, world: int
+def shard_hook(cfg: ModelConfig, rank: int, world: int, ep: int = 1
                ) -> Callable[[str, tuple[int, ...]], "ShardSpec | None"]:
-    """The ``shard=`` hook of rank ``rank`` of ``world`` (see the module table)."""
+    """The ``shard=`` hook of rank ``rank`` of ``world`` in ``ep`` expert groups (see the
+    module table)."""
     from xllm_vmm.engine.distributed.vocab import vocab_range
     from xllm_vmm.weights import ShardSpec
 
-    check_divisible(cfg, world)
+    check_divisible(cfg, world, ep)
     d = cfg.head_dim
-    heads = cfg.num_heads // world
     kv0, kv1 = kv_head_range(cfg.num_kv_heads, rank, world)
+    e0, e1 = expert_range(num_routed_experts(cfg), rank, world, ep)
+    part, ways = expert_split(rank, world, ep)
 
     def hook(name: str, shape: tuple[int, ...]) -> ShardSpec | None:
         kind = next((k for rx, k in _RULES if rx.search(name)), None)
@@ -95,12 +143,18 @@ def shard_hook(cfg: ModelConfig, rank: int, world: int
             return None
         if kind == "vocab":
             return ShardSpec(0, *vocab_range(shape[0], rank, world))
-        if kind == "q":
-            return ShardSpec(0, rank * heads * d, (rank + 1) * heads * d)
+        if kind == "heads_rows":  # heads × per-head rows: W divides the heads
+            return ShardSpec.split(0, shape[0], rank, world)
         if kind == "kv":
             return ShardSpec(0, kv0 * d, kv1 * d)
-        if kind == "o":
-            return ShardSpec(1, rank * heads * d, (rank + 1) * heads * d)
+        if kind == "heads_cols":
+            return ShardSpec.split(1, shape[1], rank, world)
+        if kind in ("expert_in", "expert_out"):
+            j = int(_EXPERT.search(name).group(1))
+            if not e0 <= j < e1:
+                return ShardSpec.skip()
+            dim = 0 if kind == "expert_in" else 1
+            return ShardSpec.split(dim, shape[dim], part, ways)
         if kind == "ffn_in":
             return ShardSpec.split(0, shape[0], rank, world)
         return ShardSpec.split(1, shape[1], rank, world)  # ffn_out

@@ -17,8 +17,9 @@ Two ways to start a world of ``W > 1``:
   given explicitly, else a free one; rank ``r`` on the ``r``-th listed device, or on device
   index + ``r``), and tears them down with itself.
 
-Supported: tensor parallelism over every worker. Refused at start-up with the flag named:
-``dp_size > 1``, ``ep_size > 1``, several devices listed for a process of a multi-process
+Supported: tensor parallelism over every worker, and MoE experts split over ``ep_size``
+expert-parallel groups (:mod:`.sharding`). Refused at start-up with the flag named:
+``dp_size > 1`` (and ``ep_size > 1`` with it), several devices listed for a process of a multi-process
 launch (one device per process there), and the host KV tier (``host_blocks_factor > 0``)
 across workers — :func:`xllm_vmm.config.parallel.serve_refusals`, the same predicates
 ``check-config`` reports as the warning ``CFG-SERVE``.
@@ -74,6 +75,8 @@ class Topology:
     spawned: bool = False
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
     heartbeat_timeout_s: float = 10.0
+    ep: int = 1
+    """Expert-parallel groups (``ep_size``; :mod:`.sharding`)."""
 
     @property
     def address(self) -> str:
@@ -148,7 +151,8 @@ def topology_of(cfg: Any, opts: dict[str, Any]) -> Topology | None:
             "a collective times out)", flags={"dist_heartbeat_timeout": heartbeat},
             hint=f"give a heartbeat timeout below {timeout:g} s")])
     mem = _worker_memory(opts.get("worker_device_memory"), p.world)
-    return Topology(p.world, rank, spawn, host, port, timeout, mem, spawned, startup, heartbeat)
+    return Topology(p.world, rank, spawn, host, port, timeout, mem, spawned, startup, heartbeat,
+                    p.ep)
 
 
 def _seconds(opts: dict[str, Any], name: str, env_name: str, default: float) -> float:

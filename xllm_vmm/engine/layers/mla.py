@@ -82,7 +82,7 @@ class MLAttention:
                                      maybe(f"{prefix}.kv_a_proj_with_mqa.bias"))
         self.kv_norm = RMSNorm(get(f"{prefix}.kv_a_layernorm.weight", (r,)), LATENT_NORM_EPS)
         kv_b = get(f"{prefix}.kv_b_proj.weight", (h * (dn + dv), r))
-        if tp.world_size > 1:  # sharded path (issue 14): this rank's heads, a view
+        if tp.world_size > 1 and tp.shard_hook is None:  # full tensor: this rank's heads, a view
             start, size = tp.shard(h, "attention heads")
             kv_b = kv_b.narrow(0, start * (dn + dv), size * (dn + dv))
         per_head = kv_b.view(self.num_heads, dn + dv, r)  # a view of the referenced weight

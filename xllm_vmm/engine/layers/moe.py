@@ -7,7 +7,11 @@ once each over the tokens routed to them (gather, compute, ``index_add_``), neve
 whole batch.
 
 Tensor parallel (issue 14): each expert's intermediate features split like a dense MLP; the
-all-reduce is deferred to once per layer (not per expert).
+all-reduce is deferred to once per layer (not per expert). Expert parallel (``ep_size``): an
+expert this rank does not hold is None in ``experts`` (the router still scores every expert,
+replicated); its tokens are left to the rank that holds it, and the layer's one all-reduce
+adds every rank's partial sum (each expert slice lives on exactly one rank:
+:mod:`xllm_vmm.engine.distributed.sharding`).
 """
 
 from __future__ import annotations
@@ -23,15 +27,18 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class SparseMoE:
-    def __init__(self, router: Tensor, experts: Sequence[tuple[Tensor, Tensor, Tensor]], *,
+    def __init__(self, router: Tensor,
+                 experts: Sequence[tuple[Tensor, Tensor, Tensor] | None], *,
                  top_k: int, norm_topk_prob: bool, tp: TensorParallel = SINGLE) -> None:
-        """``router`` (num_experts, hidden); ``experts``: (gate, up, down) weights per expert."""
+        """``router`` (num_experts, hidden); ``experts``: (gate, up, down) weights per expert,
+        None for an expert another expert-parallel rank holds."""
         if not 1 <= top_k <= len(experts):
             raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and num_experts "
                              f"{len(experts)}")
         self.router = ReplicatedLinear(router)
         self.tp = tp
-        self.experts = [GatedMLP(g, u, d, tp=tp, reduce=False) for g, u, d in experts]
+        self.experts = [None if e is None else GatedMLP(*e, tp=tp, reduce=False)
+                        for e in experts]
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
 
@@ -58,7 +65,8 @@ class SparseMoE:
         w = weights.reshape(-1)[order]
         start = 0
         for e, n in enumerate(counts):
-            if n == 0:
+            if n == 0 or self.experts[e] is None:  # none routed, or held by another rank
+                start += n
                 continue
             rows = tokens[start:start + n]
             y = self.experts[e](x[rows]) * w[start:start + n, None]

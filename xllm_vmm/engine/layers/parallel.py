@@ -26,6 +26,10 @@ class TensorParallel:
     """The ``shard(name, shape)`` hook the weights were loaded with
     (:func:`xllm_vmm.engine.distributed.sharding.shard_hook`): the layers' tensors are already
     this rank's part and are used as they are. None: full tensors, narrowed by the layers."""
+    ep_size: int = 1
+    """Expert-parallel groups (``ep_size``): rank ``r`` holds the routed experts of group
+    ``r // (world_size / ep_size)`` only (:meth:`expert_range`; their weights come sharded by
+    ``shard_hook``, which is required when ``ep_size > 1``)."""
     vocab_size: int = 0
     """The model's full vocabulary when ``shard_hook`` splits the embedding and head tables
     (:func:`xllm_vmm.engine.distributed.vocab.vocab_range`); 0: unknown (full tables)."""
@@ -38,6 +42,10 @@ class TensorParallel:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ValueError(f"tensor parallel rank {self.rank} of world size {self.world_size}: "
                              "need world_size >= 1 and 0 <= rank < world_size")
+        if self.ep_size < 1 or self.world_size % self.ep_size or (
+                self.ep_size > 1 and self.shard_hook is None):
+            raise ValueError(f"ep_size {self.ep_size} must divide the world size "
+                             f"{self.world_size} (and ep_size > 1 needs the shard hook)")
 
     def shard(self, n: int, what: str) -> tuple[int, int]:
         """``(start, size)`` of this rank's share of ``n`` (heads, rows, experts); ``what``
@@ -47,6 +55,14 @@ class TensorParallel:
                              f"{self.world_size}")
         size = n // self.world_size
         return self.rank * size, size
+
+    def expert_range(self, num_experts: int) -> tuple[int, int]:
+        """``[first, stop)`` of the routed experts this rank holds (all at ``ep_size`` 1)."""
+        if self.ep_size == 1:
+            return 0, num_experts
+        from xllm_vmm.engine.distributed.sharding import expert_range
+
+        return expert_range(num_experts, self.rank, self.world_size, self.ep_size)
 
     def held_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shape this rank holds of tensor ``name`` whose full shape is ``shape``."""

@@ -178,10 +178,11 @@ class CausalLM:
     def _mlp(self, cfg: ModelConfig, w: _Weights, prefix: str, i: int):
         if self.sparse and cfg.is_sparse_layer(i):
             e, hid, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+            e0, e1 = self.tp.expert_range(e)  # ep_size > 1: only this rank's experts
             experts = [(w.get(f"{prefix}.experts.{j}.gate_proj.weight", (inter, hid)),
                         w.get(f"{prefix}.experts.{j}.up_proj.weight", (inter, hid)),
                         w.get(f"{prefix}.experts.{j}.down_proj.weight", (hid, inter)))
-                       for j in range(e)]
+                       if e0 <= j < e1 else None for j in range(e)]
             return SparseMoE(w.get(f"{prefix}.gate.weight", (e, hid)), experts,
                              top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
                              tp=self.tp)

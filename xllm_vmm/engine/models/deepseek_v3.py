@@ -110,7 +110,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         cfg = self.config
         self.tp = tp
         self.kv_lora_rank, self.qk_rope_head_dim, self.num_heads = r, dr, cfg.num_heads
-        w = _Weights(weights, cfg.architecture)
+        w = _Weights(weights, cfg.architecture, tp)  # several workers: shapes of this rank's part
         eps, hid = cfg.rms_norm_eps, cfg.hidden_size
         self.embed = VocabEmbedding(w.get("model.embed_tokens.weight", (cfg.vocab_size, hid)),
                                     tp=tp)
@@ -152,10 +152,11 @@ class DeepseekV3ForCausalLM(CausalLM):
     def _moe(self, w: _Weights, prefix: str, raw: Mapping[str, Any], e: int) -> GroupedSigmoidMoE:
         hid = self.config.hidden_size
         inter = int(_field(raw, "moe_intermediate_size", required=True))
+        e0, e1 = self.tp.expert_range(e)  # ep_size > 1: only this rank's experts
         experts = [(w.get(f"{prefix}.experts.{j}.gate_proj.weight", (inter, hid)),
                     w.get(f"{prefix}.experts.{j}.up_proj.weight", (inter, hid)),
                     w.get(f"{prefix}.experts.{j}.down_proj.weight", (hid, inter)))
-                   for j in range(e)]
+                   if e0 <= j < e1 else None for j in range(e)]
         n_shared = int(_field(raw, "n_shared_experts", 0) or 0)
         shared = self._dense(w, f"{prefix}.shared_experts", inter * n_shared) if n_shared else None
         return GroupedSigmoidMoE(
