@@ -32,6 +32,13 @@ One :meth:`Scheduler.schedule` call, within ``max_tokens_per_batch`` tokens and
    (``Request.parent_id``) waits while a sibling is still prefilling the shared prompt, so that
    it is admitted on the sibling's published blocks (the prefix cache shares them).
 
+Speculative decoding (MTP, :mod:`xllm_vmm.engine.spec_decode.speculator`): a running request
+that decodes and holds proposals (``Request.spec_token_ids``) is scheduled as ``1 + k`` tokens
+(its decode token and the drafts the token budget leaves), allocated with ``lookahead=k``; when
+the cache has no room for the drafts it decodes plainly (drafts never preempt anyone).
+:meth:`update` then takes the list of tokens verification emitted for it, and gives the
+blocks beyond the kept tokens back at once (``mgr.truncate``).
+
 After the worker ran the step, :meth:`Scheduler.update` commits each chunk's KV
 (``mgr.commit``), appends sampled tokens, applies stop conditions, frees finished requests and
 reports the step's execution peak to the pool (``VmmPool.observe_execution_peak``).

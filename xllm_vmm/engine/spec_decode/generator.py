@@ -23,8 +23,9 @@ drafts (verify rounds), draft tokens, accepted tokens, accepted tokens per posit
 
 Scope: a generation loop over a batch of prompts (admitted in waves bounded by the
 hidden-state slots, each wave prefilled in one step, then lock-step rounds); temperature sampling
-only (no top-k/top-p/penalties in this path). The continuous-batching scheduler does not drive
-it yet. A prefix hit leaves the draft's cache for
+only (no top-k/top-p/penalties in this path). The engine's continuous batching runs
+speculation through :mod:`.speculator` instead (top-k/top-p/min-p, truncation of rejected
+drafts' blocks); this loop stays as its reference. A prefix hit leaves the draft's cache for
 the hit's positions as an earlier request wrote it: a proposal may then be worse, never the
 output (the target verifies every token).
 """
