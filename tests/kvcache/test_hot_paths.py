@@ -126,3 +126,25 @@ def test_flat_manager_paths_equal_the_general_ones(seed):
     finally:
         e1.close()
         e2.close()
+
+
+def test_flat_publish_conflict_is_refused_and_undone():
+    """A block already indexed under another hash (its content changed after publishing):
+    the flat publish undoes the blocks it indexed in that call and raises like publish."""
+    from xllm_vmm.kvcache.prefix import PrefixCacheError
+
+    e = Env()
+    try:
+        m = e.mgr
+        p = toks(1, 2, 3)
+        m.lookup("a", p)
+        t = m.allocate("a", len(p))["attn"]
+        m.prefix.publish({"attn": t}, [12345], first_block=1)  # block t[1] under a wrong hash
+        idx = dict(m.prefix._groups["attn"].hash_to_block)
+        with pytest.raises(PrefixCacheError, match="already published under another hash"):
+            m.commit("a", len(p), p)
+        assert dict(m.prefix._groups["attn"].hash_to_block) == idx
+        assert not m.cache.allocator.is_retained("attn", t[0])
+        m.check_invariants()
+    finally:
+        e.close()

@@ -301,13 +301,16 @@ class KVCacheManager:
             raise KVCacheManagerError(f"lookup of request {request_id!r}, which is already "
                                       "allocated; free() it first")
         if req is None:
-            req = self._reqs[request_id] = self._new(request_id)
+            req = self._reqs[request_id] = (_Request(request_id, {self._g0: []}) if self._sole
+                                            else self._new(request_id))
         else:
             self._release_hold(req)
         media = mm_hashes if type(mm_hashes) is tuple else tuple(mm_hashes)
         req.media = media
-        extra = req.extra = (request_extra_keys(cache_salt=cache_salt, lora=lora)
-                             if cache_salt is not None or lora is not None else ())
+        if cache_salt is not None or lora is not None:
+            extra = req.extra = request_extra_keys(cache_salt=cache_salt, lora=lora)
+        else:
+            extra = req.extra = ()
         bs = self.block_size
         prefix = self.prefix
         if prefix is None:
@@ -648,51 +651,49 @@ class KVCacheManager:
                     first_block=have))
         first = req.published
         if self._chain and not checkpoints:
-            self._publish_sole(req.first, hashes, first, full)
+            # PrefixCache.publish of request blocks [first, full) for the one-group cache
+            # without checkpoints, written flat (the index, the allocator's retained flags,
+            # the counters; tests/kvcache/test_hot_paths.py checks it against publish). A
+            # conflict (a block already indexed under another hash) undoes what it did and
+            # lets publish raise.
+            pg = self._pg
+            h2b = pg.hash_to_block  # type: ignore[union-attr]
+            b2h = pg.block_hash  # type: ignore[union-attr]
+            get = h2b.get
+            keep = self._keep
+            ids = req.first
+            fresh: list[int] = []
+            dup = 0
+            for i in range(first, full):
+                h = hashes[i]
+                b = ids[i]
+                e = get(h)
+                if e is None:
+                    if b in b2h:  # undo, then the reference path raises (nothing changed)
+                        for fb in fresh:
+                            del h2b[b2h.pop(fb)]
+                            keep[fb] = 0  # type: ignore[index]
+                        prefix.publish({self._g0: ids}, hashes[first:full],  # type: ignore
+                                       first_block=first)
+                        raise AssertionError("unreachable: publish refuses the conflict")
+                    h2b[h] = b
+                    b2h[b] = h
+                    keep[b] = 1  # type: ignore[index]  # retain (the block is live: ref >= 1)
+                    fresh.append(b)
+                elif e != b:
+                    dup += 1
+            st = prefix._stats  # type: ignore[union-attr]
+            if dup:
+                st.duplicate_publishes += dup
+            if fresh:
+                n = len(fresh)
+                st.published_blocks += n
+                st.indexed_hashes += n
         else:
             prefix.publish(req.tables, hashes[first:full], first_block=first,  # type: ignore
                            checkpoints=checkpoints)
         req.published = full
         req.publish_at = (full + 1) * bs
-
-    def _publish_sole(self, ids: list[int], hashes: list[BlockHash], first: int, full: int
-                      ) -> None:
-        """:meth:`PrefixCache.publish` of request blocks ``[first, full)`` for the one-group
-        cache without checkpoints, written flat (the index, the allocator's retained flags
-        and the counters; same effects, tested against it). A conflict (a block already
-        indexed under another hash) undoes what it did and lets ``publish`` raise."""
-        pg = self._pg
-        h2b = pg.hash_to_block  # type: ignore[union-attr]
-        b2h = pg.block_hash  # type: ignore[union-attr]
-        get = h2b.get
-        keep = self._keep
-        fresh: list[int] = []
-        dup = 0
-        for i in range(first, full):
-            h = hashes[i]
-            b = ids[i]
-            e = get(h)
-            if e is None:
-                if b in b2h:  # undo, then the reference path raises (nothing changed)
-                    for fb in fresh:
-                        del h2b[b2h.pop(fb)]
-                        keep[fb] = 0  # type: ignore[index]
-                    self.prefix.publish({self._g0: ids}, hashes[first:full],  # type: ignore
-                                        first_block=first)
-                    raise AssertionError("unreachable: publish refuses the conflict")
-                h2b[h] = b
-                b2h[b] = h
-                keep[b] = 1  # type: ignore[index]  # retain (the block is live: ref >= 1)
-                fresh.append(b)
-            elif e != b:
-                dup += 1
-        st = self.prefix._stats  # type: ignore[union-attr]
-        if dup:
-            st.duplicate_publishes += dup
-        if fresh:
-            n = len(fresh)
-            st.published_blocks += n
-            st.indexed_hashes += n
 
     def _refuse_commit(self, request_id: str, num_computed_tokens: int,
                        token_ids: Sequence[int]) -> None:
