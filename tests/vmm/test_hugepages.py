@@ -97,10 +97,11 @@ def test_explicit_backing_the_machine_forbids_is_a_clear_error():
 
 
 def test_fresh_machine_default_is_4k_pages(monkeypatch):
+    """auto on a machine with no huge pages (none free, shmem THP never): 4 KiB pages — the
+    machine's own settings are replaced by those of a fresh one."""
     monkeypatch.delenv(hp.ENV, raising=False)
-    if hp.hugetlb_memory().free or hp.thp_shmem_allowed():
-        pytest.skip("this machine has huge pages configured (not the fresh-machine default)")
-    d = open_driver("host", device_memory=8 * G)
+    monkeypatch.setattr(hp, "thp_shmem_allowed", lambda directory=hp.THP_DIR: False)
+    d = HostDriver(device_memory=8 * G, hugetlb_memory_reader=lambda: MemInfo(free=0, total=0))
     assert (d.hugepages, d.stats()["backing"]) == ("off", 0)
     assert "auto: 4 KiB pages" in d.hugepages_reason
     _round_trip(d, 4)
