@@ -206,6 +206,34 @@ async def _one(client, url: str, model: str, prompt: list[int], cfg: LoadConfig,
     return res
 
 
+def make_load(cfg: LoadConfig, vocab: int, max_len: int
+              ) -> tuple[list[list[int]], list[float], int]:
+    """The load's prompts (token ids in ``[4, vocab)``, lengths ``input_len`` ± ``range_ratio``
+    capped so that prompt + ``output_len`` fit ``max_len``), the gaps between arrivals
+    (seconds; Poisson at ``request_rate``, 0 for ``inf``) and the shortest prompt length; the
+    same for the same seed, vocabulary and context."""
+    rng = random.Random(cfg.seed)
+    lo = max(1, int(cfg.input_len * (1 - cfg.range_ratio)))
+    hi = max(lo, int(cfg.input_len * (1 + cfg.range_ratio)))
+    hi = min(hi, max_len - cfg.output_len - 1)
+    if hi < 1 or lo > hi:
+        raise ValueError(f"--input-len {cfg.input_len} + --output-len {cfg.output_len} do "
+                         f"not fit the model's context of {max_len} tokens")
+    low_id = min(4, vocab - 1)
+    prompts = [[rng.randrange(low_id, vocab) for _ in range(rng.randint(lo, hi))]
+               for _ in range(cfg.num_prompts)]
+    gaps = [0.0 if math.isinf(cfg.request_rate) else rng.expovariate(cfg.request_rate)
+            for _ in prompts]
+    return prompts, gaps, lo
+
+
+def latency_figures(ttft: list[float], tpot: list[float], itl: list[float]) -> dict:
+    """Median and p99 of TTFT, TPOT and ITL (seconds in, milliseconds out)."""
+    return {"ttft_ms_median": 1e3 * percentile(ttft, 50), "ttft_ms_p99": 1e3 * percentile(ttft, 99),
+            "tpot_ms_median": 1e3 * percentile(tpot, 50), "tpot_ms_p99": 1e3 * percentile(tpot, 99),
+            "itl_ms_median": 1e3 * percentile(itl, 50), "itl_ms_p99": 1e3 * percentile(itl, 99)}
+
+
 async def drive(url: str, cfg: LoadConfig, *, rss_pid: Optional[int] = None) -> dict:
     """Run the load against the server at ``url``; returns the figures (module docstring).
     ``rss_pid``: the server's process, whose tree's resident bytes are sampled."""
@@ -213,7 +241,6 @@ async def drive(url: str, cfg: LoadConfig, *, rss_pid: Optional[int] = None) -> 
 
     cfg.check()
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    rng = random.Random(cfg.seed)
     limits = httpx.Limits(max_connections=cfg.num_prompts + 4,
                           max_keepalive_connections=cfg.num_prompts + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout), limits=limits) as client:
@@ -221,17 +248,7 @@ async def drive(url: str, cfg: LoadConfig, *, rss_pid: Optional[int] = None) -> 
         model = models[0]["id"]
         vocab = int(cfg.vocab or models[0].get("vocab_size") or 256)
         max_len = int(models[0].get("max_model_len") or (cfg.input_len * 2 + cfg.output_len))
-        lo = max(1, int(cfg.input_len * (1 - cfg.range_ratio)))
-        hi = max(lo, int(cfg.input_len * (1 + cfg.range_ratio)))
-        hi = min(hi, max_len - cfg.output_len - 1)
-        if hi < 1 or lo > hi:
-            raise ValueError(f"--input-len {cfg.input_len} + --output-len {cfg.output_len} do "
-                             f"not fit the model's context of {max_len} tokens")
-        low_id = min(4, vocab - 1)
-        prompts = [[rng.randrange(low_id, vocab) for _ in range(rng.randint(lo, hi))]
-                   for _ in range(cfg.num_prompts)]
-        gaps = [0.0 if math.isinf(cfg.request_rate) else rng.expovariate(cfg.request_rate)
-                for _ in prompts]
+        prompts, gaps, lo = make_load(cfg, vocab, max_len)
 
         async def scrape() -> Optional[float]:
             try:
@@ -326,9 +343,7 @@ async def drive(url: str, cfg: LoadConfig, *, rss_pid: Optional[int] = None) -> 
         "output_throughput": out_tokens / wall if wall > 0 else 0.0,
         "request_throughput": len(ok) / wall if wall > 0 else 0.0,
         "total_output_tokens": out_tokens,
-        "ttft_ms_median": 1e3 * percentile(ttft, 50), "ttft_ms_p99": 1e3 * percentile(ttft, 99),
-        "tpot_ms_median": 1e3 * percentile(tpot, 50), "tpot_ms_p99": 1e3 * percentile(tpot, 99),
-        "itl_ms_median": 1e3 * percentile(itl, 50), "itl_ms_p99": 1e3 * percentile(itl, 99),
+        **latency_figures(ttft, tpot, itl),
         "kv_mapped_bytes_before": before, "kv_mapped_bytes_peak": peak[0],
         "kv_mapped_bytes_after": after, "kv_packed_floor_bytes_after": floor,
         "kv_live_blocks_after": live, "reserved_virtual_bytes": reserved,
