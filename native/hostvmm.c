@@ -54,8 +54,10 @@ struct hv_pool {
     uint32_t *hpages; /* pages of the handle starting at this slot, 0 = none */
     uint32_t *hmaps;  /* live mappings of that handle */
     uint8_t *hflags;
-    hv_extent *freelist;
-    uint64_t nfree, cap_free;
+    hv_extent *freelist; /* freed extents, oldest first from ffirst: reused in the order freed,
+                          * so handles freed in ascending order come back ascending (contiguous
+                          * in the memfd again: one mmap per run when they are mapped together) */
+    uint64_t ffirst, nfree, cap_free;
     hv_resv *resv;
     uint64_t nresv, cap_resv, last_resv;
     /* slots of deferred-freed handles whose hole punch failed when their last mapping went:
@@ -203,6 +205,11 @@ static int grow_slots(hv_pool *p, uint64_t need) {
 }
 
 static int push_free(hv_pool *p, uint64_t slot, uint64_t pages) {
+    if (p->nfree == p->cap_free && p->ffirst) { /* room at the front: close the gap */
+        memmove(p->freelist, p->freelist + p->ffirst, (p->nfree - p->ffirst) * sizeof *p->freelist);
+        p->nfree -= p->ffirst;
+        p->ffirst = 0;
+    }
     if (p->nfree == p->cap_free) {
         uint64_t cap = p->cap_free ? p->cap_free * 2 : 256;
         hv_extent *f = realloc(p->freelist, cap * sizeof *f);
@@ -271,7 +278,7 @@ int hv_create(hv_pool *p, uint64_t size, uint64_t *handle_out) {
         goto out;
     }
     uint64_t slot = UINT64_MAX, fi = UINT64_MAX;
-    for (uint64_t i = p->nfree; i-- > 0;) {
+    for (uint64_t i = p->ffirst; i < p->nfree; i++) { /* the oldest extent of this size */
         if (p->freelist[i].pages == pages) {
             fi = i;
             slot = p->freelist[i].slot;
@@ -299,8 +306,11 @@ int hv_create(hv_pool *p, uint64_t size, uint64_t *handle_out) {
         goto out;
     }
     if (from_free) {
-        p->freelist[fi] = p->freelist[p->nfree - 1];
-        p->nfree--;
+        if (fi == p->ffirst)
+            p->ffirst++;
+        else
+            p->freelist[fi] = p->freelist[--p->nfree];
+        if (p->ffirst == p->nfree) p->ffirst = p->nfree = 0;
     } else {
         p->end_slot = slot + pages;
     }

@@ -94,3 +94,22 @@ def test_map_runs_is_all_or_nothing_and_names_the_run(drv):
     drv.close()
     with pytest.raises(VmmInvalidArgument, match="closed"):
         drv.map_runs(RunBatch(array.array("Q", [va, hs[0], G]), array.array("Q", [va, G])))
+
+
+def test_freed_handles_come_back_in_the_order_freed(drv):
+    """The memfd's free extents are reused oldest first: pages freed in ascending order (a
+    sleep) are created again ascending (a wakeup), contiguous in the memfd, so mapping them
+    back at their addresses is one run."""
+    hs = drv.create_handles(8, G)
+    assert hs == [hs[0] + i * G for i in range(8)]
+    for h in hs:
+        drv.free_handle(h)
+    again = drv.create_handles(8, G)
+    assert again == hs
+    va = drv.reserve(8 * G)
+    assert len(drv.prepare_runs([va + i * G for i in range(8)], again)) == 1
+    drv.release(va, 8 * G)
+    for h in again[:4]:
+        drv.free_handle(h)
+    assert drv.create_handle(2 * G) == again[-1] + G  # no extent of that size: the file grows
+    assert drv.create_handle(G) == again[0]
