@@ -394,6 +394,13 @@ class BlockAllocator:
                 break
             stack = stacks[slot]
             k = len(stack)  # type: ignore[arg-type]
+            if k == 1:  # the fullest slots' last free block: no slices
+                b = stack.pop()  # type: ignore[union-attr]
+                ref[b] = 1
+                out.append(b)
+                del bucket[slot]
+                n -= 1
+                continue
             take = k if n >= k else n
             got = stack[-take:]  # type: ignore[index]
             del stack[-take:]  # type: ignore[index]
@@ -553,13 +560,40 @@ class BlockAllocator:
                              "reference (double free)") from None
         if n_lru or pinned:
             g.n_cached += n_lru + (len(pinned) if pinned else 0)
-        if gone:  # unretained, unpinned: the one freeing pass (its stack runs, its slots)
-            for b in gone:
-                ref[b] = 1
-            _, released = self._free_group(g, gone, False)
-            if released:
-                self.backing.deactivate({group: released})
+        if gone:  # unretained, unpinned: freed
+            if len(gone) == 1:  # usually the request's last, partial block
+                if self._push_free(g, gone[0]):
+                    self.backing.deactivate({group: [gone[0] // bps]})
+            else:  # the one freeing pass (its stack runs, its slots)
+                for b in gone:
+                    ref[b] = 1
+                _, released = self._free_group(g, gone, False)
+                if released:
+                    self.backing.deactivate({group: released})
         return pinned
+
+    @staticmethod
+    def _push_free(g: _Group, b: int) -> bool:
+        """Block ``b`` (ref 0, not cached) goes on its slot's free stack: one bucket move, or
+        the slot leaves the active set when it empties (returns ``True``: the caller releases
+        it)."""
+        bps = g.bps
+        s = b // bps
+        stack = g.stacks[s]
+        k0 = len(stack)  # type: ignore[arg-type]
+        stack.append(b)  # type: ignore[union-attr]
+        buckets = g.buckets
+        if k0:
+            del buckets[k0][s]
+        if k0 + 1 == bps:
+            g.stacks[s] = None
+            g.free_active -= k0
+            g.n_active -= 1
+            heappush(g.inactive, s)
+            return True
+        buckets[k0 + 1][s] = None
+        g.free_active += 1
+        return False
 
     def _free_group(self, g: _Group, blks: Sequence[int], check: bool
                     ) -> tuple[list[int] | None, list[int]]:
@@ -809,28 +843,15 @@ class BlockAllocator:
                 raise ValueError(f"release_cached: block {b} in group {group!r} is pinned by "
                                  "a transfer (invariant 4: never evicted while it runs)")
         bps = g.bps
-        buckets = g.buckets
         released: list[int] = []
+        push = self._push_free
         for b in blocks:
             g.cached[b] = 0
             g.keep[b] = 0
-            s = b // bps
-            g.ncached[s] -= 1
+            g.ncached[b // bps] -= 1
             g.n_cached -= 1
-            stack = g.stacks[s]
-            k0 = len(stack)  # type: ignore[arg-type]
-            stack.append(b)  # type: ignore[union-attr]
-            if k0:
-                del buckets[k0][s]
-            if k0 + 1 == bps:
-                g.stacks[s] = None
-                g.free_active -= k0
-                g.n_active -= 1
-                heappush(g.inactive, s)
-                released.append(s)
-            else:
-                buckets[k0 + 1][s] = None
-                g.free_active += 1
+            if push(g, b):
+                released.append(b // bps)
         if released:
             self.backing.deactivate({group: released})
     # -- compaction ----------------------------------------------------------------------

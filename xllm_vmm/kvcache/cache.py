@@ -227,6 +227,8 @@ class VirtualKVCache:
             for g, n, bps, first in specs
         }
         self.last_move_error = ""
+        # per group, the region page of slot 0 in each tensor (slot s: these + s, ascending)
+        self._tensor_pages = {n: tuple(geo.slot_pages(0)) for n, geo in self.geometry.items()}
         self.allocator = BlockAllocator(
             [GroupShape(name, geo.num_slots, geo.blocks_per_slot)
              for name, geo in self.geometry.items()], backing=self)
@@ -265,8 +267,9 @@ class VirtualKVCache:
         if len(slots) == 1:  # one slot of one group (most activations): its pages ascend
             for name, ss in slots.items():
                 if len(ss) == 1:
+                    s = ss[0]
                     return self.pool.map_pages(self.region,
-                                               self.geometry[name].slot_pages(ss[0]))
+                                               [o + s for o in self._tensor_pages[name]])
         pages: list[int] = []
         for name, ss in slots.items():
             geo = self.geometry[name]
@@ -280,7 +283,9 @@ class VirtualKVCache:
         if len(slots) == 1:
             for name, ss in slots.items():
                 if len(ss) == 1:
-                    self.pool.unmap_pages(self.region, self.geometry[name].slot_pages(ss[0]))
+                    s = ss[0]
+                    self.pool.unmap_pages(self.region,
+                                          [o + s for o in self._tensor_pages[name]])
                     return
         pages: list[int] = []
         for name, ss in slots.items():

@@ -231,6 +231,7 @@ class KVCacheManager:
         # the one-group hot paths below call these directly (bound once)
         self._alloc_group = cache.allocator.allocate_group
         self._free_group_lru = cache.allocator.free_group_lru
+        self._acquire_chain = prefix.acquire_chain if self._chain else None  # type: ignore
         self._pg = prefix._groups[self._g0] if self._chain else None  # index + LRU of g0
         self._keep = cache.allocator._groups[self._g0].keep if self._chain else None
         self.hash_seed = hash_seed
@@ -324,8 +325,8 @@ class KVCacheManager:
             hashes = block_hashes(token_ids, bs)
         req.hashes = hashes
         cap = (len(token_ids) - 1) // bs if token_ids else 0
-        if self._chain:
-            blocks = prefix.acquire_chain(hashes, cap)
+        if self._chain:  # PrefixCache.acquire_chain (lookup + acquire), one group
+            blocks = self._acquire_chain(hashes, cap)
             req.held = {self._g0: blocks}
             n = len(blocks) * bs
             m = _new_match(PrefixMatch, (request_id, n, n, 0, None))

@@ -142,6 +142,7 @@ class PrefixCache:
         self._sole = self._groups[self._order[0]] if len(self._order) == 1 else None
         self._checkpoints: dict[BlockHash, _Checkpoint] = {}
         self._stats = PrefixCacheStats()
+        self._touch_many = allocator.touch_many
 
     @property
     def group_names(self) -> tuple[str, ...]:
@@ -196,13 +197,14 @@ class PrefixCache:
             out.append(b)
         s = self._stats
         s.queries += 1
-        s.query_tokens += len(hashes) * self.block_size
+        bs = self.block_size
+        s.query_tokens += len(hashes) * bs
         if out:
             n = len(out)
             s.hits += 1
             s.hit_blocks += n
-            s.hit_tokens += n * self.block_size
-            revived = self.allocator.touch_many(g.name, out)
+            s.hit_tokens += n * bs
+            revived = self._touch_many(g.name, out)
             if revived:
                 pop = g.lru.pop
                 for b in revived:
