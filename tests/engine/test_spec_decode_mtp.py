@@ -50,3 +50,34 @@ def test_distilled_draft_is_accepted_and_the_output_unchanged(distilled):
     assert st.acceptance_rate >= 0.5
     assert st.mean_accepted_length >= 2.0  # tokens per verify pass, K = 2
     assert st.target_steps < 0.7 * plain_steps  # the speed-up: fewer target passes
+
+
+def test_distilled_draft_in_the_engine(distilled):
+    """The same distilled draft through LLMEngine's continuous batching (MtpSpeculator):
+    acceptance >= 0.5 from stats()["spec_decode"], the output that of the engine without
+    speculation, in fewer engine steps (target passes)."""
+    from xllm_vmm import LLM, SamplingParams
+
+    target, draft, _ = distilled
+    g = torch.Generator().manual_seed(78)
+    prompts = [torch.randint(4, 384, (6,), generator=g).tolist() for _ in range(6)]
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    kw = dict(block_size=16, device_memory="96MiB", enable_vmm_kvcache=True, vmm_elastic=True)
+    outs, steps = {}, {}
+    for key, extra in (("spec", dict(draft_model=str(draft), speculative_algorithm="MTP",
+                                     num_speculative_tokens=2)), ("plain", {})):
+        llm = LLM(str(target), **kw, **extra)
+        try:
+            res = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+            outs[key] = [list(o.outputs[0].token_ids) for o in res]
+            steps[key] = llm.llm_engine.num_steps
+            if key == "spec":
+                sd = llm.llm_engine.stats()["spec_decode"]
+        finally:
+            llm.llm_engine.shutdown()
+    assert outs["spec"] == outs["plain"]
+    rate = sd["num_accepted_tokens"] / sd["num_draft_tokens"]
+    first = sd["num_accepted_tokens_per_pos"][0] / sd["num_drafts"]
+    print("engine MTP acceptance", rate, "position 1", first)
+    assert rate >= 0.5 and first >= 0.5
+    assert steps["spec"] < 0.7 * steps["plain"]
