@@ -102,11 +102,20 @@ def test_a_vocabulary_the_workers_do_not_divide_is_padded(vocab, world):
     assert specs[-1].stop == vocab and all(s.stop > s.start for s in specs)
 
 
-def test_a_one_worker_family_is_refused_before_workers_start():
-    nxt = ModelConfig.from_dict({**CFG.raw, "architectures": ["Qwen3NextForCausalLM"]})
-    with pytest.raises(LayoutError, match="Qwen3NextForCausalLM runs on one worker only"):
-        check_divisible(nxt, 2)
-    check_divisible(nxt, 1)  # one worker: nothing to split
+def test_linear_attention_heads_must_divide():
+    nxt = ModelConfig.from_dict({**CFG.raw, "architectures": ["Qwen3NextForCausalLM"],
+                                 "linear_num_key_heads": 2, "linear_num_value_heads": 4})
+    check_divisible(nxt, 2)
+    with pytest.raises(LayoutError, match="cannot split linear_num_key_heads=2"):
+        check_divisible(nxt, 4)
+    h1 = shard_hook(nxt, 1, 2)
+    assert h1("model.layers.0.linear_attn.in_proj_qkvz.weight", (96, 64)).__dict__ == {
+        "dim": 0, "start": 48, "stop": 96}
+    assert h1("model.layers.0.linear_attn.A_log", (4,)).__dict__ == {
+        "dim": 0, "start": 2, "stop": 4}
+    assert h1("model.layers.0.linear_attn.out_proj.weight", (64, 32)).__dict__ == {
+        "dim": 1, "start": 16, "stop": 32}
+    assert h1("model.layers.0.linear_attn.conv1d.weight", (64, 1, 4)) is None  # whole
 
 
 def test_master_addr_parsing():

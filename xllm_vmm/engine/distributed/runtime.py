@@ -128,7 +128,17 @@ class Runtime:
         from xllm_vmm.engine.models.config import ModelConfig
         from xllm_vmm.models.errors import LayoutError
 
+        from xllm_vmm.engine.models import model_class
+
         mcfg = ModelConfig.from_dir(model_dir)
+        if not getattr(model_class(mcfg.architecture), "tp_prefix_cache", True) and bool(
+                cfg["enable_prefix_cache"]):
+            raise ConfigError([Finding(
+                "CFG-CONFLICT", "error", f"enable_prefix_cache=true with {topo.world} workers: "
+                f"{mcfg.architecture}'s prefix hits restore a linear-state checkpoint, which is "
+                "a per-worker shard that only rank 0 keeps", flags={
+                    "enable_prefix_cache": True, "nnodes": cfg["nnodes"]},
+                hint="set --enable_prefix_cache=false, or serve on one device")])
         try:
             check_divisible(mcfg, topo.world, topo.ep)
         except LayoutError as e:

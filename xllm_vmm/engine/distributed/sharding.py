@@ -11,8 +11,12 @@ expert-parallel groups (``ep_size``), ``W / ep`` workers in each:
 | ``*.self_attn.{k,v}_proj.{weight,bias}`` | rows: ``kv_heads / W`` KV heads; when ``W > kv_heads`` one head, rank ``r`` holding head ``r // (W / kv_heads)`` (replicated, as :func:`xllm_vmm.models.layout.kv_heads_per_worker` counts it) |
 | ``*.self_attn.kv_b_proj.weight`` (MLA) | rows: the same heads (× ``qk_nope + v_head_dim``) |
 | ``*.self_attn.o_proj.weight`` | columns: the same heads (× ``head_dim``; MLA: × ``v_head_dim``) |
-| ``*.mlp.{gate,up}_proj``, ``*.mlp.shared_experts.{gate,up}_proj`` | rows: ``intermediate / W`` |
-| ``*.mlp.down_proj``, ``*.mlp.shared_experts.down_proj`` | columns: ``intermediate / W`` |
+| ``*.mlp.{gate,up}_proj``, ``*.mlp.shared_expert(s).{gate,up}_proj`` | rows: ``intermediate / W`` |
+| ``*.mlp.down_proj``, ``*.mlp.shared_expert(s).down_proj`` | columns: ``intermediate / W`` |
+| Gated DeltaNet (Qwen3-Next) ``*.linear_attn.{in_proj_qkvz,in_proj_ba}.weight`` | rows: ``linear_num_key_heads / W`` key heads (each with its value heads; the projections are grouped per key head) |
+| ``*.linear_attn.{dt_bias,A_log}`` | ``linear_num_value_heads / W`` value heads |
+| ``*.linear_attn.out_proj.weight`` | columns: the same value heads |
+| ``*.linear_attn.conv1d.weight`` | whole (its channels are ``[q, k, v]`` of every head: the layer takes this rank's three channel ranges, a small copy) |
 | ``*.mlp.experts.J.*`` | expert ``J`` is held by the ``W / ep`` workers of expert group ``J // (E / ep)`` only (:func:`expert_range`; the others skip it: ``ShardSpec.skip()``), its intermediate features split ``W / ep`` ways among them (:func:`expert_split`) |
 | everything else (norms, q/k norms, MLA's ``q_a_proj``/``kv_a_proj_with_mqa`` and their norms — the latent is replicated —, the MoE router and its bias, DeepSeek-V3.2's indexer, ``o_proj``/``down_proj`` biases) | whole |
 
@@ -43,8 +47,11 @@ _RULES = (
     (re.compile(r"\.self_attn\.o_proj\.weight$"), "heads_cols"),
     (re.compile(r"\.mlp\.experts\.\d+\.(gate|up)_proj\.(weight|bias)$"), "expert_in"),
     (re.compile(r"\.mlp\.experts\.\d+\.down_proj\.weight$"), "expert_out"),
-    (re.compile(r"\.mlp\.(shared_experts\.)?(gate|up)_proj\.(weight|bias)$"), "ffn_in"),
-    (re.compile(r"\.mlp\.(shared_experts\.)?down_proj\.weight$"), "ffn_out"),
+    (re.compile(r"\.mlp\.(shared_experts?\.)?(gate|up)_proj\.(weight|bias)$"), "ffn_in"),
+    (re.compile(r"\.mlp\.(shared_experts?\.)?down_proj\.weight$"), "ffn_out"),
+    (re.compile(r"\.linear_attn\.(in_proj_qkvz|in_proj_ba)\.weight$"), "rows"),
+    (re.compile(r"\.linear_attn\.(dt_bias|A_log)$"), "rows"),
+    (re.compile(r"\.linear_attn\.out_proj\.weight$"), "heads_cols"),
 )
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
@@ -106,6 +113,14 @@ def check_divisible(cfg: ModelConfig, world: int, ep: int = 1) -> None:
                    else f"{ways} tensor-parallel workers")
             raise LayoutError(f"{who} cannot split {field}={n} of {cfg.architecture}",
                               hint=f"use a worker count (nnodes) / ep_size that divides {n}")
+    raw = cfg.raw
+    for field in ("linear_num_key_heads", "linear_num_value_heads",
+                  "shared_expert_intermediate_size"):
+        n = int(raw.get(field) or 0)
+        if world > 1 and n and n % world:
+            raise LayoutError(f"{world} tensor-parallel workers cannot split {field}={n} of "
+                              f"{cfg.architecture}",
+                              hint=f"use a worker count (nnodes) that divides {n}")
     if is_mla(cfg):  # the latent is replicated: no KV heads to split
         return
     kv = cfg.num_kv_heads
@@ -143,7 +158,7 @@ def shard_hook(cfg: ModelConfig, rank: int, world: int, ep: int = 1
             return None
         if kind == "vocab":
             return ShardSpec(0, *vocab_range(shape[0], rank, world))
-        if kind == "heads_rows":  # heads × per-head rows: W divides the heads
+        if kind in ("heads_rows", "rows"):  # heads × per-head rows: W divides the heads
             return ShardSpec.split(0, shape[0], rank, world)
         if kind == "kv":
             return ShardSpec(0, kv0 * d, kv1 * d)

@@ -41,7 +41,6 @@ from xllm_vmm.engine.layers.moe import SparseMoE
 from xllm_vmm.engine.layers.parallel import SINGLE, TensorParallel
 from xllm_vmm.engine.layers.rotary import RotaryEmbedding
 from xllm_vmm.engine.models.config import ModelConfig
-from xllm_vmm.models.errors import LayoutError
 from xllm_vmm.engine.models.decoder import CausalLM, WeightsMismatch, _Weights
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -163,28 +162,51 @@ class GatedAttention:
 
 
 class GatedDeltaNet:
+    """Tensor parallel (issue 14, weights sharded by the shard hook): this rank holds
+    ``nk / W`` key heads with their ``nv / W`` value heads — its rows of ``in_proj_qkvz`` /
+    ``in_proj_ba`` (grouped per key head), its ``dt_bias`` / ``A_log``, its three channel ranges
+    ``[q, k, v]`` of the (whole) conv weight, its state (the plan's per-worker
+    :class:`~xllm_vmm.models.spec.LinearStateDims`), and its columns of ``out_proj``, whose
+    output is all-reduced."""
+
     def __init__(self, raw: Mapping[str, Any], w: _Weights, prefix: str, *, hidden: int,
-                 eps: float, state_index: int) -> None:
+                 eps: float, state_index: int, tp: TensorParallel = SINGLE) -> None:
+        import torch
+
         nk, nv = int(raw["linear_num_key_heads"]), int(raw["linear_num_value_heads"])
         dk, dv = int(raw["linear_key_head_dim"]), int(raw["linear_value_head_dim"])
         kernel = int(raw["linear_conv_kernel_dim"])
         if nv % nk:
             raise WeightsMismatch(f"linear_num_value_heads {nv} must be a multiple of "
                                   f"linear_num_key_heads {nk}")
+        full_key, full_value = nk * dk, nv * dv
+        conv_dim = 2 * full_key + full_value
+        W, r = tp.world_size, tp.rank
+        nk, nv = nk // W, nv // W  # this rank's heads (start-up checked W divides both)
         self.nk, self.nv, self.dk, self.dv, self.eps = nk, nv, dk, dv, eps
         self.key_dim, self.value_dim = nk * dk, nv * dv
-        conv_dim = 2 * self.key_dim + self.value_dim
-        self.in_qkvz = ReplicatedLinear(w.get(f"{prefix}.in_proj_qkvz.weight",
-                                              (2 * self.key_dim + 2 * self.value_dim, hidden)))
-        self.in_ba = ReplicatedLinear(w.get(f"{prefix}.in_proj_ba.weight", (2 * nv, hidden)))
-        self.conv_w = w.get(f"{prefix}.conv1d.weight", (conv_dim, 1, kernel)).squeeze(1)
+        self.in_qkvz = ColumnParallelLinear(
+            w.get(f"{prefix}.in_proj_qkvz.weight", (2 * full_key + 2 * full_value, hidden)),
+            tp=tp, what="linear_num_key_heads")
+        self.in_ba = ColumnParallelLinear(w.get(f"{prefix}.in_proj_ba.weight", (2 * nv * W, hidden)),
+                                          tp=tp, what="linear_num_key_heads")
+        conv_w = w.get(f"{prefix}.conv1d.weight", (conv_dim, 1, kernel)).squeeze(1)
+        if W > 1:  # this rank's q, k and v channels (a small copy)
+            kd, vd = self.key_dim, self.value_dim
+            conv_w = torch.cat((conv_w[r * kd:(r + 1) * kd],
+                                conv_w[full_key + r * kd:full_key + (r + 1) * kd],
+                                conv_w[2 * full_key + r * vd:2 * full_key + (r + 1) * vd]))
+        self.conv_w = conv_w
         self.conv_b = w.maybe(f"{prefix}.conv1d.bias")
         if self.conv_b is not None:
             raise WeightsMismatch(f"{prefix}.conv1d.bias: a conv bias is not supported")
-        self.dt_bias = w.get(f"{prefix}.dt_bias", (nv,))
-        self.a_log = w.get(f"{prefix}.A_log", (nv,))
+        self.dt_bias = w.get(f"{prefix}.dt_bias", (nv * W,))
+        self.a_log = w.get(f"{prefix}.A_log", (nv * W,))
+        if W > 1 and tp.shard_hook is None:  # full tensors: this rank's value heads
+            self.dt_bias, self.a_log = (t.narrow(0, r * nv, nv) for t in (self.dt_bias, self.a_log))
         self.norm_w = w.get(f"{prefix}.norm.weight", (dv,))
-        self.out_proj = ReplicatedLinear(w.get(f"{prefix}.out_proj.weight", (hidden, self.value_dim)))
+        self.out_proj = RowParallelLinear(w.get(f"{prefix}.out_proj.weight", (hidden, full_value)),
+                                          tp=tp, what="linear_num_value_heads")
         self.state_index = state_index
 
     def _split(self, x: Tensor):
@@ -281,20 +303,19 @@ class Qwen3NextForCausalLM(CausalLM):
 
     architectures = ("Qwen3NextForCausalLM",)
     sparse = True
-    tensor_parallel = False  # the linear-attention state is not sharded yet
+    tp_prefix_cache = False
+    """Several workers: no prefix cache (a linear-state checkpoint is a per-worker shard; rank
+    0's cannot be restored on the others) — refused at start-up naming the flag."""
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, Tensor], *,
                  tp: TensorParallel = SINGLE, device: Any = None) -> None:
         check_activation(cfg.hidden_act)
-        if tp.world_size > 1:  # start-up refuses this first (sharding.check_divisible)
-            raise LayoutError(f"{cfg.architecture} runs on one worker only (its linear-attention "
-                              "state is not sharded across workers)", hint="use nnodes=1")
         raw = cfg.raw
         self.config, self.tp = cfg, tp
         kinds = self._layer_types(cfg)
         self.full_layers = [i for i, k in enumerate(kinds) if k == "full_attention"]
         self.linear_layers = [i for i, k in enumerate(kinds) if k == "linear_attention"]
-        w = _Weights(weights, cfg.architecture)
+        w = _Weights(weights, cfg.architecture, tp)  # several workers: shapes of this rank's part
         eps, hid = cfg.rms_norm_eps, cfg.hidden_size
         self.embed = VocabEmbedding(w.get("model.embed_tokens.weight", (cfg.vocab_size, hid)), tp=tp)
         factor = float(cfg.rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
@@ -310,7 +331,7 @@ class Qwen3NextForCausalLM(CausalLM):
                                        kv_index=self.full_layers.index(i))
             else:
                 mixer = GatedDeltaNet(raw, w, f"{p}.linear_attn", hidden=hid, eps=eps,
-                                      state_index=self.linear_layers.index(i))
+                                      state_index=self.linear_layers.index(i), tp=tp)
             self.layers.append(_HybridLayer(
                 mixer, self._mlp(cfg, w, f"{p}.mlp", i),
                 OffsetRMSNorm(w.get(f"{p}.input_layernorm.weight", (hid,)), eps),
@@ -345,19 +366,22 @@ class Qwen3NextForCausalLM(CausalLM):
             return GatedMLP(
                 w.get(f"{prefix}.gate_proj.weight", (cfg.intermediate_size, cfg.hidden_size)),
                 w.get(f"{prefix}.up_proj.weight", (cfg.intermediate_size, cfg.hidden_size)),
-                w.get(f"{prefix}.down_proj.weight", (cfg.hidden_size, cfg.intermediate_size)))
+                w.get(f"{prefix}.down_proj.weight", (cfg.hidden_size, cfg.intermediate_size)),
+                tp=self.tp)
         e, hid, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        e0, e1 = self.tp.expert_range(e)  # ep_size > 1: only this rank's experts
         experts = [(w.get(f"{prefix}.experts.{j}.gate_proj.weight", (inter, hid)),
                     w.get(f"{prefix}.experts.{j}.up_proj.weight", (inter, hid)),
                     w.get(f"{prefix}.experts.{j}.down_proj.weight", (hid, inter)))
-                   for j in range(e)]
+                   if e0 <= j < e1 else None for j in range(e)]
         si = int(cfg.raw.get("shared_expert_intermediate_size") or 0)
         shared = GatedMLP(w.get(f"{prefix}.shared_expert.gate_proj.weight", (si, hid)),
                           w.get(f"{prefix}.shared_expert.up_proj.weight", (si, hid)),
-                          w.get(f"{prefix}.shared_expert.down_proj.weight", (hid, si)))
+                          w.get(f"{prefix}.shared_expert.down_proj.weight", (hid, si)), tp=self.tp)
         return SharedExpertMoE(w.get(f"{prefix}.gate.weight", (e, hid)), experts, shared,
                                w.get(f"{prefix}.shared_expert_gate.weight", (1, hid)),
-                               top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob)
+                               top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
+                               tp=self.tp)
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_layers: list,
                 backend: HybridBackend, meta: HybridMeta) -> Tensor:
@@ -367,10 +391,12 @@ class Qwen3NextForCausalLM(CausalLM):
         return x
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Per linear layer and sequence: conv ``(conv_dim, kernel - 1)``, recurrent
-        ``(num_v_heads, k_dim, v_dim)`` (elements)."""
+        """Per linear layer and sequence on this worker: conv ``(conv_dim, kernel - 1)``,
+        recurrent ``(num_v_heads, k_dim, v_dim)`` (elements; heads ``/ W`` on ``W`` workers, as
+        :meth:`~xllm_vmm.models.spec.LinearStateDims.per_worker` sizes the plan's)."""
         raw = self.config.raw
         nk, nv = int(raw["linear_num_key_heads"]), int(raw["linear_num_value_heads"])
+        nk, nv = nk // self.tp.world_size, nv // self.tp.world_size
         dk, dv = int(raw["linear_key_head_dim"]), int(raw["linear_value_head_dim"])
         return (2 * nk * dk + nv * dv, int(raw["linear_conv_kernel_dim"]) - 1), (nv, dk, dv)
 
@@ -381,12 +407,13 @@ class Qwen3NextForCausalLM(CausalLM):
         :meth:`LinearStateCache.reserve`; the worker exposes it as ``backend.state``)."""
         from xllm_vmm.engine.attention import KVCacheViews, select_backend
 
-        cfg = self.config
+        cfg, w = self.config, self.tp.world_size
+        heads_kv = max(1, cfg.num_kv_heads // w)  # this worker's (split or one replicated)
         views = KVCacheViews(kv_cache, num_layers=len(self.full_layers),
-                             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                             num_kv_heads=heads_kv, head_dim=cfg.head_dim,
                              compute_dtype=compute_dtype, layer_ids=self.full_layers)
-        attn = select_backend(attention_backend, views.geometry, num_heads=cfg.num_heads,
-                              num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        attn = select_backend(attention_backend, views.geometry, num_heads=cfg.num_heads // w,
+                              num_kv_heads=heads_kv, head_dim=cfg.head_dim,
                               device=device)
         conv, rec = self.state_shapes()
         state = LinearStateCache(len(self.linear_layers), conv, rec, dtype=compute_dtype,
