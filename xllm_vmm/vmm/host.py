@@ -312,7 +312,10 @@ class HostDriver(DriverBase):
             C.byref(pool), granularity, device_memory or 0, BACKING_CODES[backing]))
         self._pool = pool.value
         self._pool_arg = C.c_void_p(self._pool)  # prebuilt ctypes arguments of the run calls
-        self._map_runs, self._unmap_runs = self._lib.hv_map_runs, self._lib.hv_unmap_runs
+        # the prepared-batch calls: own function objects without argtypes (every argument is
+        # a ctypes instance already, so no conversion runs; ctypes still releases the GIL)
+        self._map_runs, self._unmap_runs = self._lib["hv_map_runs"], self._lib["hv_unmap_runs"]
+        self._map_runs.restype = self._unmap_runs.restype = C.c_int
         self._finalizer = weakref.finalize(self, _close_pool, self._lib, self._pool)
         #: the backing in use: "hugetlb", "thp" or "off" (4 KiB pages)
         self.hugepages = backing
