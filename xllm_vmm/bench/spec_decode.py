@@ -2,7 +2,9 @@
 by side in one run, on the same target, prompts and flags.
 
 The setup is the test suite's (``tests/engine/test_spec_decode_mtp.py``): a tiny DeepSeek-V3
-target (MLA, MoE) whose residual branches are scaled down by ``branch_scale`` (default 0.03:
+target (MLA, MoE; ``layers`` decoder layers, default the tests' 2: layer 0 dense, the others
+MoE; the draft is one layer, so the deeper the target the more a skipped target pass saves)
+whose residual branches are scaled down by ``branch_scale`` (default 0.03:
 its next token depends mostly on the current one, so a one-layer draft can learn it in a few
 hundred CPU steps; a real model is not scaled — the acceptance here is of this easy target, not
 a prediction for real models), and an MTP draft distilled against it by the test setup's own
@@ -51,7 +53,8 @@ def _test_setup() -> tuple[Any, Any]:
     return checkpoints, mtp_distill
 
 
-def bench_pair(branch_scale: float, distill_steps: int, seed: int = 0) -> tuple[Path, Path, float]:
+def bench_pair(branch_scale: float, distill_steps: int, seed: int = 0,
+               layers: int = 2) -> tuple[Path, Path, float]:
     """The target and distilled draft directories (built on first use, see the module
     docstring) and the distillation's last loss over its first (nan when reused)."""
     import json
@@ -61,14 +64,16 @@ def bench_pair(branch_scale: float, distill_steps: int, seed: int = 0) -> tuple[
     from xllm_vmm.engine.demo import cache_root
 
     C, D = _test_setup()
-    base = cache_root() / f"bench-mtp-ds3-b{branch_scale:g}-s{distill_steps}-seed{seed}"
+    depth = f"-l{layers}" if layers != 2 else ""
+    base = cache_root() / f"bench-mtp-ds3{depth}-b{branch_scale:g}-s{distill_steps}-seed{seed}"
     target, draft = base / "target", base / "draft"
     done = base / "done.json"
     if done.is_file():
         return target, draft, float(json.loads(done.read_text()).get("loss_ratio", "nan"))
     tmp = base.with_name(base.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    C.deepseek_v3_checkpoint(tmp / "target", seed=seed, branch_scale=branch_scale)
+    C.deepseek_v3_checkpoint(tmp / "target", seed=seed, branch_scale=branch_scale,
+                             **({"num_hidden_layers": layers} if layers != 2 else {}))
     _, losses = D.distill_mtp(tmp / "target", tmp / "draft", steps=distill_steps, sequences=48,
                               batch=16, gen_len=26, seed=seed)
     ratio = losses[-1] / losses[0] if losses else float("nan")
@@ -84,13 +89,13 @@ def _stats(xs: Sequence[float]) -> tuple[float, float]:
 
 
 def run(*, k: int = 2, prompts: int = 8, prompt_len: int = 6, new_tokens: int = 32,
-        repeats: int = 3, branch_scale: float = 0.03, distill_steps: int = 150,
+        repeats: int = 3, branch_scale: float = 0.03, distill_steps: int = 150, layers: int = 2,
         block_size: int = 16, device_memory: str = "256MiB", elastic: bool = True,
         threads: int | None = None, seed: int = 0) -> dict[str, Any]:
     """Run the benchmark (module docstring); returns a flat dict of results."""
     for name, v, lo in (("k", k, 1), ("prompts", prompts, 1), ("prompt_len", prompt_len, 1),
                         ("new_tokens", new_tokens, 2), ("repeats", repeats, 1),
-                        ("distill_steps", distill_steps, 1)):
+                        ("distill_steps", distill_steps, 1), ("layers", layers, 2)):
         if v < lo:
             raise ValueError(f"--{name.replace('_', '-')} must be at least {lo}, got {v}")
     if not 0 < branch_scale <= 1:
@@ -102,7 +107,7 @@ def run(*, k: int = 2, prompts: int = 8, prompt_len: int = 6, new_tokens: int = 
 
     if threads is not None:
         torch.set_num_threads(threads)
-    target, draft, loss_ratio = bench_pair(branch_scale, distill_steps, seed)
+    target, draft, loss_ratio = bench_pair(branch_scale, distill_steps, seed, layers)
     g = torch.Generator().manual_seed(seed + 77)
     trace = [torch.randint(4, 384, (prompt_len,), generator=g).tolist() for _ in range(prompts)]
     flags = dict(block_size=block_size, device_memory=device_memory, enable_vmm_kvcache=True,
@@ -141,7 +146,7 @@ def run(*, k: int = 2, prompts: int = 8, prompt_len: int = 6, new_tokens: int = 
     ratios = [s / p for s, p in zip(rates["spec"], rates["plain"])]
     out: dict[str, Any] = {
         "num_speculative_tokens": k, "prompts": prompts, "new_tokens": new_tokens,
-        "repeats": repeats, "target_branch_scale": branch_scale,
+        "repeats": repeats, "target_layers": layers, "target_branch_scale": branch_scale,
         "distill_steps": distill_steps, "distill_loss_ratio": loss_ratio,
         "spec_speedup": statistics.median(ratios), "spec_speedup_min": min(ratios),
     }

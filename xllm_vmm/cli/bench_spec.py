@@ -27,6 +27,7 @@ def bench_spec(
     repeats: int = typer.Option(3, help="Alternating runs of each engine (1 to 100)."),
     branch_scale: float = typer.Option(0.03, help="Residual-branch scale of the built target."),
     distill_steps: int = typer.Option(150, help="Distillation steps of the draft (1 to 5000)."),
+    layers: int = typer.Option(2, help="Decoder layers of the built target (2 to 32; the tests' is 2)."),
     block_size: int = typer.Option(16, help="Tokens per KV block."),
     device_memory: str = typer.Option("256MiB", help="Emulated device memory the engines size for."),
     elastic: bool = typer.Option(True, "--elastic/--fixed", help="Elastic or fixed VMM pool."),
@@ -43,10 +44,12 @@ def bench_spec(
     _check("--new-tokens", new_tokens, 2, 1024)
     _check("--repeats", repeats, 1, 100)
     _check("--distill-steps", distill_steps, 1, 5000)
+    _check("--layers", layers, 2, 32)
     try:
         results = _run("bench spec", lambda: spec_decode.run(
             k=k, prompts=prompts, prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats,
-            branch_scale=branch_scale, distill_steps=distill_steps, block_size=block_size,
+            branch_scale=branch_scale, distill_steps=distill_steps, layers=layers,
+            block_size=block_size,
             device_memory=device_memory, elastic=elastic, threads=threads, seed=seed))
     except ConfigError as exc:
         raise _fail(2, f"bench spec: {exc}") from None
