@@ -142,7 +142,8 @@ class PrefixCache:
         self._sole = self._groups[self._order[0]] if len(self._order) == 1 else None
         self._checkpoints: dict[BlockHash, _Checkpoint] = {}
         self._stats = PrefixCacheStats()
-        self._touch_many = allocator.touch_many
+        # the sole group's allocator state, for acquire_chain's one loop
+        self._ag = allocator._groups[self._order[0]] if self._sole is not None else None
 
     @property
     def group_names(self) -> tuple[str, ...]:
@@ -188,13 +189,32 @@ class PrefixCache:
         if g is None or self.hybrid:
             raise PrefixCacheError("acquire_chain is for a one-group cache without "
                                    "checkpoints; use lookup() and acquire()")
+        # one loop: the walk and the references (allocator.touch_many's effect, on the
+        # allocator's arrays of this group, bound once; an indexed block is live or cached)
         get = g.hash_to_block.get
+        ag = self._ag
+        ref = ag.ref
+        cached = ag.cached
         out: list[int] = []
+        revived = 0
         for h in (hashes if max_blocks >= len(hashes) else hashes[:max(0, max_blocks)]):
             b = get(h)
             if b is None:
                 break
+            r = ref[b]
+            if r:
+                ref[b] = r + 1
+            else:  # cached: revived, out of the LRU
+                if not cached[b]:
+                    raise PrefixCacheError(f"indexed block {b} of group {g.name!r} is free")
+                cached[b] = 0
+                ag.ncached[b // ag.bps] -= 1
+                ref[b] = 1
+                g.lru.pop(b, None)
+                revived += 1
             out.append(b)
+        if revived:
+            ag.n_cached -= revived
         s = self._stats
         s.queries += 1
         bs = self.block_size
@@ -204,11 +224,6 @@ class PrefixCache:
             s.hits += 1
             s.hit_blocks += n
             s.hit_tokens += n * bs
-            revived = self._touch_many(g.name, out)
-            if revived:
-                pop = g.lru.pop
-                for b in revived:
-                    pop(b, None)
         return out
 
     def touch(self, group: str, block: int) -> None:
