@@ -1045,7 +1045,8 @@ static int check_unmap_run_locked(hv_pool *p, uint64_t va, uint64_t size, int cl
         return fail(EINVAL, "unmap run of %llu bytes at %#llx runs past the end of its reservation",
                     (unsigned long long)size, (unsigned long long)va);
     uint64_t *e = &r->ent[first], bad = 0, pend = 0;
-    if (!claim) { /* one pass, no dependency: every page starts a one-granule mapping */
+    if (!claim && p->cap_slots) { /* one pass, no dependency: every page starts a one-granule
+                                    * mapping (no handle table yet: nothing can be mapped) */
         for (uint64_t i = 0; i < pages; i++) {
             uint64_t v = e[i], slot = (v & ~HV_START_BIT) >> p->gshift;
             bad |= (uint64_t)!(v & HV_START_BIT) | (uint64_t)(p->hpages[slot] != 1);

@@ -35,6 +35,13 @@ def test_runs_of_splits_where_address_or_offset_breaks():
         runs_of([0, G], [G], G)
 
 
+def test_unmap_runs_on_a_driver_with_no_handle_yet(drv):
+    va = drv.reserve(2 * G)
+    with pytest.raises(VmmNotMapped, match="is not mapped"):
+        drv.unmap_runs([va, 2 * G])
+    drv.release(va, 2 * G)
+
+
 def test_map_runs_keeps_each_handle_its_own_mapping(drv):
     hs = drv.create_handles(6, G)
     va = drv.reserve(12 * G)
