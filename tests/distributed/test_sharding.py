@@ -129,7 +129,7 @@ def test_master_addr_parsing():
 @pytest.mark.parametrize("flags, names", [
     ({"nnodes": 2, "dp_size": 2}, "dp_size"),
     ({"nnodes": 2, "ep_size": 2}, "ep_size"),
-    ({"nnodes": 2, "enable_vmm_kvcache": True, "host_blocks_factor": 1.0}, "host_blocks_factor"),
+    ({"nnodes": 2, "num_speculative_tokens": 1}, "num_speculative_tokens"),
     ({"nnodes": 2, "master_node_addr": "nowhere"}, "master_node_addr"),
     ({"nnodes": 3}, "attention heads"),
     ({"nnodes": 2, "worker_device_memory": ["64MiB"]}, "worker_device_memory"),

@@ -131,7 +131,8 @@ def serve_refusals(cfg: Any, p: Parallel | None = None) -> list[tuple[str, str, 
     (``num_speculative_tokens > 0``: its draft runs on one worker only); several ``devices`` for one process of a multi-process
     launch (``nnodes > 1`` or a ``node_rank``: one device per process there; one command with
     several devices, ``nnodes=1`` and no ``node_rank`` spawns one worker per device and is
-    supported); ``host_blocks_factor > 0`` (the host KV tier is not kept across workers yet).
+    supported). The host KV tier (``host_blocks_factor > 0``) is supported: its copies run on
+    every worker (``engine.distributed.fanout``).
     ``cfg``: anything with ``cfg.get(flag)`` (and ``cfg.explicit(flag)`` when known)."""
     p = p if p is not None else parallel_of(cfg)
     if p.world == 1:
@@ -161,9 +162,4 @@ def serve_refusals(cfg: Any, p: Parallel | None = None) -> list[tuple[str, str, 
                     "serves one device",
                     "give each process one device (nnodes = the number of devices), or start "
                     "one command with several devices, nnodes=1 and no node_rank"))
-    factor = float(cfg.get("host_blocks_factor", 0) or 0)
-    if factor > 0:
-        out.append(("host_blocks_factor", f"host_blocks_factor={factor:g} > 0: the host KV "
-                    f"tier is not supported across several workers ({p.world}) by xllm-vmm "
-                    "serve yet", "set host_blocks_factor=0"))
     return out

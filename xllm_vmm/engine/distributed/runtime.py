@@ -115,6 +115,7 @@ class Runtime:
         self.lost_event = abort if abort is not None else threading.Event()
         """Set when a worker is lost: rank 0's collectives stop waiting (:mod:`.deadline`)."""
         self.cache = self.pool = self.worker = self.watchdog = None
+        self.host_driver = self.regions = None  # the host KV tier's copies (.fanout)
 
     # -- start-up ------------------------------------------------------------------------
     @classmethod
@@ -190,11 +191,15 @@ class Runtime:
         """Check that every rank built the same cache geometry, route rank 0's slot
         activations to every worker, and return what the engine uses as its worker (rank 0:
         a :class:`DriverWorker`; other ranks: ``worker`` itself)."""
-        from xllm_vmm.engine.distributed.fanout import FanoutBacking
+        from xllm_vmm.engine.distributed.fanout import CopyRegions, FanoutBacking
 
         self.cache, self.pool, self.worker = mgr.cache, pool, worker
+        host = getattr(mgr, "host", None)  # the host KV tier (host_blocks_factor > 0)
+        self.host_driver = host.driver if host is not None else None
+        self.regions = CopyRegions(mgr.cache, host.pool) if host is not None else None
         geo = {"slots": {g: v.num_slots for g, v in mgr.cache.geometry.items()},
-               "block_size": int(mgr.block_size), "page_bytes": int(pool.page_bytes)}
+               "block_size": int(mgr.block_size), "page_bytes": int(pool.page_bytes),
+               "host_blocks": int(host.pool.capacity) if host is not None else 0}
         try:
             hellos = self._gather(self._status({"geometry": geo, "device": str(worker.device)}),
                                   startup=True)
@@ -220,7 +225,11 @@ class Runtime:
         self._refresh(hellos)
         self.active = True
         if self.rank == 0:
-            mgr.cache.allocator.backing = FanoutBacking(mgr.cache, self)
+            fan = FanoutBacking(mgr.cache, self, copy_driver=self.host_driver,
+                                regions=self.regions)
+            mgr.cache.allocator.backing = fan
+            if host is not None:  # host-tier copies on every worker, all or nothing
+                host.driver = fan
             return DriverWorker(worker, self)
         return worker
 
@@ -256,7 +265,7 @@ class Runtime:
         except Exception:  # noqa: BLE001 - a key left behind costs bytes, not correctness
             pass
         self._refresh(statuses)
-        if op not in ("activate", "sleep"):  # those roll back first, then check
+        if op not in ("activate", "sleep", "copy"):  # those roll back / fail softly first
             self.check_errors(op, statuses)
         return statuses
 
@@ -517,6 +526,12 @@ class Runtime:
             return {"ok": bool(self.cache.move(payload))}
         if op == "status":
             return {}
+        if op == "copy":  # a host-tier offload or restore (.fanout)
+            from xllm_vmm.engine.distributed.fanout import run_copy
+
+            if self.regions is None:
+                raise DistributedError(f"worker rank {self.rank} has no host KV tier")
+            return run_copy(self.host_driver, self.regions, payload)
         if op == "sleep":
             return {"report": engine.sleep(int(payload))}
         if op == "wake":

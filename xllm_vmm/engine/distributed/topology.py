@@ -17,11 +17,11 @@ Two ways to start a world of ``W > 1``:
   given explicitly, else a free one; rank ``r`` on the ``r``-th listed device, or on device
   index + ``r``), and tears them down with itself.
 
-Supported: tensor parallelism over every worker, and MoE experts split over ``ep_size``
-expert-parallel groups (:mod:`.sharding`). Refused at start-up with the flag named:
-``dp_size > 1`` (and ``ep_size > 1`` with it), several devices listed for a process of a multi-process
-launch (one device per process there), and the host KV tier (``host_blocks_factor > 0``)
-across workers — :func:`xllm_vmm.config.parallel.serve_refusals`, the same predicates
+Supported: tensor parallelism over every worker, MoE experts split over ``ep_size``
+expert-parallel groups (:mod:`.sharding`), and the host KV tier (its copies on every worker:
+:mod:`.fanout`). Refused at start-up with the flag named:
+``dp_size > 1`` (and ``ep_size > 1`` with it), MTP speculative decoding, several devices
+listed for a process of a multi-process launch (one device per process there) — :func:`xllm_vmm.config.parallel.serve_refusals`, the same predicates
 ``check-config`` reports as the warning ``CFG-SERVE``.
 
 Engine-only options (``LLMEngine.from_flags`` / ``LLM``; not catalogue flags):
