@@ -50,6 +50,7 @@ setup(
     ext_modules=[
         _lib("libxllm_hostvmm", ["native/hostvmm.c"]),
         _lib("libascendcl_emu", ["native/acl_emu.c", "native/hostvmm.c"]),
+        _lib("libxllm_paged_attn", ["native/paged_attn.c"]),  # engine.attention.native_decode
     ],
     cmdclass={"build_ext": build_plain_shared_libs},
 )
