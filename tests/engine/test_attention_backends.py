@@ -68,7 +68,7 @@ def _step(stack, plan, g):
 
 
 @pytest.mark.parametrize("block_size", [16, 24])
-@pytest.mark.parametrize("kind", ["torch", "torch-per-sequence", "npu-standin"])
+@pytest.mark.parametrize("kind", ["torch", "torch-gather", "torch-per-sequence", "npu-standin"])
 def test_backend_matches_reference(model_dir, monkeypatch, block_size, kind):
     if kind == "npu-standin":
         if block_size == 24:
@@ -78,7 +78,8 @@ def test_backend_matches_reference(model_dir, monkeypatch, block_size, kind):
     stack = PagedStack(model_dir, block_size=block_size, shuffle_blocks=1500)
     try:
         cls = NpuPagedBackend if kind == "npu-standin" else backend_class("torch", "cpu")
-        kw = {"batch_decodes": False} if kind == "torch-per-sequence" else {}
+        kw = {"torch-per-sequence": {"batch_decodes": False},
+              "torch-gather": {"native_decode": False}}.get(kind, {})
         _check_against_reference(stack, cls, torch.Generator().manual_seed(block_size), **kw)
     finally:
         stack.close()

@@ -168,7 +168,20 @@ class RotaryEmbedding:
         self._cast: dict = {}
 
     def cos_sin(self, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
-        """``(T, 1, D)`` cos and sin of ``positions`` in ``dtype`` (broadcast over heads)."""
+        """``(T, 1, D)`` cos and sin of ``positions`` in ``dtype`` (broadcast over heads).
+
+        The last call's result is kept and returned again for the same ``positions`` tensor
+        object and dtype (every layer of a step passes the same one: one lookup per step)."""
+        last = self._last
+        if last is not None and last[0] is positions and last[1] == dtype:
+            return last[2]
+        res = self._lookup(positions, dtype)
+        self._last = (positions, dtype, res)
+        return res
+
+    _last: Any = None
+
+    def _lookup(self, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
         n = int(positions.max()) + 1 if positions.numel() else 1
         if n > self._cos.shape[0]:
             self._build(max(n, 2 * self._cos.shape[0]))
