@@ -35,3 +35,50 @@ def test_bench_engine_bad_options_exit_2(tmp_path, monkeypatch):
     assert r.exit_code == 2 and "--max-prompt" in r.stderr
     r = CliRunner().invoke(app, ["bench", "engine", "--batch-sizes", "a,b"])
     assert r.exit_code == 2 and "--batch-sizes" in r.stderr
+
+
+FAKE_VLLM = r'''
+import json, sys, time
+spec = json.load(open(sys.argv[-1]))
+print("not json: log noise", flush=True)
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    if line.strip() == "quit":
+        break
+    time.sleep(0.01)
+    outs = [[1] * spec["new_tokens"] for _ in spec["prompts"]]
+    print(json.dumps({"seconds": 0.5, "output_tokens": sum(map(len, outs)), "outputs": outs}),
+          flush=True)
+'''
+
+
+def _small(extra):
+    return ["bench", "engine", "--prompts", "2", "--min-prompt", "5", "--max-prompt", "9",
+            "--new-tokens", "2", "--batch-sizes", "1", "--equal-prompt", "4", "--hidden", "64",
+            "--layers", "1", "--repeats", "2", "--device-memory", "256MiB", "--format", "json",
+            *extra]
+
+
+def test_bench_engine_vllm_side_by_side_protocol(tmp_path, monkeypatch):
+    """A stand-in for the venv's Python speaking the runner's protocol: the ratios come from
+    its answers, every repeat; a missing venv is an exact error, the run still completes."""
+    import sys
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (tmp_path / "fake.py").write_text(FAKE_VLLM)
+    py = venv / "bin" / "python"
+    py.write_text(f"#!/bin/sh\nexec {sys.executable} {tmp_path / 'fake.py'} \"$@\"\n")
+    py.chmod(0o755)
+    r = CliRunner().invoke(app, _small(["--vllm-venv", str(venv)]))
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert "vllm_error" not in doc
+    assert doc["vllm_tokens_per_s_median"] == doc["vllm_tokens_per_s_min"] == 2 * 2 / 0.5
+    assert 0 < doc["vs_vllm_ratio_min"] <= doc["vs_vllm_ratio"]
+    assert 0 <= doc["vllm_greedy_match_fraction"] <= 1
+    r = CliRunner().invoke(app, _small(["--vllm-venv", str(tmp_path / "nowhere")]))
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert "no " in doc["vllm_error"] and doc["vs_vllm_ratio"] is None

@@ -18,6 +18,15 @@ in one run, on the same checkpoint and prompts.
   engine step (the page granularity's overhead; the target in elastic mode is ≤ 1.15).
 - ``greedy_match_fraction``: prompts whose engine tokens equal HF's (greedy; padding can flip
   a near-tie in HF, so this is a sanity figure, not a test).
+- ``vs_vllm_ratio`` (with ``vllm_venv``, a venv holding vLLM's CPU build,
+  ``shared/tools/vllm-cpu-venv.sh``): vLLM's ``LLM.generate`` in a subprocess of that venv's
+  Python (:mod:`xllm_vmm.bench.vllm_runner`; same checkpoint, same prompt token ids, greedy,
+  ``ignore_eos``, as many threads as torch here), built once before the trace runs and then run
+  in turn with the engine and HF in every repeat; the ratio is vLLM's seconds over the engine's
+  per repeat (median; ``_min`` the least; above 1 = the engine is faster). Also
+  ``vllm_tokens_per_s_min/_median``, ``vllm_startup_s`` (its start-up, compilation included)
+  and ``vllm_greedy_match_fraction`` (prompts whose vLLM tokens equal the engine's). When vLLM
+  cannot run, ``vllm_error`` holds its exact error and the ratio is None.
 
 The default model is built locally (transformers, seeded init): a Llama of ``layers`` layers,
 ``hidden`` hidden size (heads of 64, half as many KV heads), vocabulary 2,048, in ``dtype``,
@@ -124,9 +133,10 @@ def _stats(xs: Sequence[float]) -> tuple[float, float]:
 def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
         max_prompt: int = 512, new_tokens: int = 128, hf_batch: int = 32,
         batch_sizes: Sequence[int] = (1, 8, 32), equal_prompt: int = 128, repeats: int = 2,
-        layers: int = 4, hidden: int = 512, dtype: str = "float32", seed: int = 0,
+        layers: int = 4, hidden: int = 512, dtype: str = "bfloat16", seed: int = 0,
         elastic: bool = True, block_size: int = 16, device_memory: str = "4GiB",
-        threads: int | None = None) -> dict[str, Any]:
+        threads: int | None = None, vllm_venv: str | None = None,
+        vllm_timeout_s: float = 900.0) -> dict[str, Any]:
     """Run the benchmark (module docstring); returns a flat dict of results."""
     for name, v, lo in (("prompts", prompts, 1), ("min_prompt", min_prompt, 1),
                         ("new_tokens", new_tokens, 1), ("hf_batch", hf_batch, 1),
@@ -162,6 +172,15 @@ def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
         "prompt_tokens_max": max(len(p) for p in trace), "new_tokens": new_tokens,
         "hf_batch": hf_batch, "repeats": repeats, "mode": "elastic" if elastic else "fixed",
     }
+    vllm = None
+    if vllm_venv:
+        t0 = time.perf_counter()
+        vllm = VllmRunner(vllm_venv, mdir, dtype, trace, new_tokens, longest + 1,
+                          threads=torch.get_num_threads(), timeout_s=vllm_timeout_s)
+        out["vllm_startup_s"] = time.perf_counter() - t0
+        if vllm.error:
+            out["vllm_error"] = vllm.error
+            vllm = None
     with LLM(str(mdir), **flags) as llm:
         _engine_generate(llm, trace[:2], 2)  # warm-up (both sides)
         _hf_generate(hf, trace[:2], 2, 2)
@@ -170,6 +189,8 @@ def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
         tpot: list[float] = []
         peaks = {"mapped": 0, "live": 0}
         matched = 0
+        v_tps: list[float] = []
+        v_ratios: list[float] = []
         for r in range(repeats):
             dt, outs, pk = _engine_generate(llm, trace, new_tokens, sample_kv=(r == 0))
             hdt, houts = _hf_generate(hf, trace, new_tokens, hf_batch)
@@ -177,6 +198,19 @@ def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
             eng_tps.append(n_out / dt)
             hf_tps.append(n_out / hdt)
             ratios.append(hdt / dt)
+            if vllm is not None:
+                got = vllm.run()
+                if "error" in got:
+                    out["vllm_error"] = got["error"]
+                    vllm.close()
+                    vllm = None
+                else:
+                    v_tps.append(got["output_tokens"] / got["seconds"])
+                    v_ratios.append(got["seconds"] / dt)
+                    if r == 0:
+                        out["vllm_greedy_match_fraction"] = sum(
+                            o.outputs[0].token_ids == v for o, v in zip(outs, got["outputs"])
+                        ) / prompts
             if r == 0:
                 peaks = pk
                 matched = sum(o.outputs[0].token_ids == h for o, h in zip(outs, houts))
@@ -189,6 +223,11 @@ def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
         out["engine_tokens_per_s_min"], out["engine_tokens_per_s_median"] = _stats(eng_tps)
         out["hf_tokens_per_s_min"], out["hf_tokens_per_s_median"] = _stats(hf_tps)
         out["vs_hf_generate_ratio_min"], out["vs_hf_generate_ratio"] = _stats(ratios)
+        if vllm_venv:
+            out["vllm_tokens_per_s_min"], out["vllm_tokens_per_s_median"] = (
+                _stats(v_tps) if v_tps else (None, None))
+            out["vs_vllm_ratio_min"], out["vs_vllm_ratio"] = (
+                _stats(v_ratios) if v_ratios else (None, None))
         out["ttft_s_min"], out["ttft_s_median"] = _stats(ttft)
         out["tpot_s_min"], out["tpot_s_median"] = _stats(tpot)
         out["greedy_match_fraction"] = matched / prompts
@@ -204,7 +243,104 @@ def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
         st = llm.llm_engine.stats()
         out["preemptions"] = st["num_preemptions"]
         out["execution_peak_bytes_observed"] = st["observed_execution_peak_bytes"]
+    if vllm is not None:
+        vllm.close()
     return out
 
 
-__all__ = ["bench_model_dir", "run"]
+class VllmRunner:
+    """vLLM's ``LLM`` in a subprocess of ``venv``'s Python (:mod:`.vllm_runner` protocol).
+
+    Construction starts it and waits until it is ready (at most ``timeout_s``: its first start
+    compiles the model); ``error`` is then None or the exact error (its last stderr lines when it
+    died without one). ``run()`` generates the whole trace once; ``close()`` ends it."""
+
+    def __init__(self, venv: str, model_dir: Path, dtype: str, prompts: Sequence[Sequence[int]],
+                 new_tokens: int, max_model_len: int, *, threads: int, timeout_s: float) -> None:
+        import json
+        import subprocess
+        import tempfile
+
+        self.error: str | None = None
+        self.proc = None
+        self.timeout_s = timeout_s
+        py = Path(venv).expanduser() / "bin" / "python"
+        if not py.is_file():
+            self.error = f"--vllm-venv {venv}: no {py} (build it with shared/tools/vllm-cpu-venv.sh)"
+            return
+        self._spec = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+        json.dump({"model": str(model_dir), "dtype": dtype, "prompts": [list(p) for p in prompts],
+                   "new_tokens": new_tokens, "kv_space_gib": 2, "max_model_len": max_model_len},
+                  self._spec)
+        self._spec.close()
+        self._err = tempfile.TemporaryFile("w+")
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_TARGET_DEVICE="cpu")
+        env.pop("PYTHONPATH", None)
+        self.proc = subprocess.Popen([str(py), str(Path(__file__).with_name("vllm_runner.py")),
+                                      self._spec.name], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._err, text=True, env=env)
+        got = self._read()
+        if "error" in got:
+            self.error = got["error"]
+            self.close()
+
+    def _read(self) -> dict[str, Any]:
+        import json
+        import select
+
+        assert self.proc is not None and self.proc.stdout is not None
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return {"error": f"vLLM did not answer within {self.timeout_s:.0f} s"}
+            ready, _, _ = select.select([self.proc.stdout], [], [], min(left, 5.0))
+            if not ready:
+                if self.proc.poll() is not None:
+                    return {"error": self._died()}
+                continue
+            line = self.proc.stdout.readline()
+            if not line:
+                return {"error": self._died()}
+            line = line.strip()
+            if line.startswith("{"):
+                try:
+                    return json.loads(line)
+                except ValueError:
+                    continue
+
+    def _died(self) -> str:
+        self.proc.wait(timeout=30)
+        self._err.seek(0)
+        tail = [ln for ln in self._err.read().splitlines() if ln.strip()][-3:]
+        return f"vLLM exited with code {self.proc.returncode}: " + " | ".join(tail)
+
+    def run(self) -> dict[str, Any]:
+        assert self.proc is not None and self.proc.stdin is not None
+        try:
+            self.proc.stdin.write("run\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            return {"error": self._died()}
+        return self._read()
+
+    def close(self) -> None:
+        p, self.proc = self.proc, None
+        if p is not None:
+            try:
+                if p.poll() is None:
+                    p.stdin.write("quit\n")
+                    p.stdin.close()
+                    p.wait(timeout=60)
+            except Exception:  # noqa: BLE001 - it is going away either way
+                p.kill()
+                p.wait()
+        spec = getattr(self, "_spec", None)
+        if spec is not None:
+            try:
+                os.unlink(spec.name)
+            except OSError:
+                pass
+
+
+__all__ = ["VllmRunner", "bench_model_dir", "run"]

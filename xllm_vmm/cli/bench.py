@@ -429,12 +429,15 @@ def bench_engine(
     repeats: int = typer.Option(2, help="Alternating engine/HF runs of the trace (1 to 100)."),
     layers: int = typer.Option(4, help="Layers of the built model (1 to 64)."),
     hidden: int = typer.Option(512, help="Hidden size of the built model (64 to 8192)."),
-    dtype: str = typer.Option("float32", help="float32 or bfloat16."),
+    dtype: str = typer.Option("bfloat16", help="float32 or bfloat16."),
     elastic: bool = typer.Option(True, "--elastic/--fixed", help="Elastic or fixed VMM pool."),
     block_size: int = typer.Option(16, help="Tokens per KV block."),
     device_memory: str = typer.Option("4GiB", help="Emulated device memory the engine sizes for."),
     threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's)."),
     seed: int = typer.Option(0, help="Seed of the trace."),
+    vllm_venv: Optional[str] = typer.Option(None, "--vllm-venv", help="A venv with vLLM's CPU "
+                                            "build: its LLM.generate runs side by side "
+                                            "(vs_vllm_ratio)."),
     fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
 ) -> None:
     from xllm_vmm.bench import engine as engine_bench
@@ -457,7 +460,7 @@ def bench_engine(
             new_tokens=new_tokens, hf_batch=hf_batch, batch_sizes=sizes,
             equal_prompt=equal_prompt, repeats=repeats, layers=layers, hidden=hidden,
             dtype=dtype, seed=seed, elastic=elastic, block_size=block_size,
-            device_memory=device_memory, threads=threads))
+            device_memory=device_memory, threads=threads, vllm_venv=vllm_venv))
     except ConfigError as exc:
         raise _fail(2, f"bench engine: {exc}") from None
     emit("bench engine (output tokens/s)", results, fmt)
