@@ -141,7 +141,8 @@ def serve_refusals(cfg: Any, p: Parallel | None = None) -> list[tuple[str, str, 
     if p.dp > 1:
         out.append(("dp_size", f"dp_size={p.dp}: data parallelism across workers is not "
                     "supported by xllm-vmm serve (every worker is one tensor-parallel rank; "
-                    f"{p.world} workers)",
+                    f"{p.world} workers): it needs one scheduler and block-table space per "
+                    "data-parallel group and a front that routes requests between the groups",
                     "remove dp_size (tensor parallel over all nnodes x devices workers), or "
                     "run one service per data-parallel group"))
     if p.ep > 1 and p.dp > 1:

@@ -68,8 +68,12 @@ def runtime_for(cfg: Any, opts: dict[str, Any], *, model_dir: str, kind: str,
     if topo is None:
         return None
     if fork:
-        raise DistributedError("fork is not supported across several workers yet",
-                               hint="fork a single-worker engine (nnodes=1)")
+        raise DistributedError(
+            "fork is not supported across several workers: a fork is a second engine over the "
+            "same weight pages, and across workers every worker would fork its own shard and "
+            "the two engines would need a second command channel and process group between "
+            "the same processes, which this runtime does not have",
+            hint="fork a single-worker engine (nnodes=1)")
     return Runtime.start(topo, cfg, opts, model_dir=model_dir, kind=kind, index=index)
 
 
