@@ -25,6 +25,7 @@ def test_bench_engine_smoke(tmp_path, monkeypatch):
     assert doc["vs_hf_generate_ratio_min"] <= doc["vs_hf_generate_ratio"]
     assert doc["peak_live_kv_bytes"] > 0
     assert doc["peak_mapped_kv_bytes"] >= doc["peak_live_kv_bytes"]
+    assert doc["peak_mapped_over_packed_floor"] >= 1 and doc["kv_slot_bytes"] > 0
     assert 5 <= doc["prompt_tokens_min"] <= doc["prompt_tokens_max"] <= 20
     assert 0 <= doc["greedy_match_fraction"] <= 1
 

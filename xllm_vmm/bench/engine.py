@@ -16,6 +16,11 @@ in one run, on the same checkpoint and prompts.
 - ``peak_mapped_over_live_kv``: the largest KV bytes the pool had mapped during the trace run
   over the largest KV bytes live blocks held (blocks × block bytes), sampled after every
   engine step (the page granularity's overhead; the target in elastic mode is ≤ 1.15).
+  ``peak_mapped_over_packed_floor``: the same peak over the largest *packed floor* (live +
+  cached blocks rounded up to whole slots per group — the least any page-based allocator could
+  map for them): above 1 is fragmentation (free blocks inside mapped slots), the rest of
+  ``peak_mapped_over_live_kv`` is the slot granularity (``kv_slot_bytes``: one page of every
+  K/V tensor of a group), which weighs most on a small cache.
 - ``greedy_match_fraction``: prompts whose engine tokens equal HF's (greedy; padding can flip
   a near-tie in HF, so this is a sanity figure, not a test).
 - ``vs_vllm_ratio`` (with ``vllm_venv``, a venv holding vLLM's CPU build,
@@ -105,7 +110,7 @@ def _engine_generate(llm: Any, prompts: Sequence[Sequence[int]], new_tokens: int
     from xllm_vmm.engine.sampling_params import SamplingParams
 
     sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
-    peaks = {"mapped": 0, "live": 0}
+    peaks = {"mapped": 0, "live": 0, "floor": 0}
     hook = None
     if sample_kv:
         cache = llm.llm_engine.kv_cache_manager.cache
@@ -116,6 +121,7 @@ def _engine_generate(llm: Any, prompts: Sequence[Sequence[int]], new_tokens: int
             peaks["mapped"] = max(peaks["mapped"], cache.active_bytes())
             peaks["live"] = max(peaks["live"], sum(alloc.num_live_blocks(g) * b
                                                    for g, b in block_bytes.items()))
+            peaks["floor"] = max(peaks["floor"], cache.packed_floor_bytes())
     llm._step_hook = hook
     try:
         t0 = time.perf_counter()
@@ -187,7 +193,7 @@ def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
         eng_tps, hf_tps, ratios = [], [], []
         ttft: list[float] = []
         tpot: list[float] = []
-        peaks = {"mapped": 0, "live": 0}
+        peaks = {"mapped": 0, "live": 0, "floor": 0}
         matched = 0
         v_tps: list[float] = []
         v_ratios: list[float] = []
@@ -234,6 +240,10 @@ def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
         out["peak_mapped_kv_bytes"] = peaks["mapped"]
         out["peak_live_kv_bytes"] = peaks["live"]
         out["peak_mapped_over_live_kv"] = (peaks["mapped"] / peaks["live"]) if peaks["live"] else None
+        out["peak_mapped_over_packed_floor"] = (peaks["mapped"] / peaks["floor"]
+                                                if peaks["floor"] else None)
+        cache = llm.llm_engine.kv_cache_manager.cache
+        out["kv_slot_bytes"] = max(geo.slot_bytes for geo in cache.geometry.values())
         for b in batch_sizes:
             eq = _trace(b, equal_prompt, equal_prompt, seed + b, vocab)
             dt, _, _ = _engine_generate(llm, eq, new_tokens)
