@@ -9,6 +9,10 @@ median). The top-level fields are those of the first backing measured (``backing
 (``hugetlb_light_sleep_ms_per_gib``, ``off_wakeup_vs_memcpy_ratio``, ...), and a backing the
 machine could not give is ``<name>_backing = "unavailable: <why>"``.
 
+- ``huge_page_fraction`` (host driver): the share of the loaded weights' pages this process
+  maps with 2 MiB pages (``ShmemPmdMapped`` + hugetlb in ``/proc/self/smaps_rollup``): 1 for
+  hugetlb, what the kernel found for THP (it falls back to 4 KiB pages when memory is
+  fragmented), 0 for 4 KiB pages.
 - ``load_seconds``: ``load_weights`` into the pool — read the files into the host copy, map the
   region, copy host-to-device — with the files' page cache dropped first
   (``posix_fadvise(DONTNEED)``; ``page_cache_dropped`` says whether ``mincore`` then found the
@@ -63,6 +67,7 @@ import gc
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 import zlib
@@ -201,7 +206,7 @@ _SLEEP_FIELDS = ("sync", "unmap", "release", "other")
 _WAKE_FIELDS = ("commit", "map", "copy", "other")
 #: the fields repeated under each backing's name
 _PER_BACKING = (
-    "backing", "setting", "light_sleep_ms_per_gib", "light_sleep_seconds",
+    "backing", "setting", "huge_page_fraction", "light_sleep_ms_per_gib", "light_sleep_seconds",
     "light_sleep_unmap_seconds", "light_sleep_release_seconds", "sleep_released_fraction",
     "wakeup_seconds", "wakeup_commit_seconds", "wakeup_map_seconds", "wakeup_copy_seconds",
     "memcpy_seconds", "wakeup_vs_memcpy_ratio", "wakeup_vs_reload_ratio", "load_seconds",
@@ -236,6 +241,19 @@ def _summary(values: list[float]) -> tuple[float, float]:
 def _held_host_memory() -> int:
     """This process's shmem and hugetlb pages (bytes): where host driver handles live."""
     return _status("RssShmem") + _status("HugetlbPages")
+
+
+def _huge_mapped_bytes() -> int:
+    """Bytes this process maps with 2 MiB pages of shmem (THP) or hugetlb (``smaps_rollup``)."""
+    total = 0
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith(("ShmemPmdMapped:", "Shared_Hugetlb:", "Private_Hugetlb:")):
+                    total += int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return total
 
 
 def _best(reports: list) -> Any:
@@ -323,6 +341,7 @@ def measure(driver, model: Path, *, repeats: int, cycles: int, kv_bytes: int = 0
                 gc.collect()
         want = _digest(w)
         device_bytes = w.device_bytes
+        huge = min(1.0, _huge_mapped_bytes() / device_bytes) if host else None
         sleeps, wakes, fractions, copies = [], [], [], []
         for _ in range(repeats):
             copies.append(_memcpy_seconds(w, driver))
@@ -408,6 +427,7 @@ def measure(driver, model: Path, *, repeats: int, cycles: int, kv_bytes: int = 0
     out: dict[str, Any] = {
         "driver": driver.name,
         "backing": getattr(driver, "hugepages", "device"),
+        **({"huge_page_fraction": huge} if huge is not None else {}),
         "weight_bytes": nbytes,
         "device_bytes": device_bytes,
         "tensors": len(ckpt.entries),
@@ -490,30 +510,50 @@ def run(driver, *, size_bytes: int = _GiB, shards: int = 4, dtype: str = "bf16",
 
 @contextlib.contextmanager
 def _backing_allowed(mode: str, need_bytes: int) -> Iterator[str]:
-    """Makes the machine allow ``mode`` for the ``with`` block when it does not yet (root:
-    :mod:`xllm_vmm.vmm.hugepages`' shared-lock settings, restored after); yields what was
-    changed (``""`` for nothing). Raises ``hugepages.SettingUnavailable`` with the reason when
-    the machine cannot give the backing."""
+    """Makes the machine allow ``mode`` for the ``with`` block and keeps it so: as root, under
+    :mod:`xllm_vmm.vmm.hugepages`' machine-wide settings lock held for the whole block (a test
+    or bench that enabled the setting for itself cannot restore it under this measurement),
+    raising ``vm.nr_hugepages`` by what is missing / setting ``shmem_enabled=advise`` when
+    off, and restoring after. Yields what was changed (``""`` for nothing). Raises
+    ``hugepages.SettingUnavailable`` with the reason when the machine cannot give the
+    backing; without root a backing already allowed is used as it is."""
     from xllm_vmm.vmm import hugepages as hp
 
+    if mode not in ("hugetlb", "thp"):
+        yield ""
+        return
+    changed: list = []
     if mode == "hugetlb":
-        free = hp.hugetlb_memory().free
-        if free >= need_bytes:
-            yield ""
-            return
-        extra = -(-(need_bytes - free) // hp.HUGE_PAGE)
-        with hp.extra_hugetlb_pages(extra) as pages:
-            if pages * hp.HUGE_PAGE < need_bytes:
+        need = -(-need_bytes // hp.HUGE_PAGE)
+
+        def raised(old: str) -> str:  # read under the lock
+            changed.append(max(0, need - hp.hugetlb_memory().free // hp.HUGE_PAGE))
+            return str(int(old or 0) + changed[0])
+
+        setting = hp.machine_setting(  # restored relatively, like extra_hugetlb_pages
+            hp.NR_HUGEPAGES, raised, lambda old, cur: str(max(int(old or 0),
+                                                              int(cur or 0) - changed[0])))
+        allowed = lambda: hp.hugetlb_memory().free >= need_bytes  # noqa: E731
+    else:
+        setting = hp.machine_setting(
+            hp.SHMEM_ENABLED,
+            lambda old: old if old in hp.THP_SHMEM_ALLOWING else changed.append(old) or "advise")
+        allowed = hp.thp_shmem_allowed
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(setting)
+        except hp.SettingUnavailable:
+            if not allowed():  # not root: usable only as the machine already is
+                raise
+        if mode == "hugetlb":
+            pages = hp.hugetlb_memory().free // hp.HUGE_PAGE
+            if pages < need:
                 raise hp.SettingUnavailable(
-                    f"the kernel found {pages} free 2 MiB huge pages of the "
-                    f"{need_bytes // hp.HUGE_PAGE} the pool needs (memory fragmented?)")
-            yield f"vm.nr_hugepages +{extra} for this measurement"
-        return
-    if mode == "thp" and not hp.thp_shmem_allowed():
-        with hp.shmem_thp_advise() as old:
-            yield f"shmem_enabled {old} -> advise for this measurement"
-        return
-    yield ""
+                    f"the kernel found {pages} free 2 MiB huge pages of the {need} the pool "
+                    "needs (memory fragmented?)")
+            yield f"vm.nr_hugepages +{changed[0]} for this measurement" if changed and changed[0] else ""
+        else:
+            yield f"shmem_enabled {changed[0]} -> advise for this measurement" if changed else ""
 
 
 def run_host(backings: tuple[str, ...] = ("hugetlb", "thp", "off"), *, size_bytes: int = _GiB,
