@@ -128,7 +128,7 @@ def backing_enabled(kind: str):
     """Makes the machine allow ``kind``'s huge-page backing for the ``with`` block:
     ``host-hugetlb`` raises ``vm.nr_hugepages`` by :data:`TEST_HUGE_PAGES`, ``host-thp`` sets
     shmem_enabled=advise when it is off — root only, under the lock shared by every process
-    changing these settings, restored after (:mod:`xllm_vmm.vmm.hugepages`); skipped with the
+    changing these settings (held for the whole block), restored after (:mod:`xllm_vmm.vmm.hugepages`); skipped with the
     reason where that cannot be done. Other kinds need nothing."""
     from xllm_vmm.vmm import hugepages as hp
 
@@ -140,9 +140,21 @@ def backing_enabled(kind: str):
                                 f"{TEST_HUGE_PAGES} asked for")
                 yield
             return
-        if kind == "host-thp" and not hp.thp_shmem_allowed():
-            with hp.shmem_thp_advise():
+        if kind == "host-thp":  # held under the lock even when on: nobody turns it off meanwhile
+            try:
+                setting = hp.machine_setting(
+                    hp.SHMEM_ENABLED,
+                    lambda old: old if old in hp.THP_SHMEM_ALLOWING else "advise")
+                setting.__enter__()
+            except hp.SettingUnavailable:
+                if not hp.thp_shmem_allowed():
+                    raise
+                setting = None  # not root: as the machine is
+            try:
                 yield
+            finally:
+                if setting is not None:
+                    setting.__exit__(None, None, None)
             return
     except hp.SettingUnavailable as exc:
         pytest.skip(f"{kind}: {exc}")
