@@ -11,13 +11,24 @@ tokenization or detokenization, no output thread, no other thread competing for 
 interpreter lock. TTFT is arrival → the step that returned the first token; TPOT and ITL as
 ``drive`` computes them (per step that returned tokens).
 
+OpenMP's wait policy: run this way on the loaded 2-vCPU machine, the replay's steps were 5-13x
+slower than the same steps inside ``serve`` (510 vs 38 ms mean at load ~8; 1,382 ms with two
+intra-op threads vs 73 ms with one at load ~15), and 53 ms with ``OMP_WAIT_POLICY=PASSIVE``
+(the OpenMP workers sleep instead of spinning between parallel regions), while ``serve``'s own
+steps did not change with that setting (56-67 vs 67-69 ms, two runs each). So that the two
+measure the same engine, :func:`replay` sets ``OMP_WAIT_POLICY=PASSIVE`` when torch is not
+imported yet and the variable is unset, and reports it as ``omp_wait_policy``.
+
 Figures: ``drive``'s names where they apply (``output_throughput``, ``request_throughput``,
 ``ttft_ms_*``, ``tpot_ms_*``, ``itl_ms_*``, ``completed``, ``failures``, ``engine_steps``,
-``engine_step_ms_mean``, ``engine_busy_fraction``, ``duration_s``), ``mode: "engine-only"``.
+``engine_step_ms_mean``, ``engine_busy_fraction``, ``duration_s``), ``mode: "engine-only"``,
+``omp_wait_policy``.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from typing import Any, Optional
 
@@ -58,15 +69,19 @@ def engine_args(serve_args: list[str]) -> tuple[Optional[str], list[str], dict[s
 def replay(cfg: LoadConfig, serve_args: list[str]) -> dict:
     """Run the load on an engine built from ``serve_args``; the figures of the module
     docstring."""
+    if "torch" not in sys.modules:  # read once, when torch's OpenMP runtime loads
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from xllm_vmm.engine import LLMEngine, SamplingParams
 
     cfg.check()
     model, flags, options = engine_args(serve_args)
     engine = LLMEngine.from_args(model, flags, **options)
     try:
-        return _run(engine, cfg, SamplingParams)
+        out = _run(engine, cfg, SamplingParams)
     finally:
         engine.shutdown()
+    out["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
+    return out
 
 
 def _run(engine, cfg: LoadConfig, sampling_params) -> dict:
