@@ -34,6 +34,8 @@ TARGETS: dict[str, tuple[str, float]] = {
     "bytes_freed_per_eviction_ratio": (">", 1.0), "wakeup_vs_reload_ratio": ("<=", 0.5),
     "sleep_released_fraction": (">=", 0.99), "fork_extra_weight_bytes": ("<=", 0),
     "cycle_growth_bytes": ("<=", 0), "light_sleep_ms_per_gib": ("<=", 10.0),
+    "vs_vllm_throughput_ratio": (">=", 1.0), "vs_vllm_ttft_ratio": ("<=", 1.0),
+    "vs_vllm_tpot_ratio": ("<=", 1.0),
 }
 
 #: Units by field-name ending (the longest ending that matches wins).
