@@ -233,6 +233,24 @@ static uint64_t handle_slot(hv_pool *p, uint64_t handle) {
 
 static void retry_stuck(hv_pool *p);
 
+/* fallocate, restarted when a signal interrupts it (hugetlbfs and shmem return EINTR while a
+ * signal is pending, e.g. a profiler's timer or SIGCHLD under load; nothing is half done then). */
+static int fallocate_eintr(int fd, int mode, off_t off, off_t len) {
+    int rc;
+    do rc = fallocate(fd, mode, off, len);
+    while (rc != 0 && errno == EINTR);
+    return rc;
+}
+
+/* MADV_POPULATE_WRITE, restarted on EINTR (it returns it with a signal pending; the pages it
+ * populated stay populated, so the restart only does the rest). */
+static int populate_write_eintr(void *at, size_t size) {
+    int rc;
+    do rc = madvise(at, size, MADV_POPULATE_WRITE);
+    while (rc != 0 && errno == EINTR);
+    return rc;
+}
+
 /* Commits [off, off+size) of the memfd; -1 with errno on failure (what was committed may be
  * left: the caller punches the range). 4 KiB pages and hugetlb: fallocate (hugetlbfs allocates
  * and zeroes whole huge pages). Shmem THP: fallocate allocates no huge pages when
@@ -240,7 +258,7 @@ static void retry_stuck(hv_pool *p);
  * scratch address with MADV_HUGEPAGE and written with MADV_POPULATE_WRITE (Linux >= 5.14),
  * which allocates (and zeroes) 2 MiB folios where the kernel can, 4 KiB pages otherwise. */
 static int commit_range(hv_pool *p, uint64_t off, uint64_t size) {
-    if (p->backing != HV_BACKING_THP) return fallocate(p->fd, 0, (off_t)off, (off_t)size);
+    if (p->backing != HV_BACKING_THP) return fallocate_eintr(p->fd, 0, (off_t)off, (off_t)size);
     struct stat st;
     if (fstat(p->fd, &st) != 0) return -1;
     if ((uint64_t)st.st_size < off + size && ftruncate(p->fd, (off_t)(off + size)) != 0) return -1;
@@ -252,7 +270,7 @@ static int commit_range(hv_pool *p, uint64_t off, uint64_t size) {
     if (mmap((void *)at, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, p->fd, (off_t)off) ==
             MAP_FAILED ||
         madvise((void *)at, size, MADV_HUGEPAGE) != 0 ||
-        madvise((void *)at, size, MADV_POPULATE_WRITE) != 0) {
+        populate_write_eintr((void *)at, size) != 0) {
         e = errno == EFAULT || errno == EHWPOISON ? ENOMEM : errno; /* a failed populate fault */
         rc = -1;
     }
@@ -296,7 +314,7 @@ int hv_create(hv_pool *p, uint64_t size, uint64_t *handle_out) {
     if (commit_range(p, slot * p->granule, size) != 0) {
         int e = errno;
         /* undo whatever fallocate managed to commit */
-        fallocate(p->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)(slot * p->granule),
+        fallocate_eintr(p->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)(slot * p->granule),
                   (off_t)size);
         if (e == ENOSPC || e == ENOMEM || e == EFBIG)
             rc = fail(ENOMEM, "out of host memory: fallocate of %llu bytes failed: %s",
@@ -329,7 +347,7 @@ out:
 static int release_slot(hv_pool *p, uint64_t slot) {
     uint64_t pages = p->hpages[slot];
     uint64_t size = pages * p->granule;
-    if (fallocate(p->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)(slot * p->granule),
+    if (fallocate_eintr(p->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)(slot * p->granule),
                   (off_t)size) != 0) {
         int e = errno;
         return fail(e, "punching a hole of %llu bytes failed: %s", (unsigned long long)size,
@@ -818,7 +836,7 @@ int hv_unmap_batch(hv_pool *p, const uint64_t *vas, uint64_t n, uint64_t *failed
     uint64_t i = 0;
     char saved[sizeof hv_err];
     for (; i < n; i++) {
-        uint64_t *e;
+        uint64_t *e = NULL;
         rc = check_unmap_locked(p, vas[i], &e);
         if (rc) break;
         *e |= HV_CLAIM_BIT;
