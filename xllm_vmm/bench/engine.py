@@ -33,6 +33,14 @@ in one run, on the same checkpoint and prompts.
   and ``vllm_greedy_match_fraction`` (prompts whose vLLM tokens equal the engine's). When vLLM
   cannot run, ``vllm_error`` holds its exact error and the ratio is None.
 
+Threads: unless ``OMP_WAIT_POLICY`` is already set, the bench sets it to ``PASSIVE`` before
+torch loads (its OpenMP threads then sleep at a barrier instead of spinning): on this shared
+2-core machine under load, torch's 2 spinning threads made ``LLM.generate`` of 48 prompts × 64
+tokens run at 46 tok/s against 450-959 with ``PASSIVE`` (and 620 with one thread), and HF
+``generate`` in the same process collapses the same way. ``omp_wait_policy`` in the output says
+what was in effect (``"unknown"`` when torch was loaded before the bench started); the vLLM
+subprocess inherits it.
+
 The default model is built locally (transformers, seeded init): a Llama of ``layers`` layers,
 ``hidden`` hidden size (heads of 64, half as many KV heads), vocabulary 2,048, in ``dtype``,
 cached under the user's cache dir; ``model`` uses a local directory instead (it needs a
@@ -155,6 +163,12 @@ def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
         raise ValueError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
     if any(b < 1 for b in batch_sizes):
         raise ValueError(f"--batch-sizes must be positive, got {list(batch_sizes)}")
+    import sys
+
+    if "torch" in sys.modules:
+        policy = "unknown"  # OpenMP read its environment when torch loaded
+    else:
+        policy = os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
     import transformers
 
@@ -177,6 +191,7 @@ def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
         "prompt_tokens_min": min(len(p) for p in trace),
         "prompt_tokens_max": max(len(p) for p in trace), "new_tokens": new_tokens,
         "hf_batch": hf_batch, "repeats": repeats, "mode": "elastic" if elastic else "fixed",
+        "omp_wait_policy": policy,
     }
     vllm = None
     if vllm_venv:
