@@ -362,3 +362,24 @@ def test_refused_at_engine_start(pair, tmp_path):
         with pytest.raises(ConfigError) as e:
             make(target, **flags)
         assert needle in str(e.value), (flags, str(e.value))
+
+
+def test_sleep_wake_and_fork_keep_speculating(pair):
+    """Weights in the pool: light and deep sleep release the KV cache of both groups, the
+    output after wake-up is the same; a fork gets its own draft and counters."""
+    target, draft, _ = pair
+    llm = make(target, draft, enable_vmm_kvcache=True, vmm_elastic=True,
+               enable_vmm_weights=True, enable_prefix_cache=True)
+    eng = llm.llm_engine
+    prompts = [C.random_prompt(n, 2) for n in (5, 20, 40)]
+    try:
+        first = run(llm, prompts, GREEDY)
+        for level in (1, 2):
+            eng.sleep(level)
+            eng.wake_up()
+            assert run(llm, prompts, GREEDY) == first, level
+        child = eng.fork()
+        assert child.stats()["spec_decode"]["num_drafts"] == 0
+        assert eng.stats()["spec_decode"]["num_drafts"] > 0
+    finally:
+        eng.shutdown()
