@@ -115,3 +115,15 @@ def test_bad_prompt_logprobs_name_the_parameter():
         with pytest.raises(RequestError) as e:
             SamplingParams(prompt_logprobs=bad)
         assert e.value.param == "prompt_logprobs"
+
+
+def test_read_only_step_refuses_chunks_with_an_offset(llama):
+    from xllm_vmm.engine.step import SeqChunk, StepInput
+
+    d, _ = llama
+    with make(d) as llm:
+        worker = llm.llm_engine.worker
+        step = StepInput.build([SeqChunk("x", [5, 6], 16, {"attn": [0, 1]}, True)], BS)
+        step.write_kv = False
+        with pytest.raises(ValueError, match="read-only"):
+            worker.execute(step)

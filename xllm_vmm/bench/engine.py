@@ -304,28 +304,40 @@ class VllmRunner:
         self.proc = subprocess.Popen([str(py), str(Path(__file__).with_name("vllm_runner.py")),
                                       self._spec.name], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._err, text=True, env=env)
+        import queue
+        import threading
+
+        # a reader thread, not select() on the buffered pipe: lines already buffered by one
+        # readline would be invisible to select and the wait would run to the timeout
+        self._lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._pump, args=(self.proc.stdout, self._lines),
+                         daemon=True).start()
         got = self._read()
         if "error" in got:
             self.error = got["error"]
             self.close()
 
+    @staticmethod
+    def _pump(stream: Any, lines: Any) -> None:
+        for line in stream:
+            lines.put(line)
+        lines.put(None)  # EOF
+
     def _read(self) -> dict[str, Any]:
         import json
-        import select
+        import queue
 
-        assert self.proc is not None and self.proc.stdout is not None
+        assert self.proc is not None
         deadline = time.monotonic() + self.timeout_s
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 return {"error": f"vLLM did not answer within {self.timeout_s:.0f} s"}
-            ready, _, _ = select.select([self.proc.stdout], [], [], min(left, 5.0))
-            if not ready:
-                if self.proc.poll() is not None:
-                    return {"error": self._died()}
+            try:
+                line = self._lines.get(timeout=min(left, 5.0))
+            except queue.Empty:
                 continue
-            line = self.proc.stdout.readline()
-            if not line:
+            if line is None:
                 return {"error": self._died()}
             line = line.strip()
             if line.startswith("{"):
