@@ -383,3 +383,27 @@ def test_sleep_wake_and_fork_keep_speculating(pair):
         assert eng.stats()["spec_decode"]["num_drafts"] > 0
     finally:
         eng.shutdown()
+
+
+def test_prompt_logprobs_with_speculation_equal_the_plain_engine(pair):
+    """prompt_logprobs are gathered on the speculative step path too (chunked prefill beside
+    verify chunks): the same positions, token ids and values as the engine without a draft."""
+    target, draft, _ = pair
+    prompts = [C.random_prompt(n, 5) for n in (9, 30)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    got = {}
+    for key, d in (("spec", draft), ("plain", None)):
+        llm = make(target, d, enable_prefix_cache=False, max_tokens_per_batch=24)
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        finally:
+            llm.llm_engine.shutdown()
+        got[key] = [o.prompt_logprobs for o in outs]
+    for p, spec_lps, plain_lps in zip(prompts, got["spec"], got["plain"]):
+        assert spec_lps is not None and len(spec_lps) == len(p)
+        assert spec_lps[0] is None
+        for pos in range(1, len(p)):
+            a, b = spec_lps[pos], plain_lps[pos]
+            assert p[pos] in a and set(a) == set(b)
+            for tid in a:
+                assert a[tid].logprob == pytest.approx(b[tid].logprob, abs=1e-4)

@@ -127,3 +127,26 @@ def test_read_only_step_refuses_chunks_with_an_offset(llama):
         step.write_kv = False
         with pytest.raises(ValueError, match="read-only"):
             worker.execute(step)
+
+
+def test_decode_steps_after_the_prompt_compute_nothing_extra(llama):
+    """Once a request's prompt log-probabilities are delivered, its decode steps flag no chunk
+    and run no read-only recompute: one worker call per engine step (a prefix hit's recompute
+    happens once, in the step of the hit), however many tokens follow."""
+    d, hf = llama
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=1)
+    p = prompt(2 * BS + 3, 6)
+    with make(d, enable_prefix_cache=True) as llm:
+        eng = llm.llm_engine
+        llm.generate([p], SamplingParams(temperature=0, max_tokens=1))  # cache 2 blocks
+        calls = []
+        real = eng.worker.execute
+        eng.worker.execute = lambda step: calls.append(step) or real(step)
+        steps = eng.num_steps
+        out = llm.generate([p + [9]], sp)[0]
+        check(hf, p + [9], out.prompt_logprobs, 1)
+        assert out.num_cached_tokens == 2 * BS
+        # the hit's recompute + one execute per engine step
+        assert len(calls) == (eng.num_steps - steps) + 1
+        assert sum(not s.write_kv for s in calls) == 1
+        assert not any(c.prompt_logprobs for s in calls[2:] for c in s.chunks)

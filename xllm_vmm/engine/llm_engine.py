@@ -256,9 +256,12 @@ class LLMEngine:
         if out.step is None:
             results = sched.update(out) if out.finished else []
         elif spec is not None:  # MTP speculative decoding (spec_decode.speculator)
+            self._prompt_lps.prepare(out, self.worker)
             so = spec.target_step(self.worker, out.step)
+            self._prompt_lps.collect(out, so)
             toks, lps = spec.sample(out, so, self.sampler)
             results = sched.update(out, toks, lps, int(so.execution_peak_bytes or 0))
+            self._prompt_lps.attach(out, results, sched.requests)
             spec.propose(out, so)
             self.num_steps += 1
         else:

@@ -72,6 +72,9 @@ class PromptLogprobs:
 
     def __init__(self) -> None:
         self._lists: dict[str, list[dict[int, Logprob] | None]] = {}
+        # requests whose list was delivered: their later chunks (decodes, a recompute after
+        # preemption) neither flag nor recompute anything
+        self._done: set[str] = set()
 
     @staticmethod
     def _wants(req: Any) -> bool:
@@ -84,7 +87,7 @@ class PromptLogprobs:
             return
         for sc, chunk in zip(out.chunks, out.step.chunks):
             req = sc.request
-            if not self._wants(req):
+            if not self._wants(req) or req.request_id in self._done:
                 continue
             lst = self._lists.setdefault(req.request_id, [None])
             num_prompt = req.num_prompt_tokens
@@ -128,14 +131,17 @@ class PromptLogprobs:
         """Put each complete list on its request's first output and stop tracking it; lists of
         requests no longer in ``live`` (the scheduler's request ids: aborted, or finished without
         an output) are dropped."""
-        if not self._lists:
+        if not self._lists and not self._done:
             return
         for r in results:
             lst = self._lists.get(r.request_id)
             if lst is not None and r.new_token_ids:
                 r.prompt_logprobs = self._lists.pop(r.request_id)
+                self._done.add(r.request_id)
         for rid in [k for k in self._lists if k not in live]:
             del self._lists[rid]
+        if self._done:
+            self._done.intersection_update(live)
 
     @staticmethod
     def check(params: Any, worker: Any, prefix_cache: bool) -> None:
