@@ -36,6 +36,9 @@ def _worker_dict(w: WorkerPlan, page_bytes: int) -> dict[str, Any]:
         "resident_bytes_per_seq": w.resident_bytes_per_seq,
         "resident_slots": w.resident_slots,
         "resident_bytes": w.resident_bytes,
+        "mtp_embedding_bytes_per_seq": w.mtp_embedding_bytes_per_seq,
+        "mtp_embedding_slots": w.mtp_embedding_slots,
+        "mtp_embedding_bytes": w.mtp_embedding_bytes,
         "elastic_min_bytes": w.elastic_min_bytes,
         "elastic_max_bytes": w.elastic_max_bytes,
         "host_pool_bytes": w.host_pool_bytes,
@@ -232,6 +235,10 @@ def render_table(plan: Plan, out: TextIO | None = None, *, explain: bool = False
         if w0.resident_bytes_per_seq:
             m.add_row("resident state (HY-01)", f"{w0.resident_slots:,} x "
                       f"{human(w0.resident_bytes_per_seq)}", human(w0.resident_bytes * W))
+        if w0.mtp_embedding_slots:
+            m.add_row("MTP embedding slots (AD-03)", f"{w0.mtp_embedding_slots:,} x "
+                      f"{human(w0.mtp_embedding_bytes_per_seq)}",
+                      human(w0.mtp_embedding_bytes * W))
         row("KV pool", w0.kv_pool_bytes)
         if plan.mode != "physical":
             row("arena (virtual)", w0.arena_bytes)

@@ -24,9 +24,15 @@ parallel, :mod:`xllm_vmm.config.parallel`), in bytes:
   - either way capped by the quota ``Q``: ``B = min(B, Q)`` when ``max_cache_size > 0``, where
     ``Q = max_cache_size`` (minus ``Wt`` when weights share the pool, VMM-02);
 
+- MTP hidden-state ("embedding") slots (AD-03), with MTP speculative decoding on (the target's
+  MTP layers or an MTP ``draft_model``): ``M = max_seqs_per_batch`` slots of ``m = hidden x e``
+  bytes (the target's hidden vector of one sequence the draft reads;
+  :func:`mtp_embedding_bytes_per_seq`, the one home of the formula, which the engine's
+  ``MtpSlotsKVManager`` slots are sized by), reserved outside the page pool:
+  ``B_s = B - M x m`` (``B_s = B`` without MTP);
 - hybrid state slots ``S`` (HY-01): the most sequences of the context length whose KV blocks
-  plus resident state ``r`` fit: ``demand(S, L) + S x r <= B``, at most ``max_seqs_per_batch``;
-  ``B_kv = B - S x r``;
+  plus resident state ``r`` fit: ``demand(S, L) + S x r <= B_s``, at most ``max_seqs_per_batch``;
+  ``B_kv = B_s - S x r``;
 - capacity: sliding groups get blocks for ``min(max_seqs_per_batch, c)`` windows, the rest of
   ``B_kv`` goes to the groups that grow with the context: ``N`` blocks each, tokens ``N x
   block_size``; ``max_concurrency`` is the most sequences of ``L`` tokens that fit ``B_kv``
@@ -113,6 +119,9 @@ class WorkerPlan:
     kv_capacity_tokens: int
     max_concurrency: int
     groups: list[GroupPlan]
+    mtp_embedding_bytes_per_seq: int = 0  # m: one MTP hidden-state slot (AD-03)
+    mtp_embedding_slots: int = 0  # M: max_seqs_per_batch with MTP, else 0
+    mtp_embedding_bytes: int = 0  # M x m, reserved outside the page pool
 
 
 SERVE_ERROR_RULES = frozenset({"HK-07", "CFG-SERVE"})  # CFG-SERVE: config.parallel
@@ -186,6 +195,14 @@ def active_intermediate(spec: ModelSpec) -> int:
     if spec.model_type == "gpt_oss":
         return moe
     return max(dense, moe)
+
+
+def mtp_embedding_bytes_per_seq(hidden_size: int, dtype: str) -> int:
+    """Bytes of one MTP hidden-state ("embedding") slot (AD-03): the target's hidden vector of
+    one sequence, ``hidden_size x e`` with ``e`` the bytes of ``dtype`` (the model's). The one
+    home of the formula: ``plan`` reserves ``max_seqs_per_batch`` of them and the engine sizes
+    its ``MtpSlotsKVManager`` slots with it."""
+    return int(hidden_size) * dtype_bytes(dtype)
 
 
 def execution_peak(spec: ModelSpec, inp: PlanInputs) -> tuple[int, str]:
@@ -336,10 +353,12 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
     _chunk, units, r = _size_units(plan, layout, inp, physical, L)
     P, O, quota, held, budget = _size_budget(plan, spec, inp, wt, T)
     min_pool = _check_least_pool(plan, layout, inp, units, physical, page, quota, held, wt)
+    m, M = _size_mtp_slots(plan, spec, inp, draft, budget)
+    state_budget = budget - M * m
     S, _kv_budget, conc, window_seqs, n_blocks, used, tokens = _size_capacity(
-        plan, layout, inp, units, groups, L, budget, r)
+        plan, layout, inp, units, groups, L, state_budget, r, "B_s" if M else "B")
     arena_kv, arena = _size_arena(plan, inp, units, physical, T, wt, S, r, quota, used,
-                                  window_seqs, L)
+                                  window_seqs, L, M * m)
     host_pool = _size_host_pool(plan, layout, inp, physical, arena_kv, used, W, min_pool)
     for i in range(W):
         plan.workers.append(WorkerPlan(
@@ -350,9 +369,10 @@ def make_plan(spec: ModelSpec, inp: PlanInputs, *, suggest: bool = True,
             elastic_min_bytes=min_pool if inp.mode == "elastic_vmm" else None,
             elastic_max_bytes=used if inp.mode == "elastic_vmm" else None,
             host_pool_bytes=host_pool, kv_capacity_blocks=n_blocks, kv_capacity_tokens=tokens,
-            max_concurrency=conc, groups=[GroupPlan(**vars(g)) for g in groups]))
+            max_concurrency=conc, groups=[GroupPlan(**vars(g)) for g in groups],
+            mtp_embedding_bytes_per_seq=m, mtp_embedding_slots=M, mtp_embedding_bytes=M * m))
 
-    _find_max_context(plan, units, r, budget)
+    _find_max_context(plan, units, r, state_budget)
     _verdict(plan, spec, inp, draft, suggest, units, L, budget, wt, P, O, T, conc, r)
     return plan
 
@@ -526,11 +546,30 @@ def _check_least_pool(plan: Plan, layout: CacheLayout, inp: PlanInputs, units: l
     return min_pool
 
 
+def _size_mtp_slots(plan: Plan, spec: ModelSpec, inp: PlanInputs, draft: ModelSpec | None,
+                    budget: int) -> tuple[int, int]:
+    """MTP hidden-state slots (AD-03): ``(m, M)``, bytes per slot and slots; ``(0, 0)``
+    without MTP speculative decoding (or with nothing to draft with)."""
+    if not inp.mtp or (draft is None and not spec.mtp_layers):
+        return 0, 0
+    f = plan.formulas.append
+    src = draft if draft is not None else spec
+    m = mtp_embedding_bytes_per_seq(src.hidden_size, spec.dtype)
+    M = inp.max_seqs_per_batch
+    f(Formula("MTP embedding slot bytes m (AD-03)", "hidden x e",
+              f"{_n(src.hidden_size)} x {dtype_bytes(spec.dtype)}", m))
+    f(Formula("MTP embedding slots M", "max_seqs_per_batch", _n(M), M))
+    f(Formula("budget after MTP slots B_s", "B - M x m", f"{_n(budget)} - {_n(M)} x {_n(m)}",
+              budget - M * m))
+    return m, M
+
+
 def _size_capacity(plan: Plan, layout: CacheLayout, inp: PlanInputs, units: list[Unit],
                    groups: list[GroupPlan], L: int, budget: int,
-                   r: int) -> tuple[int, int, int, int, int, int, int]:
+                   r: int, budget_name: str = "B") -> tuple[int, int, int, int, int, int, int]:
     """Hybrid state slots ``S``, the KV budget, concurrency at ``L`` and the KV capacity (blocks,
-    tokens, bytes of pool used)."""
+    tokens, bytes of pool used); ``budget`` is ``budget_name`` (``B``, or ``B_s`` after the MTP
+    slots)."""
     f = plan.formulas.append
     # Hybrid state slots, concurrency, capacity.
     if r:
@@ -539,7 +578,8 @@ def _size_capacity(plan: Plan, layout: CacheLayout, inp: PlanInputs, units: list
                   f"{_n(layout.resident.conv_bytes_per_seq)} + "
                   f"{_n(layout.resident.recurrent_bytes_per_seq)}", r))
         f(Formula("resident state slots S", "max S <= max_seqs_per_batch with "
-                  "demand(S, L) + S x r <= B", f"L={_n(L)}, r={_n(r)}, B={_n(budget)}", S))
+                  f"demand(S, L) + S x r <= {budget_name}",
+                  f"L={_n(L)}, r={_n(r)}, {budget_name}={_n(budget)}", S))
     else:
         S = 0
     kv_budget = budget - S * r
@@ -553,7 +593,8 @@ def _size_capacity(plan: Plan, layout: CacheLayout, inp: PlanInputs, units: list
         gp.pool_bytes = gp.units * u.unit_bytes
     tokens = n_blocks * inp.block_size
     windows = sum(gp.pool_bytes for gp in groups if gp.max_tokens_per_seq is not None)
-    f(Formula("KV budget B_kv", "B - S x r", f"{_n(budget)} - {_n(S)} x {_n(r)}", kv_budget))
+    f(Formula("KV budget B_kv", f"{budget_name} - S x r", f"{_n(budget)} - {_n(S)} x {_n(r)}",
+              kv_budget))
     f(Formula("KV capacity N (blocks per growing group)", "max N with sum over growing groups "
               "of ceil(N / blocks per unit) x unit bytes <= B_kv - sliding windows",
               f"{_n(kv_budget)} - {_n(windows)}", n_blocks))
@@ -568,19 +609,19 @@ def _size_capacity(plan: Plan, layout: CacheLayout, inp: PlanInputs, units: list
 
 def _size_arena(plan: Plan, inp: PlanInputs, units: list[Unit], physical: bool, T: int, wt: int,
                 S: int, r: int, quota: int | None, used: int, window_seqs: int,
-                L: int) -> tuple[int, int]:
+                L: int, mtp_bytes: int = 0) -> tuple[int, int]:
     """The virtual arena: the KV pool it reserves (fixed: the mapped pool; elastic: the pool sized
-    for
-    the most it could hold) plus the weights of a shared pool."""
+    for the most it could hold, after the resident state and the MTP slots ``mtp_bytes``) plus
+    the weights of a shared pool."""
     f = plan.formulas.append
     if physical:
         arena_kv = 0
     elif inp.mode == "fixed_vmm":
         arena_kv = used
     else:
-        arena_budget = T - wt - S * r
+        arena_budget = T - wt - S * r - mtp_bytes
         if quota is not None:
-            arena_budget = min(arena_budget, quota - S * r)
+            arena_budget = min(arena_budget, quota - S * r - mtp_bytes)
         arena_kv = _split(units, arena_budget, window_seqs, L)[2]
     arena = arena_kv + (wt if (inp.shared_pool and not physical) else 0)
     if not physical:
