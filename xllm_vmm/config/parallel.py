@@ -164,3 +164,28 @@ def serve_refusals(cfg: Any, p: Parallel | None = None) -> list[tuple[str, str, 
                     "give each process one device (nnodes = the number of devices), or start "
                     "one command with several devices, nnodes=1 and no node_rank"))
     return out
+
+
+def fork_refusals(cfg: Any, p: Parallel | None = None) -> list[tuple[str, str, str]]:
+    """What ``LLMEngine.fork`` (and the admin ``/fork`` route) refuses in a service of several
+    workers: ``(flag, message, hint)`` each; empty at one worker. The one home of this
+    predicate: the distributed fork (``engine.distributed.runtime.Runtime.fork_view``) raises
+    it before anything is built.
+
+    A fork across workers forks every worker's weight shard (its pages shared, no byte
+    copied) and builds the fork's own KV cache and pool on every worker, over the worker
+    set's one command channel (tested: dense models, VMM KV cache fixed or elastic, with and
+    without the prefix cache). Refused: the host KV tier (``host_blocks_factor > 0``): a
+    fork's tier copies would fan out over the same channel, which no test covers yet."""
+    p = p if p is not None else parallel_of(cfg)
+    if p.world == 1:
+        return []
+    out = []
+    factor = float(cfg.get("host_blocks_factor", 0) or 0)
+    if factor > 0:
+        out.append(("host_blocks_factor", f"host_blocks_factor={factor:g}: fork across "
+                    f"{p.world} workers with the host KV tier is not supported by xllm-vmm "
+                    "(the fork's host-tier copies on every worker are not implemented)",
+                    "set --host_blocks_factor=0 to fork across workers, or fork a "
+                    "single-worker engine"))
+    return out

@@ -421,13 +421,23 @@ class LLMEngine:
 
     def fork(self) -> LLMEngine:
         """Another engine over the same weight pages (no byte copied or mapped: weights VMM,
-        W-02) with its own pool for its KV cache on the same driver, the same flags and plan."""
+        W-02) with its own pool for its KV cache on the same driver, the same flags and plan.
+        Several workers: forked on every worker before it returns, over the worker set's one
+        command channel (``engine.distributed.runtime``; ``fork.distributed.fork_workers``:
+        the bytes it added on each rank)."""
         from xllm_vmm.weights import require_weight_vmm
 
-        w = require_weight_vmm(self.weights, "fork").fork()
+        parent = require_weight_vmm(self.weights, "fork")
+        dist = getattr(self, "distributed", None)  # several workers: every worker forks
+        view = dist.fork_view() if dist is not None else None  # (issue 14)
+        w = parent.fork()
         sized = _Sized(self.config, self.plan, self.max_model_len, self.warnings)
-        child = _build(type(self), sized, self.model_dir, self._opts, self.is_demo,
-                       weights=w, driver=self.driver)
+        try:
+            child = _build(type(self), sized, self.model_dir, self._opts, self.is_demo,
+                           weights=w, driver=self.driver, dist=view)
+        except BaseException:
+            w.close()  # the build does not own the forked instance: give it back
+            raise
         self._forks.append(child)
         return child
 
@@ -570,8 +580,9 @@ def _size(cfg: Any, model_dir: str, opts: dict[str, Any]) -> _Sized:
 
 
 def _build(cls: type, sized: _Sized, model_dir: str, opts: dict[str, Any], is_demo: bool,
-           *, weights: Any = None, driver: Any = None) -> LLMEngine:
-    """Driver → pool → weights → KV cache manager → worker (module docstring, step 3)."""
+           *, weights: Any = None, driver: Any = None, dist: Any = None) -> LLMEngine:
+    """Driver → pool → weights → KV cache manager → worker (module docstring, step 3).
+    ``dist``: a fork's runtime across several workers (its parent's ``fork_view``)."""
     from xllm_vmm.engine.tokenizer import Tokenizer
     from xllm_vmm.engine.worker import Worker, resolve_dtype
     from xllm_vmm.kvcache import build_kv_cache_manager
@@ -588,8 +599,9 @@ def _build(cls: type, sized: _Sized, model_dir: str, opts: dict[str, Any], is_de
     kind, index = _device_kind(cfg)
     from xllm_vmm.engine.distributed import runtime_for  # several workers (issue 14); else None
 
-    dist = runtime_for(cfg, opts, model_dir=model_dir, kind=kind, index=index,
-                       fork=weights is not None or driver is not None)
+    if dist is None:
+        dist = runtime_for(cfg, opts, model_dir=model_dir, kind=kind, index=index,
+                           fork=weights is not None or driver is not None)
     owns = driver is None
     if driver is None:
         total = plan.inputs.device_memory_bytes

@@ -10,7 +10,7 @@ frameworks and autoscalers written for either work unchanged:
 | ``POST /wakeup``, ``POST /wake_up`` | map the weights back (light) or reload them (deep); idempotent |
 | ``GET /is_sleeping`` | ``{"is_sleeping": bool}`` |
 | ``POST /reset_prefix_cache`` | drop every cached block: ``{"blocks_dropped": n}`` |
-| ``POST /fork``, ``POST /fork_master`` (JSON ``name``) | a second engine over the same weight pages, served under its own model name |
+| ``POST /fork``, ``POST /fork_master`` (JSON ``name``) | a second engine over the same weight pages, served under its own model name (several workers: forked on every worker, ``workers`` gives the bytes it added on each) |
 | ``GET /vmm/status`` | pool, tenants, cache groups, prefix and host-tier statistics as JSON |
 
 Sleep does not pull memory from under running work (DESIGN invariant 6): the front refuses or
@@ -137,7 +137,9 @@ def register(app: FastAPI, server) -> None:
                              output_processor=type(f.processor)(child.tokenizer),
                              metrics=f.metrics).start()
         server.fronts[name] = forked
-        return {"model": name, "forked_from": f.name}
+        dist = getattr(child, "distributed", None)  # several workers: bytes added per rank
+        return {"model": name, "forked_from": f.name,
+                **({"workers": dist.fork_workers} if dist is not None else {})}
 
     app.post("/fork")(fork)
     app.post("/fork_master")(fork)
