@@ -88,6 +88,17 @@ def wide_pair(tmp_path_factory):
 
 
 ONE_PAGE_EACH = 3 * 2 * 1024 * 1024  # 2 target layers + the draft layer, one page each
+SEQS = 8  # max_seqs_per_batch of the preemption test: its MTP hidden-state slots come first
+
+
+def _mtp_slots_bytes(target) -> int:
+    """What plan reserves for the MTP hidden-state slots (AD-03) before the KV cache."""
+    import json
+
+    from xllm_vmm.planner.sizing import mtp_embedding_bytes_per_seq
+
+    hidden = json.loads((target / "config.json").read_text())["hidden_size"]
+    return SEQS * mtp_embedding_bytes_per_seq(hidden, "float32")
 
 
 def test_greedy_identical_under_preemption(wide_pair):
@@ -99,7 +110,8 @@ def test_greedy_identical_under_preemption(wide_pair):
     outs, pre = {}, {}
     for key, d in (("spec", draft), ("plain", None)):
         llm = make(target, d, enable_vmm_kvcache=True, vmm_elastic=True,
-                   max_cache_size=ONE_PAGE_EACH if d is not None else 2 * 2 * 1024 * 1024,
+                   max_cache_size=(ONE_PAGE_EACH + _mtp_slots_bytes(target) if d is not None
+                                   else 2 * 2 * 1024 * 1024), max_seqs_per_batch=SEQS,
                    enable_prefix_cache=False)
         try:
             outs[key] = run(llm, prompts, params)

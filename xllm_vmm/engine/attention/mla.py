@@ -20,16 +20,27 @@ real arithmetic; fp32 results agree to rounding. Shapes: ``q`` ``(T, H, L)``, ne
 Which rows see which keys (causal with the chunk offset, batched decodes, prefill chunks with
 an offset gathering their blocks, padding entries of a block table never read) is exactly
 :class:`~.torch_sdpa.TorchSDPABackend`'s per-step metadata, reused here (one home for it).
+
+Batched multi-row chunks (:class:`ChunkBatch`): chunks with an offset and the same number of
+query rows ``n`` (``2 <= n <= MAX_BATCHED_CHUNK_ROWS``; speculative decoding's verify chunks of
+``1 + k`` rows, and the MTP draft's catch-up chunks) are gathered together and attended in one
+SDPA call per bucket (at least two chunks; sorted by length, cut like the decodes'
+buckets), with the additive mask ``key j <= start_b + i`` (causal within the chunk, every key
+of the chunk's past, padding keys never attended). Before, each such chunk was one gather and
+one call per layer: a verify step of ``B`` requests made ``B`` calls where the plain decode step
+it replaces makes one. ``batch_chunks=False`` keeps one call per chunk (the reference the
+tests compare with).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from xllm_vmm.engine.attention.kv import KVGeometry, KVLayoutMismatch, kv_torch_dtype
-from xllm_vmm.engine.attention.torch_sdpa import SDPAMetadata, TorchSDPABackend
+from xllm_vmm.engine.attention.torch_sdpa import (DECODE_BUCKET_MIN, MAX_DECODE_BUCKETS,
+                                                  SDPAMetadata, TorchSDPABackend)
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import Tensor
@@ -38,6 +49,54 @@ if TYPE_CHECKING:  # pragma: no cover
     from xllm_vmm.kvcache import VirtualKVCache
 
 MLA_GROUP = "mla"
+
+MAX_BATCHED_CHUNK_ROWS = 16
+"""Most query rows of a chunk the batched multi-row path takes (longer chunks are prefills:
+one call each, no padding across them)."""
+MIN_BATCHED_CHUNKS = 2
+"""Fewest chunks of one row count batched together (one alone is one call either way)."""
+
+
+@dataclass
+class ChunkBatch:
+    """Chunks of ``n`` query rows each, with an offset, attended in one call: ``q0s`` (B,) the
+    first query row of each chunk, ``rows`` (B * n,) int64 their query rows chunk by chunk,
+    ``nb`` blocks per chunk (the longest's), ``block_rows`` the gather rows of the ``(B, nb)``
+    table (a shorter chunk's padding entries: its first block, never attended), ``seq_lens``
+    (B,) int64 keys per chunk (``start + n``); the additive mask ``(B, 1, n, nb *
+    block_size)``, 0 where ``key j <= seq_len - n + i`` and -inf elsewhere, is built once per
+    step and dtype (:meth:`mask`)."""
+
+    q0s: list[int]
+    n: int
+    rows: Any
+    nb: int
+    block_rows: Any
+    seq_lens: Any
+    masks: dict = field(default_factory=dict)
+
+    def mask(self, block_size: int, dtype: Any) -> Any:
+        m = self.masks.get(dtype)
+        if m is None:
+            import torch
+
+            keys = torch.arange(self.nb * block_size, device=self.seq_lens.device)
+            last = (self.seq_lens[:, None] - self.n
+                    + torch.arange(self.n, device=keys.device)[None, :])  # (B, n)
+            keep = keys[None, None, :] <= last[:, :, None]  # (B, n, N)
+            m = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
+            m.masked_fill_(~keep, float("-inf"))
+            m = self.masks[dtype] = m[:, None]
+        return m
+
+
+@dataclass
+class MLAMetadata(SDPAMetadata):
+    """The K/V backend's per-step metadata plus the batched multi-row chunks
+    (:class:`ChunkBatch`; their chunks are skipped by the per-chunk loop)."""
+
+    chunk_batches: list[ChunkBatch] = field(default_factory=list)
+    batched_q0: frozenset = frozenset()
 
 
 @dataclass
@@ -117,13 +176,15 @@ class MLATorchBackend:
 
     ``value_dim`` = ``kv_lora_rank`` (the value is the latent's first ``value_dim`` elements);
     ``scale`` is the softmax scale the model states (``qk_head_dim ** -0.5`` times the YaRN
-    mscale² when the model uses it)."""
+    mscale² when the model uses it). ``batch_chunks``: multi-row chunks with an offset of equal
+    row counts in one call per bucket (module docstring; the default), else one call each."""
 
     name = "mla-torch"
 
     def __init__(self, geometry: KVGeometry, *, num_heads: int, latent_dim: int, value_dim: int,
-                 scale: float, device: Any) -> None:
+                 scale: float, device: Any, batch_chunks: bool = True) -> None:
         self.geometry = geometry
+        self.batch_chunks = batch_chunks
         self.num_heads = num_heads
         self.latent_dim = latent_dim
         self.value_dim = value_dim
@@ -133,9 +194,51 @@ class MLATorchBackend:
                                        head_dim=latent_dim, device=device)
         self._buffer: Tensor | None = None
 
-    def prepare(self, step: StepInput) -> SDPAMetadata:
-        """Per-step row / block indices (the same as the K/V backend's)."""
-        return self._index.prepare(step)
+    def prepare(self, step: StepInput) -> MLAMetadata:
+        """Per-step row / block indices (the K/V backend's) and the batched multi-row chunks."""
+        base = self._index.prepare(step)
+        meta = MLAMetadata(**{f.name: getattr(base, f.name) for f in fields(SDPAMetadata)})
+        if self.batch_chunks:
+            meta.chunk_batches = self._chunk_batches(step, meta)
+            meta.batched_q0 = frozenset(q0 for b in meta.chunk_batches for q0 in b.q0s)
+        return meta
+
+    def _chunk_batches(self, step: StepInput, meta: SDPAMetadata) -> list[ChunkBatch]:
+        """Chunks with an offset grouped by row count ``n`` (``2 <= n <=
+        MAX_BATCHED_CHUNK_ROWS``, at least ``MIN_BATCHED_CHUNKS`` of them), each group sorted by
+        length and cut into up to ``MAX_DECODE_BUCKETS`` buckets of at least
+        ``DECODE_BUCKET_MIN`` chunks (as the decodes are)."""
+        import torch
+
+        geo, bs, dev = self.geometry, self.geometry.block_size, self.device
+        by_n: dict[int, list[Any]] = {}
+        for p in meta.prefills:
+            n = p.q1 - p.q0
+            if p.start > 0 and n <= MAX_BATCHED_CHUNK_ROWS:
+                by_n.setdefault(n, []).append(p)
+        if not any(len(v) >= MIN_BATCHED_CHUNKS for v in by_n.values()):
+            return []
+        qsl = step.query_start_loc.tolist()
+        chunk_of = {q0: i for i, q0 in enumerate(qsl[:-1])}
+        tables = step.block_tables[geo.group].to(torch.int64)
+        out = []
+        for n, ps in sorted(by_n.items()):
+            if len(ps) < MIN_BATCHED_CHUNKS:
+                continue
+            ps = sorted(ps, key=lambda p: p.seq_len)
+            nbk = max(1, min(MAX_DECODE_BUCKETS, len(ps) // DECODE_BUCKET_MIN))
+            for j in range(nbk):
+                part = ps[j * len(ps) // nbk:(j + 1) * len(ps) // nbk]
+                lens = torch.tensor([p.seq_len for p in part], dtype=torch.int64)
+                nb = -(-int(lens.max()) // bs)
+                table = tables[[chunk_of[p.q0] for p in part], :nb]
+                used = -(-lens // bs)
+                table = torch.where(torch.arange(nb)[None, :] < used[:, None], table,
+                                    table[:, :1])
+                rows = torch.cat([torch.arange(p.q0, p.q1) for p in part])
+                out.append(ChunkBatch([p.q0 for p in part], n, rows.to(dev), nb,
+                                      geo.block_rows(table).to(dev), lens.to(dev)))
+        return out
 
     def write(self, kv: PagedLatent, latent: Tensor, meta: SDPAMetadata) -> None:
         """Store the step's new latents ``(T, L)`` into their slots (in place, in the arena)."""
@@ -175,7 +278,17 @@ class MLATorchBackend:
             if meta.decode_all and not meta.prefills:
                 return o.squeeze(2)
             out[meta.decode_rows] = o.squeeze(2)
+        batches = getattr(meta, "chunk_batches", ())
+        for b in batches:
+            keys = self._gather(kv, b.block_rows, b.nb)  # (B, nb * block_size, L)
+            m = len(b.q0s)
+            qb = q[b.rows].view(m, b.n, self.num_heads, -1).transpose(1, 2)  # (B, H, n, L)
+            o = self._sdpa(qb, keys, b.mask(self.geometry.block_size, q.dtype), False)
+            out[b.rows] = o.transpose(1, 2).reshape(m * b.n, self.num_heads, self.value_dim)
+        skip = meta.batched_q0 if batches else frozenset()
         for p in meta.prefills:
+            if p.q0 in skip:
+                continue
             qp = q[p.q0:p.q1].transpose(0, 1).unsqueeze(0)  # (1, H, n, L)
             if p.start == 0:
                 o = self._sdpa(qp, latent[p.q0:p.q1].unsqueeze(0), None, True)
@@ -219,6 +332,9 @@ class MLATorchBackend:
         """Gathered latents plus float32 scores of the largest single call of one layer."""
         h, L = self.num_heads, self.latent_dim
         peak = meta.decode_keys * (L * elem + h * 4)
+        for b in getattr(meta, "chunk_batches", ()):
+            keys = len(b.q0s) * b.nb * self.geometry.block_size
+            peak = max(peak, keys * L * elem + h * b.n * keys * 4)
         for p in meta.prefills:
             n = p.q1 - p.q0
             gathered = p.seq_len * L * elem if p.start else 0
@@ -226,4 +342,5 @@ class MLATorchBackend:
         return peak
 
 
-__all__ = ["ChunkRows", "LatentCacheViews", "MLATorchBackend", "MLA_GROUP", "PagedLatent"]
+__all__ = ["ChunkBatch", "ChunkRows", "LatentCacheViews", "MLAMetadata", "MLATorchBackend",
+           "MLA_GROUP", "MAX_BATCHED_CHUNK_ROWS", "PagedLatent"]
