@@ -4,7 +4,8 @@ worker's device), the fork's own pool and KV cache on every worker — over the 
 command channel. The parent and the fork serve interleaved requests (one thread, and two
 threads at once) with outputs token for token equal to a 1-worker parent and fork; closing the
 fork releases its device bytes on every worker; a fork that fails on one worker is closed on
-every worker and names it; a worker lost during a fork fails it naming the rank."""
+every worker and names it; a worker lost during a fork fails it naming the rank; sleeping the
+parent (a barrier) leaves the awake fork's weight pages mapped on every worker."""
 
 from __future__ import annotations
 
@@ -235,3 +236,21 @@ def test_admin_fork_route_on_a_two_process_launch(llama_dir):
                 p.wait()
     assert code0 == 0, err0
     assert code1 == 0, out1 + err1
+
+
+def test_sleeping_the_parent_leaves_the_fork_serving_on_every_worker(llama_dir):
+    eng = LLMEngine.from_flags(str(llama_dir), **BASE, **MODES["elastic-prefix"], nnodes=2)
+    try:
+        ref = run_one(eng, "r0")
+        child = eng.fork()
+        rep = eng.sleep(1)  # a barrier on both workers; the fork stays awake
+        assert [w["rank"] for w in rep["workers"]] == [0, 1]
+        for w in rep["workers"]:  # only the parent's KV goes: the awake fork uses the weights
+            assert w["bytes_freed"] == w["kv_bytes_freed"] > 0
+        assert run_one(child, "f") == ref
+        eng.wake_up()
+        assert run_one(eng, "r1") == ref
+        child.shutdown()
+        assert run_one(eng, "r2") == ref
+    finally:
+        eng.shutdown()
