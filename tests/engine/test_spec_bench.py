@@ -27,7 +27,9 @@ def test_bench_spec_smoke(tmp_path, monkeypatch):
     assert 0 <= doc["acceptance_per_pos_2"] <= doc["acceptance_per_pos_1"] <= 1
     assert 1 <= doc["mean_accepted_length"] <= 3
     assert doc["greedy_identical"] is True
-    assert doc["target_branch_scale"] == 0.03 and doc["num_speculative_tokens"] == 2
+    assert doc["target_branch_scale"] == 0.01 and doc["target_layers"] == 8
+    assert doc["num_speculative_tokens"] == 2
+    assert doc["omp_wait_policy"] and doc["threads"] >= 1
     assert list(tmp_path.glob("xllm-vmm/bench-mtp-*/done.json"))  # built once, cached
     again = CliRunner().invoke(app, args)  # reuses the cached pair
     assert again.exit_code == 0, again.stderr

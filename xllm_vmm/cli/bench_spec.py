@@ -25,9 +25,10 @@ def bench_spec(
     prompt_len: int = typer.Option(6, help="Tokens per prompt (1 to 512)."),
     new_tokens: int = typer.Option(32, help="New tokens per prompt (2 to 1024)."),
     repeats: int = typer.Option(3, help="Alternating runs of each engine (1 to 100)."),
-    branch_scale: float = typer.Option(0.03, help="Residual-branch scale of the built target."),
+    branch_scale: float = typer.Option(0.01, help="Residual-branch scale of the built target "
+                                       "(the tests' 2-layer target uses 0.03)."),
     distill_steps: int = typer.Option(150, help="Distillation steps of the draft (1 to 5000)."),
-    layers: int = typer.Option(2, help="Decoder layers of the built target (2 to 32; the tests' is 2)."),
+    layers: int = typer.Option(8, help="Decoder layers of the built target (2 to 32; the tests' is 2)."),
     block_size: int = typer.Option(16, help="Tokens per KV block."),
     device_memory: str = typer.Option("256MiB", help="Emulated device memory the engines size for."),
     elastic: bool = typer.Option(True, "--elastic/--fixed", help="Elastic or fixed VMM pool."),
