@@ -110,8 +110,10 @@ def run_one(eng, rid) -> list[int]:
     return toks
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_fork_on_every_worker_matches_one_worker(llama_dir, mode):
+@pytest.mark.parametrize("model,mode", [("llama_dir", "elastic-prefix"), ("llama_dir", "fixed"),
+                                        ("qwen3_dir", "elastic-prefix")])
+def test_fork_on_every_worker_matches_one_worker(request, model, mode):
+    llama_dir = request.getfixturevalue(model)  # the checkpoint (a Llama or a Qwen3)
     flags = {**BASE, **MODES[mode]}
     one = LLMEngine.from_flags(str(llama_dir), **flags)
     try:

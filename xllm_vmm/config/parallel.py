@@ -174,8 +174,8 @@ def fork_refusals(cfg: Any, p: Parallel | None = None) -> list[tuple[str, str, s
 
     A fork across workers forks every worker's weight shard (its pages shared, no byte
     copied) and builds the fork's own KV cache and pool on every worker, over the worker
-    set's one command channel (tested: dense models, VMM KV cache fixed or elastic, with and
-    without the prefix cache). Refused: the host KV tier (``host_blocks_factor > 0``): a
+    set's one command channel (tested with 2 workers: Llama and Qwen3, the VMM KV cache
+    elastic with the prefix cache and fixed without it). Refused: the host KV tier (``host_blocks_factor > 0``): a
     fork's tier copies would fan out over the same channel, which no test covers yet."""
     p = p if p is not None else parallel_of(cfg)
     if p.world == 1:
