@@ -102,3 +102,28 @@ def test_parent_shutdown_shuts_its_forks_down_first(model):
     eng.shutdown()                     # the driver goes with the parent: the fork first
     assert child._closed
     child.shutdown()                   # idempotent
+
+
+def test_fork_without_room_for_its_kv_cache_says_what_to_set(model):
+    """A fixed KV cache takes the plan's whole KV budget: a fork has no room for its own and is
+    refused with ForkDoesNotFit naming max_cache_size, leaving nothing behind (the parent keeps
+    serving; with max_cache_size leaving room the same fork works)."""
+    from xllm_vmm.engine.llm_engine import ForkDoesNotFit
+
+    flags = dict(block_size=16, device_memory="96MiB", enable_vmm_kvcache=True,
+                 vmm_elastic=False, enable_vmm_weights=True)
+    with LLM(str(model), **flags) as llm:
+        eng = llm.llm_engine
+        ref = run(eng, "a")
+        held = eng.driver.mem_info().free
+        with pytest.raises(ForkDoesNotFit, match="max_cache_size"):
+            eng.fork()
+        assert eng.driver.mem_info().free == held      # the failed fork gave everything back
+        assert eng._forks == [] and run(eng, "b") == ref
+    with LLM(str(model), **flags, max_cache_size=16 << 20) as llm:
+        eng = llm.llm_engine
+        child = eng.fork()
+        try:
+            assert run(child, "c") == run(eng, "d")
+        finally:
+            child.shutdown()

@@ -83,6 +83,12 @@ def _flag_token(name: str, value: Any) -> str:
     return f"--{name}={value}"
 
 
+class ForkDoesNotFit(RuntimeError):
+    """A fork's own KV cache has no room on the device: a fixed (``vmm_elastic=false``) or
+    physical KV cache takes the plan's whole KV budget, so a fork needs ``max_cache_size`` to
+    leave room for it (or an elastic pool). The server answers 503."""
+
+
 class LLMEngine:
     """See the module docstring. Build with :meth:`from_flags`."""
 
@@ -643,6 +649,14 @@ def _build(cls: type, sized: _Sized, model_dir: str, opts: dict[str, Any], is_de
             planned = wp.kv_capacity_tokens if vmm_kv else \
                 min(wp.kv_capacity_tokens, fit_tokens(plan.layout, page, wp.kv_pool_bytes))
             max_tokens = min(planned, fit_tokens(plan.layout, page, pool.static_capacity_bytes()))
+            if max_tokens < 1 and weights is not None:  # a fork (its parent took the budget)
+                raise ForkDoesNotFit(
+                    "fork: no room left on the device for the fork's own KV cache: the "
+                    "parent's " + ("fixed KV cache (vmm_elastic=false)" if vmm_kv else
+                                   "physical KV cache (enable_vmm_kvcache=false)") +
+                    " holds the whole KV budget; set max_cache_size to leave room for a fork, or use "
+                    "enable_vmm_kvcache=true with vmm_elastic=true (the pool then shares the "
+                    "device between the parent's and the fork's KV)")
         mgr = build_kv_cache_manager(
             pool, plan.layout, enable_prefix_cache=bool(cfg["enable_prefix_cache"]),
             host_blocks_factor=float(cfg["host_blocks_factor"]) if vmm_kv else 0.0,

@@ -687,6 +687,7 @@ _STATUS_BY_ERROR = {
     "WeightsNotLoaded": 503, "EngineSleeping": 503, "WakeupOutOfMemory": 503,
     "SleepRefused": 409, "WeightVmmRequired": 400, "ResidentPoolRequired": 400,
     "WakeupFailed": 500, "CheckpointChanged": 409, "ConfigError": 400,
+    "ForkDoesNotFit": 503,
 }
 
 
