@@ -55,3 +55,33 @@ def test_restores_on_every_worker_equal_one_worker(wide):
     assert cached2 == cached1 == 96
     assert two == one
     assert not alive(pids[1])
+
+
+def sleep_cycle(model, **flags):
+    """Serve a prompt, light-sleep (its cached blocks go to the host tier on every worker),
+    wake up and serve it again: the second pass restores them from the host tier."""
+    llm = LLM(model=str(model), block_size=16, device_memory="96MiB", enable_vmm_kvcache=True,
+              vmm_elastic=True, enable_vmm_weights=True, enable_prefix_cache=True,
+              host_blocks_factor=4, max_tokens_per_batch=512, **flags)
+    eng = llm.llm_engine
+    try:
+        first = {"prompt_token_ids": prompt(100, 7)}
+        before = llm.generate([first], SP)[0].outputs[0].token_ids
+        eng.sleep(1)
+        assert eng.is_sleeping()
+        eng.wake_up()
+        again = llm.generate([first], SP)[0]
+        st = eng.kv_cache_manager.stats()
+        pids = [s["pid"] for s in eng.distributed.worker_stats()] if eng.distributed else []
+        return before, again.outputs[0].token_ids, again.num_cached_tokens, st, pids
+    finally:
+        eng.shutdown()
+
+
+def test_sleep_offloads_to_the_host_tier_on_every_worker(wide):
+    b1, a1, cached1, st1, _ = sleep_cycle(wide)
+    b2, a2, cached2, st2, pids = sleep_cycle(wide, nnodes=2)
+    assert st1["host_restored_blocks"] > 0 and st2["host_restored_blocks"] > 0
+    assert cached2 == cached1 == 96
+    assert a2 == b2 == a1 == b1
+    assert not alive(pids[1])
