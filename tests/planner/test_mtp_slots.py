@@ -7,13 +7,14 @@ MTP draft directory) holding exactly the slots and bytes ``plan`` counts, with t
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 
 import pytest
 
 from xllm_vmm.models import load_model_spec
 from xllm_vmm.planner import PlanInputs, make_plan
-from xllm_vmm.planner.report import plan_to_dict
+from xllm_vmm.planner.report import plan_to_dict, render_table
 from xllm_vmm.planner.sizing import mtp_embedding_bytes_per_seq
 
 MiB = 1 << 20
@@ -44,6 +45,9 @@ def test_plan_reserves_max_seqs_slots_of_hidden_bytes(mode):
     jw = d["per_worker"][0]
     assert (jw["mtp_embedding_slots"], jw["mtp_embedding_bytes_per_seq"],
             jw["mtp_embedding_bytes"]) == (96, m, 96 * m)
+    text = io.StringIO()
+    render_table(p, text)
+    assert "MTP embedding slots (AD-03)" in text.getvalue() and "96 x" in text.getvalue()
 
 
 def test_no_mtp_no_slots():
