@@ -111,7 +111,11 @@ class LLMEngine:
             from xllm_vmm.engine.spec_decode.speculator import MtpSlotsKVManager, MtpSpeculator
             from xllm_vmm.kvcache.resident import SequenceSlots
 
-            hidden = draft.config.hidden_size * draft.body.dtype.itemsize
+            from xllm_vmm.planner.sizing import mtp_embedding_bytes_per_seq
+
+            # the planner's formula (AD-03), over the draft's real dtype
+            hidden = mtp_embedding_bytes_per_seq(draft.config.hidden_size,
+                                                 str(draft.body.dtype).removeprefix("torch."))
             self.spec_slots = SequenceSlots("mtp_embedding", int(config["max_seqs_per_batch"]),
                                             hidden)
             mgr = MtpSlotsKVManager(mgr, self.spec_slots)
