@@ -163,3 +163,21 @@ def make(backing, slots=4, bps=4, draft=None, policy=None):
     if policy is not None:
         policy.allocator = a
     return a
+
+
+@pytest.fixture
+def env():
+    """``make(*a, **kw)`` -> a manager test environment (``test_manager.Env``: pool, driver,
+    manager over a toy layout); every one made is closed after the test."""
+    from tests.kvcache.test_manager import Env
+
+    made: list[Env] = []
+
+    def make(*a, **kw):
+        e = Env(*a, **kw)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.close()

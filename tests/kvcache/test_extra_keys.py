@@ -11,20 +11,6 @@ from tests.kvcache.test_manager import BS, Env, toks
 from xllm_vmm.kvcache.hashing import block_hashes, request_extra_keys
 
 
-@pytest.fixture
-def env():
-    made: list[Env] = []
-
-    def make(*a, **kw):
-        e = Env(*a, **kw)
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.close()
-
-
 def _run(m, rid, tokens, **keys):
     hit = m.lookup(rid, tokens, **keys)
     t = m.allocate(rid, len(tokens) - hit.num_tokens, hit=hit)

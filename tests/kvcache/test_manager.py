@@ -88,20 +88,6 @@ class Env:
         return out
 
 
-@pytest.fixture
-def env():
-    made: list[Env] = []
-
-    def make(*a, **kw):
-        e = Env(*a, **kw)
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.close()
-
-
 def test_fresh_request_block_ids_and_decode_growth(env):
     e = env(prefix=False)
     m = e.mgr

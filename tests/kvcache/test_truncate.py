@@ -16,20 +16,6 @@ from xllm_vmm.pool import BudgetConfig, VmmPool
 MiB = 1 << 20
 
 
-@pytest.fixture
-def env():
-    made: list[Env] = []
-
-    def make(*a, **kw):
-        e = Env(*a, **kw)
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.close()
-
-
 def _state(m, g, b):
     a = m.cache.allocator
     return a.ref_count(g, b), a.is_cached(g, b)
