@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 from xllm_vmm.engine.attention.kv import KVGeometry, KVLayoutMismatch, kv_torch_dtype
 from xllm_vmm.engine.attention.torch_sdpa import (DECODE_BUCKET_MIN, MAX_DECODE_BUCKETS,
-                                                  SDPAMetadata, TorchSDPABackend)
+                                                  SDPAMetadata, TorchSDPABackend,
+                                                  additive_mask)
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import Tensor
@@ -84,9 +85,7 @@ class ChunkBatch:
             last = (self.seq_lens[:, None] - self.n
                     + torch.arange(self.n, device=keys.device)[None, :])  # (B, n)
             keep = keys[None, None, :] <= last[:, :, None]  # (B, n, N)
-            m = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
-            m.masked_fill_(~keep, float("-inf"))
-            m = self.masks[dtype] = m[:, None]
+            m = self.masks[dtype] = additive_mask(keep, dtype)[:, None]
         return m
 
 

@@ -143,10 +143,16 @@ class DecodeBucket:
             import torch
 
             keep = torch.arange(self.nb * block_size, device=self.lens.device)[None, :] < self.lens[:, None]
-            m = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
-            m.masked_fill_(~keep, float("-inf"))
-            m = self.masks[dtype] = m[:, None, None, :]
+            m = self.masks[dtype] = additive_mask(keep, dtype)[:, None, None, :]
         return m
+
+
+def additive_mask(keep: Any, dtype: Any) -> Any:
+    """SDPA's additive form of the boolean ``keep``: 0 where True, -inf where False."""
+    import torch
+
+    m = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
+    return m.masked_fill_(~keep, float("-inf"))
 
 
 DECODE_BUCKET_MIN = 16
