@@ -163,12 +163,9 @@ def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
         raise ValueError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
     if any(b < 1 for b in batch_sizes):
         raise ValueError(f"--batch-sizes must be positive, got {list(batch_sizes)}")
-    import sys
+    from xllm_vmm.bench.threads import passive_omp_wait
 
-    if "torch" in sys.modules:
-        policy = "unknown"  # OpenMP read its environment when torch loaded
-    else:
-        policy = os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    policy = passive_omp_wait()
     import torch
     import transformers
 

@@ -28,7 +28,6 @@ Figures: ``drive``'s names where they apply (``output_throughput``, ``request_th
 from __future__ import annotations
 
 import os
-import sys
 import time
 from typing import Any, Optional
 
@@ -69,8 +68,9 @@ def engine_args(serve_args: list[str]) -> tuple[Optional[str], list[str], dict[s
 def replay(cfg: LoadConfig, serve_args: list[str]) -> dict:
     """Run the load on an engine built from ``serve_args``; the figures of the module
     docstring."""
-    if "torch" not in sys.modules:  # read once, when torch's OpenMP runtime loads
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from xllm_vmm.bench.threads import passive_omp_wait
+
+    passive_omp_wait()
     from xllm_vmm.engine import LLMEngine, SamplingParams
 
     cfg.check()

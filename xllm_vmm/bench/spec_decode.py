@@ -109,12 +109,9 @@ def run(*, k: int = 2, prompts: int = 8, prompt_len: int = 6, new_tokens: int = 
             raise ValueError(f"--{name.replace('_', '-')} must be at least {lo}, got {v}")
     if not 0 < branch_scale <= 1:
         raise ValueError(f"--branch-scale must be in (0, 1], got {branch_scale}")
-    import os
+    from xllm_vmm.bench.threads import passive_omp_wait
 
-    if "torch" in sys.modules:
-        policy = "unknown"  # OpenMP read its environment when torch loaded
-    else:
-        policy = os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    policy = passive_omp_wait()
     import torch
 
     from xllm_vmm.engine.llm import LLM
