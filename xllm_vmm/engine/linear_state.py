@@ -146,8 +146,9 @@ class LinearStateKVManager:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._mgr, name)
 
-    def lookup(self, request_id: str, token_ids: Sequence[int], mm_hashes: Sequence = ()):
-        hit = self._mgr.lookup(request_id, token_ids, mm_hashes)
+    def lookup(self, request_id: str, token_ids: Sequence[int], mm_hashes: Sequence = (), *,
+               cache_salt: str | None = None):
+        hit = self._mgr.lookup(request_id, token_ids, mm_hashes, cache_salt=cache_salt)
         self.state.on_lookup(request_id, hit)
         return hit
 

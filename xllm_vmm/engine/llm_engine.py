@@ -189,13 +189,18 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
         """Queue a request (``params.n`` siblings when n > 1). Raises :class:`RequestError`
         naming the parameter: empty prompt, a token id outside the vocabulary, a prompt of
-        ``max_model_len`` tokens or more, or one whose KV cannot fit the whole cache."""
+        ``max_model_len`` tokens or more, or one whose KV cannot fit the whole cache.
+        ``cache_salt`` (vLLM's field, a non-empty string): requests with different salts never
+        share prefix-cache blocks; the same salt (or none on both) shares as usual."""
         if not isinstance(params, SamplingParams):
             raise RequestError(param="sampling_params",
                                message=f"expected SamplingParams, got {type(params).__name__}")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise RequestError(param="cache_salt", message=(
+                f"cache_salt must be a non-empty string when given, got {cache_salt!r}"))
         ids = list(prompt_token_ids)
         if not ids:
             raise RequestError(param="prompt", message="the prompt is empty: give at least one token")
@@ -235,7 +240,8 @@ class LLMEngine:
             self._parent[kid] = (request_id, i)
             self.scheduler.add_request(Request(kid, list(ids), p, arrival_time=t,
                                                eos_token_ids=self._eos,
-                                               parent_id=request_id if n > 1 else None))
+                                               parent_id=request_id if n > 1 else None,
+                                               cache_salt=cache_salt))
 
     def abort_request(self, request_id: str | list[str], *, finish_reason: str = "abort") -> None:
         """Abort requests (a parent id aborts its parallel samples); frees everything they hold

@@ -65,6 +65,10 @@ class Request:
     parent_id: str | None = None
     """For a parallel sample (n > 1): the id the caller gave; siblings are
     :func:`child_request_id` of it. None for a plain request."""
+    cache_salt: str | None = None
+    """vLLM's ``cache_salt``: an extra key of the request's first block hash (passed to the KV
+    cache manager's ``lookup``), so requests with different salts never share a cached block;
+    None = no salt (validated by ``LLMEngine.add_request``: a non-empty string)."""
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[Any] = field(default_factory=list)

@@ -249,7 +249,7 @@ class Scheduler:
                     continue
                 rid = req.request_id
                 tokens = req.all_token_ids
-                hit = mgr.lookup(rid, tokens)
+                hit = mgr.lookup(rid, tokens, cache_salt=req.cache_salt)
                 computed = hit.num_tokens
                 n = min(len(tokens) - computed, token_budget)
                 if (n < len(tokens) - computed and not self.enable_chunked_prefill
