@@ -12,7 +12,8 @@ names; validated by the same code), plus the engine options of
 
 Prompts: a string (encoded with the tokenizer's special tokens, as vLLM does), a list of token
 ids, ``{"prompt_token_ids": [...]}`` or ``{"prompt": "..."}``; or a list of those. A list of
-ints is one prompt. ``sampling_params``: one for all prompts or one per prompt. Outputs come back
+ints is one prompt. A dict prompt may carry vLLM's ``"cache_salt": "..."`` (a non-empty
+string): prompts with different salts never share prefix-cache blocks. ``sampling_params``: one for all prompts or one per prompt. Outputs come back
 in prompt order, one :class:`~xllm_vmm.engine.output.RequestOutput` per prompt with ``n``
 completions.
 """
@@ -47,23 +48,28 @@ class LLM:
         return self.llm_engine.model_name
 
     # -- generation ----------------------------------------------------------------------
-    def _prompt_ids(self, prompt: Any, i: int) -> tuple[str | None, list[int]]:
+    def _prompt_ids(self, prompt: Any, i: int) -> tuple[str | None, list[int], str | None]:
+        """``(text or None, token ids, cache_salt or None)`` of one prompt."""
         tok = self.llm_engine.tokenizer
         if isinstance(prompt, str):
-            return prompt, tok.encode(prompt)
+            return prompt, tok.encode(prompt), None
         if isinstance(prompt, dict):
+            salt = prompt.get("cache_salt")
+            if salt is not None and (not isinstance(salt, str) or not salt):
+                raise RequestError(param="cache_salt", message=(
+                    f"prompt {i}: cache_salt must be a non-empty string, got {salt!r}"))
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if not isinstance(ids, (list, tuple)):
                     raise RequestError(param="prompt_token_ids",
                                        message=f"prompt {i}: prompt_token_ids must be a list of ints")
-                return prompt.get("prompt"), list(ids)
+                return prompt.get("prompt"), list(ids), salt
             if isinstance(prompt.get("prompt"), str):
-                return prompt["prompt"], tok.encode(prompt["prompt"])
+                return prompt["prompt"], tok.encode(prompt["prompt"]), salt
             raise RequestError(param="prompt", message=f"prompt {i}: a dict prompt needs "
                                "'prompt_token_ids' (list of ints) or 'prompt' (a string)")
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
+            return None, list(prompt), None
         raise RequestError(param="prompt", message=f"prompt {i}: expected a string, a list of "
                            f"token ids or a dict, got {type(prompt).__name__}")
 
@@ -108,16 +114,16 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run(self, parsed: list[tuple[str | None, list[int]]],
+    def _run(self, parsed: list[tuple[str | None, list[int], str | None]],
              params: list[SamplingParams]) -> list[RequestOutput]:
         eng = self.llm_engine
         proc = OutputProcessor(eng.tokenizer)
         ids: list[str] = []
         t0 = time.monotonic()
         try:
-            for (text, toks), p in zip(parsed, params):
+            for (text, toks, salt), p in zip(parsed, params):
                 rid = f"llm-{next(self._ids)}"
-                eng.add_request(rid, toks, p, arrival_time=t0)
+                eng.add_request(rid, toks, p, arrival_time=t0, cache_salt=salt)
                 proc.add_request(rid, p, toks, prompt=text)
                 ids.append(rid)
         except BaseException:
