@@ -41,6 +41,7 @@ import dataclasses
 import random
 import statistics
 import time
+from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -327,8 +328,19 @@ def make_serving_trace(concurrency: int, requests: int, block_size: int, seed: i
     """A serving trace at ``concurrency`` running requests: each arrival's prompt is one of
     ``system_prompts`` shared system prompts plus a unique suffix (whole blocks and a partial
     one); every step each running request decodes one token; a finished request leaves and the
-    next arrives. Events: ``(0, rid, prompt)`` arrive, ``(1, rid, token)`` decode,
-    ``(2, rid)`` finish, ``(3,)`` end of a step."""
+    next arrives.
+
+    The trace is *flat*: what a replay reads is prepared here, so that the harness does the
+    same small constant work per event at any concurrency (no per-op allocation, no growing
+    lists, no per-request dicts of its own). Each request's whole token list (prompt, then
+    every token it will decode) is built once, its int objects created together (one
+    ``array.tolist()``: adjacent in memory, as an engine's per-request token buffer is), and
+    every event refers to it. Events: ``(0, rid, prompt, tokens)`` arrive (``prompt`` = the
+    first ``len(prompt)`` entries of ``tokens``, the same int objects), ``(1, rid, n, tokens)``
+    decode the token that makes ``n`` tokens (the replay allocates for it and commits ``n``
+    with ``tokens``; a list longer than ``n`` is what an engine's buffer is too), ``(2, rid)``
+    finish, ``(3,)`` end of a step. The token values are those of the unflattened trace
+    (same seed, same draws)."""
     rng = random.Random(seed)
     bs = block_size
     systems = [[rng.randrange(1, 150_000) for _ in range(system_blocks * bs)]
@@ -352,7 +364,35 @@ def make_serving_trace(concurrency: int, requests: int, block_size: int, seed: i
                 events.append((1, rid, rng.randrange(1, 150_000)))
                 running[rid] -= 1
         events.append((3,))
-    return events
+    return _flatten(events)
+
+
+def _flatten(events: list[tuple]) -> list[tuple]:
+    """Raw events (``(0, rid, prompt)``, ``(1, rid, token)``, ...) → the flat form of
+    :func:`make_serving_trace`: one token list per request, fresh int objects side by side."""
+    toks: dict[str, list[int]] = {}
+    for ev in events:
+        if ev[0] == 0:
+            toks[ev[1]] = list(ev[2])
+        elif ev[0] == 1:
+            toks[ev[1]].append(ev[2])
+    full = {rid: array("I", t).tolist() for rid, t in toks.items()}
+    count: dict[str, int] = {}
+    out: list[tuple] = []
+    for ev in events:
+        k = ev[0]
+        if k == 0:
+            rid = ev[1]
+            t = full[rid]
+            n = count[rid] = len(ev[2])
+            out.append((0, rid, t[:n], t))
+        elif k == 1:
+            rid = ev[1]
+            n = count[rid] = count[rid] + 1
+            out.append((1, rid, n, full[rid]))
+        else:
+            out.append(ev)
+    return out
 
 
 def _trace_blocks(events: list[tuple], block_size: int) -> int:
@@ -367,35 +407,34 @@ def _trace_blocks(events: list[tuple], block_size: int) -> int:
 
 
 def _replay_cycles_baseline(events: list[tuple], pool: FreeListPrefixPool) -> tuple[float, int]:
-    seqs: dict[str, list[int]] = {}
+    """The baseline's verbs on the flat trace (the same loop as the manager's below, verb for
+    verb). Returns (CPU seconds, verb calls)."""
     ops = 0
+    lookup, allocate, commit, free = pool.lookup, pool.allocate, pool.commit, pool.free
     t0 = _clock()
     for ev in events:
         k = ev[0]
         if k == 1:
-            toks = seqs[ev[1]]
-            toks.append(ev[2])
-            if pool.allocate(ev[1], 1) is None:
+            if allocate(ev[1], 1) is None:
                 raise RuntimeError("free-list baseline ran out of blocks on the serving trace")
-            pool.commit(ev[1], len(toks), toks)
+            commit(ev[1], ev[2], ev[3])
             ops += 2
         elif k == 0:
-            rid, toks = ev[1], list(ev[2])
-            hit = pool.lookup(rid, toks)
-            if pool.allocate(rid, len(toks) - hit) is None:
+            rid, prompt = ev[1], ev[2]
+            hit = lookup(rid, prompt)
+            if allocate(rid, len(prompt) - hit) is None:
                 raise RuntimeError("free-list baseline ran out of blocks on the serving trace")
-            pool.commit(rid, len(toks), toks)
-            seqs[rid] = toks
+            commit(rid, len(prompt), ev[3])
             ops += 3
         elif k == 2:
-            pool.free(ev[1])
-            del seqs[ev[1]]
+            free(ev[1])
             ops += 1
     return _clock() - t0, ops
 
 
 def _replay_cycles_manager(events: list[tuple], mgr: Any) -> tuple[float, int]:
-    seqs: dict[str, list[int]] = {}
+    """The manager's verbs on the flat trace, plus ``step()`` once per engine step.
+    Returns (CPU seconds, verb calls; ``step`` is not counted)."""
     ops = 0
     lookup, allocate, commit, free, step = (mgr.lookup, mgr.allocate, mgr.commit, mgr.free,
                                             mgr.step)
@@ -403,23 +442,19 @@ def _replay_cycles_manager(events: list[tuple], mgr: Any) -> tuple[float, int]:
     for ev in events:
         k = ev[0]
         if k == 1:
-            toks = seqs[ev[1]]
-            toks.append(ev[2])
             if allocate(ev[1], 1) is None:
                 raise RuntimeError("the manager ran out of blocks on the serving trace")
-            commit(ev[1], len(toks), toks)
+            commit(ev[1], ev[2], ev[3])
             ops += 2
         elif k == 0:
-            rid, toks = ev[1], list(ev[2])
-            hit = lookup(rid, toks)
-            if allocate(rid, len(toks) - hit.num_tokens, hit=hit) is None:
+            rid, prompt = ev[1], ev[2]
+            hit = lookup(rid, prompt)
+            if allocate(rid, len(prompt) - hit.num_tokens, hit=hit) is None:
                 raise RuntimeError("the manager ran out of blocks on the serving trace")
-            commit(rid, len(toks), toks)
-            seqs[rid] = toks
+            commit(rid, len(prompt), ev[3])
             ops += 3
         elif k == 2:
             free(ev[1])
-            del seqs[ev[1]]
             ops += 1
         else:
             step()
