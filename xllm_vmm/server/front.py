@@ -71,10 +71,11 @@ class _Req:
     """Front-side state of one engine request (one choice of a client request)."""
 
     __slots__ = ("rid", "index", "prompt_ids", "params", "queue", "loop", "arrival",
-                 "first_token", "last_token", "n_out", "done", "accepted")
+                 "first_token", "last_token", "n_out", "done", "accepted", "cache_salt")
 
-    def __init__(self, rid, index, prompt_ids, params, q, loop, accepted):
+    def __init__(self, rid, index, prompt_ids, params, q, loop, accepted, cache_salt=None):
         self.rid = rid
+        self.cache_salt = cache_salt
         self.index = index
         self.prompt_ids = prompt_ids
         self.params = params
@@ -217,11 +218,13 @@ class AsyncEngine:
         return f"{prefix}-{next(self._ids):x}-{int(time.time() * 1000) & 0xffffffff:08x}"
 
     async def generate(self, request_id: str, prompts: list[list[int]], params_kwargs: dict,
-                       n: int = 1) -> "Generation":
+                       n: int = 1, cache_salt: Optional[str] = None) -> "Generation":
         """Submit ``n`` choices of each prompt (choice index ``p * n + i``); returns once the
         engine accepted every one (or raises the :class:`APIError` it refused them with: a 400
         naming the parameter, a 503/429 at the limits; then nothing stays queued). Iterate the
-        returned :class:`Generation` for the deltas of every choice, in arrival order."""
+        returned :class:`Generation` for the deltas of every choice, in arrival order.
+        ``cache_salt`` goes to every choice's ``engine.add_request`` (vLLM's field: requests
+        with different salts never share prefix-cache blocks)."""
         err = self.admission_error(n * len(prompts))
         if err is not None:
             raise err
@@ -236,7 +239,8 @@ class AsyncEngine:
                 index = p * n + i
                 rid = request_id if single else f"{request_id}-{index}"
                 accepted: concurrent.futures.Future = concurrent.futures.Future()
-                reqs.append(_Req(rid, index, list(prompt_ids), params, q, loop, accepted))
+                reqs.append(_Req(rid, index, list(prompt_ids), params, q, loop, accepted,
+                                 cache_salt))
         with self._lock:
             for r in reqs:
                 self._streams[r.rid] = r
@@ -487,7 +491,11 @@ class AsyncEngine:
                     r.accepted.set_result(False)
                 return
             try:
-                eng.add_request(r.rid, r.prompt_ids, r.params, arrival_time=time.time())
+                if r.cache_salt is None:  # engines without the keyword serve unsalted ones
+                    eng.add_request(r.rid, r.prompt_ids, r.params, arrival_time=time.time())
+                else:
+                    eng.add_request(r.rid, r.prompt_ids, r.params, arrival_time=time.time(),
+                                    cache_salt=r.cache_salt)
             except Exception as exc:
                 err = exc if isinstance(exc, APIError) else _as_api_error(exc)
                 with self._lock:

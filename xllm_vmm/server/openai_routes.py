@@ -305,7 +305,7 @@ def register(app: FastAPI, server) -> None:
         kwargs = body.sampling_kwargs(max_tokens=min(budgets), logprobs=body.logprobs,
                                       prompt_logprobs=want_plps)
         rid = front.new_request_id("cmpl")
-        gen = await front.generate(rid, prompts, kwargs, n=body.n)
+        gen = await front.generate(rid, prompts, kwargs, n=body.n, cache_salt=body.cache_salt)
         created = int(time.time())
         tok = _Tokens(front.tokenizer)
 
@@ -357,7 +357,7 @@ def register(app: FastAPI, server) -> None:
         k = body.num_logprobs()
         kwargs = body.sampling_kwargs(max_tokens=budget, logprobs=k)
         rid = front.new_request_id("chatcmpl")
-        gen = await front.generate(rid, [ids], kwargs, n=body.n)
+        gen = await front.generate(rid, [ids], kwargs, n=body.n, cache_salt=body.cache_salt)
         created = int(time.time())
         tok = _Tokens(front.tokenizer)
         if body.stream:

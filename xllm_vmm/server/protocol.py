@@ -53,6 +53,9 @@ class _Sampling(BaseModel):
     stream_options: Optional[StreamOptions] = None
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
+    #: vLLM's extra parameter: requests with different salts never share prefix-cache blocks
+    #: (an extra key of the first block's hash); a non-empty string
+    cache_salt: Optional[str] = None
 
     @field_validator("stop")
     @classmethod
@@ -65,6 +68,13 @@ class _Sampling(BaseModel):
         if any(s == "" for s in items):
             raise ValueError("a stop string must not be empty")
         return items
+
+    @field_validator("cache_salt", mode="before")
+    @classmethod
+    def _cache_salt(cls, v):
+        if v is not None and (not isinstance(v, str) or not v):
+            raise ValueError(f"cache_salt must be a non-empty string when given, got {v!r}")
+        return v
 
     @field_validator("logit_bias")
     @classmethod
