@@ -138,3 +138,106 @@ def test_prompt_logprobs_refusals(served, client):
         client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=2,
                                   extra_body={"prompt_logprobs": 21})
     assert err.value.body["param"] == "prompt_logprobs"
+
+
+# --------------------------------------------------------------------------- chat completions
+MESSAGES = [{"role": "user", "content": "The quick brown fox"}]
+
+
+@pytest.fixture(scope="module")
+def chat_ids(served):
+    """The rendered chat prompt's token ids, as the server encodes them (/tokenize)."""
+    _, srv = served
+    r = httpx.post(f"{srv.url}/tokenize", json={"messages": MESSAGES}, timeout=30)
+    return r.json()["tokens"]
+
+
+@pytest.fixture(scope="module")
+def hf_chat_rows(tiny_llama_dir, chat_ids):
+    import torch
+
+    model = load_hf_model(tiny_llama_dir)
+    with torch.no_grad():
+        logits = model(torch.tensor([chat_ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _check_vllm_shape(plps, ids, rows, k):
+    """vLLM's shape: None first, then {token id: {logprob, rank, decoded_token}} holding the
+    prompt token and the k most likely; values equal transformers' log-softmax."""
+    assert len(plps) == len(ids) and plps[0] is None
+    for i in range(1, len(ids)):
+        entry, row = plps[i], rows[i - 1]
+        top = row.topk(k).indices.tolist() if k else []
+        assert set(entry) == {str(t) for t in (ids[i], *top)}
+        for t, v in entry.items():
+            assert set(v) == {"logprob", "rank", "decoded_token"}
+            assert v["logprob"] == pytest.approx(float(row[int(t)]), abs=1e-4)
+            assert v["rank"] == int((row > row[int(t)]).sum()) + 1
+            assert isinstance(v["decoded_token"], str)
+
+
+def test_chat_prompt_logprobs_with_the_openai_client(served, client, chat_ids, hf_chat_rows):
+    r = client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=2,
+                                       temperature=0.0, extra_body={"prompt_logprobs": 2})
+    plps = r.model_extra["prompt_logprobs"]
+    _check_vllm_shape(plps, chat_ids, hf_chat_rows, 2)
+    assert r.usage.prompt_tokens == len(chat_ids)
+    # the engine's own computation of the same prompt (completions over the token ids)
+    same = client.completions.create(model="tiny-llama", prompt=chat_ids, max_tokens=1,
+                                     extra_body={"prompt_logprobs": 2})
+    assert same.choices[0].model_extra["prompt_logprobs"] == plps
+    # and the reply is the reply without prompt_logprobs
+    plain = client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=2,
+                                           temperature=0.0)
+    assert plain.choices[0].message.content == r.choices[0].message.content
+    assert "prompt_logprobs" not in (plain.model_extra or {})
+
+
+def test_chat_prompt_logprobs_streamed(served, client, chat_ids, hf_chat_rows):
+    _, srv = served
+    body = {"model": "tiny-llama", "messages": MESSAGES, "max_tokens": 3, "stream": True,
+            "temperature": 0.0, "prompt_logprobs": 0, "n": 2}
+    chunks = []
+    with httpx.stream("POST", f"{srv.url}/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    first = chunks[0]
+    assert first["choices"][0]["delta"]["role"] == "assistant"
+    _check_vllm_shape(first["prompt_logprobs"], chat_ids, hf_chat_rows, 0)
+    assert all("prompt_logprobs" not in c for c in chunks[1:])
+    assert {c["choices"][0]["index"] for c in chunks if c["choices"][0].get("finish_reason")} \
+        == {0, 1}
+    # the openai client's stream: the first chunk has them
+    stream = client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=2,
+                                            stream=True, extra_body={"prompt_logprobs": 1})
+    got = [c for c in stream]
+    _check_vllm_shape(got[0].model_extra["prompt_logprobs"], chat_ids, hf_chat_rows, 1)
+
+
+@pytest.mark.parametrize("bad", [-1, 21, "x", 1.5])
+def test_chat_prompt_logprobs_refusals(served, client, bad):
+    _, srv = served
+    for stream in (False, True):
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json={
+            "messages": MESSAGES, "max_tokens": 2, "stream": stream, "prompt_logprobs": bad},
+            timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "prompt_logprobs"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=2,
+                                       extra_body={"prompt_logprobs": bad})
+    assert err.value.body["param"] == "prompt_logprobs"
+
+
+def test_minus_infinity_is_sent_as_vllm_does():
+    from xllm_vmm.engine.output import Logprob
+    from xllm_vmm.server.openai_routes import _prompt_logprobs_json
+
+    got = _prompt_logprobs_json([None, {3: Logprob(float("-inf"), 7, "x"),
+                                        5: Logprob(-0.5, 1, "y")}])
+    assert got == [None, {"3": {"logprob": -9999.0, "rank": 7, "decoded_token": "x"},
+                          "5": {"logprob": -0.5, "rank": 1, "decoded_token": "y"}}]
+    json.dumps(got, allow_nan=False)  # valid JSON

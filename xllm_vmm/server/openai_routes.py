@@ -192,13 +192,17 @@ def _echo_logprobs(tok: _Tokens, prompt_ids: list[int], plps, entries, prefix_le
     return {k: head[k] + tail[k] for k in head}
 
 
+_NEG_INF_LOGPROB = -9999.0  # what vLLM sends for -inf (JSON has no infinity)
+
+
 def _prompt_logprobs_json(plps) -> Optional[list]:
     """vLLM's ``prompt_logprobs`` field: per prompt position None or ``{"token_id":
-    {"logprob", "rank", "decoded_token"}}``."""
+    {"logprob", "rank", "decoded_token"}}`` (a -inf log-probability as -9999.0, as vLLM
+    clamps it)."""
     if plps is None:
         return None
     return [None if e is None else
-            {str(k): {"logprob": float(v.logprob), "rank": v.rank,
+            {str(k): {"logprob": max(float(v.logprob), _NEG_INF_LOGPROB), "rank": v.rank,
                       "decoded_token": v.decoded_token} for k, v in dict(e).items()}
             for e in plps]
 
@@ -355,7 +359,8 @@ def register(app: FastAPI, server) -> None:
         _, ids = await _chat_prompt(front, body.chat_messages(), body.add_generation_prompt)
         budget = _budget(front, len(ids), body, None, "messages")
         k = body.num_logprobs()
-        kwargs = body.sampling_kwargs(max_tokens=budget, logprobs=k)
+        kwargs = body.sampling_kwargs(max_tokens=budget, logprobs=k,
+                                      prompt_logprobs=body.prompt_logprobs)
         rid = front.new_request_id("chatcmpl")
         gen = await front.generate(rid, [ids], kwargs, n=body.n, cache_salt=body.cache_salt)
         created = int(time.time())
@@ -373,9 +378,13 @@ def register(app: FastAPI, server) -> None:
                 "logprobs": _chat_logprobs(tok, lps[i], k) if k is not None else None,
                 "finish_reason": d.finish_reason if d else None,
                 "stop_reason": d.stop_reason if d else None})
-        return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
-                             "model": front.name, "choices": choices,
-                             "usage": _usage(gen.num_prompt_tokens, completion_tokens, cached)})
+        out = {"id": rid, "object": "chat.completion", "created": created, "model": front.name,
+               "choices": choices,
+               "usage": _usage(gen.num_prompt_tokens, completion_tokens, cached)}
+        if body.prompt_logprobs is not None:  # vLLM's: one list for the (one) prompt
+            out["prompt_logprobs"] = _prompt_logprobs_json(
+                next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None))
+        return JSONResponse(out)
 
 
 async def _guarded(gen: Generation, events: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -474,10 +483,32 @@ def _chat_stream(gen: Generation, body: ChatCompletionRequest, model: str, rid: 
                 c["usage"] = _usage(gen.num_prompt_tokens, completion_tokens)
             return c
 
+        deltas = gen.__aiter__()
+        head: list[Delta] = []
+        first_extra = {}
+        if body.prompt_logprobs is not None:
+            # the first chunk carries them: wait for the first delta (the engine's first
+            # output of a request holds its prompt's list)
+            try:
+                head.append(await deltas.__anext__())
+            except StopAsyncIteration:
+                pass
+            plps = next((d.prompt_logprobs for d in head if d.prompt_logprobs is not None), None)
+            first_extra = {"prompt_logprobs": _prompt_logprobs_json(plps)}
         for i in range(body.n):
-            yield _sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                               "logprobs": None, "finish_reason": None}]))
-        async for d in gen:
+            c = chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None, "finish_reason": None}])
+            if i == 0:
+                c.update(first_extra)
+            yield _sse(c)
+
+        async def rest():
+            for d in head:
+                yield d
+            async for d in deltas:
+                yield d
+
+        async for d in rest():
             t0 = time.thread_time()  # CPU seconds of the event loop's thread
             completion_tokens += len(d.token_ids)
             if not (d.text or d.finished or d.token_ids):

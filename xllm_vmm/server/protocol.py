@@ -18,8 +18,9 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from xllm_vmm.engine.sampling_params import MAX_LOGPROBS  # the engine's (and OpenAI's) limit
+
 MAX_N = 16          # choices per request (each is one engine request)
-MAX_LOGPROBS = 20   # OpenAI's limit for top_logprobs / logprobs
 
 
 class StreamOptions(BaseModel):
@@ -216,6 +217,10 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     tools: Optional[list[Any]] = None
+    #: vLLM's extra parameter: the ``k`` most likely tokens per prompt position of the rendered
+    #: chat prompt (0: the prompt token's own log-probability only), returned as the
+    #: response's top-level ``prompt_logprobs`` (streamed: on the first chunk)
+    prompt_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("tools")
     @classmethod
