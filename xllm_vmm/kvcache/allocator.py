@@ -165,7 +165,7 @@ class _Group:
     ``None`` while the slot is inactive."""
 
     __slots__ = ("name", "num_slots", "bps", "nblocks", "ref", "cached", "keep", "pins",
-                 "stacks", "ncached", "buckets", "rbuckets", "inactive", "free_active",
+                 "stacks", "buckets", "rbuckets", "inactive", "free_active",
                  "n_cached", "n_active", "desc", "asc")
 
     def __init__(self, shape: GroupShape) -> None:
@@ -185,7 +185,6 @@ class _Group:
         self.desc = list(range(n - 1, -1, -1))
         self.asc = self.desc[::-1]  # lowest first (the same int objects)
         self.stacks: list[list[int] | None] = [None] * shape.num_slots
-        self.ncached = [0] * shape.num_slots
         # buckets[k]: active slots with exactly k free blocks, 1 <= k < bps (ordered sets)
         self.buckets: list[dict[int, None]] = [{} for _ in range(self.bps)]
         self.rbuckets = self.buckets[::-1]  # the same dicts, emptiest slots first
@@ -197,6 +196,18 @@ class _Group:
     @property
     def n_live(self) -> int:
         return self.n_active * self.bps - self.free_active - self.n_cached
+
+    def ncached_of(self, slot: int) -> int:
+        """Cached blocks of ``slot``, counted from the flags (not kept per slot: the hot paths
+        that cache and revive blocks do not pay for a count only introspection, eviction's
+        slot scan and compaction read)."""
+        bps = self.bps
+        return self.cached[slot * bps:(slot + 1) * bps].count(1)
+
+    @property
+    def ncached(self) -> list[int]:
+        """Cached blocks per slot (derived, see :meth:`ncached_of`)."""
+        return [self.ncached_of(s) for s in range(self.num_slots)]
 
     def used(self, slot: int) -> int:
         """Live + cached blocks of ``slot``."""
@@ -511,7 +522,6 @@ class BlockAllocator:
         keep = g.keep
         pins = g.pins
         cached = g.cached
-        ncached = g.ncached
         bps = g.bps
         gone: list[int] | None = None
         pinned: list[int] | None = None
@@ -530,12 +540,10 @@ class BlockAllocator:
                 ref[b] = 0
                 if keep[b] and not (pins and b in pins):
                     cached[b] = 1
-                    ncached[b // bps] += 1
                     lru[b] = None
                     n_lru += 1
                 elif pins and b in pins:
                     cached[b] = 1
-                    ncached[b // bps] += 1
                     if pinned is None:
                         pinned = [b]
                     else:
@@ -549,7 +557,6 @@ class BlockAllocator:
             for b in reversed(list(blocks)[:done]):  # before this call each had ref >= 1
                 if cached[b] and not ref[b]:
                     cached[b] = 0
-                    ncached[b // bps] -= 1
                     lru.pop(b, None)
                 ref[b] += 1
             bad = list(blocks)[done]
@@ -609,7 +616,6 @@ class BlockAllocator:
         bps = g.bps
         nb = g.nblocks
         cached = g.cached
-        ncached = g.ncached
         kept: list[int] | None = None
         runs: list[tuple[int, int, int]] = []  # (slot, free before the run, free after it)
         cur = -1
@@ -629,7 +635,6 @@ class BlockAllocator:
                     if b < 0:
                         raise IndexError
                     cached[b] = 1
-                    ncached[b // bps] += 1
                     if kept is None:
                         kept = [b]
                     else:
@@ -703,7 +708,6 @@ class BlockAllocator:
             del g.stacks[s][k:]  # type: ignore[index]
         for b in kept or ():
             g.cached[b] = 0
-            g.ncached[b // g.bps] -= 1
             g.n_cached -= 1
         if not isinstance(bad, int) or not 0 <= bad < g.nblocks:
             raise ValueError(f"free of block {bad!r}: not a block of group {g.name!r} "
@@ -746,7 +750,6 @@ class BlockAllocator:
             raise ValueError(f"touch of free block {block} in group {group!r}: only live or "
                              "cached blocks can be referenced")
         g.cached[block] = 0
-        g.ncached[block // g.bps] -= 1
         g.n_cached -= 1
         g.ref[block] = 1
         return True
@@ -769,7 +772,6 @@ class BlockAllocator:
                 raise ValueError(f"touch of free block {b} in group {group!r}: only live or "
                                  "cached blocks can be referenced")
             cached[b] = 0
-            g.ncached[b // g.bps] -= 1
             ref[b] = 1
             if revived is None:
                 revived = [b]
@@ -848,7 +850,6 @@ class BlockAllocator:
         for b in blocks:
             g.cached[b] = 0
             g.keep[b] = 0
-            g.ncached[b // bps] -= 1
             g.n_cached -= 1
             if push(g, b):
                 released.append(b // bps)
@@ -955,7 +956,6 @@ class BlockAllocator:
             ref = g.ref
             cached = g.cached
             keep = g.keep
-            ncached = g.ncached
             bps = g.bps
             for s, t in taken.items():  # destination stacks give up their top t blocks
                 stack = g.stacks[s]
@@ -973,8 +973,6 @@ class BlockAllocator:
                 if cached[old]:
                     cached[old] = 0
                     cached[new] = 1
-                    ncached[old // bps] -= 1
-                    ncached[new // bps] += 1
             for s in sources:  # every block of a source is free now: release it
                 k = len(g.stacks[s])  # type: ignore[arg-type]
                 del g.buckets[k][s]
@@ -1004,11 +1002,11 @@ class BlockAllocator:
     def slot_live(self, group: str, slot: int) -> int:
         """Blocks of ``slot`` with ref ≥ 1."""
         g = self._g(group)
-        return g.used(slot) - g.ncached[slot]
+        return g.used(slot) - g.ncached_of(slot)
 
     def slot_cached(self, group: str, slot: int) -> int:
         """Cached (ref 0, retained) blocks of ``slot``."""
-        return self._g(group).ncached[slot]
+        return self._g(group).ncached_of(slot)
 
     def is_retained(self, group: str, block: int) -> bool:
         return bool(self._g(group).keep[block])
@@ -1025,7 +1023,7 @@ class BlockAllocator:
         up releases the slot's pages."""
         g = self._g(group)
         stack = g.stacks[slot]
-        if stack is None or g.bps - len(stack) != g.ncached[slot]:
+        if stack is None or g.bps - len(stack) != g.ncached_of(slot):
             return False
         bps = g.bps
         return not any(p // bps == slot for p in g.pins)
@@ -1041,7 +1039,8 @@ class BlockAllocator:
         g = self._g(group)
         stack = g.stacks[slot]
         active = stack is not None
-        return SlotInfo(group, slot, active, g.used(slot) - g.ncached[slot], g.ncached[slot],
+        nc = g.ncached_of(slot)
+        return SlotInfo(group, slot, active, g.used(slot) - nc, nc,
                         len(stack) if active else 0)  # type: ignore[arg-type]
 
     def active_slots(self, group: str) -> list[int]:
@@ -1088,11 +1087,11 @@ class BlockAllocator:
                 if stack is None:
                     assert live == cached == 0, f"{g.name}: slot {s} inactive but holds blocks"
                     assert s in inactive, f"{g.name}: slot {s} neither active nor inactive"
-                    assert g.ncached[s] == 0
+                    assert g.ncached_of(s) == 0
                     continue
                 assert s not in inactive, f"{g.name}: active slot {s} is in the inactive heap"
                 assert live + cached >= 1, f"{g.name}: active slot {s} holds no block"
-                assert g.ncached[s] == cached
+                assert g.ncached_of(s) == cached
                 free = [b for b in blocks if not g.ref[b] and not g.cached[b]]
                 assert sorted(stack) == free, f"{g.name}: slot {s} free list {stack} != {free}"
                 k = len(stack)

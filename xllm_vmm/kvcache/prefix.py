@@ -208,7 +208,6 @@ class PrefixCache:
                 if not cached[b]:
                     raise PrefixCacheError(f"indexed block {b} of group {g.name!r} is free")
                 cached[b] = 0
-                ag.ncached[b // ag.bps] -= 1
                 ref[b] = 1
                 g.lru.pop(b, None)
                 revived += 1
