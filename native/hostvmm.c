@@ -772,14 +772,61 @@ static int map_run_locked(hv_pool *p, const uint64_t *vas, const uint64_t *handl
     return 0;
 }
 
+static int check_map_run_locked(hv_pool *p, uint64_t va, uint64_t off, uint64_t size,
+                                hv_resv **r_out, uint64_t *first_out, uint64_t *count,
+                                int *fresh, int *single);
+static void record_map_run_locked(hv_pool *p, hv_resv *r, uint64_t first, uint64_t off,
+                                  uint64_t pages, uint64_t count, int single);
+static int check_unmap_run_locked(hv_pool *p, uint64_t va, uint64_t size, int claim,
+                                  uint64_t *pending, int *single);
+static void record_unmap_single_run_locked(hv_pool *p, hv_resv *r, uint64_t first,
+                                           uint64_t pages);
+
+/* Entries [i, j) continuing each other by one granule both in address and in memfd offset,
+ * from ``i`` (a pure scan of the two arrays: no table is read). Returns j. */
+static uint64_t granule_run_end(const hv_pool *p, const uint64_t *vas, const uint64_t *handles,
+                                uint64_t i, uint64_t n) {
+    uint64_t j = i + 1;
+    if (handles)
+        while (j < n && vas[j] == vas[j - 1] + p->granule && handles[j] == handles[j - 1] + p->granule)
+            j++;
+    else
+        while (j < n && vas[j] == vas[j - 1] + p->granule) j++;
+    return j;
+}
+
+/* Caller holds the lock. The run fast path of hv_map_batch: entries [i, j) (j - i >= 2,
+ * contiguous by one granule in address and offset) checked and recorded as one run record
+ * when every handle there is one granule (the pool's pages), mapped with one mmap. Returns 0
+ * when done; nonzero (nothing changed) sends the caller to the entry-by-entry path, which
+ * names the failing entry. */
+static int map_granule_run_locked(hv_pool *p, uint64_t va, uint64_t off, uint64_t pages) {
+    hv_resv *r = NULL;
+    uint64_t first = 0, count = 0;
+    int fresh = 0, single = 0;
+    if (check_map_run_locked(p, va, off, pages << p->gshift, &r, &first, &count, &fresh, &single)
+        || !single)
+        return EAGAIN;
+    if (mmap_range(p, va, pages << p->gshift, off, p->populate && fresh && !p->no_populate_write))
+        return EAGAIN; /* the range is reserved again: the entry path retries one by one */
+    record_map_run_locked(p, r, first, off, pages, count, 1);
+    return 0;
+}
+
 /* All or nothing. Entries contiguous in address and in memfd offset are mapped with one mmap
- * per run (fewer system calls and VMAs); the bookkeeping stays per handle. */
+ * per run (fewer system calls and VMAs); the bookkeeping stays per handle. Runs of
+ * one-granule handles are found by a scan of the two arrays and checked and recorded in one
+ * pass per run (as hv_map_runs does); anything else goes entry by entry. */
 int hv_map_batch(hv_pool *p, const uint64_t *vas, const uint64_t *handles, uint64_t n,
                  uint64_t *failed) {
     pthread_mutex_lock(&p->mu);
     int rc = 0;
     for (uint64_t i = 0; i < n;) {
-        uint64_t done = 0, bad = i;
+        uint64_t done = 0, bad = i, j = granule_run_end(p, vas, handles, i, n);
+        if (j - i > 1 && map_granule_run_locked(p, vas[i], handles[i], j - i) == 0) {
+            i = j;
+            continue;
+        }
         rc = map_run_locked(p, vas, handles, i, n, &done, &bad);
         if (rc) {
             char saved[sizeof hv_err];
@@ -826,15 +873,36 @@ static int check_unmap_locked(hv_pool *p, uint64_t va, uint64_t **ent) {
  * so the rollback can map them back. */
 int hv_unmap_batch(hv_pool *p, const uint64_t *vas, uint64_t n, uint64_t *failed) {
     if (n == 0) return 0;
-    uint64_t *undone = malloc(n * sizeof *undone); /* claimed entries, then unmapped handles */
-    if (!undone) {
-        if (failed) *failed = 0;
-        return fail(ENOMEM, "out of host memory for the batch rollback record");
-    }
+    uint64_t *undone = NULL; /* claimed entries, then unmapped handles (the entry path) */
     pthread_mutex_lock(&p->mu);
     int rc = 0;
     uint64_t i = 0;
     char saved[sizeof hv_err];
+    if (n > 1 && granule_run_end(p, vas, NULL, 0, n) == n) {
+        /* one run of adjacent one-granule mappings (the pool's pages): checked in one pass,
+         * one system call; a deferred-freed handle is released after it, as below */
+        hv_resv *r = find_resv(p, vas[0]);
+        uint64_t pending = 0;
+        int single = 0;
+        if (r && check_unmap_run_locked(p, vas[0], n << p->gshift, 0, &pending, &single) == 0 &&
+            single && unmap_range(vas[0], n << p->gshift) == 0) {
+            uint64_t first = (vas[0] - r->va) >> p->gshift;
+            if (!pending) {
+                record_unmap_single_run_locked(p, r, first, n);
+            } else {
+                for (uint64_t k = 0; k < n; k++)
+                    record_unmap_locked(p, r, first + k, r->ent[first + k] & ~HV_START_BIT, 0);
+            }
+            goto out;
+        }
+        /* a check failed (nothing changed) or the kernel refused the one call: entry by entry */
+    }
+    undone = malloc(n * sizeof *undone);
+    if (!undone) {
+        if (failed) *failed = 0;
+        rc = fail(ENOMEM, "out of host memory for the batch rollback record");
+        goto out;
+    }
     for (; i < n; i++) {
         uint64_t *e = NULL;
         rc = check_unmap_locked(p, vas[i], &e);
@@ -1198,6 +1266,16 @@ int hv_unmap_runs(hv_pool *p, const uint64_t *runs, uint64_t n, uint64_t *failed
 out:
     pthread_mutex_unlock(&p->mu);
     return rc;
+}
+
+int hv_map_prepared(hv_prepared *b) {
+    if (!b->pool) return fail(EBADF, "the prepared batch's pool is closed");
+    return hv_map_runs(b->pool, b->maps, b->nmaps, &b->failed);
+}
+
+int hv_unmap_prepared(hv_prepared *b) {
+    if (!b->pool) return fail(EBADF, "the prepared batch's pool is closed");
+    return hv_unmap_runs(b->pool, b->unmaps, b->nunmaps, &b->failed);
 }
 
 /* Caller holds the lock. */

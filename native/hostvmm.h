@@ -96,7 +96,9 @@ int hv_unmap(hv_pool *p, uint64_t va, uint64_t *handle_out);
 /* All or nothing: on failure every mapping this call made is undone; *failed = index.
  * Entries contiguous in address and memfd offset are mapped with one mmap per run (and
  * hv_unmap_batch unmaps adjacent mappings with one call per run); the bookkeeping stays per
- * handle, so each entry is still unmapped, checked and rolled back on its own. */
+ * handle, so each entry is still unmapped, checked and rolled back on its own. Runs are found
+ * in C by a scan of the arrays; a run of one-granule handles (and an unmap batch that is one
+ * run of one-granule mappings) is checked and recorded in one pass, as hv_map_runs does. */
 int hv_map_batch(hv_pool *p, const uint64_t *vas, const uint64_t *handles, uint64_t n,
                  uint64_t *failed);
 /* All or nothing: every entry is checked first (a start of a mapping, none listed twice), so
@@ -115,6 +117,23 @@ int hv_map_runs(hv_pool *p, const uint64_t *runs, uint64_t n, uint64_t *failed);
  * as hv_unmap_batch: every run is checked before anything is unmapped; a kernel failure after
  * that maps back what this call unmapped; deferred-freed handles are released at the end. */
 int hv_unmap_runs(hv_pool *p, const uint64_t *runs, uint64_t n, uint64_t *failed);
+/* A prepared run batch: the arguments of hv_map_runs and hv_unmap_runs for one layout in one
+ * struct, so that a caller through ctypes passes one prebuilt pointer per call and converts
+ * nothing (each argument converted costs tens of nanoseconds, a whole run's bookkeeping about
+ * as much). ``pool`` NULL (its owner closed the pool) is EBADF. ``failed`` receives the failing
+ * run's index. The arrays are read, never written. */
+typedef struct {
+    hv_pool *pool;
+    const uint64_t *maps;   /* nmaps (va, handle, size) triples for hv_map_runs */
+    uint64_t nmaps;
+    const uint64_t *unmaps; /* nunmaps (va, size) pairs for hv_unmap_runs */
+    uint64_t nunmaps;
+    uint64_t failed;
+} hv_prepared;
+/* hv_map_runs(b->pool, b->maps, b->nmaps, &b->failed). */
+int hv_map_prepared(hv_prepared *b);
+/* hv_unmap_runs(b->pool, b->unmaps, b->nunmaps, &b->failed). */
+int hv_unmap_prepared(hv_prepared *b);
 
 /* 0 when every byte of [va, va+len) lies in mapped pages of this pool, else ENOENT/EFAULT. */
 int hv_check_mapped(hv_pool *p, uint64_t va, uint64_t len);

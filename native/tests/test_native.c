@@ -197,6 +197,33 @@ int main(void) {
     hv_set_populate(p, 1);
     CHECK(hv_map_runs(p, run1, 1, &failed) == 0 && ((unsigned char *)rv)[3 * G] == 0x23);
     CHECK(hv_unmap_runs(p, unrun1, 1, &failed) == 0);
+    /* prepared batches: the same calls through one struct; a closed owner (pool NULL) is EBADF */
+    hv_prepared pb = {p, run1, 1, unrun1, 1, 0};
+    CHECK(hv_map_prepared(&pb) == 0 && hv_check_mapped(p, rv, 4 * G) == 0);
+    CHECK(hv_map_prepared(&pb) == EEXIST && pb.failed == 0);
+    CHECK(hv_unmap_prepared(&pb) == 0 && hv_check_mapped(p, rv, 1) == ENOENT);
+    pb.pool = NULL;
+    CHECK(hv_map_prepared(&pb) == EBADF && hv_unmap_prepared(&pb) == EBADF);
+    /* map_batch / unmap_batch on contiguous entries: the run path, deferred frees released
+     * after the one unmap call, a failed run check going entry by entry */
+    uint64_t bv[4] = {rv, rv + G, rv + 2 * G, rv + 3 * G};
+    CHECK(hv_map_batch(p, bv, rh, 4, &failed) == 0 && ((unsigned char *)rv)[G + 7] == 0x21);
+    hv_stats(p, stats2);
+    CHECK(stats2[HV_STAT_MAPPINGS] == 4 && stats2[HV_STAT_MAPPED] == 4 * G);
+    uint64_t spare;
+    CHECK(hv_create(p, G, &spare) == 0);
+    CHECK(hv_free_deferred(p, rh[1]) == 0);
+    CHECK(hv_unmap_batch(p, bv, 4, &failed) == 0);
+    hv_stats(p, stats2);
+    CHECK(stats2[HV_STAT_MAPPINGS] == 0 && stats2[HV_STAT_HANDLES] == 4);
+    CHECK(hv_handle_info(p, rh[1], NULL, NULL) == EBADF);
+    CHECK(hv_create(p, G, &rh[1]) == 0); /* the freed extent comes back */
+    CHECK(hv_map(p, rv + 2 * G, rh[0]) == 0);
+    CHECK(hv_map_batch(p, bv, rh, 4, &failed) == EEXIST && failed == 2);
+    CHECK(hv_check_mapped(p, rv, 1) == ENOENT);
+    CHECK(hv_unmap_batch(p, bv, 4, &failed) == ENOENT && failed == 0); /* nothing unmapped */
+    CHECK(hv_check_mapped(p, rv + 2 * G, G) == 0);
+    CHECK(hv_unmap(p, rv + 2 * G, NULL) == 0 && hv_free(p, spare) == 0);
     for (int i = 0; i < 4; i++) CHECK(hv_free(p, rh[i]) == 0);
     hv_stats(p, stats2);
     CHECK(stats2[HV_STAT_MAPPINGS] == 0 && stats2[HV_STAT_HANDLES] == 0 && stats2[HV_STAT_BACKING] == 0);

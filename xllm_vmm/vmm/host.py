@@ -196,6 +196,10 @@ BACKING_CODES = {"off": 0, "hugetlb": 1, "thp": 2}
 
 
 def _u64s(values: Sequence[int]) -> array.array:
+    """``values`` as an ``array('Q')``: an ``array('Q')`` is passed as it is (no copy, no
+    conversion), anything else is converted once."""
+    if values.__class__ is array.array and values.typecode == "Q":
+        return values
     try:
         return array.array("Q", values)
     except (OverflowError, TypeError) as exc:
@@ -228,23 +232,36 @@ def runs_of(vas: Sequence[int], handles: Sequence[int], sizes: Sequence[int] | i
     return _u64s(maps), _u64s(unmaps)
 
 
+class _Prepared(C.Structure):
+    """``hv_prepared`` of hostvmm.h: the pool, both record arrays and their lengths, the
+    failing run's index (out)."""
+
+    _fields_ = [("pool", C.c_void_p), ("maps", C.c_void_p), ("nmaps", C.c_uint64),
+                ("unmaps", C.c_void_p), ("nunmaps", C.c_uint64), ("failed", C.c_uint64)]
+
+
 class RunBatch:
     """Run records prepared once (:meth:`HostDriver.prepare_runs`): ``maps`` holds
     ``(va, handle, nbytes)`` triples, ``unmaps`` the matching ``(va, nbytes)`` pairs, one per
-    run contiguous in address and memfd offset, with their ctypes arguments built, so mapping
-    or unmapping the same layout again costs one native call and nothing per page in Python.
-    The arrays must not be resized (the native call reads them by address)."""
+    run contiguous in address and memfd offset. A batch prepared by a driver carries that
+    driver's native call block (``hv_prepared``: the pool and both arrays), so mapping or
+    unmapping the same layout again is one native call with one prebuilt pointer argument:
+    nothing per page in Python and no argument conversion. A batch built directly (or used on
+    another driver) goes through the general record path. The arrays must not be resized (the
+    native call reads them by address); the block's pool is cleared when its driver closes."""
 
-    __slots__ = ("maps", "unmaps", "nbytes", "_maps_ptr", "_nmaps", "_unmaps_ptr", "_nunmaps")
+    __slots__ = ("maps", "unmaps", "nbytes", "_pool", "_call", "_ptr", "__weakref__")
 
     def __init__(self, maps: array.array, unmaps: array.array) -> None:
         self.maps, self.unmaps = maps, unmaps
         #: bytes in the batch (the runs' sizes added up)
         self.nbytes = sum(unmaps[1::2])
-        self._maps_ptr = C.c_void_p(maps.buffer_info()[0] if len(maps) else None)
-        self._nmaps = C.c_uint64(len(maps) // 3)
-        self._unmaps_ptr = C.c_void_p(unmaps.buffer_info()[0] if len(unmaps) else None)
-        self._nunmaps = C.c_uint64(len(unmaps) // 2)
+        #: the pool (address) whose call block this is; 0 = not prepared by a driver
+        self._pool = 0
+        self._call = _Prepared(None, maps.buffer_info()[0] if len(maps) else None, len(maps) // 3,
+                               unmaps.buffer_info()[0] if len(unmaps) else None,
+                               len(unmaps) // 2, 0)
+        self._ptr = C.pointer(self._call)
 
     def __len__(self) -> int:
         """Number of runs."""
@@ -255,7 +272,9 @@ def _addr(arr: array.array) -> int:
     return arr.buffer_info()[0]
 
 
-def _close_pool(lib: C.CDLL, pool: int) -> None:
+def _close_pool(lib: C.CDLL, pool: int, prepared: "weakref.WeakSet[RunBatch]") -> None:
+    for batch in list(prepared):  # their call blocks no longer reach the pool (EBADF)
+        batch._call.pool = None
     lib.hv_pool_close(pool)
 
 
@@ -311,12 +330,14 @@ class HostDriver(DriverBase):
         self._check("open host pool", self._lib.hv_pool_open_backed(
             C.byref(pool), granularity, device_memory or 0, BACKING_CODES[backing]))
         self._pool = pool.value
-        self._pool_arg = C.c_void_p(self._pool)  # prebuilt ctypes arguments of the run calls
-        # the prepared-batch calls: own function objects without argtypes (every argument is
-        # a ctypes instance already, so no conversion runs; ctypes still releases the GIL)
-        self._map_runs, self._unmap_runs = self._lib["hv_map_runs"], self._lib["hv_unmap_runs"]
-        self._map_runs.restype = self._unmap_runs.restype = C.c_int
-        self._finalizer = weakref.finalize(self, _close_pool, self._lib, self._pool)
+        # the prepared-batch calls: own function objects without argtypes, called with the
+        # batch's prebuilt pointer (no conversion runs; ctypes still releases the GIL)
+        self._map_prepared = self._lib["hv_map_prepared"]
+        self._unmap_prepared = self._lib["hv_unmap_prepared"]
+        self._map_prepared.restype = self._unmap_prepared.restype = C.c_int
+        self._prepared: "weakref.WeakSet[RunBatch]" = weakref.WeakSet()
+        self._finalizer = weakref.finalize(self, _close_pool, self._lib, self._pool,
+                                           self._prepared)
         #: the backing in use: "hugetlb", "thp" or "off" (4 KiB pages)
         self.hugepages = backing
         #: why this backing (what auto found, or the explicit choice)
@@ -458,25 +479,34 @@ class HostDriver(DriverBase):
         self._check("unmap", self._lib.hv_unmap(self._live(), va, None), f"va={va:#x}")
 
     def map_batch(self, vas: Sequence[int], handles: Sequence[int]) -> None:
-        """Maps ``handles[i]`` at ``vas[i]`` in one native call, all or nothing."""
+        """Maps ``handles[i]`` at ``vas[i]`` in one native call, all or nothing. The native
+        side finds the runs contiguous in address and memfd offset (one ``mmap`` each, runs of
+        one-granule handles checked and recorded in one pass), so nothing per page runs in
+        Python; ``array('Q')`` arguments are passed as they are (no conversion), other
+        sequences are converted once."""
         if len(vas) != len(handles):
             raise VmmInvalidArgument("map_batch", errno.EINVAL, "",
                                      f"{len(vas)} addresses but {len(handles)} handles")
         if not vas:
             return
+        if self._closed:
+            self._live()
         a, h = _u64s(vas), _u64s(handles)
         # the failing entry is named in the native message; no out-parameter is needed
-        rc = self._lib.hv_map_batch(self._live(), a.buffer_info()[0], h.buffer_info()[0],
+        rc = self._lib.hv_map_batch(self._pool, a.buffer_info()[0], h.buffer_info()[0],
                                     len(a), None)
         if rc:
             self._check("map_batch", rc)
 
     def unmap_batch(self, vas: Sequence[int]) -> None:
-        """Unmaps every mapping starting at ``vas[i]`` in one native call, all or nothing."""
+        """Unmaps every mapping starting at ``vas[i]`` in one native call, all or nothing
+        (``vas`` as for :meth:`map_batch`)."""
         if not vas:
             return
+        if self._closed:
+            self._live()
         a = _u64s(vas)
-        rc = self._lib.hv_unmap_batch(self._live(), a.buffer_info()[0], len(a), None)
+        rc = self._lib.hv_unmap_batch(self._pool, a.buffer_info()[0], len(a), None)
         if rc:
             self._check("unmap_batch", rc)
 
@@ -486,7 +516,11 @@ class HostDriver(DriverBase):
         granule each) at ``vas[i]``, prepared once for :meth:`map_runs` / :meth:`unmap_runs`
         (see :class:`RunBatch`)."""
         maps, unmaps = runs_of(vas, handles, self._granularity if sizes is None else sizes)
-        return RunBatch(maps, unmaps)
+        batch = RunBatch(maps, unmaps)
+        batch._call.pool = self._live()
+        batch._pool = self._pool
+        self._prepared.add(batch)
+        return batch
 
     def map_runs(self, runs: "RunBatch | array.array | Sequence[int]") -> None:
         """Maps run records in one native call, all or nothing: a :class:`RunBatch`, or a flat
@@ -495,36 +529,34 @@ class HostDriver(DriverBase):
         ``va`` onward with one ``mmap``. Each handle stays its own mapping (unmap it alone
         later, or with :meth:`unmap_batch`). A prepared batch costs no per-page work in Python
         and no argument conversion."""
-        if type(runs) is RunBatch:
-            if self._closed:
-                self._live()
-            rc = self._map_runs(self._pool_arg, runs._maps_ptr, runs._nmaps, None)
+        if runs.__class__ is RunBatch and runs._pool == self._pool:
+            rc = self._map_prepared(runs._ptr)  # a closed driver's blocks answer EBADF
         else:
-            a = runs if isinstance(runs, array.array) and runs.typecode == "Q" else _u64s(runs)
+            a = runs.maps if isinstance(runs, RunBatch) else _u64s(runs)
             n, rest = divmod(len(a), 3)
             if rest:
                 raise VmmInvalidArgument("map_runs", errno.EINVAL, "",
                                          f"{len(a)} values are not (va, handle, nbytes) triples")
             rc = self._lib.hv_map_runs(self._live(), a.buffer_info()[0], n, None) if n else 0
         if rc:
+            self._live()  # a closed driver says so
             self._check("map_runs", rc)
 
     def unmap_runs(self, runs: "RunBatch | array.array | Sequence[int]") -> None:
         """Unmaps run records in one native call, all or nothing: a :class:`RunBatch`, or a
         flat ``array('Q')`` (or sequence) of ``(va, nbytes)`` pairs, each range tiled exactly
         by mappings (any handles, mapped any way), unmapped with one system call per run."""
-        if type(runs) is RunBatch:
-            if self._closed:
-                self._live()
-            rc = self._unmap_runs(self._pool_arg, runs._unmaps_ptr, runs._nunmaps, None)
+        if runs.__class__ is RunBatch and runs._pool == self._pool:
+            rc = self._unmap_prepared(runs._ptr)
         else:
-            a = runs if isinstance(runs, array.array) and runs.typecode == "Q" else _u64s(runs)
+            a = runs.unmaps if isinstance(runs, RunBatch) else _u64s(runs)
             n, rest = divmod(len(a), 2)
             if rest:
                 raise VmmInvalidArgument("unmap_runs", errno.EINVAL, "",
                                          f"{len(a)} values are not (va, nbytes) pairs")
             rc = self._lib.hv_unmap_runs(self._live(), a.buffer_info()[0], n, None) if n else 0
         if rc:
+            self._live()  # a closed driver says so
             self._check("unmap_runs", rc)
 
     def is_mapped(self, va: int, nbytes: int) -> bool:

@@ -103,6 +103,8 @@ _HOST_PROTOTYPES: dict[str, tuple[list, Any]] = {
     "hv_unmap_batch": ([_POOL, _P, _U64, C.POINTER(_U64)], _INT),
     "hv_map_runs": ([_POOL, _P, _U64, C.POINTER(_U64)], _INT),
     "hv_unmap_runs": ([_POOL, _P, _U64, C.POINTER(_U64)], _INT),
+    "hv_map_prepared": ([_P], _INT),
+    "hv_unmap_prepared": ([_P], _INT),
     "hv_check_mapped": ([_POOL, _U64, _U64], _INT),
     "hv_copy_batch_checked": ([_POOL, _P, _P, _P, _U64, _INT, _INT, C.POINTER(_U64)], _INT),
     "hv_copy": ([_U64, _U64, _U64], None),
