@@ -39,8 +39,14 @@ def _path() -> Path:
 
 
 def enabled_by_env() -> bool:
-    """``ENV`` asks for the kernel (1/true/on/yes)."""
-    return os.environ.get(ENV, "").strip().lower() in ("1", "true", "on", "yes")
+    """``ENV`` asks for the kernel (1/true/on/yes/portable)."""
+    return os.environ.get(ENV, "").strip().lower() in ("1", "true", "on", "yes", "portable")
+
+
+def portable_by_env() -> bool:
+    """``ENV=portable``: the kernel's portable C implementation even where AVX-512 runs (tests,
+    comparisons)."""
+    return os.environ.get(ENV, "").strip().lower() == "portable"
 
 
 def load() -> Any:
@@ -52,10 +58,14 @@ def load() -> Any:
         if p.is_file():
             lib = ctypes.CDLL(str(p))
             f = lib.xllm_paged_decode
-            i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            f.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64,
-                          ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-            f.restype = ctypes.c_int
+            i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+            f.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64,
+                          i64, i64, i64, i64, ctypes.c_float, i32, i32, i32, i32]
+            f.restype = i32
+            lib.xllm_paged_decode_impl.argtypes = [i64, i32, i32, i32]
+            lib.xllm_paged_decode_impl.restype = i32
+            lib.xllm_paged_attn_isa.argtypes = []
+            lib.xllm_paged_attn_isa.restype = i32
             _LIB = lib
     return _LIB
 
@@ -74,51 +84,126 @@ def supports(q_dtype: Any, kv_dtype: Any, device: Any, num_heads: int, num_kv_he
 
     return (load() is not None and torch.device(device).type == "cpu"
             and _code(q_dtype) is not None and _code(kv_dtype) is not None
-            and head_dim <= 512 and num_heads % num_kv_heads == 0
-            and num_heads // num_kv_heads <= 16)
+            and 1 <= head_dim <= MAX_HEAD_DIM and num_heads % num_kv_heads == 0
+            and num_heads // num_kv_heads <= MAX_GROUP)
+
+
+def implementation(q_dtype: Any, kv_dtype: Any, head_dim: int, *, portable: bool = False) -> str:
+    """Which implementation a call takes here: ``"avx512-bf16"``, ``"avx512-f32"`` or
+    ``"portable"`` (no AVX-512 / AVX-512-BF16 on this CPU, q and K/V of different dtypes, a
+    head_dim not a multiple of 16, or ``portable``)."""
+    lib = load()
+    if lib is None:
+        raise ValueError(_NOT_BUILT)
+    code = lib.xllm_paged_decode_impl(head_dim, _code(q_dtype), _code(kv_dtype), int(portable))
+    return {0: "portable", 1: "avx512-f32", 2: "avx512-bf16"}[code]
+
+
+_NOT_BUILT = (f"the native decode kernel is not available ({LIB_NAME} is not built: "
+              "python setup.py build_ext --inplace)")
+MAX_HEAD_DIM = 512
+MAX_GROUP = 16
+
+
+def _int64(t: Any, name: str) -> Any:
+    import torch
+
+    if t.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
+    return t.to(torch.int64).contiguous()
 
 
 def paged_decode(q: Tensor, k_slots: Tensor, v_slots: Tensor, block_table: Tensor,
                  seq_lens: Tensor, *, block_size: int, blocks_per_slot: int, scale: float,
-                 num_threads: int | None = None) -> Tensor:
-    """Attention output ``(B, H, D)`` (q's dtype) of decode queries ``q`` ``(B, H, D)`` over
-    the keys ``0 .. seq_lens[b] - 1`` of each sequence, read through ``block_table`` ``(B, nb)``
-    int64 from the layer's ``slots`` views (``(S, Bps * block_size, Hkv, D)``, page stride
-    ``stride(0)``). Every table entry below ``ceil(seq_lens[b] / block_size)`` must be a block
-    the manager handed out (invariant 1); entries beyond are never read."""
+                 rows: Tensor | None = None, out: Tensor | None = None,
+                 num_threads: int | None = None, portable: bool | None = None) -> Tensor:
+    """Decode attention written into ``out`` ``(T, H, D)`` (q's dtype; a new tensor when None)
+    and returned: for decode ``b``, row ``r = rows[b]`` (``rows`` None: ``r = b``, ``B = T``)
+    of ``out`` is the attention of query row ``q[r]`` over the keys ``0 .. seq_lens[b] - 1`` of
+    its sequence, read in place through ``block_table`` ``(B, nb)`` from the layer's ``slots``
+    views (``(S, Bps * block_size, Hkv, D)``, page stride ``stride(0)``); rows of ``out`` not
+    in ``rows`` are left as they are. Every table entry below ``ceil(seq_lens[b] /
+    block_size)`` must be a block the manager handed out (invariant 1; ids outside the views
+    are refused); entries beyond, and a block's slots beyond ``seq_lens[b]``, are never read.
+    ``portable`` (None: the ``ENV`` setting) forces the portable C implementation.
+
+    Raises ``ValueError`` naming the argument on a shape, dtype, device or range the kernel
+    does not take; nothing is written then."""
     import torch
 
     lib = load()
     if lib is None:
-        raise ValueError(f"the native decode kernel is not available ({LIB_NAME} is not built: "
-                         "python setup.py build_ext --inplace)")
+        raise ValueError(_NOT_BUILT)
+    if q.dim() != 3:
+        raise ValueError(f"q must be (T, H, D), got shape {tuple(q.shape)}")
+    if k_slots.dim() != 4 or tuple(v_slots.shape) != tuple(k_slots.shape):
+        raise ValueError(f"k_slots/v_slots must be two (S, tokens, Hkv, D) views of one shape, "
+                         f"got {tuple(k_slots.shape)} / {tuple(v_slots.shape)}")
+    for name, t in (("q", q), ("k_slots", k_slots), ("v_slots", v_slots)):
+        if t.device.type != "cpu":
+            raise ValueError(f"{name} is on {t.device}; the native decode kernel runs on CPU")
     qt, kt = _code(q.dtype), _code(k_slots.dtype)
-    if qt is None or kt is None or v_slots.dtype != k_slots.dtype:
-        raise ValueError(f"native decode supports float32/bfloat16, got q {q.dtype}, "
-                         f"K {k_slots.dtype}, V {v_slots.dtype}")
-    b, h, d = q.shape
-    _, _, hkv, dk = k_slots.shape
-    if dk != d or tuple(v_slots.shape) != tuple(k_slots.shape) or v_slots.stride() != k_slots.stride():
-        raise ValueError(f"K/V views {tuple(k_slots.shape)}/{tuple(v_slots.shape)} do not match q "
-                         f"{tuple(q.shape)}")
-    if k_slots.stride()[1:] != (hkv * d, d, 1):
-        raise ValueError("K/V slots views must be token-major (stride (page, Hkv*D, D, 1))")
+    if qt is None:
+        raise ValueError(f"q must be float32 or bfloat16, got {q.dtype}")
+    if kt is None or v_slots.dtype != k_slots.dtype:
+        raise ValueError(f"k_slots/v_slots must be float32 or bfloat16 and alike, got "
+                         f"{k_slots.dtype} / {v_slots.dtype}")
+    t_rows, h, d = q.shape
+    s, tokens, hkv, dk = k_slots.shape
+    if dk != d:
+        raise ValueError(f"k_slots head_dim {dk} differs from q's {d}")
+    if h % hkv or h // hkv > MAX_GROUP or d > MAX_HEAD_DIM:
+        raise ValueError(f"q heads {h} over K/V heads {hkv}: the kernel needs H a multiple of "
+                         f"Hkv with H/Hkv <= {MAX_GROUP}, and head_dim <= {MAX_HEAD_DIM} "
+                         f"(got {d})")
+    if k_slots.stride()[1:] != (hkv * d, d, 1) or v_slots.stride() != k_slots.stride():
+        raise ValueError("k_slots/v_slots must be token-major views with equal strides "
+                         f"(page, Hkv*D, D, 1), got {k_slots.stride()} / {v_slots.stride()}")
+    if block_size < 1 or blocks_per_slot < 1 or tokens != block_size * blocks_per_slot:
+        raise ValueError(f"block_size {block_size} x blocks_per_slot {blocks_per_slot} must "
+                         f"equal the views' tokens per slot {tokens}")
     q = q.contiguous()
-    table = block_table.to(torch.int64).contiguous()
-    lens = seq_lens.to(torch.int64).contiguous()
-    if table.shape[0] != b or lens.shape != (b,):
-        raise ValueError(f"block_table {tuple(table.shape)} / seq_lens {tuple(lens.shape)} do "
-                         f"not match {b} queries")
-    out = torch.empty_like(q)
+    table = _int64(block_table, "block_table")
+    lens = _int64(seq_lens, "seq_lens")
+    if table.dim() != 2 or lens.dim() != 1 or table.shape[0] != lens.shape[0]:
+        raise ValueError(f"block_table {tuple(table.shape)} and seq_lens {tuple(lens.shape)} "
+                         "must be (B, nb) and (B,)")
+    b = lens.shape[0]
+    if rows is None:
+        if b != t_rows:
+            raise ValueError(f"without rows, seq_lens must have one entry per q row ({t_rows}), "
+                             f"got {b}")
+        rows_t = None
+    else:
+        rows_t = _int64(rows, "rows")
+        if rows_t.shape != (b,):
+            raise ValueError(f"rows {tuple(rows_t.shape)} must be ({b},), one per sequence")
+    if out is None:
+        out = torch.empty_like(q)
+    elif (out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous()
+          or out.device.type != "cpu"):
+        raise ValueError(f"out must be a contiguous CPU {q.dtype} tensor of q's shape "
+                         f"{tuple(q.shape)}, got {out.dtype} {tuple(out.shape)}")
+    if portable is None:
+        portable = portable_by_env()
     n = torch.get_num_threads() if num_threads is None else num_threads
+    if b == 0:
+        return out
     rc = lib.xllm_paged_decode(
-        q.data_ptr(), out.data_ptr(), k_slots.data_ptr(), v_slots.data_ptr(), table.data_ptr(),
-        table.shape[1], lens.data_ptr(), b, h, hkv, d, block_size, blocks_per_slot,
-        k_slots.stride(0), float(scale), qt, kt, n)
+        q.data_ptr(), out.data_ptr(), None if rows_t is None else rows_t.data_ptr(), t_rows,
+        k_slots.data_ptr(), v_slots.data_ptr(), table.data_ptr(), table.shape[1], table.shape[1],
+        lens.data_ptr(), b, h, hkv, d, block_size, blocks_per_slot, k_slots.stride(0),
+        s * blocks_per_slot, float(scale), qt, kt, int(n), int(bool(portable)))
+    if rc == -3:
+        raise ValueError(f"block_table holds a block id outside [0, {s * blocks_per_slot}) of "
+                         f"the views, or rows a row outside [0, {t_rows})")
+    if rc == -2:
+        raise MemoryError("xllm_paged_decode: out of memory for its score buffers")
     if rc != 0:
-        raise ValueError(f"xllm_paged_decode refused its arguments (rc {rc}): seq_lens must be in "
-                         f"[1, nb * block_size], heads {h}/{hkv}, head_dim {d}")
+        raise ValueError(f"seq_lens must be in [1, nb * block_size = "
+                         f"{table.shape[1] * block_size}] (xllm_paged_decode rc {rc})")
     return out
 
 
-__all__ = ["ENV", "LIB_NAME", "enabled_by_env", "load", "paged_decode", "supports"]
+__all__ = ["ENV", "LIB_NAME", "enabled_by_env", "implementation", "load", "paged_decode",
+           "portable_by_env", "supports"]
