@@ -38,7 +38,7 @@ def _lib(name: str, sources: list[str]) -> Extension:
     return Extension(
         f"xllm_vmm.vmm.{name}",
         sources=sources,
-        depends=["native/hostvmm.h"],
+        depends=["native/hostvmm.h", "native/threadpool.h"],
         include_dirs=["native"],
         extra_compile_args=CFLAGS,
         extra_link_args=["-lpthread"],
