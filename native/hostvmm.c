@@ -1046,11 +1046,13 @@ static void record_map_run_locked(hv_pool *p, hv_resv *r, uint64_t first, uint64
         }
         return;
     }
-    uint64_t *e = &r->ent[first], slot0 = off >> p->gshift;
-    uint32_t *hm = &p->hmaps[slot0];
-    uint8_t *hf = &p->hflags[slot0];
+    /* locals and restrict: the stores cannot alias the pool's fields, so the loops vectorize */
+    const uint64_t sh = p->gshift, slot0 = off >> sh;
+    uint64_t *restrict e = &r->ent[first];
+    uint32_t *restrict hm = &p->hmaps[slot0];
+    uint8_t *restrict hf = &p->hflags[slot0];
     for (uint64_t i = 0; i < pages; i++) {
-        e[i] = (off + (i << p->gshift)) | HV_START_BIT;
+        e[i] = (off + (i << sh)) | HV_START_BIT;
         hm[i]++;
         hf[i] |= HV_USED;
     }
@@ -1181,9 +1183,11 @@ static void unclaim_runs_locked(hv_pool *p, const uint64_t *runs, uint64_t n) {
  * granule and none deferred-freed (checked). */
 static void record_unmap_single_run_locked(hv_pool *p, hv_resv *r, uint64_t first,
                                            uint64_t pages) {
-    uint64_t *e = &r->ent[first];
+    uint64_t *restrict e = &r->ent[first];
+    uint32_t *restrict hm = p->hmaps;
+    const uint64_t sh = p->gshift;
     for (uint64_t i = 0; i < pages; i++) {
-        p->hmaps[(e[i] & ~HV_START_BIT) >> p->gshift]--;
+        hm[(e[i] & ~HV_START_BIT) >> sh]--;
         e[i] = 0;
     }
     r->mapped_pages -= pages;

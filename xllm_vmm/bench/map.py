@@ -11,10 +11,12 @@ in interleaved repeats (best and median reported):
   per-page ``mmap`` system calls (scattered pages: the limit on this host); on ACL/CUDA the
   library's map/unmap functions called straight through ctypes;
 * ``contiguous_batched``: on *contiguous* pages (address and memfd offset both increasing),
-  the host driver's run records: one ``map_runs`` + one ``unmap_runs`` call per round on
-  arrays built once (one record and one ``mmap`` per contiguous run, the bookkeeping still per
-  handle); other drivers: ``batched`` on those pages. ``contiguous_map_batch`` (host): the
-  same pages through ``map_batch``/``unmap_batch`` with Python lists (arrays built per call);
+  the host driver's run records: one ``map_runs`` + one ``unmap_runs`` call per round on a
+  batch prepared once (one record and one ``mmap`` per contiguous run, the bookkeeping still
+  per handle; each call is one native call with one prebuilt pointer argument); other
+  drivers: ``batched`` on those pages. ``contiguous_map_batch`` (host): the same pages
+  through ``map_batch``/``unmap_batch`` with Python lists (arrays converted per call, the
+  runs found in C);
 * ``native_call_us`` (host): one ctypes call of a trivial native function, the fixed cost of
   every batched call;
 * ``coalesced_raw`` (host): a C loop with one ``mmap`` per contiguous run and one for the
@@ -123,11 +125,12 @@ def runs_fn(driver, vas: list[int], handles: list[int], rounds: int):
     """``rounds`` of map_runs + unmap_runs on run records built once (the host driver's path
     for contiguous pages: no per-page work in Python)."""
     batch = driver.prepare_runs(vas, handles)
+    map_runs, unmap_runs = driver.map_runs, driver.unmap_runs  # as a caller's hot loop would
 
     def runs() -> None:
         for _ in range(rounds):
-            driver.map_runs(batch)
-            driver.unmap_runs(batch)
+            map_runs(batch)
+            unmap_runs(batch)
     return runs
 
 
@@ -208,10 +211,12 @@ def run(driver, pages: int = 64, rounds: int = 20, repeats: int = 3, release_pag
     was = driver.populate if can_populate else False
     try:
         def batched_of(where, hs):
+            map_batch, unmap_batch = driver.map_batch, driver.unmap_batch
+
             def batched() -> None:
                 for _ in range(rounds):
-                    driver.map_batch(where, hs)
-                    driver.unmap_batch(where)
+                    map_batch(where, hs)
+                    unmap_batch(where)
             return batched
 
         def per_call() -> None:
