@@ -1,13 +1,14 @@
-"""Layer kernels the engine's speed work changed keep their numerics: the fused RMS norm is
-bit-identical to ``h * rsqrt(mean(h^2) + eps)`` in float32 and bfloat16 (hidden rows and per-head
-rows), and RoPE's per-step cos/sin lookup is reused only for the same positions tensor."""
+"""Layer kernels the engine's speed work changed keep their numerics: the torch RMS norm (the
+fallback of the native op) is bit-identical to ``h * rsqrt(mean(h^2) + eps)`` in float32 and
+bfloat16 (hidden rows and per-head rows), and RoPE's per-step cos/sin lookup is reused only for the
+same positions tensor. The native ops are tested in ``test_layers_native.py``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from xllm_vmm.engine.layers.norm import rms_norm
+from xllm_vmm.engine.layers.norm import rms_norm_torch as rms_norm
 from xllm_vmm.engine.layers.rotary import RotaryEmbedding
 
 

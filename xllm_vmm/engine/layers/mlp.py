@@ -1,9 +1,13 @@
-"""The SiLU-gated feed-forward of Llama / Qwen: ``down(silu(gate(x)) * up(x))``."""
+"""The SiLU-gated feed-forward of Llama / Qwen: ``down(silu(gate(x)) * up(x))``.
+
+``silu(g) * u`` is one native pass into ``g``'s memory (``layer_ops.silu_and_mul``) when the
+tensors fit it, else torch's in-place ``silu_`` then ``mul_`` (the same roundings)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from xllm_vmm.engine.layers import layer_ops
 from xllm_vmm.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from xllm_vmm.engine.layers.parallel import SINGLE, TensorParallel
 
@@ -33,5 +37,8 @@ class GatedMLP:
     def __call__(self, x: Tensor) -> Tensor:
         import torch.nn.functional as F
 
-        h = F.silu(self.gate(x), inplace=True)  # in place: no extra (T, intermediate) temporaries
-        return self.down(h.mul_(self.up(x)))
+        g, u = self.gate(x), self.up(x)
+        if layer_ops.supported(g, u):
+            return self.down(layer_ops.silu_and_mul(g, u, out=g))
+        # in place: no extra (T, intermediate) temporaries
+        return self.down(F.silu(g, inplace=True).mul_(u))

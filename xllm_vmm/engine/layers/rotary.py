@@ -17,6 +17,9 @@
 
 Angles are computed in float32 (``position * inv_freq``); cos/sin are cast to the activations'
 dtype before the rotation, like transformers does, so fp32 outputs agree to rounding.
+:meth:`RotaryEmbedding.apply_` rotates q and k in place in one native pass (``layer_ops.rope_``,
+cos/sin rows looked up by position inside the op) when they fit it, else returns the torch
+formula's new tensors (:meth:`RotaryEmbedding.__call__`); both give the same bits.
 The cos/sin table starts at ``min(max_positions, INITIAL_POSITIONS)`` positions (a 128k-context
 model would otherwise hold hundreds of MB of table at start) and doubles on demand.
 """
@@ -181,14 +184,24 @@ class RotaryEmbedding:
 
     _last: Any = None
 
-    def _lookup(self, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
-        n = int(positions.max()) + 1 if positions.numel() else 1
-        if n > self._cos.shape[0]:
-            self._build(max(n, 2 * self._cos.shape[0]))
+    def tables(self, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
+        """The whole ``(P, rotary_dim)`` cos and sin tables in ``dtype``, grown to cover every
+        position in ``positions`` (checked once per ``positions`` tensor object)."""
+        if self._sized is not positions:
+            n = int(positions.max()) + 1 if positions.numel() else 1
+            if n > self._cos.shape[0]:
+                self._build(max(n, 2 * self._cos.shape[0]))
+            self._sized = positions
         table = self._cast.get(dtype)
         if table is None:
             table = self._cast[dtype] = (self._cos.to(dtype), self._sin.to(dtype))
-        return table[0][positions].unsqueeze(1), table[1][positions].unsqueeze(1)
+        return table
+
+    _sized: Any = None
+
+    def _lookup(self, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
+        cos, sin = self.tables(positions, dtype)
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
     @staticmethod
     def _rotate_half(x: Tensor) -> Tensor:
@@ -198,5 +211,22 @@ class RotaryEmbedding:
         return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
     def __call__(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """The torch formula: new rotated ``q`` and ``k`` (last dimension ``rotary_dim``)."""
         cos, sin = self.cos_sin(positions, q.dtype)
         return (q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin)
+
+    def apply_(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """Rotated ``q`` (T, H, D) and ``k`` (T, Hkv, D), ``D == rotary_dim``: in place (the same
+        tensors are returned) when the native op takes them, else :meth:`__call__`'s."""
+        import torch
+
+        from xllm_vmm.engine.layers import layer_ops
+
+        if (q.shape[-1] == self.head_dim and k.shape[-1] == self.head_dim
+                and positions.dtype is torch.int64 and positions.device.type == "cpu"
+                and q.dim() == 3 and k.dim() == 3 and q.stride(1) == k.stride(1)
+                and layer_ops.supported(q, k) and positions.is_contiguous()):
+            cos, sin = self.tables(positions, q.dtype)
+            layer_ops.rope_(positions, q, k, cos, sin, checked=True)  # StepInput: positions >= 0
+            return q, k
+        return self(positions, q, k)

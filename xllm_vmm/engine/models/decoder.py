@@ -109,7 +109,7 @@ class Attention:
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary.apply_(positions, q, k)  # in place where the native op runs
         backend.write_kv(kv, k, v, meta)
         o = backend.attend(q, k, v, kv, meta)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
@@ -120,10 +120,26 @@ class DecoderLayer:
         self.attn, self.mlp = attn, mlp
         self.input_norm, self.post_norm = input_norm, post_norm
 
+    def forward(self, x: Tensor, residual: Tensor | None, positions: Tensor, kv: PagedKV,
+                backend: AttentionBackend, meta: Any) -> tuple[Tensor, Tensor]:
+        """vLLM's residual pattern: the layer's input is ``x + residual`` (``residual`` None: just
+        ``x``, which becomes the residual stream and is then updated in place); returns the MLP's
+        output and the residual stream, whose sum is the layer's output. Each norm is fused
+        with the add before it (``RMSNorm.add``); the sums and their roundings are those of
+        ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
+        if residual is None:
+            residual = x
+            h = self.input_norm(x)
+        else:
+            h = self.input_norm.add(x, residual)
+        h = self.attn(h, positions, kv, backend, meta)
+        return self.mlp(self.post_norm.add(h, residual)), residual
+
     def __call__(self, x: Tensor, positions: Tensor, kv: PagedKV, backend: AttentionBackend,
                  meta: Any) -> Tensor:
-        h = x + self.attn(self.input_norm(x), positions, kv, backend, meta)
-        return h + self.mlp(self.post_norm(h))
+        """The layer's output ``h + mlp(norm(h))``, ``h = x + attn(norm(x))`` (``x`` unchanged)."""
+        out, residual = self.forward(x.clone(), None, positions, kv, backend, meta)
+        return residual.add_(out)
 
 
 class CausalLM:
@@ -201,10 +217,11 @@ class CausalLM:
     def forward(self, input_ids: Tensor, positions: Tensor, kv_layers: list[PagedKV],
                 backend: AttentionBackend, meta: Any) -> Tensor:
         """Hidden states ``(T, hidden)`` of the last layer, before the final norm."""
-        x = self.embed(input_ids)
+        x = self.embed(input_ids)  # a new tensor: it becomes the residual stream (updated in place)
+        residual = None
         for layer, kv in zip(self.layers, kv_layers):
-            x = layer(x, positions, kv, backend, meta)
-        return x
+            x, residual = layer.forward(x, residual, positions, kv, backend, meta)
+        return residual.add_(x) if residual is not None else x
 
     def final_hidden(self, hidden: Tensor) -> Tensor:
         """The final norm (what the LM head and an MTP draft read)."""
