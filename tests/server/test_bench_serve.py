@@ -83,3 +83,7 @@ def test_bench_serve_cli_json_on_a_real_server(tiny_llama_dir):
     assert out["kv_mapped_bytes_after"] <= out["kv_packed_floor_bytes_after"] + (2 << 20) * 8
     assert out["reserved_virtual_bytes"] > out["kv_mapped_bytes_peak"]
     assert out["engine_steps"] >= 64 and 0 < out["engine_busy_fraction"] <= 1.0
+    # the server's own latency by stage (median <= p99, in µs; what the load added)
+    for stage in ("overhead", "admit", "pickup", "add", "handoff", "emit"):
+        med, p99 = out[f"server_{stage}_us_median"], out[f"server_{stage}_us_p99"]
+        assert med is not None and 0 <= med <= p99 <= 1e7, stage

@@ -163,6 +163,63 @@ def parse_metric(text: str, name: str, labels: dict[str, str] | None = None) -> 
     return total
 
 
+def histogram_buckets(text: str, name: str, labels: dict[str, str] | None = None
+                      ) -> list[tuple[float, float]]:
+    """The cumulative buckets ``[(le, count), ...]`` (ascending ``le``, ``+Inf`` last) of the
+    Prometheus histogram ``name`` (``name_bucket`` samples whose labels include ``labels``,
+    summed over the other labels); empty when absent."""
+    out: dict[float, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(f"{name}_bucket{{"):
+            continue
+        head, _, value = line.rpartition(" ")
+        got = dict(re.findall(r'(\w+)="([^"]*)"', head.partition("{")[2]))
+        if labels and any(got.get(k) != v for k, v in labels.items()):
+            continue
+        le = float(got.get("le", "inf"))
+        out[le] = out.get(le, 0.0) + float(value)
+    return sorted(out.items())
+
+
+def histogram_quantile(before: list[tuple[float, float]], after: list[tuple[float, float]],
+                       q: float) -> Optional[float]:
+    """The ``q`` quantile (0..1) of what a histogram gained between two scrapes, by linear
+    interpolation inside the bucket (Prometheus' ``histogram_quantile``; the first bucket
+    from 0, a rank in ``+Inf`` answers the highest finite bound); None without samples."""
+    base = dict(before)
+    rows = [(le, c - base.get(le, 0.0)) for le, c in after]
+    if not rows or rows[-1][1] <= 0:
+        return None
+    rank = q * rows[-1][1]
+    prev_le, prev_c = 0.0, 0.0
+    for le, c in rows:
+        if c >= rank:
+            if math.isinf(le):
+                return prev_le
+            if c == prev_c:
+                return le
+            return prev_le + (le - prev_le) * (rank - prev_c) / (c - prev_c)
+        prev_le, prev_c = le, c
+    return prev_le
+
+
+def server_latency_figures(before: str, after: str) -> dict:
+    """``server_<stage>_us_median`` / ``_p99``: median and p99 in µs of each stage of the
+    server's own latency (``xllm_vmm_server_latency_seconds{stage}``, the stages of
+    ``server.metrics.SERVER_STAGES``) over what the load added between the scrapes ``before``
+    and ``after`` (None where the server has none, e.g. vLLM's)."""
+    from xllm_vmm.server.metrics import SERVER_STAGES  # the names' one home (no torch)
+
+    out: dict = {}
+    for stage in SERVER_STAGES:
+        b = histogram_buckets(before, "xllm_vmm_server_latency_seconds", {"stage": stage})
+        a = histogram_buckets(after, "xllm_vmm_server_latency_seconds", {"stage": stage})
+        for tag, q in (("median", 0.5), ("p99", 0.99)):
+            v = histogram_quantile(b, a, q)
+            out[f"server_{stage}_us_{tag}"] = None if v is None else 1e6 * v
+    return out
+
+
 async def _one(client, url: str, model: str, prompt: list[int], cfg: LoadConfig,
                headers: dict) -> _Result:
     res = _Result()
@@ -360,6 +417,7 @@ async def drive(url: str, cfg: LoadConfig, *, rss_pid: Optional[int] = None) -> 
         "stream_encode_us_per_token": (1e6 * own["stream_s"] / own["tokens"]
                                        if own["stream_s"] is not None and own["tokens"]
                                        else None),
+        **server_latency_figures(reserved_text, end_text),
         **workers,
     }
 

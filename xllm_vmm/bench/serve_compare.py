@@ -17,7 +17,9 @@ comparison still reports our side (``vllm.error``).
 
 Figures (:func:`compare`): per side, ``runs`` (each run's ``drive`` figures) and
 ``output_throughput_min``/``_median``, ``ttft_ms_median``, ``tpot_ms_median``, ``itl_ms_median``
-(medians over runs of each run's median), ``rss_bytes_peak_median``, ``failures`` (all runs);
+(medians over runs of each run's median), ``rss_bytes_peak_median``,
+``server_overhead_us_median``/``_p99`` and ``server_emit_us_median``/``_p99`` (the server's own
+latency, medians over runs; None for vLLM), ``failures`` (all runs);
 ``vs_vllm_throughput_ratio`` = our median output throughput / vLLM's (> 1: ours is faster),
 ``vs_vllm_ttft_ratio`` and ``vs_vllm_tpot_ratio`` (ours / theirs: < 1 is better),
 ``vs_vllm_throughput_ratio_per_round`` (ours / theirs within each round: the pairs closest in
@@ -193,6 +195,10 @@ def summarize(runs: list[dict]) -> dict:
         "tpot_ms_median": _median([r["tpot_ms_median"] for r in ok]),
         "itl_ms_median": _median([r["itl_ms_median"] for r in ok]),
         "rss_bytes_peak_median": _median([r.get("rss_bytes_peak") for r in ok]),
+        # the server's own latency (bench serve's server_*_us_*; None for vLLM's server)
+        **{k: _median([r.get(k) for r in ok])
+           for k in ("server_overhead_us_median", "server_overhead_us_p99",
+                     "server_emit_us_median", "server_emit_us_p99")},
         "failures": sum(r["failures"] for r in ok),
     }
 

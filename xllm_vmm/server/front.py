@@ -3,9 +3,10 @@
 Threads and who owns what (the HTTP event loop never waits on model execution):
 
 - **engine thread** (one per engine): the only code that touches the engine. It drains an inbox
-  (adds, aborts, commands such as sleep or stats) between steps, runs ``engine.step()`` while
-  requests are unfinished and sleeps on the inbox otherwise. Its step outputs go to the output
-  thread untouched.
+  (adds, aborts, commands such as sleep or stats) between steps without waiting, runs
+  ``engine.step()`` while requests are unfinished and blocks on the inbox otherwise (no
+  timeout, no poll: a put wakes it). Its step outputs go to the output thread untouched, the
+  moment the step returns (its own bookkeeping comes after).
 - **output thread**: incremental detokenization through the engine's ``OutputProcessor`` (no
   broken multi-byte characters), stop strings (a hit aborts the request in the engine: its
   blocks are freed), latency metrics; each result goes to the request's ``asyncio.Queue`` with
@@ -24,6 +25,14 @@ Invariants:
    requests in flight. Over a limit the request is refused before anything is queued (429/503).
 3. While the engine sleeps, drains for a sleep, or shuts down, new requests are refused with 503;
    sleep without ``drain`` is refused (409) while any request is in flight.
+
+The server's own latency (``xllm_vmm_server_latency_seconds{stage}``, monotonic seconds):
+``admit`` (the HTTP request's arrival to its inbox entry: body, validation, tokenization),
+``pickup`` (inbox to the engine thread taking it: the step in progress, engine-bound),
+``add`` (``engine.add_request``), per streamed chunk ``handoff`` (the step's end to the delta
+on the event loop: output thread, wake-up) and ``emit`` (the step's end to the SSE event
+written), and per request ``overhead`` = admit + add + the first token's emit: what the
+server adds to TTFT beyond waiting for and running engine steps.
 """
 
 from __future__ import annotations
@@ -65,15 +74,21 @@ class Delta:
     num_output_tokens: int = 0
     error: Optional[APIError] = None
     prompt_logprobs: Optional[list] = None
+    #: monotonic seconds: the step that produced it returned (0: not from a step); the event
+    #: loop received it (0: not yet)
+    step_time: float = 0.0
+    loop_time: float = 0.0
 
 
 class _Req:
     """Front-side state of one engine request (one choice of a client request)."""
 
     __slots__ = ("rid", "index", "prompt_ids", "params", "queue", "loop", "arrival",
-                 "first_token", "last_token", "n_out", "done", "accepted", "cache_salt")
+                 "first_token", "last_token", "n_out", "done", "accepted", "cache_salt",
+                 "t_queued", "t_picked", "t_added", "emitted")
 
-    def __init__(self, rid, index, prompt_ids, params, q, loop, accepted, cache_salt=None):
+    def __init__(self, rid, index, prompt_ids, params, q, loop, accepted, cache_salt=None,
+                 arrival=None):
         self.rid = rid
         self.cache_salt = cache_salt
         self.index = index
@@ -81,7 +96,11 @@ class _Req:
         self.params = params
         self.queue = q
         self.loop = loop
-        self.arrival = time.monotonic()
+        #: monotonic seconds: the HTTP request arrived (else this object was made), entered
+        #: the inbox, was taken by the engine thread, was added to the engine
+        self.arrival = time.monotonic() if arrival is None else arrival
+        self.t_queued = self.t_picked = self.t_added = 0.0
+        self.emitted = False  # its first token's SSE event was written
         self.first_token: Optional[float] = None
         self.last_token: Optional[float] = None
         self.n_out = 0
@@ -139,6 +158,8 @@ class AsyncEngine:
         self._engine_thread: Optional[threading.Thread] = None
         self._output_thread: Optional[threading.Thread] = None
         self.steps = 0
+        #: the engine thread's blocking inbox waits (each ends with an item: no timeout)
+        self.idle_waits = 0
         #: CPU seconds (``time.thread_time``: waits for the interpreter lock or the kernel
         #: not counted) the output thread spent on step outputs (detokenizing, stop strings,
         #: metrics, hand-off to the event loop) and the tokens it handled; CPU seconds the
@@ -218,13 +239,16 @@ class AsyncEngine:
         return f"{prefix}-{next(self._ids):x}-{int(time.time() * 1000) & 0xffffffff:08x}"
 
     async def generate(self, request_id: str, prompts: list[list[int]], params_kwargs: dict,
-                       n: int = 1, cache_salt: Optional[str] = None) -> "Generation":
+                       n: int = 1, cache_salt: Optional[str] = None,
+                       received: Optional[float] = None) -> "Generation":
         """Submit ``n`` choices of each prompt (choice index ``p * n + i``); returns once the
         engine accepted every one (or raises the :class:`APIError` it refused them with: a 400
         naming the parameter, a 503/429 at the limits; then nothing stays queued). Iterate the
         returned :class:`Generation` for the deltas of every choice, in arrival order.
         ``cache_salt`` goes to every choice's ``engine.add_request`` (vLLM's field: requests
-        with different salts never share prefix-cache blocks)."""
+        with different salts never share prefix-cache blocks). ``received``: when the HTTP
+        request arrived (``time.monotonic()``; default now), the start of its TTFT and of the
+        server's ``admit`` latency."""
         err = self.admission_error(n * len(prompts))
         if err is not None:
             raise err
@@ -240,13 +264,17 @@ class AsyncEngine:
                 rid = request_id if single else f"{request_id}-{index}"
                 accepted: concurrent.futures.Future = concurrent.futures.Future()
                 reqs.append(_Req(rid, index, list(prompt_ids), params, q, loop, accepted,
-                                 cache_salt))
+                                 cache_salt, received))
         with self._lock:
             for r in reqs:
                 self._streams[r.rid] = r
             self._pending_adds += len(reqs)
+        now = time.monotonic()
         for r in reqs:
+            r.t_queued = now
             self._inbox.put(("add", r))
+        if self.metrics is not None:
+            self.metrics.observe_server(self.name, "admit", now - reqs[0].arrival)
         gen = Generation(self, reqs, q, [len(x) for x in prompts])
         try:
             for r in reqs:
@@ -424,12 +452,16 @@ class AsyncEngine:
     # ------------------------------------------------------------------ engine thread
     def _engine_loop(self) -> None:
         eng = self.engine
+        inbox = self._inbox
         while True:
-            busy = eng.has_unfinished_requests()
-            try:
-                item = self._inbox.get_nowait() if busy else self._inbox.get(timeout=0.5)
-            except queue.Empty:
-                item = None
+            if self._engine_error is None and eng.has_unfinished_requests():
+                try:  # work to do: take what arrived, never wait
+                    item = inbox.get_nowait()
+                except queue.Empty:
+                    item = None
+            else:  # idle (or failed: nothing to compute): block until something arrives
+                self.idle_waits += 1
+                item = inbox.get()
             while item is not None:
                 if item[0] == "stop":
                     self._abort_all_in_engine()
@@ -440,7 +472,6 @@ class AsyncEngine:
                 except queue.Empty:
                     item = None
             if self._engine_error is not None:  # marked failed: nothing more to compute
-                time.sleep(0.05)
                 continue
             if not eng.has_unfinished_requests():
                 self._num_waiting = 0
@@ -453,14 +484,15 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 self._fail_all(APIError(500, f"the engine failed: {type(exc).__name__}: {exc}"))
                 continue
+            t1 = time.perf_counter()
+            if outs:  # to the output thread first: the bookkeeping below is nobody's wait
+                self._outbox.put(("outs", time.monotonic(), outs))
             self.steps += 1
             if self.metrics is not None:
-                self.metrics.observe_step(self.name, time.perf_counter() - t0)
+                self.metrics.observe_step(self.name, t1 - t0)
             self._track_kv_peak()
             self._num_waiting = int(eng.num_waiting)
             self._num_running = int(eng.num_running)
-            if outs:
-                self._outbox.put(("outs", time.monotonic(), outs))
 
     def _track_kv_peak(self) -> None:
         """High-water mark of the KV bytes mapped, read after every step (the cache's
@@ -483,6 +515,7 @@ class AsyncEngine:
         eng = self.engine
         if kind == "add":
             r: _Req = item[1]
+            r.t_picked = time.monotonic()
             with self._lock:
                 self._pending_adds -= 1
                 live = not r.done
@@ -492,9 +525,9 @@ class AsyncEngine:
                 return
             try:
                 if r.cache_salt is None:  # engines without the keyword serve unsalted ones
-                    eng.add_request(r.rid, r.prompt_ids, r.params, arrival_time=time.time())
+                    eng.add_request(r.rid, r.prompt_ids, r.params, arrival_time=r.arrival)
                 else:
-                    eng.add_request(r.rid, r.prompt_ids, r.params, arrival_time=time.time(),
+                    eng.add_request(r.rid, r.prompt_ids, r.params, arrival_time=r.arrival,
                                     cache_salt=r.cache_salt)
             except Exception as exc:
                 err = exc if isinstance(exc, APIError) else _as_api_error(exc)
@@ -506,7 +539,11 @@ class AsyncEngine:
             # Registered with the output processor on the output thread, before any step
             # output of this request (the outbox is FIFO).
             self._outbox.put(("add", r))
+            r.t_added = time.monotonic()
             r.accepted.set_result(True)
+            if self.metrics is not None:
+                self.metrics.observe_server(self.name, "pickup", r.t_picked - r.t_queued)
+                self.metrics.observe_server(self.name, "add", r.t_added - r.t_picked)
         elif kind == "abort":
             try:
                 eng.abort_request(item[1])
@@ -618,7 +655,7 @@ class AsyncEngine:
                       num_prompt_tokens=int(upd.num_prompt_tokens or len(r.prompt_ids)),
                       num_cached_tokens=max(0, int(upd.num_cached_tokens or 0)),
                       num_output_tokens=r.n_out,
-                      prompt_logprobs=getattr(upd, "prompt_logprobs", None))
+                      prompt_logprobs=getattr(upd, "prompt_logprobs", None), step_time=when)
         if finished:
             with self._lock:
                 self._streams.pop(r.rid, None)
@@ -639,8 +676,11 @@ class AsyncEngine:
 
 
 def _put_all(items: list) -> None:
-    """On the event loop: hand one step's deltas to their requests' queues."""
+    """On the event loop: hand one step's deltas to their requests' queues (stamped with
+    the time the loop got them)."""
+    now = time.monotonic()
     for q, delta in items:
+        delta.loop_time = now
         q.put_nowait(delta)
 
 
@@ -673,6 +713,25 @@ class Generation:
     def abort(self) -> None:
         for r in self.reqs:
             self.front.abort(r.rid)
+
+    def emitted(self, delta: Delta) -> None:
+        """``delta``'s SSE event is being written now (called by the stream right before it
+        yields the event): records its ``handoff`` and ``emit`` latency and, for a choice's
+        first token, the request's ``overhead`` (module docstring)."""
+        m = self.front.metrics
+        if m is None or not delta.step_time:
+            return
+        now = time.monotonic()
+        name = self.front.name
+        emit = now - delta.step_time
+        m.observe_server(name, "emit", emit)
+        if delta.loop_time:
+            m.observe_server(name, "handoff", delta.loop_time - delta.step_time)
+        r = self.reqs[delta.index] if delta.index < len(self.reqs) else None
+        if r is not None and not r.emitted and delta.token_ids and r.t_added:
+            r.emitted = True
+            m.observe_server(name, "overhead",
+                             (r.t_queued - r.arrival) + (r.t_added - r.t_picked) + emit)
 
 
 def _logprobs(token_ids: list[int], entries) -> Optional[list]:

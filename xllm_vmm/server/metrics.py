@@ -6,8 +6,12 @@ Two kinds of series:
 - observed by the front as requests progress (output thread; prometheus_client is thread-safe):
   histograms ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds`` (and the
   older name ``vllm:time_per_output_token_seconds``), ``vllm:e2e_request_latency_seconds``, the
-  counter ``vllm:request_success{finished_reason}``, and ``xllm_vmm_engine_step_seconds`` (one
-  ``LLMEngine.step()`` on the engine thread: the model's share of the serving time);
+  counter ``vllm:request_success{finished_reason}``, ``xllm_vmm_engine_step_seconds`` (one
+  ``LLMEngine.step()`` on the engine thread: the model's share of the serving time), and
+  ``xllm_vmm_server_latency_seconds{stage}`` (the server's own hand-offs: ``admit``,
+  ``pickup``, ``add``, ``handoff``, ``emit``, ``overhead``; see ``front``'s docstring), with
+  buckets fine enough (five per decade, 10 µs to 10 s) for a median and p99 by
+  interpolation (``bench serve``);
 - read from the engine at scrape time (``engine.stats()`` on the engine thread): gauges
   ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
   (0..1), counters ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits`` (tokens),
@@ -38,6 +42,10 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0)
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+#: 10 µs .. 10 s, five per decade: the server's own latencies (tens of µs to a step or more)
+SERVER_LATENCY_BUCKETS = tuple(float(f"{1e-5 * 10 ** (k / 5):.3g}") for k in range(31))
+#: the stages of xllm_vmm_server_latency_seconds (front's module docstring)
+SERVER_STAGES = ("admit", "pickup", "add", "handoff", "emit", "overhead")
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -159,6 +167,15 @@ class Metrics:
                               ["model_name"], buckets=_STEP_BUCKETS, registry=self.registry)
         self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                ["model_name", "finished_reason"], registry=self.registry)
+        self.server = Histogram("xllm_vmm_server_latency_seconds",
+                                "The server's own latency by stage, seconds: admit (HTTP "
+                                "arrival to the engine's inbox), pickup (inbox to the engine "
+                                "thread), add (add_request), handoff (step end to the event "
+                                "loop), emit (step end to the SSE write), overhead (per "
+                                "request: admit + add + the first token's emit).",
+                                ["model_name", "stage"], buckets=SERVER_LATENCY_BUCKETS,
+                                registry=self.registry)
+        self._server_children: dict[tuple[str, str], Any] = {}
         self._snapshots: dict[str, tuple[dict, dict]] = {}
         self._by_model: dict[str, tuple] = {}
         self._lock = threading.Lock()
@@ -189,6 +206,13 @@ class Metrics:
 
     def observe_step(self, model: str, seconds: float) -> None:
         self._children(model)[3].observe(seconds)
+
+    def observe_server(self, model: str, stage: str, seconds: float) -> None:
+        """One sample of the server's own latency at ``stage`` (``SERVER_STAGES``)."""
+        ch = self._server_children.get((model, stage))
+        if ch is None:
+            ch = self._server_children[(model, stage)] = self.server.labels(model, stage)
+        ch.observe(max(0.0, seconds))
 
     def observe_finish(self, model: str, reason: str | None, req, when: float) -> None:
         self.success.labels(model, reason or "abort").inc()

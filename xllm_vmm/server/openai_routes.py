@@ -282,6 +282,7 @@ def register(app: FastAPI, server) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        received = time.monotonic()
         server.check_key(request)
         body: CompletionRequest = await _body(request, CompletionRequest)
         front = server.front_for(body.model)
@@ -309,7 +310,8 @@ def register(app: FastAPI, server) -> None:
         kwargs = body.sampling_kwargs(max_tokens=min(budgets), logprobs=body.logprobs,
                                       prompt_logprobs=want_plps)
         rid = front.new_request_id("cmpl")
-        gen = await front.generate(rid, prompts, kwargs, n=body.n, cache_salt=body.cache_salt)
+        gen = await front.generate(rid, prompts, kwargs, n=body.n, cache_salt=body.cache_salt,
+                                   received=received)
         created = int(time.time())
         tok = _Tokens(front.tokenizer)
 
@@ -350,6 +352,7 @@ def register(app: FastAPI, server) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        received = time.monotonic()
         server.check_key(request)
         body: ChatCompletionRequest = await _body(request, ChatCompletionRequest)
         front = server.front_for(body.model)
@@ -362,7 +365,8 @@ def register(app: FastAPI, server) -> None:
         kwargs = body.sampling_kwargs(max_tokens=budget, logprobs=k,
                                       prompt_logprobs=body.prompt_logprobs)
         rid = front.new_request_id("chatcmpl")
-        gen = await front.generate(rid, [ids], kwargs, n=body.n, cache_salt=body.cache_salt)
+        gen = await front.generate(rid, [ids], kwargs, n=body.n, cache_salt=body.cache_salt,
+                                   received=received)
         created = int(time.time())
         tok = _Tokens(front.tokenizer)
         if body.stream:
@@ -455,6 +459,7 @@ def _completion_stream(gen: Generation, body: CompletionRequest, model: str, rid
                                  "finish_reason": d.finish_reason,
                                  "stop_reason": d.stop_reason}]))
             gen.front.stream_busy_s += time.thread_time() - t0
+            gen.emitted(d)
             yield event
         if include_usage:
             final = {"id": rid, "object": "text_completion", "created": created, "model": model,
@@ -522,6 +527,7 @@ def _chat_stream(gen: Generation, body: ChatCompletionRequest, model: str, rid: 
                                  "finish_reason": d.finish_reason,
                                  "stop_reason": d.stop_reason}]))
             gen.front.stream_busy_s += time.thread_time() - t0
+            gen.emitted(d)
             yield event
         if include_usage:
             yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
