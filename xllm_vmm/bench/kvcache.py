@@ -38,6 +38,7 @@ admission figures use the wall clock per call.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import statistics
 import time
@@ -478,37 +479,48 @@ def _manager_for(num_blocks: int, block_size: int) -> tuple[Any, Any, Any]:
     return mgr, pool, driver
 
 
-def _measure_cycles(events: list[tuple], block_size: int, min_seconds: float,
-                    repeats: int) -> dict[str, Any]:
-    """Interleaved repeats of the manager and the baseline on ``events``; each measurement
-    replays the trace as many times as it takes to last ``min_seconds``. Per-op seconds."""
-    nblocks = _trace_blocks(events, block_size)
-    man: list[float] = []
-    base: list[float] = []
-    loops = 1
-    for rep in range(repeats):
-        for kind in ("manager", "baseline"):
-            total = 0.0
-            nops = 0
-            for _ in range(loops):
-                if kind == "manager":
-                    mgr, pool, driver = _manager_for(nblocks, block_size)
-                    try:
-                        s, n = _replay_cycles_manager(events, mgr)
-                    finally:
-                        mgr.close()
-                        pool.close()
-                        driver.close()
-                else:
-                    s, n = _replay_cycles_baseline(events, FreeListPrefixPool(nblocks,
-                                                                              block_size))
-                total += s
-                nops += n
-            (man if kind == "manager" else base).append(total / nops)
-            if rep == 0 and kind == "manager" and total < min_seconds:
-                loops = max(1, int(loops * min_seconds / max(total, 1e-9)) + 1)
-    return {"manager_s_per_op": man, "baseline_s_per_op": base, "loops": loops,
-            "ops_per_replay": nops // loops}
+def _replay_on_fresh_manager(events: list[tuple], nblocks: int, block_size: int
+                             ) -> tuple[float, int]:
+    mgr, pool, driver = _manager_for(nblocks, block_size)
+    try:
+        return _replay_cycles_manager(events, mgr)
+    finally:
+        mgr.close()
+        pool.close()
+        driver.close()
+
+
+def _measure_cycles(traces: Sequence[list[tuple]], block_size: int, min_seconds: float,
+                    repeats: int) -> list[dict[str, Any]]:
+    """Interleaved repeats of the manager and the baseline on each trace of ``traces``: each
+    repeat runs every trace once, manager then baseline, so that a change of load on a shared
+    machine moves every figure alike (the cost-growth ratio compares two traces). Before the
+    repeats one untimed manager replay per trace sets how many times each measurement replays
+    it (``loops``), so that every measurement, the first one included, lasts at least
+    ``min_seconds``. Per-op seconds, one dict per trace."""
+    nblocks = [_trace_blocks(ev, block_size) for ev in traces]
+    out: list[dict[str, Any]] = []
+    for events, nb in zip(traces, nblocks):
+        s, n = _replay_on_fresh_manager(events, nb, block_size)  # calibration (untimed)
+        # 10 % above the calibration's time, so a slightly faster repeat still lasts long enough
+        loops = max(1, math.ceil(1.1 * min_seconds / max(s, 1e-9))) if min_seconds > 0 else 1
+        out.append({"manager_s_per_op": [], "baseline_s_per_op": [], "loops": loops,
+                    "ops_per_replay": n})
+    for _ in range(repeats):
+        for events, nb, res in zip(traces, nblocks, out):
+            for kind in ("manager", "baseline"):
+                total = 0.0
+                nops = 0
+                for _ in range(res["loops"]):
+                    if kind == "manager":
+                        s, n = _replay_on_fresh_manager(events, nb, block_size)
+                    else:
+                        s, n = _replay_cycles_baseline(events, FreeListPrefixPool(nb,
+                                                                                  block_size))
+                    total += s
+                    nops += n
+                res[f"{kind}_s_per_op"].append(total / nops)
+    return out
 
 
 def _ratio_fields(prefix: str, num: list[float], den: list[float]) -> dict[str, float]:
@@ -725,13 +737,12 @@ def run_kvcache_bench(cfg: KvBenchConfig = KvBenchConfig()) -> dict[str, Any]:
     # whole request cycles through the manager against the free list + dict index
     cyc_events = make_serving_trace(cfg.cycle_concurrency, cfg.cycle_requests,
                                     cfg.cycle_block_size, cfg.seed)
-    cyc = _measure_cycles(cyc_events, cfg.cycle_block_size, cfg.min_seconds,
-                          max(1, cfg.repeats))
-    growth: dict[int, dict[str, Any]] = {}
-    for conc in cfg.growth_concurrency:
-        ev = make_serving_trace(conc, cfg.growth_requests, cfg.cycle_block_size, cfg.seed)
-        growth[conc] = _measure_cycles(ev, cfg.cycle_block_size, cfg.min_seconds,
-                                       max(1, cfg.repeats))
+    # the cycle trace and the two cost-growth traces, their repeats interleaved
+    growth_traces = [make_serving_trace(conc, cfg.growth_requests, cfg.cycle_block_size,
+                                        cfg.seed) for conc in cfg.growth_concurrency]
+    cyc, *grown = _measure_cycles([cyc_events] + growth_traces, cfg.cycle_block_size,
+                                  cfg.min_seconds, max(1, cfg.repeats))
+    growth: dict[int, dict[str, Any]] = dict(zip(cfg.growth_concurrency, grown))
 
     frag = _fragmentation(ops, cfg, num_slots, generated)
 
@@ -776,6 +787,7 @@ def run_kvcache_bench(cfg: KvBenchConfig = KvBenchConfig()) -> dict[str, Any]:
     out["manager_cycle_us_per_op"] = min(cyc["manager_s_per_op"]) * 1e6
     out["freelist_cycle_us_per_op"] = min(cyc["baseline_s_per_op"]) * 1e6
     out["cycle_ops"] = cyc["ops_per_replay"]
+    out["cycle_measure_loops"] = cyc["loops"]  # replays per measurement (>= --min-seconds)
     out["cycle_concurrency"] = cfg.cycle_concurrency
     lo, hi = cfg.growth_concurrency
     m_lo, m_hi = growth[lo]["manager_s_per_op"], growth[hi]["manager_s_per_op"]
@@ -786,5 +798,6 @@ def run_kvcache_bench(cfg: KvBenchConfig = KvBenchConfig()) -> dict[str, Any]:
     out[f"manager_us_per_op_at_{lo}"] = min(m_lo) * 1e6
     out[f"manager_us_per_op_at_{hi}"] = min(m_hi) * 1e6
     out["growth_ops"] = growth[hi]["ops_per_replay"]
+    out["growth_measure_loops"] = [growth[c]["loops"] for c in cfg.growth_concurrency]
     out.update({k: v for k, v in frag.items() if k != "cache_seconds"})
     return out
