@@ -388,7 +388,10 @@ class KVCacheManager:
 
         ``None`` = "not now": nothing changed (see the module docstring); retry later or
         preempt something."""
-        req = self._reqs.get(request_id)
+        try:  # a subscript, not dict.get: a specialised dict lookup, no method call
+            req = self._reqs[request_id]
+        except KeyError:
+            req = None
         if req is not None and hit is None and num_new_tokens >= 0 <= lookahead:
             # a running request (decode growth): the hot path (never asleep: sleep needs no
             # request to hold blocks); ``cap`` is -1 until the request is admitted
@@ -634,7 +637,10 @@ class KVCacheManager:
         only the new complete blocks (the chain continues from the last hash).
         ``checkpoints`` (hybrid models, PC-02): request block index -> ``(state, nbytes)``, the
         linear-state checkpoint at the end of that block, published with it."""
-        req = self._reqs.get(request_id)
+        try:  # a subscript, not dict.get (see allocate)
+            req = self._reqs[request_id]
+        except KeyError:
+            req = None
         if (req is None or req.restore is not None or not 0 <= num_computed_tokens <= req.cap
                 or num_computed_tokens > len(token_ids)):  # cap is -1 until admitted
             self._refuse_commit(request_id, num_computed_tokens, token_ids)
