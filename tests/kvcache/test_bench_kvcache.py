@@ -165,3 +165,46 @@ def test_serving_trace_and_the_cycle_baseline_do_the_same_block_operations():
         mgr.close()
         pool.close()
         d.close()
+
+
+def test_flat_serving_trace_refers_to_one_token_list_per_request():
+    """The cycle replays read a prepared trace: every event of a request refers to its one
+    token list (prompt, then each decoded token), the committed count rises by one per decode
+    token, and the token values are the raw trace's."""
+    from xllm_vmm.bench.kvcache import _flatten, make_serving_trace
+
+    raw = [(0, "a", [5, 6, 7]), (1, "a", 8), (0, "b", [1, 2]), (3,), (1, "a", 9),
+           (1, "b", 3), (2, "a"), (3,), (2, "b"), (3,)]
+    flat = _flatten(raw)
+    assert [e[0] for e in flat] == [e[0] for e in raw]
+    ta, tb = flat[0][3], flat[2][3]
+    assert ta == [5, 6, 7, 8, 9] and tb == [1, 2, 3]
+    assert flat[0][2] == [5, 6, 7] and flat[2][2] == [1, 2]
+    assert all(x is y for x, y in zip(flat[0][2], ta))  # the prompt is the list's own ints
+    assert [(e[1], e[2]) for e in flat if e[0] == 1] == [("a", 4), ("a", 5), ("b", 3)]
+    assert all(e[3] is (ta if e[1] == "a" else tb) for e in flat if e[0] == 1)
+    assert flat[6] == (2, "a") and flat[3] == (3,)
+
+    ev = make_serving_trace(8, 40, 16, seed=1)
+    last: dict[str, int] = {}
+    for e in ev:
+        if e[0] == 0:
+            assert e[3][:len(e[2])] == e[2] and e[1] not in last
+            last[e[1]] = len(e[2])
+        elif e[0] == 1:
+            assert e[2] == last[e[1]] + 1 <= len(e[3])
+            last[e[1]] = e[2]
+        elif e[0] == 2:
+            assert last.pop(e[1]) >= 0
+    assert not last
+
+
+def test_cycle_measurements_interleave_every_trace():
+    from xllm_vmm.bench.kvcache import _measure_cycles, make_serving_trace
+
+    traces = [make_serving_trace(4, 8, 16, seed=2), make_serving_trace(8, 8, 16, seed=2)]
+    out = _measure_cycles(traces, 16, 0.0, 2)
+    assert len(out) == 2
+    for res in out:
+        assert res["loops"] == 1 and res["ops_per_replay"] > 0
+        assert len(res["manager_s_per_op"]) == len(res["baseline_s_per_op"]) == 2
