@@ -177,3 +177,30 @@ def test_buckets_cover_tens_of_microseconds_to_seconds():
     assert b[0] == pytest.approx(1e-5) and b[-1] == pytest.approx(10.0)
     ratios = [y / x for x, y in zip(b, b[1:])]
     assert all(1.5 < r < 1.7 for r in ratios)  # five per decade
+
+
+def test_event_loop_choice(monkeypatch):
+    """uvloop when installed (as vLLM's server runs), asyncio's loop on request; a bad value
+    is an error naming the variable."""
+    from xllm_vmm.server import launch
+
+    monkeypatch.setenv(launch.EVENT_LOOP_ENV, "asyncio")
+    assert launch.loop_factory() is None
+    monkeypatch.setenv(launch.EVENT_LOOP_ENV, "bogus")
+    with pytest.raises(ValueError, match=launch.EVENT_LOOP_ENV):
+        launch.loop_factory()
+    monkeypatch.delenv(launch.EVENT_LOOP_ENV)
+    try:
+        import uvloop
+    except ImportError:
+        assert launch.loop_factory() is None
+        monkeypatch.setenv(launch.EVENT_LOOP_ENV, "uvloop")
+        with pytest.raises(ValueError, match="not installed"):
+            launch.loop_factory()
+    else:
+        assert launch.loop_factory() is uvloop.new_event_loop
+
+        async def kind():
+            return type(asyncio.get_running_loop()).__module__
+
+        assert launch.run_loop(kind()).startswith("uvloop")

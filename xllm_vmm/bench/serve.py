@@ -14,7 +14,7 @@ Figures (names are the JSON fields; seconds are reported in milliseconds as ``*_
 TTFT) / (output tokens − 1), per request), ``itl_ms_median``/``_p99`` (gap between two chunks
 carrying tokens, divided by the tokens of the later chunk), ``failures``, ``completed``;
 ``kv_mapped_bytes_peak`` (the larger of ``xllm_vmm_tenant_mapped_bytes{tenant="kv"}`` sampled
-every ``metrics_interval`` seconds during the load and the server's own high-water mark
+every ``metrics_interval`` seconds (1) during the load and the server's own high-water mark
 ``xllm_vmm_kv_mapped_peak_bytes``, read after every engine step since it started — with
 ``url``, an earlier peak of that server counts too), ``kv_mapped_bytes_after`` (once no block is live
 any more, waited for up to 5 s) beside ``kv_packed_floor_bytes_after`` (the least bytes the
@@ -23,14 +23,14 @@ blocks the prefix cache still keeps need: mapped KV at the floor means these two
 ``reserved_virtual_bytes``; ``engine_steps``, ``engine_step_ms_mean`` and
 ``engine_busy_fraction`` (time inside ``LLMEngine.step()`` over the load's wall time, from
 ``xllm_vmm_engine_step_seconds``: near 1, the model is the bottleneck, not the HTTP path);
-the server's own CPU time beside it: ``output_thread_busy_fraction`` / ``_us_per_token``
-(the output thread: detokenizing, stop strings, metrics, hand-off) and
+the server's own time beside it: ``output_thread_busy_fraction`` / ``_us_per_token``
+(the output thread's CPU: detokenizing, stop strings, metrics, hand-off) and
 ``stream_encode_busy_fraction`` / ``_us_per_token`` (the event loop building and
-JSON-encoding the SSE chunks), CPU seconds over wall seconds or per output token, from
-``xllm_vmm_output_thread_cpu_seconds``, ``xllm_vmm_stream_encode_cpu_seconds`` and
+JSON-encoding the SSE chunks, timed without awaits), over wall seconds or per output token, from
+``xllm_vmm_output_thread_cpu_seconds``, ``xllm_vmm_stream_encode_seconds`` and
 ``xllm_vmm_output_tokens``;
 ``rss_bytes_peak`` (when the server's process id is known: the most resident bytes of its
-process tree, every process's ``VmRSS`` summed, sampled with the metrics — shared pages count
+process tree, every process's ``VmRSS`` summed, every ``sample_interval`` seconds — shared pages count
 once per process, as ``ps`` shows them). One warm-up request (not counted) precedes the load.
 
 Prompts are the same for every server given the same seed, ``vocab`` and context: token ids
@@ -70,7 +70,13 @@ class LoadConfig:
     output_len: int = 32
     seed: int = 0
     timeout: float = 300.0
-    metrics_interval: float = 0.1
+    #: seconds between ``/metrics`` scrapes during the load (the KV peak; the server keeps its
+    #: own high-water mark after every step, so a scrape only backs it up): each scrape costs
+    #: the server's event loop a render (~20 ms under load) that delays every stream
+    metrics_interval: float = 1.0
+    #: seconds between RSS samples (``/proc`` reads on this side, and the per-worker scrapes
+    #: of a worker set, whose peaks only scrapes see)
+    sample_interval: float = 0.1
     api_key: Optional[str] = None
     vocab: Optional[int] = None  # token ids drawn below this (None: the server's vocab_size)
 
@@ -337,12 +343,15 @@ async def drive(url: str, cfg: LoadConfig, *, rss_pid: Optional[int] = None) -> 
                     rss_peak[0] = max(rss_peak[0] or 0, v)
 
         async def sampler():
+            last = -math.inf
             while not done.is_set():
-                v = await scrape()
-                if v is not None:
-                    peak[0] = max(peak[0], v)
+                if time.perf_counter() - last >= cfg.metrics_interval:
+                    last = time.perf_counter()
+                    v = await scrape()
+                    if v is not None:
+                        peak[0] = max(peak[0], v)
                 sample_rss()
-                await asyncio.sleep(cfg.metrics_interval)
+                await asyncio.sleep(cfg.sample_interval)
 
         sampler_task = asyncio.create_task(sampler())
         workers: dict = {}  # a worker set (issue 14): per-rank peaks, all-reduce per step
@@ -424,10 +433,10 @@ async def drive(url: str, cfg: LoadConfig, *, rss_pid: Optional[int] = None) -> 
 
 def _own_costs(text: str) -> dict:
     """The server's own counters (``xllm_vmm_output_thread_cpu_seconds``, ``_output_tokens``,
-    ``_stream_encode_cpu_seconds``; None where the server has none, e.g. vLLM's)."""
+    ``_stream_encode_seconds``; None where the server has none, e.g. vLLM's)."""
     return {"output_s": parse_metric(text, "xllm_vmm_output_thread_cpu_seconds_total"),
             "tokens": parse_metric(text, "xllm_vmm_output_tokens_total"),
-            "stream_s": parse_metric(text, "xllm_vmm_stream_encode_cpu_seconds_total")}
+            "stream_s": parse_metric(text, "xllm_vmm_stream_encode_seconds_total")}
 
 
 async def _sample_workers(client, url: str, cfg: LoadConfig, done: asyncio.Event,
@@ -449,7 +458,7 @@ async def _sample_workers(client, url: str, cfg: LoadConfig, done: asyncio.Event
                     per[rank] = max(per.get(rank, 0.0), float(line.rpartition(" ")[2]))
         if done.is_set():
             break
-        await asyncio.sleep(cfg.metrics_interval)
+        await asyncio.sleep(cfg.sample_interval)
     out["world_size"] = len(peaks["mapped_bytes"])
     out["worker_mapped_bytes_peak"] = peaks["mapped_bytes"]
     out["worker_kv_mapped_bytes_peak"] = peaks["kv_mapped_bytes"]

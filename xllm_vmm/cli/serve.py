@@ -340,7 +340,7 @@ def run(argv: list[str], out: Optional[TextIO] = None, err: Optional[TextIO] = N
     import asyncio
 
     from xllm_vmm.server import AsyncEngine, ServerSettings, build_app
-    from xllm_vmm.server.launch import serve_async
+    from xllm_vmm.server.launch import loop_factory, run_loop, serve_async
 
     max_conc = int(cfg["max_concurrent_requests"])
     front = AsyncEngine(engine, max_waiting=opts["max_waiting"],
@@ -363,8 +363,14 @@ def run(argv: list[str], out: Optional[TextIO] = None, err: Optional[TextIO] = N
             lost.extend(watch_workers(engine, front, lambda: loop.call_soon_threadsafe(stop.set)))
 
     try:
-        cancelled = asyncio.run(serve_async(app, host, port, drain_timeout=opts["drain_timeout"],
-                                            on_ready=ready, stop=stop))
+        loop_factory()  # XLLM_VMM_EVENT_LOOP names a loop this machine has
+    except ValueError as exc:
+        front.close()
+        err.write(f"error: {exc}\n")
+        return 1
+    try:
+        cancelled = run_loop(serve_async(app, host, port, drain_timeout=opts["drain_timeout"],
+                                         on_ready=ready, stop=stop))
     except OSError as exc:
         front.close()
         err.write(f"error: cannot listen on {host}:{port}: {exc.strerror or exc} (give another "

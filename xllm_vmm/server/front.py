@@ -162,10 +162,12 @@ class AsyncEngine:
         self.idle_waits = 0
         #: CPU seconds (``time.thread_time``: waits for the interpreter lock or the kernel
         #: not counted) the output thread spent on step outputs (detokenizing, stop strings,
-        #: metrics, hand-off to the event loop) and the tokens it handled; CPU seconds the
-        #: event loop spent building and encoding SSE chunks (``openai_routes``): the
-        #: server's own cost beside the engine's step (``xllm_vmm_output_thread_cpu_seconds``,
-        #: ``xllm_vmm_stream_encode_cpu_seconds``, ``xllm_vmm_output_tokens``)
+        #: metrics, hand-off to the event loop) and the tokens it handled; seconds the event
+        #: loop spent building and encoding SSE chunks (``openai_routes``; ``perf_counter``
+        #: over a section without awaits: ``thread_time`` is a system call, and two per
+        #: streamed chunk cost more than the encoding under load): the server's own cost
+        #: beside the engine's step (``xllm_vmm_output_thread_cpu_seconds``,
+        #: ``xllm_vmm_stream_encode_seconds``, ``xllm_vmm_output_tokens``)
         self.output_busy_s = 0.0
         self.output_tokens = 0
         self.stream_busy_s = 0.0

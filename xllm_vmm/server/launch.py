@@ -4,12 +4,18 @@ Shutdown (SIGINT/SIGTERM, or ``RunningServer.stop``): uvicorn stops accepting co
 fronts refuse new requests (503) and running ones get ``drain_timeout`` seconds to finish; what
 is left is cancelled (its blocks freed); then each engine shuts down and releases its pool
 (no mappings, memfds or threads left behind). A second signal cancels at once.
+
+The event loop is uvloop's when it is installed (as vLLM's server runs; the ``server`` extra
+lists it) and asyncio's otherwise, or with ``XLLM_VMM_EVENT_LOOP=asyncio``; uvicorn parses HTTP
+with httptools when installed (else h11). Every streamed chunk crosses the loop, so its cost per
+wake-up and write is the server's share of the inter-token latency.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import threading
 from typing import Callable, Optional
@@ -19,6 +25,34 @@ from fastapi import FastAPI
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8010
+
+
+EVENT_LOOP_ENV = "XLLM_VMM_EVENT_LOOP"
+
+
+def loop_factory() -> Optional[Callable[[], asyncio.AbstractEventLoop]]:
+    """uvloop's ``new_event_loop`` when uvloop is importable and ``$XLLM_VMM_EVENT_LOOP`` is
+    not ``asyncio``; None (asyncio's default loop) otherwise. Any other value is an error
+    naming the variable."""
+    choice = os.environ.get(EVENT_LOOP_ENV, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "uvloop", "asyncio"):
+        raise ValueError(f"{EVENT_LOOP_ENV}={choice!r}: give auto, uvloop or asyncio")
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise ValueError(f"{EVENT_LOOP_ENV}=uvloop but uvloop is not installed "
+                             "(pip install uvloop, or unset it)") from None
+        return None
+    return uvloop.new_event_loop
+
+
+def run_loop(main) -> object:
+    """``asyncio.run(main)`` on the loop of :func:`loop_factory`."""
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        return runner.run(main)
 
 
 def _uvicorn(app: FastAPI, host: str, port: int) -> uvicorn.Server:
@@ -154,7 +188,7 @@ class RunningServer:
                                                stop=self._stop)
 
         try:
-            asyncio.run(main())
+            run_loop(main())
         except BaseException as exc:  # noqa: BLE001 - reported by start()
             self._error = exc
         finally:

@@ -122,8 +122,9 @@ FRONT_COUNTERS: tuple[tuple[str, str, str], ...] = (
      "CPU seconds the output thread spent on step outputs (detokenize, stop strings, "
      "hand-off)."),
     ("output_tokens", "xllm_vmm_output_tokens", "Output tokens the output thread handled."),
-    ("stream_busy_seconds", "xllm_vmm_stream_encode_cpu_seconds",
-     "CPU seconds the event loop spent building and JSON-encoding streamed chunks."),
+    ("stream_busy_seconds", "xllm_vmm_stream_encode_seconds",
+     "Seconds the event loop spent building and JSON-encoding streamed chunks (wall time of "
+     "a section without awaits)."),
 )
 
 

@@ -436,7 +436,7 @@ def _completion_stream(gen: Generation, body: CompletionRequest, model: str, rid
                 yield _sse(chunk([{"index": i, "text": prefix, "logprobs": None,
                                    "finish_reason": None, "stop_reason": None}]))
         async for d in gen:
-            t0 = time.thread_time()  # CPU seconds of the event loop's thread
+            t0 = time.perf_counter()  # no await until the event: its time is the loop's
             completion_tokens += len(d.token_ids)
             if d.prompt_logprobs is not None:
                 plps[d.index] = d.prompt_logprobs
@@ -458,7 +458,7 @@ def _completion_stream(gen: Generation, body: CompletionRequest, model: str, rid
             event = _sse(chunk([{"index": d.index, "text": text, "logprobs": lp,
                                  "finish_reason": d.finish_reason,
                                  "stop_reason": d.stop_reason}]))
-            gen.front.stream_busy_s += time.thread_time() - t0
+            gen.front.stream_busy_s += time.perf_counter() - t0
             gen.emitted(d)
             yield event
         if include_usage:
@@ -514,7 +514,7 @@ def _chat_stream(gen: Generation, body: ChatCompletionRequest, model: str, rid: 
                 yield d
 
         async for d in rest():
-            t0 = time.thread_time()  # CPU seconds of the event loop's thread
+            t0 = time.perf_counter()  # no await until the event: its time is the loop's
             completion_tokens += len(d.token_ids)
             if not (d.text or d.finished or d.token_ids):
                 continue
@@ -526,7 +526,7 @@ def _chat_stream(gen: Generation, body: ChatCompletionRequest, model: str, rid: 
             event = _sse(chunk([{"index": d.index, "delta": delta, "logprobs": lp,
                                  "finish_reason": d.finish_reason,
                                  "stop_reason": d.stop_reason}]))
-            gen.front.stream_busy_s += time.thread_time() - t0
+            gen.front.stream_busy_s += time.perf_counter() - t0
             gen.emitted(d)
             yield event
         if include_usage:
