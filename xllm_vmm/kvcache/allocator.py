@@ -164,8 +164,8 @@ class _Group:
     """Mutable state of one group (internal). ``stacks[s]`` is slot ``s``'s free stack, or
     ``None`` while the slot is inactive."""
 
-    __slots__ = ("name", "num_slots", "bps", "nblocks", "ref", "cached", "keep", "pins",
-                 "stacks", "buckets", "rbuckets", "inactive", "free_active",
+    __slots__ = ("name", "num_slots", "bps", "nblocks", "ref", "cached", "keep", "retains",
+                 "pins", "stacks", "buckets", "rbuckets", "inactive", "free_active",
                  "n_cached", "n_active", "desc", "asc")
 
     def __init__(self, shape: GroupShape) -> None:
@@ -180,6 +180,9 @@ class _Group:
         self.ref = [0] * n
         self.cached = bytearray(n)  # ref 0 and kept
         self.keep = bytearray(n)  # retained: kept at ref 0 (holds a published prefix)
+        # False until a block of the group may be retained (BlockAllocator.will_retain /
+        # retain): while False every keep flag is 0 and a free skips reading them
+        self.retains = False
         self.pins: dict[int, int] = {}  # block -> transfer pins (few at a time)
         # every block id, highest first: a fresh slot's free stack is one slice of it
         self.desc = list(range(n - 1, -1, -1))
@@ -617,6 +620,8 @@ class BlockAllocator:
         nb = g.nblocks
         cached = g.cached
         kept: list[int] | None = None
+        # no block can be retained or pinned (no prefix cache, no transfer): skip the flags
+        keepable = g.retains or bool(pins)
         runs: list[tuple[int, int, int]] = []  # (slot, free before the run, free after it)
         cur = -1
         k0 = 0
@@ -631,7 +636,7 @@ class BlockAllocator:
                     if r > 0:
                         continue
                     raise IndexError  # a double free: refused below
-                if keep[b] or (pins and b in pins):  # retained or pinned: cached
+                if keepable and (keep[b] or (pins and b in pins)):  # retained or pinned
                     if b < 0:
                         raise IndexError
                     cached[b] = 1
@@ -781,10 +786,18 @@ class BlockAllocator:
             g.n_cached -= len(revived)
         return revived
 
+    def will_retain(self, group: str) -> None:
+        """Blocks of ``group`` may be retained from now on, also by a caller that sets the
+        retained flags itself on its hot path (the prefix cache calls this for each of its
+        groups when it is built). Until then (no prefix caching) a free does not read the
+        flags. Idempotent."""
+        self._g(group).retains = True
+
     def retain(self, group: str, blocks: Sequence[int]) -> None:
         """Keep ``blocks`` (live or cached) when their last reference goes: they hold a
         published prefix (the prefix cache calls this on publish)."""
         g = self._groups.get(group) or self._g(group)
+        g.retains = True
         ref, cached, keep = g.ref, g.cached, g.keep
         for b in blocks:
             if not (ref[b] or cached[b]):
@@ -1076,6 +1089,8 @@ class BlockAllocator:
                 assert all(not (g.ref[b] and g.cached[b]) for b in blocks), \
                     f"{g.name}: a block in slot {s} is both live and cached"
                 assert all(g.ref[b] >= 0 for b in blocks)
+                assert g.retains or not any(g.keep[s * g.bps:(s + 1) * g.bps]), \
+                    f"{g.name}: a block of slot {s} is retained before will_retain/retain"
                 for b in blocks:
                     if g.cached[b]:
                         assert g.keep[b] or g.pins.get(b), \

@@ -144,6 +144,8 @@ class PrefixCache:
         self._stats = PrefixCacheStats()
         # the sole group's allocator state, for acquire_chain's one loop
         self._ag = allocator._groups[self._order[0]] if self._sole is not None else None
+        for name in self._order:  # the manager's flat commit sets retained flags directly
+            allocator.will_retain(name)
 
     @property
     def group_names(self) -> tuple[str, ...]:
