@@ -204,3 +204,36 @@ def test_event_loop_choice(monkeypatch):
             return type(asyncio.get_running_loop()).__module__
 
         assert launch.run_loop(kind()).startswith("uvloop")
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_plain_chunks_are_the_json_chunks_byte_for_byte(include_usage):
+    """The streamed chunk written from a precomputed head equals ``json.dumps`` of the chunk
+    (the shape every client parses), for awkward text and every finish/stop reason."""
+    from xllm_vmm.server.openai_routes import _PlainChunks, _sse
+
+    texts = ["", "a", 'quo"te', "back\\slash", "new\nline\ttab", "é漢字🙂", "\x00\x1f\u2028",
+             "</script>"]
+    ends = [(None, None), ("length", None), ("stop", "###"), ("stop", 7), ("abort", None),
+            ("stop", 'a"b')]
+    for obj in ("text_completion", "chat.completion.chunk"):
+        w = _PlainChunks('cmpl-1-"x"', obj, 1700000000, "mödel/ä", include_usage)
+        for index in (0, 3):
+            for text in texts:
+                for fr, sr in ends:
+                    c = {"id": 'cmpl-1-"x"', "object": obj, "created": 1700000000,
+                         "model": "mödel/ä"}
+                    if obj == "text_completion":
+                        c["choices"] = [{"index": index, "text": text, "logprobs": None,
+                                         "finish_reason": fr, "stop_reason": sr}]
+                        got = w.completion(index, text, fr, sr)
+                    else:
+                        content = None if (fr and not text) else text
+                        delta = {} if content is None else {"content": content}
+                        c["choices"] = [{"index": index, "delta": delta, "logprobs": None,
+                                         "finish_reason": fr, "stop_reason": sr}]
+                        got = w.chat(index, content, fr, sr)
+                    if include_usage:
+                        c["usage"] = None
+                    assert got == _sse(c)
+                    json.loads(got[6:])

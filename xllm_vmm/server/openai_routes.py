@@ -129,6 +129,42 @@ def _sse(obj: Any) -> str:
 
 _DONE = "data: [DONE]\n\n"
 
+_js_str = json.encoder.encode_basestring  # json.dumps(s, ensure_ascii=False) of one str
+
+
+def _js(v) -> str:
+    """``v`` as ``json.dumps(v, ensure_ascii=False)`` writes it, fast for None/str/int."""
+    if v is None:
+        return "null"
+    if type(v) is str:
+        return _js_str(v)
+    if type(v) is int:
+        return str(v)
+    return json.dumps(v, ensure_ascii=False, separators=(",", ":"))
+
+
+class _PlainChunks:
+    """The SSE events of the common streamed chunk — one choice, no logprobs, no continuous
+    usage — from a head written once per stream: the same text as ``_sse(chunk(...))`` byte
+    for byte (``tests/server/test_latency.py``), without a ``json.dumps`` of the whole chunk
+    per token (the event loop's largest cost per chunk after the socket write)."""
+
+    def __init__(self, rid: str, obj: str, created: int, model: str, include_usage: bool):
+        self.head = (f'data: {{"id":{_js(rid)},"object":{_js(obj)},"created":{int(created)},'
+                     f'"model":{_js(model)},"choices":[{{"index":')
+        self.tail = ',"usage":null}\n\n' if include_usage else '}\n\n'
+
+    def completion(self, index: int, text: str, finish_reason, stop_reason) -> str:
+        return (f'{self.head}{int(index)},"text":{_js_str(text)},"logprobs":null,'
+                f'"finish_reason":{_js(finish_reason)},"stop_reason":{_js(stop_reason)}}}]'
+                f'{self.tail}')
+
+    def chat(self, index: int, content: Optional[str], finish_reason, stop_reason) -> str:
+        delta = "{}" if content is None else f'{{"content":{_js_str(content)}}}'
+        return (f'{self.head}{int(index)},"delta":{delta},"logprobs":null,'
+                f'"finish_reason":{_js(finish_reason)},"stop_reason":{_js(stop_reason)}}}]'
+                f'{self.tail}')
+
 
 class _Tokens:
     """Token strings for logprobs (decoded one token at a time; cached per id)."""
@@ -426,6 +462,8 @@ def _completion_stream(gen: Generation, body: CompletionRequest, model: str, rid
                 c["usage"] = _usage(gen.num_prompt_tokens, completion_tokens)
             return c
 
+        plain = None if continuous else _PlainChunks(rid, "text_completion", created, model,
+                                                     include_usage)
         # echo + logprobs: each choice's prompt goes out with its first token chunk
         to_echo = set(range(len(gen.reqs))) if body.echo and body.logprobs is not None else set()
         plps: dict[int, list] = {}
@@ -455,9 +493,12 @@ def _completion_stream(gen: Generation, body: CompletionRequest, model: str, rid
             offsets[d.index] = offsets.get(d.index, 0) + len(d.text)
             if d.finished:
                 cached += d.num_cached_tokens
-            event = _sse(chunk([{"index": d.index, "text": text, "logprobs": lp,
-                                 "finish_reason": d.finish_reason,
-                                 "stop_reason": d.stop_reason}]))
+            if lp is None and plain is not None:
+                event = plain.completion(d.index, text, d.finish_reason, d.stop_reason)
+            else:
+                event = _sse(chunk([{"index": d.index, "text": text, "logprobs": lp,
+                                     "finish_reason": d.finish_reason,
+                                     "stop_reason": d.stop_reason}]))
             gen.front.stream_busy_s += time.perf_counter() - t0
             gen.emitted(d)
             yield event
@@ -513,7 +554,9 @@ def _chat_stream(gen: Generation, body: ChatCompletionRequest, model: str, rid: 
             async for d in deltas:
                 yield d
 
-        async for d in rest():
+        plain = None if continuous else _PlainChunks(rid, "chat.completion.chunk", created,
+                                                     model, include_usage)
+        async for d in (rest() if head else deltas):
             t0 = time.perf_counter()  # no await until the event: its time is the loop's
             completion_tokens += len(d.token_ids)
             if not (d.text or d.finished or d.token_ids):
@@ -523,9 +566,13 @@ def _chat_stream(gen: Generation, body: ChatCompletionRequest, model: str, rid: 
                 else {}
             if d.finished:
                 cached += d.num_cached_tokens
-            event = _sse(chunk([{"index": d.index, "delta": delta, "logprobs": lp,
-                                 "finish_reason": d.finish_reason,
-                                 "stop_reason": d.stop_reason}]))
+            if lp is None and plain is not None:
+                event = plain.chat(d.index, delta.get("content"), d.finish_reason,
+                                   d.stop_reason)
+            else:
+                event = _sse(chunk([{"index": d.index, "delta": delta, "logprobs": lp,
+                                     "finish_reason": d.finish_reason,
+                                     "stop_reason": d.stop_reason}]))
             gen.front.stream_busy_s += time.perf_counter() - t0
             gen.emitted(d)
             yield event
