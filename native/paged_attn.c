@@ -51,6 +51,17 @@
 #define MAX_D 512
 #define MAX_G 16
 #define XLLM_PA_PORTABLE 1 /* flags: force the portable implementation */
+/* prefetch distance in keys (two tiles ahead into L1), and V rows into L2 during the score pass
+   (the V pass then finds them there): measured 5-10 % off a 128-decode layer call */
+#ifndef PF_KEYS
+#define PF_KEYS 32
+#endif
+#ifndef CHUNK_SEQ
+#define CHUNK_SEQ 1
+#endif
+#ifndef PF_V_IN_PASS1
+#define PF_V_IN_PASS1 1
+#endif
 
 typedef struct {
     const void *q; void *out; const int64_t *rows;
@@ -60,11 +71,13 @@ typedef struct {
     float scale; int qtype, kvtype;
     int impl;              /* 0 portable, 1 AVX-512 float32, 2 AVX-512 bfloat16 */
     char *scratch;         /* per thread `scratch_stride` bytes: G * lpad float32 scores, then
-                              lpad + 32 int64 key offsets */
+                              lpad + PF_KEYS + 16 int64 key offsets */
     int64_t scratch_stride;
     int64_t lpad;          /* longest length rounded up to 16 */
     int64_t nitems;        /* B * Hkv */
     int64_t next;          /* next work item (atomic) */
+    int64_t chunk;         /* items per grab: a whole sequence's KV heads when there are enough
+                              sequences to balance (its heads then share the core's caches) */
 } job_t;
 
 /* ------------------------------------------------------------------------------------------ */
@@ -119,16 +132,16 @@ static inline int keyit_next16(keyit_t *it, int64_t *offs) {
     return cnt;
 }
 
-/* the element offsets of all L keys of (b, g) into offs[0 .. L), then offs[L .. lt + 16) (lt =
-   L rounded up to 16) repeat the last tile's first key: every entry read by a tile or by the
-   prefetch of the tile after it is a row of the sequence */
+/* the element offsets of all L keys of (b, g) into offs[0 .. L), then offs[L .. lt + PF_KEYS)
+   (lt = L rounded up to 16) repeat the last tile's first key: every entry read by a tile or by
+   a prefetch ahead of it is a row of the sequence */
 static inline void fill_offsets(const job_t *j, int64_t b, int64_t g, int64_t *offs) {
     keyit_t it;
     keyit_init(&it, j, b, g);
     const int64_t L = j->lens[b];
     for (int64_t t0 = 0; t0 < L; t0 += 16) keyit_next16(&it, offs + t0);
     const int64_t last = offs[(L - 1) / 16 * 16];
-    for (int64_t t = L, lt = (L + 15) / 16 * 16 + 16; t < lt; t++) offs[t] = last;
+    for (int64_t t = L, lt = (L + 15) / 16 * 16 + PF_KEYS; t < lt; t++) offs[t] = last;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -376,8 +389,12 @@ TGT static AI void item_bf16_impl(const job_t *j, int64_t b, int64_t g, float *s
         const int64_t *offs = offa + t0;
         const int cnt = L - t0 < 16 ? (int)(L - t0) : 16;
         for (int u = 0; u < 16; u++) {
-            _mm_prefetch((const char *)(KP + offs[16 + u]), _MM_HINT_T0);
-            if (ROWB > 64) _mm_prefetch((const char *)(KP + offs[16 + u]) + 64, _MM_HINT_T0);
+            for (int64_t l = 0; l < ROWB; l += 64)
+                _mm_prefetch((const char *)(KP + offs[PF_KEYS + u]) + l, _MM_HINT_T0);
+#if PF_V_IN_PASS1
+            for (int64_t l = 0; l < ROWB; l += 64)
+                _mm_prefetch((const char *)(VP + offs[u]) + l, _MM_HINT_T1);
+#endif
         }
         __mmask16 km = (__mmask16)(cnt == 16 ? 0xffff : (1u << cnt) - 1);
         for (int64_t i = 0; i < G; i++) {
@@ -404,8 +421,8 @@ TGT static AI void item_bf16_impl(const job_t *j, int64_t b, int64_t g, float *s
     for (int64_t t0 = 0; t0 < L; t0 += 16) {
         const int64_t *offs = offa + t0;
         for (int u = 0; u < 16; u++) {
-            _mm_prefetch((const char *)(VP + offs[16 + u]), _MM_HINT_T0);
-            if (ROWB > 64) _mm_prefetch((const char *)(VP + offs[16 + u]) + 64, _MM_HINT_T0);
+            for (int64_t l = 0; l < ROWB; l += 64)
+                _mm_prefetch((const char *)(VP + offs[PF_KEYS + u]) + l, _MM_HINT_T0);
         }
         if (D == 64 && G % 4 == 0)
             for (int64_t h = 0; h < G; h += 4) pv_bf16_r4_2(V, offs, sc, lp, t0, h, acc);
@@ -508,8 +525,12 @@ TGT static AI void item_f32_impl(const job_t *j, int64_t b, int64_t g, float *sc
         const int64_t *offs = offa + t0;
         const int cnt = L - t0 < 16 ? (int)(L - t0) : 16;
         for (int u = 0; u < 16; u++) {
-            _mm_prefetch((const char *)(KP + offs[16 + u]), _MM_HINT_T0);
-            if (ROWB > 64) _mm_prefetch((const char *)(KP + offs[16 + u]) + 64, _MM_HINT_T0);
+            for (int64_t l = 0; l < ROWB; l += 64)
+                _mm_prefetch((const char *)(KP + offs[PF_KEYS + u]) + l, _MM_HINT_T0);
+#if PF_V_IN_PASS1
+            for (int64_t l = 0; l < ROWB; l += 64)
+                _mm_prefetch((const char *)(VP + offs[u]) + l, _MM_HINT_T1);
+#endif
         }
         __mmask16 km = (__mmask16)(cnt == 16 ? 0xffff : (1u << cnt) - 1);
         for (int64_t i = 0; i < G; i++) {
@@ -536,8 +557,8 @@ TGT static AI void item_f32_impl(const job_t *j, int64_t b, int64_t g, float *sc
     for (int64_t t0 = 0; t0 < L; t0 += 16) {
         const int64_t *offs = offa + t0;
         for (int u = 0; u < 16; u++) {
-            _mm_prefetch((const char *)(VP + offs[16 + u]), _MM_HINT_T0);
-            if (ROWB > 64) _mm_prefetch((const char *)(VP + offs[16 + u]) + 64, _MM_HINT_T0);
+            for (int64_t l = 0; l < ROWB; l += 64)
+                _mm_prefetch((const char *)(VP + offs[PF_KEYS + u]) + l, _MM_HINT_T0);
         }
         if (D == 64 && G % 4 == 0)
             for (int64_t h = 0; h < G; h += 4) pv_f32_r4_4(V, offs, sc, lp, t0, h, acc);
@@ -609,9 +630,10 @@ static void run_items(void *ctx, int tid, int n) {
     float *sc = (float *)base;
     int64_t *offs = (int64_t *)(base + (j->H / j->Hkv) * j->lpad * (int64_t)sizeof(float));
     for (;;) {
-        int64_t w = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
-        if (w >= j->nitems) break;
-        fn(j, w / j->Hkv, w % j->Hkv, sc, offs);
+        int64_t w0 = __atomic_fetch_add(&j->next, j->chunk, __ATOMIC_RELAXED);
+        if (w0 >= j->nitems) break;
+        for (int64_t w = w0, we = w0 + j->chunk < j->nitems ? w0 + j->chunk : j->nitems; w < we; w++)
+            fn(j, w / j->Hkv, w % j->Hkv, sc, offs);
     }
 }
 
@@ -657,8 +679,8 @@ int xllm_paged_decode(const void *q, void *out, const int64_t *rows, int64_t T, 
     job_t j = {q, out, rows, k, v, block_table, table_stride, seq_lens, B, H, Hkv, D, block_size,
                blocks_per_slot, page_elems, scale, qtype, kvtype,
                xllm_paged_decode_impl(D, qtype, kvtype, flags), NULL, 0, (max_len + 15) / 16 * 16,
-               B * Hkv, 0};
-    j.scratch_stride = ((H / Hkv) * j.lpad * 4 + (j.lpad + 32) * 8 + 63) / 64 * 64;
+               B * Hkv, 0, CHUNK_SEQ && B >= 8 * nthreads ? Hkv : 1};
+    j.scratch_stride = ((H / Hkv) * j.lpad * 4 + (j.lpad + PF_KEYS + 16) * 8 + 63) / 64 * 64;
     j.scratch = malloc((size_t)nthreads * (size_t)j.scratch_stride);
     if (!j.scratch) return -2;
     xt_pool_run(nthreads, run_items, &j);

@@ -21,11 +21,13 @@ def model_dir(tmp_path_factory):
     return C.llama_checkpoint(tmp_path_factory.mktemp("buckets") / "m")
 
 
-@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("native", [True, "portable", False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bucketed_decodes_match_reference(model_dir, dtype, native):
+def test_bucketed_decodes_match_reference(model_dir, monkeypatch, dtype, native):
     from xllm_vmm.engine.attention import native_decode
 
+    if native == "portable":  # the kernel's portable C, forced through the environment
+        monkeypatch.setenv(native_decode.ENV, "portable")
     if native and native_decode.load() is None:
         pytest.skip("libxllm_paged_attn.so is not built (python setup.py build_ext --inplace)")
     g = torch.Generator().manual_seed(3)
@@ -40,7 +42,8 @@ def test_bucketed_decodes_match_reference(model_dir, dtype, native):
 def _run(stack, g, n_seq, dtype, native):
     views = stack.worker.kv_views
     be = backend_class("torch", "cpu")(views.geometry, num_heads=H, num_kv_heads=HKV,
-                                       head_dim=D, device="cpu", native_decode=native)
+                                       head_dim=D, device="cpu", native_decode=bool(native))
+    assert be.native_portable is (native == "portable")
     layer = views.layers[0]
     history: dict[str, tuple[list, list]] = {}
     lens = torch.randint(1, 70, (n_seq,), generator=g).tolist()
@@ -58,7 +61,7 @@ def _run(stack, g, n_seq, dtype, native):
         if plan is not plans[0]:
             assert len(meta.decode_buckets) == MAX_DECODE_BUCKETS
         be.write_kv(layer, k, v, meta)
-        assert be._use_native(q, layer) is native
+        assert be._use_native(q, layer) is bool(native)
         out = be.attend(q, k, v, layer, meta)
         qsl = step.query_start_loc.tolist()
         for i, (rid, n) in enumerate(plan):

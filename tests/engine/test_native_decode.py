@@ -163,6 +163,8 @@ def test_env_forces_the_portable_path(monkeypatch):
     assert nd.portable_by_env() and nd.enabled_by_env()
     monkeypatch.setenv(nd.ENV, "0")
     assert not nd.portable_by_env() and not nd.enabled_by_env()
+    monkeypatch.delenv(nd.ENV)
+    assert nd.enabled_by_env() and not nd.portable_by_env()  # on by default
 
 
 def test_mixed_q_and_kv_dtypes():
@@ -249,3 +251,30 @@ def test_bad_arguments_raise_value_error_naming_them():
         call(block_size=8)
     with pytest.raises(ValueError, match="runs on CPU"):
         call(q=q.to("meta"))
+
+
+def test_backend_default_and_switches(monkeypatch):
+    """The torch backend runs decodes on the kernel by default; ``XLLM_VMM_NATIVE_DECODE=0``
+    or ``native_decode=False`` turn it off; ``portable`` forces the portable C."""
+    from xllm_vmm.engine.attention.kv import KVGeometry
+    from xllm_vmm.engine.attention.torch_sdpa import TorchSDPABackend
+
+    geo = KVGeometry("attn", 16, 4, 64)
+
+    def backend(**kw):
+        return TorchSDPABackend(geo, num_heads=8, num_kv_heads=4, head_dim=64, device="cpu", **kw)
+
+    monkeypatch.delenv(nd.ENV, raising=False)
+    be = backend()
+    assert be.native_decode and not be.native_portable
+    assert not backend(native_decode=False).native_decode
+    assert not backend(batch_decodes=False).native_decode  # per-sequence views: no kernel
+    monkeypatch.setenv(nd.ENV, "0")
+    assert not backend().native_decode
+    assert backend(native_decode=True).native_decode
+    monkeypatch.setenv(nd.ENV, "portable")
+    be = backend()
+    assert be.native_decode and be.native_portable
+    # unsupported configurations fall back to gather + SDPA
+    assert not be._use_native(torch.empty(1, 8, 64, dtype=torch.float16),
+                              type("KV", (), {"k_slots": torch.empty(1, dtype=torch.float16)})())

@@ -528,3 +528,4 @@ def bench_serve(
     emit("bench serve", _run("bench serve", lambda: serve_bench.run(cfg, serve_args=args, url=url)), fmt)
 
 from xllm_vmm.cli import bench_spec as _bench_spec  # noqa: E402,F401  (registers bench spec)
+from xllm_vmm.cli import bench_attention as _bench_attention  # noqa: E402,F401  (registers bench attention)

@@ -1,17 +1,29 @@
 """The native paged decode kernel (``native/paged_attn.c``, ``libxllm_paged_attn.so``): decode
 attention that reads K/V blocks in place through the block table — no gather copy, no padding
-to the longest sequence — in float32 accumulation over float32 or bfloat16 K/V, split over
-(sequence, KV head) pairs between threads, called through ctypes (the GIL is released).
+to the longest sequence — and writes each decode's output straight into its row of the step's
+output, called through ctypes (the GIL is released).
 
-:func:`load` returns the library or None (not built). It is *opt-in*
-(``XLLM_VMM_NATIVE_DECODE=1``, or ``TorchSDPABackend(native_decode=True)``): measured here
-(bf16, 4 layers hidden 512, 128 decodes of 64-640 keys, one thread, CPU time of a whole decode
-step) it made the step slower than the bucketed gather + SDPA path — 84-87 against 52-54 ms —
-because torch's CPU flash attention runs its products on this CPU's AMX/AVX-512-BF16 units
-while this kernel converts to float32 and takes one ``expf`` per score; it reads no copy and no
-padding, and is the base for a faster one (blocked products, vectorised exp). :func:`paged_decode` checks shapes,
-dtypes and the device (CPU only) and raises ``ValueError`` naming what differs; the caller
-falls back on anything it does not support (:func:`supports`).
+What runs (``implementation``): on x86-64 with AVX-512 (F/BW/VL, and AVX-512-BF16 for bfloat16)
+and q of the K/V dtype with a head_dim multiple of 16, the AVX-512 kernel — one work item per
+(sequence, KV head) reading each K/V row from memory once for all query heads of the group,
+scores 16 keys at a time (``vdpbf16ps`` on bf16 pairs, FMA in float32) with a transpose-tree
+reduction, an exact two-pass softmax with a vectorised ``exp2``, V accumulated in float32
+registers, bf16 results rounded to nearest even; elsewhere (aarch64, older x86, mixed dtypes,
+other head sizes, or ``XLLM_VMM_NATIVE_DECODE=portable``) the portable C of the same arithmetic.
+Work items are taken dynamically by the library's persistent thread pool (``native/threadpool.h``,
+``torch.get_num_threads()`` threads, the caller's included).
+
+It is the torch backend's default for CPU decodes (``XLLM_VMM_NATIVE_DECODE=0`` or
+``TorchSDPABackend(native_decode=False)`` turn it off), because it measured cheaper than the
+bucketed gather + SDPA path it replaces (``xllm-vmm bench attention``; loaded machine, CPU time
+of one layer call, 128 decodes of 64-640 keys, bf16, H=8 over 4 KV heads, one thread): D=64
+4.2-6.4 ms against 9.6-10.4, D=128 10.6-11 against 23.5-24.3; 32 decodes 0.7-1.0 against 2.4-2.6
+(D=64); fp32 D=64 9.2 against 23.7. Whole ``LLM.generate`` of the issue's trace (bf16, 2
+threads, loaded, interleaved): 9.2-9.8 s of CPU against 11.6-12.1 with it off. The torch path
+stays for what the kernel does not take (CUDA, float16, more than 16 query heads per KV head,
+head_dim above 512), decided once per dtype pair by :func:`supports`.
+:func:`paged_decode` checks shapes, dtypes, devices, lengths and block ids and raises
+``ValueError`` naming the argument; nothing is written then.
 """
 
 from __future__ import annotations
@@ -26,7 +38,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 LIB_NAME = "libxllm_paged_attn.so"
 ENV = "XLLM_VMM_NATIVE_DECODE"
-"""``1`` turns the native decode kernel on for the torch backend's default (off otherwise)."""
+"""``0`` (false/off/no) turns the native decode kernel off for the torch backend's default (on
+otherwise, where the library is built); ``portable`` keeps it on with its portable C
+implementation."""
 
 _LIB: Any = None
 _TRIED = False
@@ -39,8 +53,8 @@ def _path() -> Path:
 
 
 def enabled_by_env() -> bool:
-    """``ENV`` asks for the kernel (1/true/on/yes/portable)."""
-    return os.environ.get(ENV, "").strip().lower() in ("1", "true", "on", "yes", "portable")
+    """The kernel is on unless ``ENV`` turns it off (0/false/off/no)."""
+    return os.environ.get(ENV, "").strip().lower() not in ("0", "false", "off", "no")
 
 
 def portable_by_env() -> bool:

@@ -33,8 +33,11 @@ The batched decodes are sorted by length and cut into up to ``MAX_DECODE_BUCKETS
 longest, with an additive float mask built once per step (SDPA converts a boolean mask into one
 on every call): on 128 decodes of 64-640 keys (bf16, 4 layers hidden 512, one thread, CPU time
 of a whole decode step, together with the fused RMS norm and one RoPE lookup per step) 52-54
-against 78-93 ms before. The native kernel (:mod:`.native_decode`, opt-in) reads blocks in
-place instead; it is slower here (its module docstring).
+against 78-93 ms before. On CPU the decodes go instead, by default, to the native kernel
+(:mod:`.native_decode`: blocks read in place, each output written straight into its row of the
+step's output; cheaper than these buckets, measured in its module docstring); the buckets stay
+for CUDA, for what the kernel does not take, and with ``native_decode=False`` /
+``XLLM_VMM_NATIVE_DECODE=0``.
 
 Only blocks of the step's sequences are read: runs cover ``[0, seq_len)`` exactly, and padding
 entries of a block table never reach an index (the batched path replaces them by the
@@ -164,7 +167,10 @@ class TorchSDPABackend(AttentionBackend):
     """``batch_decodes``: decodes as one batched gather + SDPA call (one call instead of one per
     sequence and layer: the default on every device, measured in the module docstring) rather
     than per-sequence views over the arena (``False``). Prefill chunks always go one call
-    each."""
+    each. ``native_decode`` (None: on unless ``XLLM_VMM_NATIVE_DECODE=0``, where the library is
+    built; only with ``batch_decodes``): the batched decodes run on the native kernel whenever
+    it takes the layer's configuration (:func:`.native_decode.supports`: CPU, float32/bfloat16,
+    checked once per dtype pair), the buckets otherwise."""
 
     name = "torch"
 
@@ -176,9 +182,10 @@ class TorchSDPABackend(AttentionBackend):
         if batch_decodes is None:
             batch_decodes = True
         self.batch_decodes = batch_decodes
-        if native_decode is None:  # opt-in (measured slower here: native_decode module doc)
+        if native_decode is None:
             native_decode = nd.enabled_by_env() and nd.load() is not None
         self.native_decode = bool(native_decode) and batch_decodes
+        self.native_portable = nd.portable_by_env()
         self._native_ok: dict[tuple, bool] = {}
         self._buffers: dict[str, Any] = {}
 
@@ -279,14 +286,13 @@ class TorchSDPABackend(AttentionBackend):
             from xllm_vmm.engine.attention.native_decode import paged_decode
 
             geo = self.geometry
-            o = paged_decode(q if meta.decode_all else q[meta.decode_rows], kv.k_slots,
-                             kv.v_slots, meta.decode_table, meta.decode_lens,
-                             block_size=geo.block_size, blocks_per_slot=geo.blocks_per_slot,
-                             scale=self.scale)
+            q = q.contiguous()
+            out = paged_decode(q, kv.k_slots, kv.v_slots, meta.decode_table, meta.decode_lens,
+                               block_size=geo.block_size, blocks_per_slot=geo.blocks_per_slot,
+                               scale=self.scale, rows=None if meta.decode_all else meta.decode_rows,
+                               out=torch.empty_like(q), portable=self.native_portable)
             if meta.decode_all:
-                return o
-            out = torch.empty_like(q)
-            out[meta.decode_rows] = o
+                return out
         else:
             out = torch.empty_like(q)
             if batched:

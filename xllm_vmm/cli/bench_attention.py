@@ -1,0 +1,49 @@
+"""``xllm-vmm bench attention``: the native paged decode kernel against the gather + SDPA path
+(:mod:`xllm_vmm.bench.attention`); registered on ``bench`` by importing this module."""
+
+from __future__ import annotations
+
+from typing import List
+
+import typer
+
+from xllm_vmm.cli.bench import OutputFormat, _check, _run, bench_app, emit
+
+
+@bench_app.command(
+    "attention", short_help="Decode attention: native kernel in place vs gather + SDPA.",
+    help=(
+        "Decode attention over paged K/V in the engine's arena layout: the native kernel "
+        "reading blocks in place against the torch backend's bucketed gather + SDPA, "
+        "interleaved on the same data (fields {case}_native_cpu_ms_min/_median, "
+        "{case}_sdpa_cpu_ms_min/_median, wall times, {case}_native_speedup_ratio = SDPA CPU "
+        "time over native, native_speedup_ratio_min; case = b{B}_d{D}_t{threads}_{dtype})."))
+def bench_attention(
+    batch: List[int] = typer.Option([32, 128], help="Decodes per call (repeatable)."),
+    head_dim: List[int] = typer.Option([64, 128], help="Head size (repeatable)."),
+    threads: List[int] = typer.Option([1, 2], help="Threads (repeatable)."),
+    dtype: List[str] = typer.Option(["bfloat16"], help="K/V and query dtype: bfloat16, float32 (repeatable)."),
+    min_keys: int = typer.Option(64, help="Fewest keys of a decode."),
+    max_keys: int = typer.Option(640, help="Most keys of a decode."),
+    heads: int = typer.Option(8, help="Query heads."),
+    kv_heads: int = typer.Option(4, help="KV heads."),
+    block_size: int = typer.Option(16, help="Tokens per KV block."),
+    repeats: int = typer.Option(7, help="Interleaved runs of each path (1 to 100)."),
+    seed: int = typer.Option(0, help="Seed of the lengths, block tables and data."),
+    fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
+) -> None:
+    from xllm_vmm.bench import attention
+
+    for b in batch:
+        _check("--batch", b, 1, 4096)
+    for d in head_dim:
+        _check("--head-dim", d, 1, 512)
+    for t in threads:
+        _check("--threads", t, 1, 64)
+    _check("--repeats", repeats, 1, 100)
+    _check("--max-keys", max_keys, 1, 32768)
+    _check("--block-size", block_size, 1, 1024)
+    emit("bench attention (native in place vs gather + SDPA)", _run("bench attention", lambda: attention.run(
+        batches=batch, head_dims=head_dim, threads=threads, dtypes=dtype, min_keys=min_keys,
+        max_keys=max_keys, heads=heads, kv_heads=kv_heads, block_size=block_size,
+        repeats=repeats, seed=seed)), fmt)
