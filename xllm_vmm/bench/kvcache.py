@@ -479,6 +479,15 @@ def _manager_for(num_blocks: int, block_size: int) -> tuple[Any, Any, Any]:
     return mgr, pool, driver
 
 
+def _loops_for(seconds: float, min_seconds: float) -> int:
+    """Replays of a trace that one replay took ``seconds`` for (an untimed calibration) so that
+    a measurement lasts at least ``min_seconds``: 10 % above, so that a slightly faster repeat
+    still lasts long enough; 1 when ``min_seconds`` is 0."""
+    if min_seconds <= 0:
+        return 1
+    return max(1, math.ceil(1.1 * min_seconds / max(seconds, 1e-9)))
+
+
 def _replay_on_fresh_manager(events: list[tuple], nblocks: int, block_size: int
                              ) -> tuple[float, int]:
     mgr, pool, driver = _manager_for(nblocks, block_size)
@@ -495,23 +504,25 @@ def _measure_cycles(traces: Sequence[list[tuple]], block_size: int, min_seconds:
     """Interleaved repeats of the manager and the baseline on each trace of ``traces``: each
     repeat runs every trace once, manager then baseline, so that a change of load on a shared
     machine moves every figure alike (the cost-growth ratio compares two traces). Before the
-    repeats one untimed manager replay per trace sets how many times each measurement replays
-    it (``loops``), so that every measurement, the first one included, lasts at least
-    ``min_seconds``. Per-op seconds, one dict per trace."""
+    repeats one untimed replay per trace and side sets how many times each measurement of
+    that side replays it (``loops``, ``baseline_loops``), so that every measurement, the first
+    one and the faster side's included, lasts at least ``min_seconds``. Per-op seconds, one
+    dict per trace."""
+
     nblocks = [_trace_blocks(ev, block_size) for ev in traces]
     out: list[dict[str, Any]] = []
-    for events, nb in zip(traces, nblocks):
-        s, n = _replay_on_fresh_manager(events, nb, block_size)  # calibration (untimed)
-        # 10 % above the calibration's time, so a slightly faster repeat still lasts long enough
-        loops = max(1, math.ceil(1.1 * min_seconds / max(s, 1e-9))) if min_seconds > 0 else 1
-        out.append({"manager_s_per_op": [], "baseline_s_per_op": [], "loops": loops,
-                    "ops_per_replay": n})
+    for events, nb in zip(traces, nblocks):  # calibration (untimed)
+        s, n = _replay_on_fresh_manager(events, nb, block_size)
+        sb, _ = _replay_cycles_baseline(events, FreeListPrefixPool(nb, block_size))
+        out.append({"manager_s_per_op": [], "baseline_s_per_op": [],
+                    "loops": _loops_for(s, min_seconds),
+                    "baseline_loops": _loops_for(sb, min_seconds), "ops_per_replay": n})
     for _ in range(repeats):
         for events, nb, res in zip(traces, nblocks, out):
             for kind in ("manager", "baseline"):
                 total = 0.0
                 nops = 0
-                for _ in range(res["loops"]):
+                for _ in range(res["loops" if kind == "manager" else "baseline_loops"]):
                     if kind == "manager":
                         s, n = _replay_on_fresh_manager(events, nb, block_size)
                     else:
@@ -712,26 +723,23 @@ def run_kvcache_bench(cfg: KvBenchConfig = KvBenchConfig()) -> dict[str, Any]:
         _check_host_fits(cfg, -(-peak_live // bps) * layout.groups[0].slot_bytes(_PAGE))
     n_alloc = sum(1 for op in ops if op.kind != "idle")
 
-    # throughput: interleaved repeats on fresh pools (bookkeeping only), each at least
-    # min_seconds long (the trace replayed `loops` times)
+    # throughput: interleaved repeats on fresh pools (bookkeeping only); an untimed replay of
+    # each side first sets how many replays make one of its measurements last at least
+    # min_seconds (the free list's own count: it is the faster side)
+    def fresh_allocator() -> BlockAllocator:
+        return BlockAllocator([GroupShape("attn", num_slots, bps)], _NullBacking())
+
+    loops = _loops_for(_replay_allocator(ops, fresh_allocator()), cfg.min_seconds)
+    fl_loops = _loops_for(_replay_freelist(ops, FreeListBlockPool(num_slots * bps)),
+                          cfg.min_seconds)
     fl_runs: list[float] = []
     al_runs: list[float] = []
-    loops = 1
-    for rep in range(max(1, cfg.repeats)):
-        t_al = t_fl = 0.0
-        for _ in range(loops):
-            alloc = BlockAllocator([GroupShape("attn", num_slots, bps)], _NullBacking())
-            t_al += _replay_allocator(ops, alloc)
-            t_fl += _replay_freelist(ops, FreeListBlockPool(num_slots * bps))
-        if rep == 0 and t_al < cfg.min_seconds:
-            loops = max(1, int(cfg.min_seconds / max(t_al, 1e-9)) + 1)
-            t_al = t_fl = 0.0
-            for _ in range(loops):
-                alloc = BlockAllocator([GroupShape("attn", num_slots, bps)], _NullBacking())
-                t_al += _replay_allocator(ops, alloc)
-                t_fl += _replay_freelist(ops, FreeListBlockPool(num_slots * bps))
+    for _ in range(max(1, cfg.repeats)):
+        t_al = sum(_replay_allocator(ops, fresh_allocator()) for _ in range(loops))
+        t_fl = sum(_replay_freelist(ops, FreeListBlockPool(num_slots * bps))
+                   for _ in range(fl_loops))
         al_runs.append(t_al / loops)
-        fl_runs.append(t_fl / loops)
+        fl_runs.append(t_fl / fl_loops)
     fl_best, al_best = min(fl_runs), min(al_runs)
 
     # whole request cycles through the manager against the free list + dict index
@@ -776,7 +784,7 @@ def run_kvcache_bench(cfg: KvBenchConfig = KvBenchConfig()) -> dict[str, Any]:
         "alloc_vs_freelist_ratio": fl_best / al_best,
         "alloc_vs_freelist_ratio_median": statistics.median(f / a for f, a in zip(fl_runs,
                                                                                al_runs)),
-        "alloc_measure_loops": loops,
+        "alloc_measure_loops": [loops, fl_loops],  # replays per measurement (allocator, list)
         "cache_ops_per_s": n_alloc / frag["cache_seconds"],
         "cache_vs_freelist_ratio": fl_best / frag["cache_seconds"],
         "admission_us": adm_s * 1e6,
@@ -787,7 +795,8 @@ def run_kvcache_bench(cfg: KvBenchConfig = KvBenchConfig()) -> dict[str, Any]:
     out["manager_cycle_us_per_op"] = min(cyc["manager_s_per_op"]) * 1e6
     out["freelist_cycle_us_per_op"] = min(cyc["baseline_s_per_op"]) * 1e6
     out["cycle_ops"] = cyc["ops_per_replay"]
-    out["cycle_measure_loops"] = cyc["loops"]  # replays per measurement (>= --min-seconds)
+    # replays per measurement (each >= --min-seconds), manager and baseline
+    out["cycle_measure_loops"] = [cyc["loops"], cyc["baseline_loops"]]
     out["cycle_concurrency"] = cfg.cycle_concurrency
     lo, hi = cfg.growth_concurrency
     m_lo, m_hi = growth[lo]["manager_s_per_op"], growth[hi]["manager_s_per_op"]
@@ -798,6 +807,7 @@ def run_kvcache_bench(cfg: KvBenchConfig = KvBenchConfig()) -> dict[str, Any]:
     out[f"manager_us_per_op_at_{lo}"] = min(m_lo) * 1e6
     out[f"manager_us_per_op_at_{hi}"] = min(m_hi) * 1e6
     out["growth_ops"] = growth[hi]["ops_per_replay"]
-    out["growth_measure_loops"] = [growth[c]["loops"] for c in cfg.growth_concurrency]
+    out["growth_measure_loops"] = [[growth[c]["loops"], growth[c]["baseline_loops"]]
+                                   for c in cfg.growth_concurrency]
     out.update({k: v for k, v in frag.items() if k != "cache_seconds"})
     return out
