@@ -208,3 +208,17 @@ def test_cycle_measurements_interleave_every_trace():
     for res in out:
         assert res["loops"] == 1 and res["ops_per_replay"] > 0
         assert len(res["manager_s_per_op"]) == len(res["baseline_s_per_op"]) == 2
+
+
+def test_cycle_ops_per_replay_counts_the_verb_calls_both_replays_make():
+    from xllm_vmm.bench.kvcache import (
+        FreeListPrefixPool,
+        _measure_cycles,
+        _replay_cycles_baseline,
+        _trace_blocks,
+        make_serving_trace,
+    )
+
+    ev = make_serving_trace(8, 40, 16, seed=1)
+    _, n = _replay_cycles_baseline(ev, FreeListPrefixPool(_trace_blocks(ev, 16), 16))
+    assert _measure_cycles([ev], 16, 0.0, 1)[0]["ops_per_replay"] == n

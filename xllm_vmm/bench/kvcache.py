@@ -45,7 +45,7 @@ import time
 from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from xllm_vmm.kvcache import Admission, BlockAllocator, GroupShape, VirtualKVCache
 from xllm_vmm.kvcache.hashing import block_hashes
@@ -479,13 +479,20 @@ def _manager_for(num_blocks: int, block_size: int) -> tuple[Any, Any, Any]:
     return mgr, pool, driver
 
 
-def _loops_for(seconds: float, min_seconds: float) -> int:
-    """Replays of a trace that one replay took ``seconds`` for (an untimed calibration) so that
-    a measurement lasts at least ``min_seconds``: 10 % above, so that a slightly faster repeat
-    still lasts long enough; 1 when ``min_seconds`` is 0."""
+#: verb calls a replay makes per event kind: lookup + allocate + commit per arrival, allocate
+#: + commit per decode token, free per finish (``step`` at the end of a step is not counted)
+_VERBS_PER_EVENT = {0: 3, 1: 2, 2: 1}
+
+
+def _loops_for(replay: Callable[[], float], min_seconds: float) -> int:
+    """Replays per measurement so that one lasts at least ``min_seconds``: calibrated on the
+    faster of two untimed calls of ``replay`` (seconds of one replay; the first call also warms
+    the caches), with 20 % to spare so that a faster repeat still lasts long enough; 1 when
+    ``min_seconds`` is 0."""
     if min_seconds <= 0:
         return 1
-    return max(1, math.ceil(1.1 * min_seconds / max(seconds, 1e-9)))
+    seconds = min(replay(), replay())
+    return max(1, math.ceil(1.2 * min_seconds / max(seconds, 1e-9)))
 
 
 def _replay_on_fresh_manager(events: list[tuple], nblocks: int, block_size: int
@@ -512,11 +519,14 @@ def _measure_cycles(traces: Sequence[list[tuple]], block_size: int, min_seconds:
     nblocks = [_trace_blocks(ev, block_size) for ev in traces]
     out: list[dict[str, Any]] = []
     for events, nb in zip(traces, nblocks):  # calibration (untimed)
-        s, n = _replay_on_fresh_manager(events, nb, block_size)
-        sb, _ = _replay_cycles_baseline(events, FreeListPrefixPool(nb, block_size))
         out.append({"manager_s_per_op": [], "baseline_s_per_op": [],
-                    "loops": _loops_for(s, min_seconds),
-                    "baseline_loops": _loops_for(sb, min_seconds), "ops_per_replay": n})
+                    "loops": _loops_for(
+                        lambda: _replay_on_fresh_manager(events, nb, block_size)[0],
+                        min_seconds),
+                    "baseline_loops": _loops_for(
+                        lambda: _replay_cycles_baseline(
+                            events, FreeListPrefixPool(nb, block_size))[0], min_seconds),
+                    "ops_per_replay": sum(_VERBS_PER_EVENT.get(e[0], 0) for e in events)})
     for _ in range(repeats):
         for events, nb, res in zip(traces, nblocks, out):
             for kind in ("manager", "baseline"):
@@ -729,8 +739,8 @@ def run_kvcache_bench(cfg: KvBenchConfig = KvBenchConfig()) -> dict[str, Any]:
     def fresh_allocator() -> BlockAllocator:
         return BlockAllocator([GroupShape("attn", num_slots, bps)], _NullBacking())
 
-    loops = _loops_for(_replay_allocator(ops, fresh_allocator()), cfg.min_seconds)
-    fl_loops = _loops_for(_replay_freelist(ops, FreeListBlockPool(num_slots * bps)),
+    loops = _loops_for(lambda: _replay_allocator(ops, fresh_allocator()), cfg.min_seconds)
+    fl_loops = _loops_for(lambda: _replay_freelist(ops, FreeListBlockPool(num_slots * bps)),
                           cfg.min_seconds)
     fl_runs: list[float] = []
     al_runs: list[float] = []
