@@ -53,3 +53,21 @@ def test_execution_peak_is_a_watermark_with_a_default_until_observed():
     assert p.bytes == 10
     with pytest.raises(ValueError, match="must be >= 0 bytes"):
         p.observe(-1)
+
+
+@pytest.mark.parametrize("mode", list(BudgetMode))
+def test_slots_outside_the_pool_come_off_the_budget_after_the_quota(mode):
+    """``outside_bytes`` (MTP hidden-state slots, AD-03) is taken off the live budget in every
+    mode, after the quota, as ``plan`` takes ``M x m`` off its budget."""
+    from xllm_vmm.pool.budget import budget_bytes
+
+    MiB = 1 << 20
+    kw = dict(total=1000 * MiB, free=800 * MiB, execution_peak=50 * MiB, held=10 * MiB)
+    for quota in (0, 100 * MiB):  # no quota, a binding quota
+        base = BudgetConfig(mode=mode, max_memory_utilization=0.9, max_cache_size=quota,
+                            reserve_bytes=5 * MiB)
+        with_slots = BudgetConfig(mode=mode, max_memory_utilization=0.9, max_cache_size=quota,
+                                  reserve_bytes=5 * MiB, outside_bytes=3 * MiB)
+        assert budget_bytes(with_slots, **kw) == budget_bytes(base, **kw) - 3 * MiB
+    with pytest.raises(BudgetConfigError, match="outside_bytes=-1"):
+        BudgetConfig(mode=mode, outside_bytes=-1)

@@ -67,6 +67,11 @@ class BudgetConfig:
     ``reserve_bytes``: ``vmm_memory_reserve_bytes``, kept free beside the execution peak.
     ``execution_peak_bytes``: the observed execution peak to start with; ``None`` = not observed
     yet (the conservative default applies until the engine reports one).
+    ``outside_bytes``: bytes the engine reserves outside the pool for per-sequence slots — the
+    MTP hidden-state ("embedding") slots of AD-03, ``M × m`` with ``m`` from
+    :func:`xllm_vmm.planner.sizing.mtp_embedding_bytes_per_seq` — taken off the live budget in
+    every mode, after the quota, exactly as ``plan`` takes them off its budget
+    (``B_s = B − M × m``), so the running pool and ``plan`` agree on the KV budget.
     """
 
     mode: BudgetMode = BudgetMode.ELASTIC
@@ -74,6 +79,7 @@ class BudgetConfig:
     max_cache_size: int = 0
     reserve_bytes: int = 0
     execution_peak_bytes: int | None = None
+    outside_bytes: int = 0
 
     def __post_init__(self) -> None:
         try:
@@ -98,6 +104,10 @@ class BudgetConfig:
         if self.reserve_bytes < 0:
             raise BudgetConfigError(
                 f"vmm_memory_reserve_bytes={self.reserve_bytes} is negative (EL-05); use 0")
+        if self.outside_bytes < 0:
+            raise BudgetConfigError(
+                f"outside_bytes={self.outside_bytes} (slots reserved outside the pool) is "
+                "negative; use 0")
         if self.execution_peak_bytes is not None and self.execution_peak_bytes < 0:
             raise BudgetConfigError(
                 f"execution peak {self.execution_peak_bytes} bytes is negative")
@@ -143,18 +153,19 @@ def budget_bytes(cfg: BudgetConfig, *, total: int, free: int, execution_peak: in
     ``plan`` (:mod:`xllm_vmm.planner.sizing`) both call it.
 
     - physical, fixed: ``min(floor(r × total) − (total − free − held) − execution_peak, Q) −
-      held`` (the pool's whole capacity, less what it holds);
-    - elastic: ``min(free − execution_peak − reserve, Q − held)``;
+      held − outside`` (the pool's whole capacity, less what it holds);
+    - elastic: ``min(free − execution_peak − reserve, Q − held) − outside``;
 
-    with ``Q = max_cache_size`` when positive (no cap otherwise)."""
+    with ``Q = max_cache_size`` when positive (no cap otherwise) and ``outside`` the slots
+    reserved outside the pool (:attr:`BudgetConfig.outside_bytes`)."""
     quota = cfg.max_cache_size if cfg.max_cache_size > 0 else None
     if cfg.mode is BudgetMode.ELASTIC:
         left = free - execution_peak - cfg.reserve_bytes
-        return left if quota is None else min(left, quota - held)
+        return (left if quota is None else min(left, quota - held)) - cfg.outside_bytes
     cap = int(cfg.max_memory_utilization * total) - (total - free - held) - execution_peak
     if quota is not None:
         cap = min(cap, quota)
-    return cap - held
+    return cap - held - cfg.outside_bytes
 
 
 def static_capacity_bytes(cfg: BudgetConfig, free: int, total: int, execution_peak: int,

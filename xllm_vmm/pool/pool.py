@@ -311,9 +311,11 @@ class VmmPool:
                                    execution_peak=self.execution_peak.bytes, held=self._held))
 
     def _paged_growth_left_bytes(self) -> int:
-        """Growth of a paged tenant of a physical pool: free − execution peak − reserve."""
+        """Growth of a paged tenant of a physical pool: free − execution peak − reserve − the
+        slots reserved outside the pool (``BudgetConfig.outside_bytes``)."""
         free = self.driver.mem_info().free
-        return max(0, free - self.execution_peak.bytes - self.budget.reserve_bytes)
+        return max(0, free - self.execution_peak.bytes - self.budget.reserve_bytes
+                   - self.budget.outside_bytes)
 
     def budget_left_bytes(self) -> int:
         """Bytes of pages the pool could map now: ready handles plus allowed growth."""
