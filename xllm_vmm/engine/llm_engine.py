@@ -635,7 +635,8 @@ def _build(cls: type, sized: _Sized, model_dir: str, opts: dict[str, Any], is_de
     budget = BudgetConfig(mode=mode, max_memory_utilization=float(cfg["max_memory_utilization"]),
                           max_cache_size=int(cfg["max_cache_size"]),
                           reserve_bytes=int(cfg["vmm_memory_reserve_bytes"]),
-                          execution_peak_bytes=wp.execution_peak_bytes)
+                          execution_peak_bytes=wp.execution_peak_bytes,
+                          outside_bytes=wp.mtp_embedding_bytes)  # plan's MTP slots (AD-03)
     pool = mgr = worker = draft = None
     own_weights = weights is None
     try:
