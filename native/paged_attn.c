@@ -27,6 +27,9 @@
  * persistent pool (threadpool.h; the caller's thread is one of them), so a thread slowed by
  * the machine's load takes fewer. Called through ctypes (the GIL is released).
  *
+ * Building with -DXLLM_PA_NO_SIMD leaves only the portable code (what a non-x86 build compiles;
+ * used to test that path on x86).
+ *
  * Returns 0; -1 bad arguments (a shape, a type, a length outside [1, max_blocks * block_size]);
  * -2 out of memory; -3 a block id used outside [0, num_blocks) or a row outside [0, T). Every
  * check runs before anything is written, and the one allocation (per-thread score buffers) is
@@ -43,7 +46,7 @@
 
 #include "threadpool.h"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(XLLM_PA_NO_SIMD)
 #define XLLM_PA_X86 1
 #include <immintrin.h>
 #endif
@@ -613,6 +616,7 @@ static int isa_bits(void) { return 0; }
 typedef void (*item_fn)(const job_t *, int64_t, int64_t, float *, int64_t *);
 
 static item_fn pick(const job_t *j) {
+    (void)j;
 #ifdef XLLM_PA_X86
     if (j->impl == 2)
         return j->D == 64 ? item_bf16_d64 : j->D == 128 ? item_bf16_d128 : item_bf16_any;
