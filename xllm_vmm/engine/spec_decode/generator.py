@@ -113,6 +113,7 @@ class SpeculativeGenerator:
         the draft reads from the target; AD-03's MTP embedding slots): sequences beyond them
         wait for one."""
         from xllm_vmm.kvcache.resident import SequenceSlots
+        from xllm_vmm.planner.sizing import mtp_embedding_bytes_per_seq
 
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
@@ -124,9 +125,11 @@ class SpeculativeGenerator:
         self.k = num_speculative_tokens
         self.block_size = mgr.block_size
         self.stats = SpecDecodeStats(num_speculative_tokens)
-        elem = draft.body.dtype.itemsize if draft is not None else 4
-        hidden = draft.config.hidden_size if draft is not None else 0
-        self.slots = SequenceSlots("mtp_embedding", max_seqs, hidden * elem)
+        # the planner's formula (AD-03, one home), over the draft's real dtype
+        per_seq = mtp_embedding_bytes_per_seq(
+            draft.config.hidden_size, str(draft.body.dtype).removeprefix("torch.")) \
+            if draft is not None else 0
+        self.slots = SequenceSlots("mtp_embedding", max_seqs, per_seq)
 
     # -- helpers ------------------------------------------------------------------------------
     def _target(self, chunks: list) -> tuple[Any, list[tuple[int, int]]]:
