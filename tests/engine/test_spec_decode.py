@@ -11,7 +11,7 @@ import torch
 
 from tests.engine import checkpoints as C
 from tests.engine.managed_stack import ManagedStack
-from tests.engine.mtp_distill import untrained_mtp
+from xllm_vmm.bench.mtp_draft import untrained_mtp
 from xllm_vmm.engine.spec_decode import (MtpDraft, SpeculativeGenerator, greedy_verify,
                                          rejection_sample)
 from xllm_vmm.engine.step import SeqChunk, StepInput

@@ -3,7 +3,7 @@ output still identical to greedy decoding without speculation, in fewer target p
 
 The target is a tiny DeepSeek-V3 whose residual branches are scaled down (``branch_scale``),
 so its next token depends mostly on the current one — a model a one-layer draft can learn in a
-few hundred CPU steps; the draft is distilled in the test setup (``tests/engine/mtp_distill.py``)
+few hundred CPU steps; the draft is distilled in the test setup (``xllm_vmm/bench/mtp_draft.py``)
 and exported in the engine's MTP directory format."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from tests.engine import checkpoints as C
 from tests.engine.managed_stack import ManagedStack
-from tests.engine.mtp_distill import distill_mtp
+from xllm_vmm.bench.mtp_draft import distill_mtp
 from xllm_vmm.engine.spec_decode import SpeculativeGenerator
 
 STEPS = 150

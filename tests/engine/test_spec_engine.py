@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.engine import checkpoints as C
-from tests.engine.mtp_distill import untrained_mtp
+from xllm_vmm.bench.mtp_draft import untrained_mtp
 from xllm_vmm import LLM, SamplingParams
 from xllm_vmm.config import ConfigError
 

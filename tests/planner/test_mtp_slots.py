@@ -64,7 +64,7 @@ def test_running_engine_holds_the_slots_plan_counts(tmp_path):
     plan's capacity)."""
     pytest.importorskip("transformers")
     from tests.engine import checkpoints as C
-    from tests.engine.mtp_distill import untrained_mtp
+    from xllm_vmm.bench.mtp_draft import untrained_mtp
     from xllm_vmm import LLM
 
     target = C.deepseek_v3_checkpoint(tmp_path / "target")
@@ -83,5 +83,33 @@ def test_running_engine_holds_the_slots_plan_counts(tmp_path):
         assert eng.sizing["running"]["kv_capacity_tokens"] == w.kv_capacity_tokens
         assert _formula(eng.plan, "KV budget B_kv") == \
             w.physical_budget_bytes - slots.reserved_bytes
+    finally:
+        eng.shutdown()
+
+
+def test_elastic_pool_budget_is_plans_kv_budget(tmp_path):
+    """Elastic VMM with MTP: the running pool's live budget before any request is exactly
+    plan's KV budget (B less the slots' M x m bytes): the pool keeps the slots' bytes
+    outside it as plan does."""
+    pytest.importorskip("transformers")
+    from tests.engine import checkpoints as C
+    from xllm_vmm.bench.mtp_draft import untrained_mtp
+    from xllm_vmm import LLM
+
+    target = C.deepseek_v3_checkpoint(tmp_path / "target")
+    draft = untrained_mtp(target, tmp_path / "draft")
+    llm = LLM(str(target), draft_model=str(draft), speculative_algorithm="MTP",
+              num_speculative_tokens=2, block_size=16, device_memory="96MiB",
+              enable_vmm_kvcache=True, vmm_elastic=True, max_seqs_per_batch=7,
+              max_tokens_per_batch=256)
+    eng = llm.llm_engine
+    try:
+        w = eng.plan.workers[0]
+        slots = eng.spec_slots.reserved_bytes
+        assert slots == w.mtp_embedding_bytes > 0
+        assert eng.pool.budget.outside_bytes == slots
+        assert eng.pool.stats().held_bytes == 0  # nothing mapped yet: the whole budget is left
+        assert eng.pool.growth_left_bytes() == _formula(eng.plan, "KV budget B_kv") \
+            == w.physical_budget_bytes - slots
     finally:
         eng.shutdown()

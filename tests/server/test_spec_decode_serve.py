@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.engine import checkpoints as C
-from tests.engine.mtp_distill import untrained_mtp
+from xllm_vmm.bench.mtp_draft import untrained_mtp
 from tests.server.test_serve_cli import _start
 from xllm_vmm.bench.serve import parse_metric
 

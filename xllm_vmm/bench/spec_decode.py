@@ -1,7 +1,8 @@
 """``xllm-vmm bench spec``: MTP speculative decoding against the same engine without it, side
 by side in one run, on the same target, prompts and flags.
 
-The setup is the test suite's (``tests/engine/test_spec_decode_mtp.py``): a tiny DeepSeek-V3
+The setup is the test suite's (``tests/engine/test_spec_decode_mtp.py``, built by
+:mod:`xllm_vmm.bench.tiny_checkpoint` and :mod:`xllm_vmm.bench.mtp_draft`): a tiny DeepSeek-V3
 target (MLA, MoE; ``layers`` decoder layers, default 8: layer 0 dense, the others MoE; the
 draft is one layer, so the deeper the target the more a skipped target pass saves — with the
 tests' 2 layers the draft's two passes per step cost as much as the target pass they save)
@@ -11,7 +12,7 @@ its next token depends mostly on the current one, so a one-layer draft can learn
 hundred CPU steps — acceptance 0.77 at K = 2 with 150 steps, against 0.23 for 8 layers at
 0.03; a real model is not scaled — the acceptance here is of this easy target, not
 a prediction for real models), and an MTP draft distilled against it by the test setup's own
-``distill_mtp`` (transformers' ``DeepseekV3DecoderLayer`` with autograd, ``distill_steps``
+``distill_mtp`` (:mod:`xllm_vmm.bench.mtp_draft`; transformers' ``DeepseekV3DecoderLayer`` with autograd, ``distill_steps``
 Adam steps), exported in the engine's MTP directory format. Both are built on first use under
 the user's cache dir (keyed by every setting that changes them) and reused.
 
@@ -34,32 +35,16 @@ set the bench sets it to ``PASSIVE`` before torch loads (``omp_wait_policy`` in 
 machine made single repeats of this bench collapse to 31-44 tok/s against ~1,500 for the
 others.
 
-Needs transformers and a source checkout (the test setup's checkpoint builder and distillation
-live in ``tests/engine``). Numbers are noisy on a shared machine: compare within one run.
+Needs transformers (the checkpoint builder and the distillation run it; the package, not a
+source checkout, holds them). Numbers are noisy on a shared machine: compare within one run.
 """
 
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
-
-
-def _test_setup() -> tuple[Any, Any]:
-    """``(tests.engine.checkpoints, tests.engine.mtp_distill)`` from the source checkout."""
-    try:
-        from tests.engine import checkpoints, mtp_distill
-    except ImportError:
-        root = Path(__file__).resolve().parents[2]
-        if not (root / "tests" / "engine" / "mtp_distill.py").is_file():
-            raise ValueError("bench spec builds its target and draft with the test setup "
-                             "(tests/engine/mtp_distill.py): run it from a source checkout of "
-                             "xllm-vmm") from None
-        sys.path.insert(0, str(root))
-        from tests.engine import checkpoints, mtp_distill
-    return checkpoints, mtp_distill
 
 
 def bench_pair(branch_scale: float, distill_steps: int, seed: int = 0,
@@ -70,9 +55,10 @@ def bench_pair(branch_scale: float, distill_steps: int, seed: int = 0,
     import os
     import shutil
 
+    from xllm_vmm.bench import mtp_draft as D
+    from xllm_vmm.bench import tiny_checkpoint as C
     from xllm_vmm.engine.demo import cache_root
 
-    C, D = _test_setup()
     depth = f"-l{layers}" if layers != 2 else ""
     base = cache_root() / f"bench-mtp-ds3{depth}-b{branch_scale:g}-s{distill_steps}-seed{seed}"
     target, draft = base / "target", base / "draft"

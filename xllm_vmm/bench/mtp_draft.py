@@ -1,4 +1,5 @@
-"""A test MTP draft that proposes well: distilled against a tiny DeepSeek-V3 target on CPU.
+"""MTP drafts for a tiny DeepSeek-V3 target (:mod:`xllm_vmm.bench.tiny_checkpoint`): one that
+proposes well, distilled on CPU (``bench spec``'s draft), and an untrained one (the tests').
 
 :func:`export_mtp` writes a draft directory in the format xllm's ``tools/export_mtp.py``
 produces (``DeepseekMTPForCausalLM``, ``model.enorm/hnorm/eh_proj/shared_head.*`` and the
@@ -69,7 +70,7 @@ def untrained_mtp(target_dir: str | Path, out_dir: str | Path, *, seed: int = 0)
     ``eh_proj``): it proposes badly, which verification must not let show in the output."""
     import torch
 
-    from tests.engine import checkpoints as C
+    from xllm_vmm.bench import tiny_checkpoint as C
 
     hf = C.load_hf_model(target_dir)
     hid = hf.config.hidden_size
@@ -95,7 +96,7 @@ def distill_mtp(target_dir: str | Path, out_dir: str | Path, *, steps: int = 300
     from torch import nn
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
 
-    from tests.engine import checkpoints as C
+    from xllm_vmm.bench import tiny_checkpoint as C
 
     hf = C.load_hf_model(target_dir)
     for p in hf.parameters():
@@ -151,3 +152,6 @@ def distill_mtp(target_dir: str | Path, out_dir: str | Path, *, steps: int = 300
         **_layer_tensors(layer, "model.layers.0"),
     }
     return export_mtp(target_dir, out_dir, tensors), losses
+
+
+__all__ = ["MTP_FILE", "distill_mtp", "export_mtp", "untrained_mtp"]
