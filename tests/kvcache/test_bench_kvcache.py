@@ -23,7 +23,8 @@ def test_bench_kvcache_json_reports_the_named_fields():
                 "map_calls_per_1k_tokens", "admission_us", "cache_vs_freelist_ratio",
                 "freelist_idle_footprint_ratio", "manager_cycle_vs_freelist_ratio",
                 "manager_cycle_vs_freelist_ratio_median", "cost_growth_4096_vs_64",
-                "freelist_cost_growth_4096_vs_64", "manager_cycle_us_per_op"):
+                "freelist_cost_growth_4096_vs_64", "manager_cycle_us_per_op",
+                "shortest_measurement_s"):
         assert isinstance(out[key], float) and out[key] > 0, key
     assert out["peak_footprint_ratio"] >= 1.0 and out["idle_footprint_ratio"] >= 1.0
     assert out["peak_mapped_bytes"] >= out["peak_packed_floor_bytes"] > 0
