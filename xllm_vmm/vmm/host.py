@@ -261,7 +261,8 @@ class RunBatch:
         self._call = _Prepared(None, maps.buffer_info()[0] if len(maps) else None, len(maps) // 3,
                                unmaps.buffer_info()[0] if len(unmaps) else None,
                                len(unmaps) // 2, 0)
-        self._ptr = C.pointer(self._call)
+        # a by-reference argument built once: ctypes passes it with the least work per call
+        self._ptr = C.byref(self._call)
 
     def __len__(self) -> int:
         """Number of runs."""
