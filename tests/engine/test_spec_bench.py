@@ -40,3 +40,23 @@ def test_bench_spec_bad_options_exit_2():
     assert r.exit_code == 2 and "--num-speculative-tokens" in r.stderr
     r = CliRunner().invoke(app, ["bench", "spec", "--branch-scale", "0"])
     assert r.exit_code == 2 and "branch-scale" in r.stderr
+
+
+def test_the_package_never_imports_the_test_suite():
+    """``bench spec`` (and everything else) runs from an installed wheel, which has no
+    ``tests`` package: no module of ``xllm_vmm`` imports one, even lazily inside a function."""
+    import ast
+    from pathlib import Path
+
+    import xllm_vmm
+
+    root = Path(xllm_vmm.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                     else [])
+            found += [f"{path.relative_to(root)}: {n}" for n in names
+                      if n == "tests" or n.startswith("tests.")]
+    assert not found, found
