@@ -87,3 +87,45 @@ def test_bench_serve_cli_json_on_a_real_server(tiny_llama_dir):
     for stage in ("overhead", "admit", "pickup", "add", "handoff", "emit"):
         med, p99 = out[f"server_{stage}_us_median"], out[f"server_{stage}_us_p99"]
         assert med is not None and 0 <= med <= p99 <= 1e7, stage
+
+
+def test_sse_client_framings_and_errors(tokenizer):
+    """The load's client (``sse_post``): chunked transfer from the real server, a
+    length-framed body with CRLF event ends, and a refusal with its status and body."""
+
+    async def raw_server(payload: bytes, status: str = "200 OK"):
+        async def handle(reader, writer):
+            while (await reader.readline()) not in (b"\r\n", b""):
+                pass
+            writer.write(f"HTTP/1.1 {status}\r\nContent-Type: text/event-stream\r\n"
+                         f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+            await writer.drain()
+            writer.close()
+
+        return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+    async def collect(url, body=None):
+        return [d async for d in bs.sse_post(url, body or {}, {})]
+
+    async def main():
+        srv = await raw_server(b'data: {"a":1}\r\n\r\ndata: [DONE]\r\n\r\n')
+        port = srv.sockets[0].getsockname()[1]
+        got = await collect(f"http://127.0.0.1:{port}/v1/completions")
+        srv.close()
+        bad = await raw_server(b'{"error":"no"}', "400 Bad Request")
+        port = bad.sockets[0].getsockname()[1]
+        with pytest.raises(Exception, match=r"HTTP 400: b'\{\"error\":\"no\"\}'"):
+            await collect(f"http://127.0.0.1:{port}/x")
+        bad.close()
+        return got
+
+    assert asyncio.run(main()) == ['{"a":1}', "[DONE]"]
+    eng = FakeEngine(tokenizer, max_model_len=512)
+    with RunningServer(build_app(AsyncEngine(eng), ServerSettings())) as srv:
+        events = asyncio.run(collect(f"{srv.url}/v1/completions", {
+            "prompt": [5, 6], "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True}}))
+        assert events[-1] == "[DONE]" and len(events) == 3 + 2
+        assert json.loads(events[-2])["usage"]["completion_tokens"] == 3
+        with pytest.raises(Exception, match="HTTP 400"):
+            asyncio.run(collect(f"{srv.url}/v1/completions", {"prompt": [5], "n": 99}))
