@@ -1046,7 +1046,7 @@ static void record_map_run_locked(hv_pool *p, hv_resv *r, uint64_t first, uint64
         }
         return;
     }
-    /* locals and restrict: the stores cannot alias the pool's fields, so the loops vectorize */
+    /* locals and restrict: the stores cannot alias the pool's fields (no reload per page) */
     const uint64_t sh = p->gshift, slot0 = off >> sh;
     uint64_t *restrict e = &r->ent[first];
     uint32_t *restrict hm = &p->hmaps[slot0];
