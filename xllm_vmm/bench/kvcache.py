@@ -511,11 +511,11 @@ def _measure_cycles(traces: Sequence[list[tuple]], block_size: int, min_seconds:
     """Interleaved repeats of the manager and the baseline on each trace of ``traces``: each
     repeat runs every trace once, manager then baseline, so that a change of load on a shared
     machine moves every figure alike (the cost-growth ratio compares two traces). Before the
-    repeats one untimed replay per trace and side sets how many times each measurement of
-    that side replays it (``loops``, ``baseline_loops``), so that every measurement, the first
-    one and the faster side's included, lasts at least ``min_seconds``. Per-op seconds, one
+    repeats, untimed replays of each trace and side (:func:`_loops_for`) set how many times
+    each measurement of that side replays it (``loops``, ``baseline_loops``), so that every
+    measurement, the first one and the faster side's included, lasts at least
+    ``min_seconds``; ``shortest_s`` is the shortest one's CPU seconds. Per-op seconds, one
     dict per trace."""
-
     nblocks = [_trace_blocks(ev, block_size) for ev in traces]
     out: list[dict[str, Any]] = []
     for events, nb in zip(traces, nblocks):  # calibration (untimed)
