@@ -17,6 +17,10 @@ is cheaper), ``{case}_max_abs_diff`` (between the two outputs). Summary:
 ``avx512-f32`` / ``portable``, for bf16 K/V).
 
 CPU time is the figure to decide by on a shared machine; wall times are loaded figures there.
+As ``bench engine`` does, it sets ``OMP_WAIT_POLICY=PASSIVE`` before torch loads unless it is
+set (torch's spinning OpenMP threads otherwise charge the 2-thread SDPA cases many times their
+work under load); ``omp_wait_policy`` says what was in effect (``"unknown"``: torch was loaded
+first).
 """
 
 from __future__ import annotations
@@ -73,6 +77,9 @@ def run(*, batches: Sequence[int] = (32, 128), head_dims: Sequence[int] = (64, 1
         min_keys: int = 64, max_keys: int = 640, heads: int = 8, kv_heads: int = 4,
         block_size: int = 16, blocks_per_slot: int = 4, repeats: int = 7,
         seed: int = 0) -> dict[str, Any]:
+    from xllm_vmm.bench.threads import passive_omp_wait
+
+    policy = passive_omp_wait()  # before torch loads (torch's SDPA threads, as bench engine)
     import torch
 
     from xllm_vmm.engine.attention import native_decode as nd
@@ -92,7 +99,8 @@ def run(*, batches: Sequence[int] = (32, 128), head_dims: Sequence[int] = (64, 1
     out: dict[str, Any] = {"native_impl": nd.implementation(torch.bfloat16, torch.bfloat16,
                                                             head_dims[0]),
                            "min_keys": min_keys, "max_keys": max_keys, "heads": heads,
-                           "kv_heads": kv_heads, "block_size": block_size, "repeats": repeats}
+                           "kv_heads": kv_heads, "block_size": block_size, "repeats": repeats,
+                           "omp_wait_policy": policy}
     speedups = []
     try:
         for dname in dtypes:
