@@ -15,11 +15,12 @@ Work items are taken dynamically by the library's persistent thread pool (``nati
 
 It is the torch backend's default for CPU decodes (``XLLM_VMM_NATIVE_DECODE=0`` or
 ``TorchSDPABackend(native_decode=False)`` turn it off), because it measured cheaper than the
-bucketed gather + SDPA path it replaces (``xllm-vmm bench attention``; loaded machine, CPU time
-of one layer call, 128 decodes of 64-640 keys, bf16, H=8 over 4 KV heads, one thread): D=64
-4.2-6.4 ms against 9.6-10.4, D=128 10.6-11 against 23.5-24.3; 32 decodes 0.7-1.0 against 2.4-2.6
-(D=64); fp32 D=64 9.2 against 23.7. Whole ``LLM.generate`` of the issue's trace (bf16, 2
-threads, loaded, interleaved): 9.2-9.8 s of CPU against 11.6-12.1 with it off. The torch path
+bucketed gather + SDPA path it replaces (``xllm-vmm bench attention``, loaded machine, CPU time
+of one layer call, H=8 over 4 KV heads, decodes of 64-640 keys, one thread): 2.5-3.6x less in
+every case, e.g. 128 decodes at D=64 5.3 against 12.9 ms in bf16, 10.1 against 31.3 in fp32;
+whole ``LLM.generate`` of the issue's trace (bf16, 2 threads, interleaved): 8.1-9.8 s of CPU
+against 11.5-13.5 s with it off (``docs/engine.md``). In the engine it is bound by memory
+bandwidth (the K/V of the other layers evict a layer's between steps). The torch path
 stays for what the kernel does not take (CUDA, float16, more than 16 query heads per KV head,
 head_dim above 512), decided once per dtype pair by :func:`supports`.
 :func:`paged_decode` checks shapes, dtypes, devices, lengths and block ids and raises
