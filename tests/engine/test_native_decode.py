@@ -278,3 +278,33 @@ def test_backend_default_and_switches(monkeypatch):
     # unsupported configurations fall back to gather + SDPA
     assert not be._use_native(torch.empty(1, 8, 64, dtype=torch.float16),
                               type("KV", (), {"k_slots": torch.empty(1, dtype=torch.float16)})())
+
+
+def test_pool_survives_fork_and_odd_thread_counts():
+    """More threads than work items or cores, then a fork: the child's pool starts empty
+    (pthread_atfork) and is created again; results stay right in parent and child."""
+    import os
+
+    g = torch.Generator().manual_seed(19)
+    arena, q, rows, table, lens_t, exp = _case(g, lens=[50, 3], H=4, HKV=2, D=64,
+                                               dtype=torch.bfloat16, extra_rows=0)
+    kw = dict(block_size=16, blocks_per_slot=arena.bps, scale=0.125, rows=rows)
+    for n in (3, 7, 64, 1000):  # clamped to the work items (4) and to the pool's maximum
+        _check(nd.paged_decode(q, arena.k, arena.v, table, lens_t, num_threads=n, **kw),
+               exp, torch.bfloat16, ())
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through its exit status
+        code = 1
+        try:
+            import signal
+
+            signal.alarm(60)  # a child waiting on workers it does not have dies, not hangs
+            out = nd.paged_decode(q, arena.k, arena.v, table, lens_t, num_threads=2, **kw)
+            _check(out, exp, torch.bfloat16, ())
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    _check(nd.paged_decode(q, arena.k, arena.v, table, lens_t, num_threads=2, **kw),
+           exp, torch.bfloat16, ())
