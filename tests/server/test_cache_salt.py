@@ -207,3 +207,17 @@ def test_hybrid_model_salts_through_the_linear_state_wrapper(tmp_path):
     assert [o.num_cached_tokens for o in got] == [0, 0, 2 * BS]
     assert stats["linear_state_restores"] == 1 and stats["prefix_hit_tokens"] == 2 * BS
     assert got[0].outputs[0].token_ids == got[1].outputs[0].token_ids == got[2].outputs[0].token_ids
+
+
+def test_two_workers_salts_as_one(tiny_llama_dir):
+    """A worker set (rank 0 spawns rank 1): the scheduler's lookup runs on rank 0 and every
+    worker maps the same slots (the fan-out sits below the manager), so salts isolate and
+    share exactly as on one worker."""
+    from xllm_vmm import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    with LLM(str(tiny_llama_dir), nnodes=2, **FLAGS) as two:
+        got = [two.generate({"prompt_token_ids": PROMPT, "cache_salt": s}, params)[0]
+               for s in ("a", "b", "a")]
+    assert [o.num_cached_tokens for o in got] == [0, 0, HIT]
+    assert got[0].outputs[0].token_ids == got[1].outputs[0].token_ids == got[2].outputs[0].token_ids
