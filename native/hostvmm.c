@@ -989,7 +989,22 @@ static int check_map_run_locked(hv_pool *p, uint64_t va, uint64_t off, uint64_t 
     if (slot0 != 0 && slot0 < p->end_slot && pages <= p->end_slot - slot0) {
         const uint32_t *hp = &p->hpages[slot0];
         const uint8_t *hf = &p->hflags[slot0];
-        for (uint64_t i = 0; i < pages; i++) { /* independent checks, one pass */
+        /* independent checks, eight pages per step read as 64-bit words (two page counts or
+         * eight flag bytes per word), the rest one by one */
+        const uint64_t ones = 0x0000000100000001ull, bytes = 0x0101010101010101ull;
+        uint64_t i = 0, hbad = 0, fany = 0, fall = ~0ull;
+        for (; i + 8 <= pages; i += 8) {
+            uint64_t f, h[4];
+            memcpy(&f, hf + i, sizeof f);
+            memcpy(h, hp + i, sizeof h);
+            hbad |= (h[0] ^ ones) | (h[1] ^ ones) | (h[2] ^ ones) | (h[3] ^ ones);
+            fany |= f;
+            fall &= f;
+            busy |= e[i] | e[i + 1] | e[i + 2] | e[i + 3] | e[i + 4] | e[i + 5] | e[i + 6] | e[i + 7];
+        }
+        bad = hbad | (fany & (bytes * HV_PENDING_FREE));
+        stale = (fall & (bytes * HV_USED)) != bytes * HV_USED;
+        for (; i < pages; i++) {
             bad |= (uint64_t)(hp[i] != 1) | (hf[i] & HV_PENDING_FREE);
             stale |= !(hf[i] & HV_USED);
             busy |= e[i];
@@ -1051,8 +1066,18 @@ static void record_map_run_locked(hv_pool *p, hv_resv *r, uint64_t first, uint64
     uint64_t *restrict e = &r->ent[first];
     uint32_t *restrict hm = &p->hmaps[slot0];
     uint8_t *restrict hf = &p->hflags[slot0];
-    for (uint64_t i = 0; i < pages; i++) {
-        e[i] = (off + (i << sh)) | HV_START_BIT;
+    for (uint64_t i = 0; i < pages; i++) e[i] = (off + (i << sh)) | HV_START_BIT;
+    uint64_t i = 0; /* the counters and flags eight pages per step as 64-bit words */
+    for (; i + 8 <= pages; i += 8) {
+        uint64_t m[4], f;
+        memcpy(m, hm + i, sizeof m);
+        memcpy(&f, hf + i, sizeof f);
+        for (int k = 0; k < 4; k++) m[k] += 0x0000000100000001ull; /* < 2^32 mappings each */
+        f |= 0x0101010101010101ull * HV_USED;
+        memcpy(hm + i, m, sizeof m);
+        memcpy(hf + i, &f, sizeof f);
+    }
+    for (; i < pages; i++) {
         hm[i]++;
         hf[i] |= HV_USED;
     }
@@ -1135,10 +1160,33 @@ static int check_unmap_run_locked(hv_pool *p, uint64_t va, uint64_t size, int cl
     uint64_t *e = &r->ent[first], bad = 0, pend = 0;
     if (!claim && p->cap_slots) { /* one pass, no dependency: every page starts a one-granule
                                     * mapping (no handle table yet: nothing can be mapped) */
-        for (uint64_t i = 0; i < pages; i++) {
-            uint64_t v = e[i], slot = (v & ~HV_START_BIT) >> p->gshift;
-            bad |= (uint64_t)!(v & HV_START_BIT) | (uint64_t)(p->hpages[slot] != 1);
-            pend += (p->hflags[slot] & HV_PENDING_FREE) != 0;
+        const uint64_t sh = p->gshift, e0 = e[0], s0 = (e0 & ~HV_START_BIT) >> sh;
+        uint64_t step = 0;
+        for (uint64_t i = 0; i < pages; i++) step |= e[i] ^ (e0 + (i << sh));
+        if (!step && (e0 & HV_START_BIT) && s0 < p->end_slot && pages <= p->end_slot - s0 &&
+            !(pages & 7)) {
+            /* each page starts the handle after the previous one's (a run mapped together):
+             * their table rows are contiguous, read eight per step as 64-bit words */
+            const uint32_t *hp = &p->hpages[s0];
+            const uint8_t *hf = &p->hflags[s0];
+            uint64_t hbad = 0, fany = 0;
+            for (uint64_t i = 0; i < pages; i += 8) {
+                uint64_t f, h[4];
+                memcpy(&f, hf + i, sizeof f);
+                memcpy(h, hp + i, sizeof h);
+                hbad |= (h[0] ^ 0x0000000100000001ull) | (h[1] ^ 0x0000000100000001ull) |
+                        (h[2] ^ 0x0000000100000001ull) | (h[3] ^ 0x0000000100000001ull);
+                fany |= f;
+            }
+            bad = hbad;
+            if (fany & (0x0101010101010101ull * HV_PENDING_FREE))
+                for (uint64_t i = 0; i < pages; i++) pend += (hf[i] & HV_PENDING_FREE) != 0;
+        } else {
+            for (uint64_t i = 0; i < pages; i++) {
+                uint64_t v = e[i], slot = (v & ~HV_START_BIT) >> sh;
+                bad |= (uint64_t)!(v & HV_START_BIT) | (uint64_t)(p->hpages[slot] != 1);
+                pend += (p->hflags[slot] & HV_PENDING_FREE) != 0;
+            }
         }
         if (!bad) {
             *single = 1;

@@ -230,6 +230,38 @@ int main(void) {
     CHECK(hv_release(p, rv, 16 * G) == 0);
     hv_pool_close(p);
 
+    /* long runs (eight pages per step in the checks, then a tail): every failure inside a
+     * step or the tail is found, nothing changes; deferred frees inside a step are released */
+    CHECK(hv_pool_open(&p, G, 0) == 0);
+    uint64_t lv, lh[20], lrun[3], lun[2];
+    CHECK(hv_reserve(p, 24 * G, &lv) == 0);
+    for (int i = 0; i < 20; i++) CHECK(hv_create(p, G, &lh[i]) == 0 && (i == 0 || lh[i] == lh[i - 1] + G));
+    lrun[0] = lv, lrun[1] = lh[0], lrun[2] = 20 * G, lun[0] = lv, lun[1] = 20 * G;
+    for (int at = 0; at < 20; at += 3) { /* a page mapped already, inside a step or the tail */
+        CHECK(hv_map(p, lv + (uint64_t)at * G, lh[at]) == 0);
+        CHECK(hv_map_runs(p, lrun, 1, &failed) == EEXIST);
+        CHECK(hv_unmap(p, lv + (uint64_t)at * G, NULL) == 0);
+        hv_stats(p, stats2);
+        CHECK(stats2[HV_STAT_MAPPINGS] == 0);
+    }
+    CHECK(hv_map_runs(p, lrun, 1, &failed) == 0 && hv_check_mapped(p, lv, 20 * G) == 0);
+    memset((void *)(lv + 13 * G), 0x3d, 64);
+    CHECK(hv_unmap_runs(p, lun, 1, &failed) == 0);
+    CHECK(hv_free(p, lh[13]) == 0); /* a freed handle in the second step */
+    CHECK(hv_map_runs(p, lrun, 1, &failed) == EBADF && hv_check_mapped(p, lv, 1) == ENOENT);
+    CHECK(hv_create(p, G, &lh[13]) == 0 && lh[13] == lh[12] + G); /* its extent comes back */
+    CHECK(hv_map_batch(p, (uint64_t[]){lv, lv + G}, lh, 2, &failed) == 0);
+    CHECK(hv_unmap_batch(p, (uint64_t[]){lv, lv + G}, 2, &failed) == 0);
+    CHECK(hv_map_runs(p, lrun, 1, &failed) == 0); /* a fresh handle among used ones */
+    CHECK(((unsigned char *)lv)[13 * G] == 0 && hv_free_deferred(p, lh[9]) == 0);
+    CHECK(hv_unmap_runs(p, lun, 1, &failed) == 0);
+    hv_stats(p, stats2);
+    CHECK(stats2[HV_STAT_MAPPINGS] == 0 && stats2[HV_STAT_HANDLES] == 19);
+    CHECK(hv_handle_info(p, lh[9], NULL, NULL) == EBADF);
+    for (int i = 0; i < 20; i++) if (i != 9) CHECK(hv_free(p, lh[i]) == 0);
+    CHECK(hv_release(p, lv, 24 * G) == 0);
+    hv_pool_close(p);
+
     /* huge-page backings: refused for a granule that is not a multiple of 2 MiB */
     CHECK(hv_pool_open_backed(&p, G / 2, 0, HV_BACKING_HUGETLB) == EINVAL && p == NULL);
     CHECK(hv_pool_open_backed(&p, G, 0, 7) == EINVAL && p == NULL);
