@@ -691,3 +691,28 @@ int xllm_paged_decode(const void *q, void *out, const int64_t *rows, int64_t T, 
     free(j.scratch);
     return 0;
 }
+
+/* Store T new K and V rows into the arena: row t of k / v (Hkv * D elements of `elem` bytes,
+ * the rows `src_stride` elements apart, each row contiguous) goes to token off[t] of slot
+ * page[t] of the layer's K / V tensors (element (page * page_elems + off * Hkv * D)), the
+ * slots views' layout. Returns 0, -1 (bad arguments) or -3 (a page outside [0, num_slots) or
+ * an offset outside [0, tokens_per_slot)); every row is checked before the first is written. */
+int xllm_write_kv(const void *k, const void *v, int64_t src_stride_k, int64_t src_stride_v,
+                  void *k_dst, void *v_dst, const int64_t *page, const int64_t *off, int64_t T,
+                  int64_t row_elems, int64_t elem, int64_t page_elems, int64_t num_slots,
+                  int64_t tokens_per_slot) {
+    if (!k || !v || !k_dst || !v_dst || !page || !off || T < 0 || row_elems < 1 ||
+        (elem != 2 && elem != 4) || tokens_per_slot < 1 || page_elems < tokens_per_slot * row_elems ||
+        src_stride_k < row_elems || src_stride_v < row_elems)
+        return -1;
+    for (int64_t t = 0; t < T; t++)
+        if (page[t] < 0 || page[t] >= num_slots || off[t] < 0 || off[t] >= tokens_per_slot)
+            return -3;
+    const size_t n = (size_t)(row_elems * elem);
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t d = (page[t] * page_elems + off[t] * row_elems) * elem;
+        memcpy((char *)k_dst + d, (const char *)k + t * src_stride_k * elem, n);
+        memcpy((char *)v_dst + d, (const char *)v + t * src_stride_v * elem, n);
+    }
+    return 0;
+}

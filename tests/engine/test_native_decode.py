@@ -308,3 +308,29 @@ def test_pool_survives_fork_and_odd_thread_counts():
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
     _check(nd.paged_decode(q, arena.k, arena.v, table, lens_t, num_threads=2, **kw),
            exp, torch.bfloat16, ())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_equals_index_put(dtype):
+    """One native copy call stores what ``index_put_`` stores, from contiguous rows and from
+    rows of a wider projection output (a row stride), and nothing else changes."""
+    g = torch.Generator().manual_seed(23)
+    a, b = Arena(6, 3, 16, 2, 64, dtype), Arena(6, 3, 16, 2, 64, dtype)
+    flat = torch.randperm(6 * 48, generator=g)[:37]
+    page, off = flat // 48, flat % 48
+    wide = torch.randn(37, 3, 2, 64, generator=g).to(dtype)  # e.g. a fused qkv output
+    for k, v in ((torch.randn(37, 2, 64, generator=g).to(dtype),
+                  torch.randn(37, 2, 64, generator=g).to(dtype)), (wide[:, 1], wide[:, 2])):
+        assert nd.write_kv(k, v, a.k, a.v, page, off)
+        b.k.index_put_((page, off), k)
+        b.v.index_put_((page, off), v)
+        assert torch.equal(a.flat_k.nan_to_num(7.0), b.flat_k.nan_to_num(7.0))
+        assert torch.equal(a.flat_v.nan_to_num(7.0), b.flat_v.nan_to_num(7.0))
+    # what it does not take is left to torch (False, nothing written)
+    assert not nd.write_kv(k.half(), v.half(), a.k, a.v, page, off)
+    assert not nd.write_kv(k, v, a.k, a.v, page.int(), off)
+    with pytest.raises(ValueError, match="a page outside"):
+        nd.write_kv(k, v, a.k, a.v, torch.full_like(page, 6), off)
+    with pytest.raises(ValueError, match="an offset outside"):
+        nd.write_kv(k, v, a.k, a.v, page, torch.full_like(off, 48))
+    assert torch.equal(a.flat_k.nan_to_num(7.0), b.flat_k.nan_to_num(7.0))

@@ -79,6 +79,9 @@ def load() -> Any:
             f.restype = i32
             lib.xllm_paged_decode_impl.argtypes = [i64, i32, i32, i32]
             lib.xllm_paged_decode_impl.restype = i32
+            w = lib.xllm_write_kv
+            w.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
+            w.restype = i32
             lib.xllm_paged_attn_isa.argtypes = []
             lib.xllm_paged_attn_isa.restype = i32
             _LIB = lib
@@ -220,5 +223,43 @@ def paged_decode(q: Tensor, k_slots: Tensor, v_slots: Tensor, block_table: Tenso
     return out
 
 
+def write_kv(k: Tensor, v: Tensor, k_slots: Tensor, v_slots: Tensor, page: Tensor,
+             off: Tensor) -> bool:
+    """Store the step's new ``k``/``v`` ``(T, Hkv, D)`` rows at token ``off[t]`` of slot
+    ``page[t]`` of the ``slots`` views (what ``slots.index_put_((page, off), k)`` does), in one
+    native call. Returns False, having written nothing, when it does not take the tensors
+    (library not built, not CPU, a dtype other than the views' float32/bfloat16, rows not
+    contiguous inside, ``page``/``off`` not contiguous int64) — the caller then uses torch.
+    Raises ``ValueError`` on a page or offset outside the views (nothing written)."""
+    import torch
+
+    lib = load()
+    if (lib is None or k.device.type != "cpu" or v.device.type != "cpu"
+            or k_slots.device.type != "cpu" or k.dtype != k_slots.dtype
+            or v.dtype != v_slots.dtype or k.dtype != v.dtype or _code(k.dtype) is None
+            or k.dim() != 3 or v.shape != k.shape or tuple(k.shape[1:]) != tuple(k_slots.shape[2:])
+            or k.stride()[1:] != (k.shape[2], 1) or v.stride()[1:] != (v.shape[2], 1)
+            or k_slots.stride() != v_slots.stride()
+            or k_slots.stride()[1:] != (k.shape[1] * k.shape[2], k.shape[2], 1)
+            or page.dtype != torch.int64 or off.dtype != torch.int64
+            or not page.is_contiguous() or not off.is_contiguous()
+            or page.shape != (k.shape[0],) or off.shape != (k.shape[0],)):
+        return False
+    t, row = k.shape[0], k.shape[1] * k.shape[2]
+    sk, sv = (k.stride(0), v.stride(0)) if t > 1 else (row, row)
+    if sk < row or sv < row:  # rows overlapping in memory: not a layout this takes
+        return False
+    rc = lib.xllm_write_kv(k.data_ptr(), v.data_ptr(), sk, sv, k_slots.data_ptr(),
+                           v_slots.data_ptr(), page.data_ptr(), off.data_ptr(), t, row,
+                           k.element_size(), k_slots.stride(0), k_slots.shape[0],
+                           k_slots.shape[1])
+    if rc == -3:
+        raise ValueError(f"write_kv: a page outside [0, {k_slots.shape[0]}) or an offset outside "
+                         f"[0, {k_slots.shape[1]}) of the slots views")
+    if rc != 0:
+        raise ValueError(f"write_kv refused its arguments (rc {rc})")
+    return True
+
+
 __all__ = ["ENV", "LIB_NAME", "enabled_by_env", "implementation", "load", "paged_decode",
-           "portable_by_env", "supports"]
+           "portable_by_env", "supports", "write_kv"]

@@ -273,6 +273,16 @@ class TorchSDPABackend(AttentionBackend):
         return out
 
     def write_kv(self, kv: PagedKV, k: Tensor, v: Tensor, meta: SDPAMetadata) -> None:
+        """The new rows into their slots: one native copy call where the native kernel is on
+        and takes the tensors (:func:`.native_decode.write_kv`; two ``index_put_`` cost
+        about 0.4 ms a layer at 128 rows), else ``index_put_``."""
+        if self.native_decode:
+            from xllm_vmm.engine.attention.native_decode import write_kv
+
+            dt = kv.k_slots.dtype
+            if write_kv(k.to(dt), v.to(dt), kv.k_slots, kv.v_slots, meta.write_page,
+                        meta.write_off):
+                return
         idx = (meta.write_page, meta.write_off)
         kv.k_slots.index_put_(idx, k.to(kv.k_slots.dtype))
         kv.v_slots.index_put_(idx, v.to(kv.v_slots.dtype))
