@@ -43,8 +43,11 @@
 #define XLO_X86 1
 #endif
 
-#ifdef XLO_HAVE_POOL
-#include "threadpool.h"
+#if defined(__has_include)
+#if __has_include("threadpool.h")
+#include "threadpool.h" /* the engine's one persistent native pool (one per library) */
+#define XLO_HAVE_POOL 1
+#endif
 #endif
 
 #define ABI_VERSION 1
@@ -376,8 +379,10 @@ static void pool_fn(void *ctx, int tid, int n) {
 }
 #endif
 
-/* Elements below which one thread does the whole call (a hand-off costs a few microseconds). */
-#define PARALLEL_MIN_ELEMS 65536
+/* Elements below which one thread does the whole call: a decode step's rows (T = 128 of 512:
+ * ~10-30 us) stay on the caller, since a hand-off costs microseconds and the pool's workers then
+ * spin for up to XT_POOL_SPIN_NS beside torch's threads; prefill-sized calls are split. */
+#define PARALLEL_MIN_ELEMS 262144
 
 static void run(job_t *j, int64_t elems, int nthreads) {
     j->isa = xllm_layer_ops_isa();

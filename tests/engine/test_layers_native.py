@@ -30,6 +30,18 @@ def path(request):
     layer_ops.set_enabled(None)
 
 
+def test_threads_split_rows_equal_one_thread():
+    x, w = _rows(torch.bfloat16, (1024, 512), 20), _rows(torch.bfloat16, (512,), 21, 1.0)
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = layer_ops.rms_norm(x, w, 1e-6)
+        torch.set_num_threads(max(2, n))
+        assert torch.equal(layer_ops.rms_norm(x, w, 1e-6), one)
+    finally:
+        torch.set_num_threads(n)
+
+
 def _close(got, want):
     assert got.dtype == want.dtype and got.shape == want.shape
     g, w = got.float(), want.float()
@@ -46,7 +58,7 @@ def _rows(dtype, shape, seed, scale=3.0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(300, 512), (64, 8, 64), (3, 96), (5, 37)])
+@pytest.mark.parametrize("shape", [(600, 512), (64, 8, 64), (3, 96), (5, 37)])  # 600x512: split between threads
 def test_rms_norm_matches_torch(path, dtype, shape):
     x, w = _rows(dtype, shape, 1), _rows(dtype, shape[-1:], 2, 1.0)
     assert layer_ops.supported(x, w)
@@ -65,7 +77,7 @@ def test_fused_add_rms_norm_matches_add_then_norm(path, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul_matches_torch(path, dtype):
-    g, u = _rows(dtype, (130, 1536), 6, 4.0), _rows(dtype, (130, 1536), 7)
+    g, u = _rows(dtype, (200, 1536), 6, 4.0), _rows(dtype, (200, 1536), 7)
     g[0, :8] = torch.tensor([0.0, -0.0, 90.0, -90.0, 1e-3, -1e-3, 20.0, -20.0]).to(dtype)
     want = F.silu(g) * u
     _close(layer_ops.silu_and_mul(g, u), want)
@@ -88,7 +100,7 @@ def _tables(dtype, rot, n=700):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_neox_gptj_and_partial_bit_equal(path, dtype):
-    t, d = 50, 64
+    t, d = 520, 64  # T * heads * dims above the threads' threshold
     pos = torch.randint(0, 700, (t,), generator=torch.Generator().manual_seed(8))
     q, k = _rows(dtype, (t, 8, d), 9, 1.0), _rows(dtype, (t, 2, d), 10, 1.0)
     cos, sin, hcos, hsin = _tables(dtype, d)

@@ -140,6 +140,14 @@ def _engine_generate(llm: Any, prompts: Sequence[Sequence[int]], new_tokens: int
     return dt, outs, peaks
 
 
+def _layer_ops_path() -> str:
+    """Which fused layer ops the engine ran: ``avx512``, ``portable`` (native C) or ``off``
+    (torch formulas: not built, or ``XLLM_VMM_LAYER_OPS=0``)."""
+    from xllm_vmm.engine.layers import layer_ops
+
+    return layer_ops.isa()
+
+
 def _stats(xs: Sequence[float]) -> tuple[float, float]:
     return (min(xs), statistics.median(xs)) if xs else (float("nan"), float("nan"))
 
@@ -189,6 +197,7 @@ def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
         "prompt_tokens_max": max(len(p) for p in trace), "new_tokens": new_tokens,
         "hf_batch": hf_batch, "repeats": repeats, "mode": "elastic" if elastic else "fixed",
         "omp_wait_policy": policy,
+        "layer_ops": _layer_ops_path(),
     }
     vllm = None
     if vllm_venv:

@@ -26,6 +26,7 @@ import torch
 
 from xllm_vmm.engine.output import Logprob
 from xllm_vmm.engine.request import Request
+from xllm_vmm.engine.sampling_params import SAMPLING_EPS
 
 
 @dataclass
@@ -51,6 +52,8 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(requests)} requests")
         logits = logits.float()
         n, vocab = logits.shape
+        if all(self._plain_greedy(r) for r in requests):  # the common batch: one argmax, no copies
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * n)
         want_lp = [r.params.logprobs is not None for r in requests]
         raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
         x = logits
@@ -105,6 +108,13 @@ class Sampler:
                 if want_lp[i]:
                     lps[i] = top_logprobs(raw_lp[i], out[i], r.params.logprobs or 0)
         return SamplerOutput(out, lps)
+
+    @staticmethod
+    def _plain_greedy(r: Request) -> bool:
+        """Greedy, no logprobs, no penalties, past ``min_tokens``: the token is the raw argmax."""
+        p = r.params
+        return (p.temperature < SAMPLING_EPS and p.logprobs is None and not p.has_penalties
+                and r.num_output_tokens >= p.min_tokens)
 
     @staticmethod
     def _min_tokens_ids(r: Request) -> set[int]:

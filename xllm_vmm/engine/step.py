@@ -144,14 +144,10 @@ class StepInput:
             raise ValueError(f"chunk {chunks[0].request_id!r}: block_table has no groups")
         seen: set[str] = set()
         ids: list[int] = []
-        pos: list[int] = []
-        slots: dict[str, list[int]] = {g: [] for g in groups}
-        qsl = [0]
-        seq_lens: list[int] = []
-        sample_idx: list[int] = []
-        tables: dict[str, list[list[int]]] = {g: [] for g in groups}
-        max_blocks = 0
-        max_q = 0
+        ns: list[int] = []
+        starts: list[int] = []
+        samples: list[bool] = []
+        rows: dict[str, list[list[int]]] = {g: [] for g in groups}
         for c in chunks:
             rid = c.request_id
             if rid in seen:
@@ -162,50 +158,78 @@ class StepInput:
                 raise ValueError(f"chunk {rid!r}: token_ids is empty (a chunk computes >= 1 token)")
             if c.start_pos < 0:
                 raise ValueError(f"chunk {rid!r}: start_pos {c.start_pos} < 0")
-            if set(c.block_table) != set(groups):
+            bt_all = c.block_table
+            if len(bt_all) != len(groups) or any(g not in bt_all for g in groups):
                 raise ValueError(
-                    f"chunk {rid!r}: block_table groups {sorted(c.block_table)} differ from "
+                    f"chunk {rid!r}: block_table groups {sorted(bt_all)} differ from "
                     f"the step's {sorted(groups)}"
                 )
             seq_len = c.start_pos + n
             need = -(-seq_len // block_size)
-            rng = range(c.start_pos, seq_len)
             for g in groups:
-                bt = c.block_table[g]
+                bt = bt_all[g]
                 if len(bt) < need:
                     raise ValueError(
                         f"chunk {rid!r}: group {g!r} block table has {len(bt)} blocks, "
                         f"{need} needed for {seq_len} tokens at block_size {block_size}"
                     )
-                row = list(bt[:need])
-                if min(row) < 0:
-                    raise ValueError(f"chunk {rid!r}: group {g!r} block table holds a negative id")
-                tables[g].append(row)
-                slots[g].extend(row[p // block_size] * block_size + p % block_size for p in rng)
-            max_blocks = max(max_blocks, need)
-            max_q = max(max_q, n)
+                rows[g].append(bt if len(bt) == need else bt[:need])
             ids.extend(c.token_ids)
-            pos.extend(rng)
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(seq_len)
-            if c.sample:
-                sample_idx.append(qsl[-1] - 1)
-        pad = [BLOCK_TABLE_PAD] * max_blocks
-        bt_tensors: dict[str, Tensor] = {
-            g: torch.tensor([row + pad[len(row):] for row in tables[g]], dtype=torch.int32)
-            for g in groups}
+            ns.append(n)
+            starts.append(c.start_pos)
+            samples.append(c.sample)
+        return cls._from_arrays(chunks, block_size, groups, ids, ns, starts, samples, rows)
+
+    @classmethod
+    def _from_arrays(cls, chunks: list[SeqChunk], block_size: int, groups: tuple[str, ...],
+                     ids: list[int], ns: list[int], starts: list[int], samples: list[bool],
+                     rows: dict[str, list[list[int]]]) -> StepInput:
+        """The flat tensors, vectorised (numpy): no Python work per token."""
+        import itertools
+
+        import numpy as np
+
+        b = len(ns)
+        n = np.array(ns, dtype=np.int64)
+        start = np.array(starts, dtype=np.int64)
+        seq_lens = start + n
+        qsl = np.zeros(b + 1, dtype=np.int64)
+        np.cumsum(n, out=qsl[1:])
+        t = int(qsl[-1])
+        # positions: start_pos .. start_pos + n - 1 per chunk, concatenated
+        positions = np.arange(t, dtype=np.int64) - np.repeat(qsl[:-1] - start, n)
+        need = (seq_lens + block_size - 1) // block_size
+        max_blocks = int(need.max())
+        tok_chunk = np.repeat(np.arange(b), n)
+        tok_block = positions // block_size
+        tok_off = positions - tok_block * block_size
+        covered = np.arange(max_blocks)[None, :] < need[:, None]  # row-major = concatenation order
+        tables: dict[str, Tensor] = {}
+        slots: dict[str, Tensor] = {}
+        for g in groups:
+            flat = np.fromiter(itertools.chain.from_iterable(rows[g]), dtype=np.int64,
+                               count=int(need.sum()))
+            if flat.size and int(flat.min()) < 0:
+                bad = int(np.repeat(np.arange(b), need)[np.flatnonzero(flat < 0)[0]])
+                raise ValueError(f"chunk {chunks[bad].request_id!r}: group {g!r} block "
+                                 "table holds a negative id")
+            table = np.full((b, max_blocks), BLOCK_TABLE_PAD, dtype=np.int64)
+            table[covered] = flat
+            slots[g] = torch.from_numpy(table[tok_chunk, tok_block] * block_size + tok_off)
+            tables[g] = torch.from_numpy(table.astype(np.int32))
+        sample = np.array(samples, dtype=bool)
         return cls(
             chunks=chunks,
             block_size=block_size,
             input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.tensor(pos, dtype=torch.int64),
-            slot_mapping={g: torch.tensor(slots[g], dtype=torch.int64) for g in groups},
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=bt_tensors,
-            sample_indices=torch.tensor(sample_idx, dtype=torch.int64),
-            max_query_len=max_q,
-            max_seq_len=max(seq_lens),
+            positions=torch.from_numpy(positions),
+            slot_mapping=slots,
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+            block_tables=tables,
+            sample_indices=torch.from_numpy(qsl[1:][sample] - 1),
+            max_query_len=int(n.max()),
+            max_seq_len=int(seq_lens.max()),
             group_names=groups,
         )
 
