@@ -192,3 +192,22 @@ def test_request_stop_checks():
     r = req(SamplingParams(ignore_eos=True), eos=(3,))
     r.output_token_ids = [3]
     assert r.check_stop(3, 100) is None
+
+
+def test_plain_greedy_batch_equals_the_general_path():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=g)
+    logits[2, [7, 9]] = 100.0  # a tie: the first index, as torch.argmax
+    plain = [req(SamplingParams(temperature=0), rid=f"r{i}") for i in range(6)]
+    fast = Sampler(0).sample(logits, plain)
+    assert fast.token_ids == logits.argmax(dim=-1).tolist() and fast.token_ids[2] == 7
+    assert fast.logprobs == [None] * 6
+    # the same rows through the general path (one request asks for logprobs)
+    mixed = plain[:5] + [req(SamplingParams(temperature=0, logprobs=1), rid="r5")]
+    slow = Sampler(0).sample(logits, mixed)
+    assert slow.token_ids == fast.token_ids and slow.logprobs[5] is not None
+    # min_tokens not reached keeps the general path (EOS masked)
+    logits2 = logits.clone()
+    logits2[0, 3] = 1000.0  # EOS would win
+    held = [req(SamplingParams(temperature=0, min_tokens=2), rid="m")] + plain[1:]
+    assert Sampler(0).sample(logits2, held).token_ids[0] != 3

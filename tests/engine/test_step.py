@@ -54,3 +54,60 @@ def test_build_two_groups_each_own_slots():
 def test_build_refuses_bad_chunks(chunks, match):
     with pytest.raises(ValueError, match=match):
         StepInput.build(chunks, block_size=2)
+
+
+def test_negative_id_names_its_chunk():
+    ok = SeqChunk("a", [1, 2, 3], 0, {"attn": [4, 5]}, True)
+    bad = SeqChunk("b", [1], 2, {"attn": [6, -3]}, True)
+    with pytest.raises(ValueError, match="chunk 'b'.*negative"):
+        StepInput.build([ok, bad], block_size=2)
+
+
+def _reference(chunks, bs):
+    """The per-token definition of the flat tensors (the module docstring's formulas)."""
+    ids, pos, slots, qsl, lens, tables, sample = [], [], {}, [0], [], {}, []
+    groups = tuple(chunks[0].block_table)
+    need_max = max(-(-c.seq_len // bs) for c in chunks)
+    for c in chunks:
+        need = -(-c.seq_len // bs)
+        for g in groups:
+            row = c.block_table[g][:need]
+            tables.setdefault(g, []).append(row + [BLOCK_TABLE_PAD] * (need_max - need))
+            slots.setdefault(g, []).extend(row[p // bs] * bs + p % bs
+                                           for p in range(c.start_pos, c.seq_len))
+        ids += c.token_ids
+        pos += list(range(c.start_pos, c.seq_len))
+        qsl.append(qsl[-1] + len(c.token_ids))
+        lens.append(c.seq_len)
+        if c.sample:
+            sample.append(qsl[-1] - 1)
+    return ids, pos, slots, qsl, lens, tables, sample
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_build_equals_per_token_reference_on_random_steps(seed):
+    import random
+
+    rnd = random.Random(seed)
+    bs = rnd.choice([1, 2, 4, 16])
+    chunks = []
+    for i in range(rnd.randint(1, 40)):
+        start = rnd.randint(0, 300)
+        n = 1 if rnd.random() < 0.6 else rnd.randint(1, 200)
+        need = -(-(start + n) // bs)
+        extra = rnd.randint(0, 3)  # lookahead blocks a request holds beyond what it covers
+        table = {g: rnd.sample(range(10_000), need + extra) for g in ("attn", "draft")}
+        chunks.append(SeqChunk(f"r{i}", [rnd.randrange(50_000) for _ in range(n)], start, table,
+                               rnd.random() < 0.8))
+    s = StepInput.build(chunks, block_size=bs)
+    ids, pos, slots, qsl, lens, tables, sample = _reference(chunks, bs)
+    assert s.input_ids.tolist() == ids and s.positions.tolist() == pos
+    assert s.query_start_loc.tolist() == qsl and s.seq_lens.tolist() == lens
+    assert s.sample_indices.tolist() == sample
+    for g in ("attn", "draft"):
+        assert s.slot_mapping[g].tolist() == slots[g] and s.slot_mapping[g].dtype == torch.int64
+        assert s.block_tables[g].tolist() == tables[g] and s.block_tables[g].dtype == torch.int32
+    assert (s.positions.dtype, s.sample_indices.dtype) == (torch.int64, torch.int64)
+    assert (s.seq_lens.dtype, s.query_start_loc.dtype) == (torch.int32, torch.int32)
+    assert s.max_query_len == max(len(c.token_ids) for c in chunks)
+    assert s.max_seq_len == max(lens)
