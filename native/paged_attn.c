@@ -110,8 +110,16 @@ static inline void keyit_init(keyit_t *it, const job_t *j, int64_t b, int64_t g)
 
 /* offsets of the next min(16, L - t) keys into offs[0..]; offs[cnt..15] repeat offs[0] (a
    valid row, never a byte beyond the sequence); returns cnt */
+static inline void keyit_advance(keyit_t *it) {
+    it->n++;
+    it->u = 0;
+    int64_t blk = it->tab[it->n];
+    it->base = (blk / it->bps) * it->page_elems + (blk % it->bps) * it->bs * it->hd + it->goff;
+}
+
 static inline int keyit_next16(keyit_t *it, int64_t *offs) {
-    if (it->u < it->bs && it->bs - it->u >= 16 && it->L - it->t >= 16) { /* within one block */
+    if (it->u == it->bs && it->t < it->L) keyit_advance(it);
+    if (it->bs - it->u >= 16 && it->L - it->t >= 16) { /* 16 keys within one block */
         const int64_t o = it->base + it->u * it->hd, hd = it->hd;
         for (int i = 0; i < 16; i++) offs[i] = o + i * hd;
         it->u += 16;
@@ -120,13 +128,7 @@ static inline int keyit_next16(keyit_t *it, int64_t *offs) {
     }
     int cnt = 0;
     while (cnt < 16 && it->t < it->L) {
-        if (it->u == it->bs) {
-            it->n++;
-            it->u = 0;
-            int64_t blk = it->tab[it->n];
-            it->base = (blk / it->bps) * it->page_elems + (blk % it->bps) * it->bs * it->hd +
-                       it->goff;
-        }
+        if (it->u == it->bs) keyit_advance(it);
         offs[cnt++] = it->base + it->u * it->hd;
         it->u++;
         it->t++;
