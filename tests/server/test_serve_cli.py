@@ -220,3 +220,10 @@ def test_ignored_flags_lists_only_flags_without_effect():
     cfg = load(["--port=9000", "--block_size=16", "--num_threads=4", "--enable_graph=true",
                 "--nnodes=1", "--max_concurrent_requests=10"], env=None)
     assert ignored_flags(cfg) == ["enable_graph", "num_threads"]
+
+
+def test_bad_event_loop_choice_stops_before_loading(monkeypatch):
+    monkeypatch.setenv("XLLM_VMM_EVENT_LOOP", "twisted")
+    code, out, err = _serve([])
+    assert code == 1 and "XLLM_VMM_EVENT_LOOP" in err and "twisted" in err
+    assert "ready" not in out and "loading" not in err.lower()

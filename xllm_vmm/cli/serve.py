@@ -281,6 +281,13 @@ def run(argv: list[str], out: Optional[TextIO] = None, err: Optional[TextIO] = N
         return 2
     host = str(cfg["host"] or "") or "127.0.0.1"
     api_key = opts["api_key"] or environ.get("XLLM_VMM_API_KEY") or None
+    from xllm_vmm.server.launch import loop_factory
+
+    try:  # XLLM_VMM_EVENT_LOOP names a loop this machine has: said before anything loads
+        loop_factory()
+    except ValueError as exc:
+        err.write(f"error: {exc}\n")
+        return 1
 
     # 2. The engine (rules + plan again inside: the one way in), weights under a progress bar.
     model = str(cfg["model"] or "") or None
@@ -340,7 +347,7 @@ def run(argv: list[str], out: Optional[TextIO] = None, err: Optional[TextIO] = N
     import asyncio
 
     from xllm_vmm.server import AsyncEngine, ServerSettings, build_app
-    from xllm_vmm.server.launch import loop_factory, run_loop, serve_async
+    from xllm_vmm.server.launch import run_loop, serve_async
 
     max_conc = int(cfg["max_concurrent_requests"])
     front = AsyncEngine(engine, max_waiting=opts["max_waiting"],
@@ -362,12 +369,6 @@ def run(argv: list[str], out: Optional[TextIO] = None, err: Optional[TextIO] = N
             loop = asyncio.get_running_loop()
             lost.extend(watch_workers(engine, front, lambda: loop.call_soon_threadsafe(stop.set)))
 
-    try:
-        loop_factory()  # XLLM_VMM_EVENT_LOOP names a loop this machine has
-    except ValueError as exc:
-        front.close()
-        err.write(f"error: {exc}\n")
-        return 1
     try:
         cancelled = run_loop(serve_async(app, host, port, drain_timeout=opts["drain_timeout"],
                                          on_ready=ready, stop=stop))
