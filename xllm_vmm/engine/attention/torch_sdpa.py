@@ -78,8 +78,9 @@ class PrefillSeq:
 class SeqRuns:
     """One chunk for the per-sequence path: query rows ``[q0, q1)`` at positions
     ``start ..``; ``runs``: ``(slot, t0, t1)`` token ranges of the ``slots`` views covering
-    ``[0, seq_len)`` in order; ``mask`` (n, seq_len) bool for a chunk with an offset and more
-    than one query (None otherwise)."""
+    ``[0, seq_len)`` in order (empty for a chunk at position 0, and for a decode when decodes
+    are batched: it is never read then); ``mask`` (n, seq_len) bool for a chunk with an offset
+    and more than one query (None otherwise)."""
 
     q0: int
     q1: int
@@ -230,13 +231,15 @@ class TorchSDPABackend(AttentionBackend):
             meta.decode_buckets = self._buckets(decodes, qsl, seq_lens, tables)
             meta.decode_keys = max(int(b.block_rows.numel()) for b in meta.decode_buckets
                                    ) // geo.rows_per_block * bs
-        rows_of = tables.tolist()
         for i in range(step.num_seqs):
             q0, q1 = qsl[i], qsl[i + 1]
             seq_len = seq_lens[i]
             start = seq_len - (q1 - q0)
+            # a batched decode never reads its runs (the bucket / the kernel reads its blocks)
+            runs = start and not (self.batch_decodes and q1 - q0 == 1)
             sq = SeqRuns(q0, q1, start, seq_len,
-                         block_runs(rows_of[i], seq_len, bs, geo.blocks_per_slot) if start else [])
+                         block_runs(tables[i, :-(-seq_len // bs)].tolist(), seq_len, bs,
+                                    geo.blocks_per_slot) if runs else [])
             if start and q1 - q0 > 1:
                 sq.mask = (torch.arange(seq_len)[None, :]
                            <= torch.arange(start, seq_len)[:, None]).to(dev)
