@@ -94,15 +94,17 @@ class ModelRunner:
                                      "0 on the standard decoder only")
                 backend = _ReadOnlyKV(backend)
             hidden = self.model.forward(ids, pos, self.kv.layers, backend, meta)
-            rows = step.sample_indices.to(dev)
-            normed = self.model.final_hidden(hidden[rows])
+            if step.num_sampled == step.num_tokens:  # every row, in order (a decode step): no gather
+                normed = self.model.final_hidden(hidden)
+            else:
+                normed = self.model.final_hidden(hidden[step.sample_indices.to(dev)])
             logits = self.model.logits(normed)
-            prompt_lps = self._prompt_logprobs(step, hidden) if any(
-                c.prompt_logprobs for c in step.chunks) else None
+            lp_chunks = [c for c in step.chunks if c.prompt_logprobs]
+            prompt_lps = self._prompt_logprobs(step, hidden) if lp_chunks else None
         if cuda:
             peak = int(torch.cuda.max_memory_allocated(dev) - base)
         else:
-            extra = sum(len(c.token_ids) for c in step.chunks if c.prompt_logprobs)
+            extra = sum(len(c.token_ids) for c in lp_chunks)
             peak = execution_peak_estimate(self.model, self.backend, meta, step.num_tokens,
                                            step.num_sampled + 2 * extra)
         self.last_execution_peak = peak
