@@ -126,9 +126,9 @@ def test_matches_float64_reference(impl, dtype, G, D):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_shared_prefix_odd_block_size_and_head_dims(impl, dtype):
-    """Shared prefix blocks, block_size 24 (tiles of 16 cross block boundaries), 1, 5 and 128
-    (the flag default), head_dim 80
-    (an AVX-512 tail chunk) and 72 (not a multiple of 16: the portable path)."""
+    """Shared prefix blocks; block_size 24 (tiles of 16 cross block boundaries), 1, 5 and 128
+    (the flag default); head_dim 80 (an AVX-512 tail chunk) and 72 (not a multiple of 16: the
+    portable path)."""
     g = torch.Generator().manual_seed(5)
     for D, bs in ((80, 24), (72, 24), (64, 1), (128, 5), (64, 128)):
         lens = [3 * bs + 1, 4 * bs, 3 * bs + 7, bs * 6 - 1]
