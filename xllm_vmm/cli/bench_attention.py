@@ -22,7 +22,8 @@ def bench_attention(
     batch: List[int] = typer.Option([32, 128], help="Decodes per call (repeatable)."),
     head_dim: List[int] = typer.Option([64, 128], help="Head size (repeatable)."),
     threads: List[int] = typer.Option([1, 2], help="Threads (repeatable)."),
-    dtype: List[str] = typer.Option(["bfloat16"], help="K/V and query dtype: bfloat16, float32 (repeatable)."),
+    dtype: List[str] = typer.Option(["bfloat16"],
+                                    help="K/V and query dtype: bfloat16, float32 (repeatable)."),
     min_keys: int = typer.Option(64, help="Fewest keys of a decode."),
     max_keys: int = typer.Option(640, help="Most keys of a decode."),
     heads: int = typer.Option(8, help="Query heads."),
@@ -43,7 +44,8 @@ def bench_attention(
     _check("--repeats", repeats, 1, 100)
     _check("--max-keys", max_keys, 1, 32768)
     _check("--block-size", block_size, 1, 1024)
-    emit("bench attention (native in place vs gather + SDPA)", _run("bench attention", lambda: attention.run(
+    results = _run("bench attention", lambda: attention.run(
         batches=batch, head_dims=head_dim, threads=threads, dtypes=dtype, min_keys=min_keys,
         max_keys=max_keys, heads=heads, kv_heads=kv_heads, block_size=block_size,
-        repeats=repeats, seed=seed)), fmt)
+        repeats=repeats, seed=seed))
+    emit("bench attention (native in place vs gather + SDPA)", results, fmt)
