@@ -1,7 +1,9 @@
 """Attention backends behind one interface (:class:`AttentionBackend`), over K/V tensors that
 view the virtual KV cache (:class:`KVCacheViews`).
 
-:func:`select_backend` picks by name and device: ``"torch"`` (gather + SDPA; CPU and CUDA),
+:func:`select_backend` picks by name and device: ``"torch"`` (CPU and CUDA: SDPA, with CPU
+decodes on the native paged kernel of :mod:`.native_decode` by default, gathered for SDPA
+otherwise),
 ``"npu"`` (torch_npu paged attention; needs an Ascend NPU), ``"auto"`` (the device's default).
 """
 
