@@ -3,8 +3,8 @@ view the virtual KV cache (:class:`KVCacheViews`).
 
 :func:`select_backend` picks by name and device: ``"torch"`` (CPU and CUDA: SDPA, with CPU
 decodes on the native paged kernel of :mod:`.native_decode` by default, gathered for SDPA
-otherwise),
-``"npu"`` (torch_npu paged attention; needs an Ascend NPU), ``"auto"`` (the device's default).
+otherwise), ``"npu"`` (torch_npu paged attention; needs an Ascend NPU), ``"auto"`` (the
+device's default).
 """
 
 from __future__ import annotations
