@@ -28,6 +28,7 @@ def test_bench_engine_smoke(tmp_path, monkeypatch):
     assert doc["peak_mapped_over_packed_floor"] >= 1 and doc["kv_slot_bytes"] > 0
     assert 5 <= doc["prompt_tokens_min"] <= doc["prompt_tokens_max"] <= 20
     assert 0 <= doc["greedy_match_fraction"] <= 1
+    assert doc["layer_ops"] in ("avx512", "portable", "off")
 
 
 def test_bench_engine_bad_options_exit_2(tmp_path, monkeypatch):
