@@ -166,3 +166,30 @@ def test_off_switch_gives_torch_formulas():
     finally:
         layer_ops.set_enabled(None)
     assert layer_ops.isa() in ("avx512", "portable", "off")
+
+
+@pytest.mark.parametrize("mode", ["portable", "off"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_portable_and_torch_paths_match_hf_token_for_token(tmp_path, family, mode):
+    """The whole engine (fp32) with the portable C ops forced, or with the ops off (torch
+    formulas), gives Hugging Face's greedy tokens (the default AVX-512 path is what every
+    other HF test of the families runs)."""
+    import tests.engine.checkpoints as ck
+    from xllm_vmm import LLM, SamplingParams
+
+    d = getattr(ck, f"{family}_checkpoint")(tmp_path / family)
+    hf = ck.load_hf_model(d)
+    prompts = [[(7 * i + 11 * n + 5) % 300 + 4 for i in range(n)] for n in (1, 17, 83)]
+    layer_ops.set_enabled(mode != "off")
+    if mode == "portable":
+        layer_ops.force_portable(True)
+    try:
+        with LLM(str(d), block_size=16, device_memory="96MiB", max_tokens_per_batch=512,
+                 enable_vmm_kvcache=True, vmm_elastic=True) as llm:
+            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8,
+                                                        ignore_eos=True))
+    finally:
+        layer_ops.force_portable(False)
+        layer_ops.set_enabled(None)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == ck.hf_greedy(hf, p, 8), f"{family}, {mode}: {len(p)} tokens"
