@@ -22,18 +22,8 @@ Public helpers (all return the model directory as a :class:`pathlib.Path`):
   (+ ``special_tokens_map.json``); returns the vocabulary size.
 - :func:`load_hf_model` ``(model_dir)`` — the transformers reference model, fp32, eval mode.
 
-Invariants the tests rely on:
-
-- the model's ``vocab_size`` equals the tokenizer's vocabulary size, so every token id a model
-  can produce decodes;
-- the same arguments give byte-identical weights (seeded ``torch.Generator``, no global RNG use);
-- weights are spread wider than transformers' default init (std 0.02 gives logits so flat that
-  greedy ties flip on rounding): embeddings std ``1``, other matrices and biases std ``0.3``,
-  the LM head std ``0.5``, norm weights ``1 + N(0, 0.1)`` — so every parameter (norms,
-  biases) shows in the output and greedy continuations of tied models do not collapse into
-  repeating the last token;
-- special tokens: ``<|begin_of_text|>`` (bos), ``<|end_of_text|>`` (eos of plain text),
-  ``<|im_start|>``, ``<|im_end|>`` (chat turns; also an eos id in ``generation_config.json``).
+The invariants the tests rely on (vocabulary sizes, byte-identical weights per seed, the
+widened init, the special tokens) are in :mod:`xllm_vmm.bench.tiny_checkpoint`'s docstring.
 """
 
 from __future__ import annotations

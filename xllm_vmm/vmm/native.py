@@ -77,6 +77,31 @@ def load_ctypes_library(path: str, prototypes: Mapping[str, tuple[list, Any]], *
         return lib
 
 
+
+_optional: dict[str, C.CDLL | None] = {}
+
+
+def optional_library(name: str, prototypes: Mapping[str, tuple[list, Any]]) -> C.CDLL | None:
+    """An optional kernel library (the engine's ``libxllm_paged_attn.so``,
+    ``libxllm_layer_ops.so``) from :func:`library_dir`, loaded once with ``prototypes``
+    declared — or None when it is not built, cannot be loaded or lacks a symbol (built from
+    older sources), so that the caller falls back on its torch path. The answer is kept for the
+    process."""
+    try:
+        return _optional[name]
+    except KeyError:
+        pass
+    path = library_dir() / name
+    lib = None
+    if path.is_file():
+        try:
+            lib = load_ctypes_library(str(path), prototypes, op="load native library",
+                                      unloadable="{path}", missing_symbol="{name}")
+        except VmmUnavailable:
+            lib = None
+    _optional[name] = lib
+    return lib
+
 _POOL = C.c_void_p
 _INT = C.c_int
 _HOST_PROTOTYPES: dict[str, tuple[list, Any]] = {

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -44,14 +43,16 @@ ENV = "XLLM_VMM_NATIVE_DECODE"
 otherwise, where the library is built); ``portable`` keeps it on with its portable C
 implementation."""
 
-_LIB: Any = None
-_TRIED = False
-
-
-def _path() -> Path:
-    import xllm_vmm.vmm as vmm_pkg
-
-    return Path(vmm_pkg.__file__).resolve().parent / LIB_NAME
+_I64, _PTR, _I32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_PROTOTYPES: dict[str, tuple[list, Any]] = {
+    "xllm_paged_decode": ([_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64,
+                           _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _I32, _I32, _I32,
+                           _I32], _I32),
+    "xllm_paged_decode_impl": ([_I64, _I32, _I32, _I32], _I32),
+    "xllm_write_kv": ([_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
+                       _I64, _I64], _I32),
+    "xllm_paged_attn_isa": ([], _I32),
+}
 
 
 def enabled_by_env() -> bool:
@@ -66,27 +67,10 @@ def portable_by_env() -> bool:
 
 
 def load() -> Any:
-    """The ctypes library, or None when it is not built."""
-    global _LIB, _TRIED
-    if not _TRIED:
-        _TRIED = True
-        p = _path()
-        if p.is_file():
-            lib = ctypes.CDLL(str(p))
-            f = lib.xllm_paged_decode
-            i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-            f.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64,
-                          i64, i64, i64, i64, ctypes.c_float, i32, i32, i32, i32]
-            f.restype = i32
-            lib.xllm_paged_decode_impl.argtypes = [i64, i32, i32, i32]
-            lib.xllm_paged_decode_impl.restype = i32
-            w = lib.xllm_write_kv
-            w.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
-            w.restype = i32
-            lib.xllm_paged_attn_isa.argtypes = []
-            lib.xllm_paged_attn_isa.restype = i32
-            _LIB = lib
-    return _LIB
+    """The ctypes library, or None when it is not built (:func:`xllm_vmm.vmm.native.optional_library`)."""
+    from xllm_vmm.vmm.native import optional_library
+
+    return optional_library(LIB_NAME, _PROTOTYPES)
 
 
 def _code(dtype: Any) -> int | None:

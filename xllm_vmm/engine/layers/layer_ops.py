@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -32,36 +31,31 @@ ENV = "XLLM_VMM_LAYER_OPS"
 """``0``/``false``/``off`` turns the native layer ops off (the torch formulas run instead)."""
 ABI_VERSION = 1
 
-_LIB: Any = None
-_TRIED = False
+_LIB: Any = None  # the loaded library once its ABI matched
 _ON: bool | None = None
 
 
-def _path() -> Path:
-    import xllm_vmm.vmm as vmm_pkg
-
-    return Path(vmm_pkg.__file__).resolve().parent / LIB_NAME
+_I64, _PTR, _I32, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_PROTOTYPES: dict[str, tuple[list, Any]] = {
+    "xllm_layer_ops_abi": ([], _I32),
+    "xllm_rms_norm": ([_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32, _I32, _I32], _I32),
+    "xllm_silu_and_mul": ([_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I32, _I32], _I32),
+    "xllm_rope": ([_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64,
+                   _I32, _I32, _I32], _I32),
+    "xllm_layer_ops_isa": ([], _I32),
+    "xllm_layer_ops_set_isa": ([_I32], _I32),
+}
 
 
 def load() -> Any:
-    """The ctypes library, or None when it is not built (or its ABI differs)."""
-    global _LIB, _TRIED
-    if not _TRIED:
-        _TRIED = True
-        p = _path()
-        if p.is_file():
-            lib = ctypes.CDLL(str(p))
-            if lib.xllm_layer_ops_abi() != ABI_VERSION:
-                return None
-            i64, ptr, i32, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-            lib.xllm_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, f32, i32, i32]
-            lib.xllm_silu_and_mul.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i32, i32]
-            lib.xllm_rope.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64,
-                                      i64, i32, i32, i32]
-            for f in (lib.xllm_rms_norm, lib.xllm_silu_and_mul, lib.xllm_rope,
-                      lib.xllm_layer_ops_isa, lib.xllm_layer_ops_set_isa):
-                f.restype = i32
-            lib.xllm_layer_ops_set_isa.argtypes = [i32]
+    """The ctypes library, or None when it is not built or its ABI differs
+    (:func:`xllm_vmm.vmm.native.optional_library`)."""
+    global _LIB
+    if _LIB is None:
+        from xllm_vmm.vmm.native import optional_library
+
+        lib = optional_library(LIB_NAME, _PROTOTYPES)
+        if lib is not None and lib.xllm_layer_ops_abi() == ABI_VERSION:
             _LIB = lib
     return _LIB
 
