@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from xllm_vmm.engine.attention.kv import KVGeometry, KVLayoutMismatch, kv_torch_dtype
 from xllm_vmm.engine.attention.torch_sdpa import (DECODE_BUCKET_MIN, MAX_DECODE_BUCKETS,
                                                   SDPAMetadata, TorchSDPABackend,
-                                                  additive_mask)
+                                                  chunk_mask)
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import Tensor
@@ -79,13 +79,7 @@ class ChunkBatch:
     def mask(self, block_size: int, dtype: Any) -> Any:
         m = self.masks.get(dtype)
         if m is None:
-            import torch
-
-            keys = torch.arange(self.nb * block_size, device=self.seq_lens.device)
-            last = (self.seq_lens[:, None] - self.n
-                    + torch.arange(self.n, device=keys.device)[None, :])  # (B, n)
-            keep = keys[None, None, :] <= last[:, :, None]  # (B, n, N)
-            m = self.masks[dtype] = additive_mask(keep, dtype)[:, None]
+            m = self.masks[dtype] = chunk_mask(self.seq_lens, self.n, self.nb * block_size, dtype)
         return m
 
 

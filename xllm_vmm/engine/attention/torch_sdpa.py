@@ -144,10 +144,7 @@ class DecodeBucket:
     def mask(self, block_size: int, dtype: Any) -> Any:
         m = self.masks.get(dtype)
         if m is None:
-            import torch
-
-            keep = torch.arange(self.nb * block_size, device=self.lens.device)[None, :] < self.lens[:, None]
-            m = self.masks[dtype] = additive_mask(keep, dtype)[:, None, None, :]
+            m = self.masks[dtype] = chunk_mask(self.lens, 1, self.nb * block_size, dtype)
         return m
 
 
@@ -157,6 +154,17 @@ def additive_mask(keep: Any, dtype: Any) -> Any:
 
     m = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
     return m.masked_fill_(~keep, float("-inf"))
+
+
+def chunk_mask(seq_lens: Any, n: int, num_keys: int, dtype: Any) -> Any:
+    """The additive mask ``(B, 1, n, num_keys)`` of ``B`` chunks of ``n`` queries each ending
+    their sequence: query ``i`` of chunk ``b`` sees keys ``j <= seq_lens[b] - n + i`` (a decode,
+    ``n = 1``: ``j < seq_lens[b]``); padding keys beyond are -inf."""
+    import torch
+
+    keys = torch.arange(num_keys, device=seq_lens.device)
+    last = seq_lens[:, None] - n + torch.arange(n, device=keys.device)[None, :]  # (B, n)
+    return additive_mask(keys[None, None, :] <= last[:, :, None], dtype)[:, None]
 
 
 DECODE_BUCKET_MIN = 16
