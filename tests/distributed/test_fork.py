@@ -202,8 +202,8 @@ def test_admin_fork_route_on_a_two_process_launch(llama_dir):
     the fork's completions equal one worker's, and the route reports per-worker bytes."""
     import openai
 
-    from tests.distributed.test_serve_launch import (finish, free_port, ready_url,
-                                                     reference_text, serve)
+    from tests.distributed.test_serve_launch import (finish, free_port, kill_leftovers,
+                                                     ready_url, reference_text, serve)
 
     want = reference_text(llama_dir)
     master = f"127.0.0.1:{free_port()}"
@@ -232,10 +232,7 @@ def test_admin_fork_route_on_a_two_process_launch(llama_dir):
         code0, _, err0 = finish(r0)
         code1, out1, err1 = finish(r1)
     finally:
-        for p in (r0, r1):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_leftovers(r0, r1)
     assert code0 == 0, err0
     assert code1 == 0, out1 + err1
 

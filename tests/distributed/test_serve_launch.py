@@ -66,6 +66,15 @@ def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:
     return proc.returncode, out, err
 
 
+def kill_leftovers(*procs: subprocess.Popen) -> None:
+    """Kill and reap whichever of ``procs`` still runs (a test's ``finally``: nothing is left
+    behind when an assertion stopped it before its processes exited)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def reference_text(model) -> str:
     from xllm_vmm import LLM, SamplingParams
 
@@ -107,10 +116,7 @@ def test_two_process_launch_serves_then_a_killed_worker_stops_it(llama_dir):
             time.sleep(0.1)
         code, out, err = finish(r0)
     finally:
-        for p in (r0, r1):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_leftovers(r0, r1)
     assert health is not None and "worker rank 1" in health
     assert code == 1, err
     assert "worker rank 1" in err and "Traceback" not in err
@@ -144,10 +150,7 @@ def test_a_silent_worker_mid_request_stops_the_server_before_the_collective_time
         code, out, err = finish(r0)
         took = time.monotonic() - t0
     finally:
-        for p in (r0, r1):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_leftovers(r0, r1)
     assert health is not None and "worker rank 1 stopped answering" in health, (health, rest)
     assert code == 1, err
     assert "worker rank 1" in err and "Traceback" not in err
@@ -164,10 +167,7 @@ def test_worker_rank_exits_with_rank_0(llama_dir):
         code0, _, err0 = finish(r0)
         code1, out1, err1 = finish(r1)
     finally:
-        for p in (r0, r1):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_leftovers(r0, r1)
     assert code0 == 0, err0
     assert code1 == 0, out1 + err1
     assert "no HTTP port on this rank" in out1 and "stopped with rank 0" in out1
