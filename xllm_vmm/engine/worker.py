@@ -15,7 +15,9 @@ section 3):
 - K/V: every layer's K and V view the ``"attn"`` group of ``kv_cache`` in place
   (:class:`~xllm_vmm.engine.attention.kv.KVCacheViews`);
 - the device follows the pool's driver (host → CPU, cuda → ``cuda:<i>``, acl → ``npu:<i>``;
-  the ACL emulation → CPU).
+  the ACL emulation → CPU); on the CPU, glibc's malloc is tuned once for the process
+  (:func:`xllm_vmm.engine.host_memory.configure_host_malloc`; ``XLLM_VMM_MALLOPT=0`` keeps
+  glibc's defaults).
 
 Tensor parallelism (issue 14): ``tp`` (:class:`~xllm_vmm.engine.layers.parallel.TensorParallel`)
 reaches every layer; only world size 1 runs today.
@@ -110,6 +112,10 @@ class Worker:
         cfg = ModelConfig.from_dir(model_dir)
         compute_dtype = resolve_dtype(dtype, cfg.dtype)
         device = device_of(pool.driver)
+        if device == "cpu":  # keep freed activations in the heap (host_memory; process-wide)
+            from xllm_vmm.engine.host_memory import configure_host_malloc
+
+            configure_host_malloc()
         owns = weights is None
         if owns:
             weights = load_model_weights(model_dir, pool=pool if vmm_weights else None,
