@@ -75,6 +75,7 @@ import heapq
 from collections import Counter
 from dataclasses import dataclass, field
 from heapq import heappop, heappush
+from itertools import islice
 from typing import Iterable, Mapping, Protocol, Sequence
 
 __all__ = [
@@ -395,37 +396,53 @@ class BlockAllocator:
 
     def _take_partial(self, g: _Group, n: int, out: list[int]) -> int:
         """Take up to ``n`` blocks from active slots, fullest first (each slot's stack from
-        its top); returns what is left."""
+        its top); returns what is left. One pass up the buckets: a slot taken whole leaves
+        them, so the next fullest is the next slot of the same bucket or of a later one; only
+        the last slot can be taken in part (it moves to a lower bucket and the pass ends)."""
         buckets = g.buckets
         stacks = g.stacks
         ref = g.ref
         want = n
-        while n and g.free_active > want - n:
-            for bucket in buckets:  # bucket 0 stays empty
-                if bucket:
-                    break
-            for slot in bucket:
-                break
-            stack = stacks[slot]
-            k = len(stack)  # type: ignore[arg-type]
-            if k == 1:  # the fullest slots' last free block: no slices
-                b = stack.pop()  # type: ignore[union-attr]
-                ref[b] = 1
-                out.append(b)
-                del bucket[slot]
-                n -= 1
+        k = -1
+        for bucket in buckets:  # bucket 0 stays empty
+            k += 1
+            if not bucket:
                 continue
-            take = k if n >= k else n
-            got = stack[-take:]  # type: ignore[index]
-            del stack[-take:]  # type: ignore[index]
-            got.reverse()
-            for b in got:
-                ref[b] = 1
-            out.extend(got)
-            del bucket[slot]
-            if k - take:
-                buckets[k - take][slot] = None
-            n -= take
+            if k == 1:  # one free block per slot: the first n slots, in order
+                if n >= len(bucket):
+                    slots = list(bucket)
+                    bucket.clear()
+                else:
+                    slots = list(islice(bucket, n))
+                    for slot in slots:
+                        del bucket[slot]
+                for slot in slots:
+                    b = stacks[slot].pop()  # type: ignore[union-attr]
+                    ref[b] = 1
+                    out.append(b)
+                n -= len(slots)
+                if not n:
+                    break
+                continue
+            while bucket:
+                for slot in bucket:
+                    break
+                stack = stacks[slot]
+                take = k if n >= k else n
+                got = stack[-take:]  # type: ignore[index]
+                del stack[-take:]  # type: ignore[index]
+                got.reverse()
+                for b in got:
+                    ref[b] = 1
+                out.extend(got)
+                del bucket[slot]
+                n -= take
+                if not n:
+                    if take < k:
+                        buckets[k - take][slot] = None
+                    break
+            if not n:
+                break
         g.free_active -= want - n
         return n
 
@@ -506,10 +523,72 @@ class BlockAllocator:
         raises ``ValueError``), release the slots this empties in one backing call, and return
         the blocks that became cached (``None`` when none did)."""
         g = self._groups.get(group) or self._g(group)
-        k, released = self._free_group(g, blocks, True)
+        if g.retains or g.pins:  # a block may become cached: the general pass
+            k, released = self._free_group(g, blocks, True)
+            if released:
+                self.backing.deactivate({group: released})
+            return k
+        # no block can be kept (no prefix cache, no transfer): _free_group's pass without
+        # the flags, inlined (a free is one call here, not two)
+        ref = g.ref
+        stacks = g.stacks
+        bps = g.bps
+        runs: list[tuple[int, int, int]] = []  # (slot, free before the run, free after it)
+        cur = -1
+        lo = hi = k0 = 0
+        stack: list[int] = []
+        it = iter(blocks)
+        try:
+            for b in it:
+                r = ref[b] - 1
+                ref[b] = r
+                if r:
+                    if r > 0 and b >= 0:
+                        continue
+                    raise IndexError  # a double free or a negative id: refused below
+                if lo <= b < hi:  # the run's slot
+                    stack.append(b)
+                    continue
+                if b < 0:
+                    raise IndexError
+                if cur >= 0:
+                    runs.append((cur, k0, len(stack)))
+                cur = b // bps
+                lo = cur * bps
+                hi = lo + bps
+                stack = stacks[cur]  # type: ignore[assignment]
+                k0 = len(stack)
+                stack.append(b)
+        except (IndexError, TypeError):
+            done = len(blocks) - it.__length_hint__()  # entries consumed, the refused one too
+            self._undo_free(g, blocks, done, runs, cur, k0, None)
+        if cur < 0:
+            return None
+        runs.append((cur, k0, len(stack)))
+        buckets = g.buckets
+        released: list[int] | None = None
+        fa = 0  # change of free blocks in active slots
+        for s, k0, k in runs:
+            if k0:
+                del buckets[k0][s]
+            if k == bps:  # emptied
+                stacks[s] = None
+                fa -= k0
+                if released is None:
+                    released = [s]
+                else:
+                    released.append(s)
+            else:
+                buckets[k][s] = None
+                fa += k - k0
+        g.free_active += fa
         if released:
+            g.n_active -= len(released)
+            inactive = g.inactive
+            for s in released:
+                heappush(inactive, s)
             self.backing.deactivate({group: released})
-        return k
+        return None
 
     def free_group_lru(self, group: str, blocks: Sequence[int], lru: dict[int, None]
                        ) -> list[int] | None:
