@@ -135,7 +135,8 @@ def test_every_stage_is_recorded_and_bench_reads_it(tokenizer):
         labels = {"stage": stage, "model_name": "fake-model"}
         n0 = bs.parse_metric(before, "xllm_vmm_server_latency_seconds_count", labels) or 0
         n1 = bs.parse_metric(after, "xllm_vmm_server_latency_seconds_count", labels)
-        # per request: admit, pickup, add, overhead; per streamed token chunk: handoff, emit
+        # per request: admit, pickup, add, queue, first_step, overhead, ttft; per streamed
+        # token chunk: handoff, emit
         want = 4 * 3 if stage in ("handoff", "emit") else 4
         assert n1 - n0 == want, stage
     figs = bs.server_latency_figures(before, after)
@@ -144,8 +145,10 @@ def test_every_stage_is_recorded_and_bench_reads_it(tokenizer):
         assert v is not None and 0 <= v <= 1e7, k
     for s in SERVER_STAGES:
         assert figs[f"server_{s}_us_p99"] >= figs[f"server_{s}_us_median"]
-    # a non-streamed request: admit, pickup and add, no emit (nothing is streamed)
-    for stage, extra in (("admit", 1), ("add", 1), ("emit", 0), ("overhead", 0)):
+    # a non-streamed request: admit, pickup, add, queue and first_step, no emit (nothing is
+    # streamed)
+    for stage, extra in (("admit", 1), ("add", 1), ("queue", 1), ("first_step", 1),
+                         ("emit", 0), ("overhead", 0), ("ttft", 0)):
         labels = {"stage": stage}
         assert (bs.parse_metric(last, "xllm_vmm_server_latency_seconds_count", labels)
                 - bs.parse_metric(after, "xllm_vmm_server_latency_seconds_count", labels)
@@ -237,3 +240,31 @@ def test_plain_chunks_are_the_json_chunks_byte_for_byte(include_usage):
                         c["usage"] = None
                     assert got == _sse(c)
                     json.loads(got[6:])
+
+
+def test_ttft_is_the_sum_of_its_stages(tokenizer):
+    """Per streamed request the stamps chain: admit + pickup + add + queue + first_step + the
+    first token's emit equals the server-side ``ttft`` (one clock, nothing left out), and
+    ``first_step`` is one step's duration, never longer than the ``ttft``."""
+    from xllm_vmm.server.metrics import Metrics
+
+    seen: dict[str, list[float]] = {}
+
+    class Recording(Metrics):
+        def observe_server(self, model, stage, seconds):
+            seen.setdefault(stage, []).append(seconds)
+            super().observe_server(model, stage, seconds)
+
+    eng = FakeEngine(tokenizer, max_model_len=512)
+    front = AsyncEngine(eng, metrics=Recording())
+    with RunningServer(build_app(front, ServerSettings())) as srv:
+        for k in range(3):  # one at a time: the samples of request i are at index i
+            assert _stream(srv.url, [7 + k, 5], 3) == 3
+    parts = ("admit", "pickup", "add", "queue", "first_step")
+    assert all(len(seen[s]) == 3 for s in (*parts, "ttft", "overhead"))
+    for i in range(3):
+        first_emit = seen["emit"][3 * i]  # the first of its three token chunks
+        total = sum(seen[s][i] for s in parts) + first_emit
+        assert total == pytest.approx(seen["ttft"][i], abs=1e-6)
+        assert all(seen[s][i] >= 0 for s in parts)
+        assert seen["first_step"][i] <= seen["ttft"][i]

@@ -29,10 +29,14 @@ Invariants:
 The server's own latency (``xllm_vmm_server_latency_seconds{stage}``, monotonic seconds):
 ``admit`` (the HTTP request's arrival to its inbox entry: body, validation, tokenization),
 ``pickup`` (inbox to the engine thread taking it: the step in progress, engine-bound),
-``add`` (``engine.add_request``), per streamed chunk ``handoff`` (the step's end to the delta
-on the event loop: output thread, wake-up) and ``emit`` (the step's end to the SSE event
-written), and per request ``overhead`` = admit + add + the first token's emit: what the
-server adds to TTFT beyond waiting for and running engine steps.
+``add`` (``engine.add_request``), ``queue`` (added to the start of the step that made its first
+token: the step in progress and any step that did not finish its prefill; engine-bound),
+``first_step`` (that step's duration: its prefill beside the running decodes; engine-bound),
+per streamed chunk ``handoff`` (the step's end to the delta on the event loop: output thread,
+wake-up) and ``emit`` (the step's end to the SSE event written), and per streamed request
+``overhead`` = admit + add + the first token's emit (what the server adds to TTFT beyond
+waiting for and running engine steps) and ``ttft`` (arrival to the first token's SSE event:
+the server's view of TTFT, = admit + pickup + add + queue + first_step + the first emit).
 """
 
 from __future__ import annotations
@@ -488,7 +492,8 @@ class AsyncEngine:
                 continue
             t1 = time.perf_counter()
             if outs:  # to the output thread first: the bookkeeping below is nobody's wait
-                self._outbox.put(("outs", time.monotonic(), outs))
+                end = time.monotonic()
+                self._outbox.put(("outs", end, outs, end - (t1 - t0)))
             self.steps += 1
             if self.metrics is not None:
                 self.metrics.observe_step(self.name, t1 - t0)
@@ -608,12 +613,12 @@ class AsyncEngine:
                     self._fail(r, APIError(500, f"output processing failed: {exc}"))
                     self._inbox.put(("abort", r.rid))
                 continue
-            _, when, outs = item
+            _, when, outs, began = item
             t0 = time.thread_time()
             batch: dict = {}  # loop -> [(queue, delta)]: one wake-up per loop per step
             for out in outs:
                 try:
-                    self._on_output(out, when, batch)
+                    self._on_output(out, when, batch, began)
                 except Exception as exc:  # never kill the output thread
                     log.exception("output processing failed")
                     with self._lock:
@@ -629,7 +634,9 @@ class AsyncEngine:
             self.output_tokens += sum(len(o.new_token_ids) for o in outs)
             self.output_busy_s += time.thread_time() - t0
 
-    def _on_output(self, out, when: float, batch: dict) -> None:
+    def _on_output(self, out, when: float, batch: dict, began: float = 0.0) -> None:
+        """One request's output of the step that ran from ``began`` to ``when`` (monotonic
+        seconds) into a delta for its loop (``batch``)."""
         with self._lock:
             r = self._streams.get(out.request_id)
         if r is None or r.done:  # aborted meanwhile: drop what it produced
@@ -645,6 +652,9 @@ class AsyncEngine:
                 r.first_token = when
                 if self.metrics is not None:
                     self.metrics.observe_first_token(self.name, r, when)
+                    if r.t_added and began:
+                        self.metrics.observe_server(self.name, "queue", began - r.t_added)
+                        self.metrics.observe_server(self.name, "first_step", when - began)
             elif self.metrics is not None:
                 self.metrics.observe_inter_token(self.name, r, when, len(new_ids))
             r.last_token = when
@@ -734,6 +744,7 @@ class Generation:
             r.emitted = True
             m.observe_server(name, "overhead",
                              (r.t_queued - r.arrival) + (r.t_added - r.t_picked) + emit)
+            m.observe_server(name, "ttft", now - r.arrival)
 
 
 def _logprobs(token_ids: list[int], entries) -> Optional[list]:

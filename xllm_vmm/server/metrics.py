@@ -9,7 +9,8 @@ Two kinds of series:
   counter ``vllm:request_success{finished_reason}``, ``xllm_vmm_engine_step_seconds`` (one
   ``LLMEngine.step()`` on the engine thread: the model's share of the serving time), and
   ``xllm_vmm_server_latency_seconds{stage}`` (the server's own hand-offs: ``admit``,
-  ``pickup``, ``add``, ``handoff``, ``emit``, ``overhead``; see ``front``'s docstring), with
+  ``pickup``, ``add``, ``queue``, ``first_step``, ``handoff``, ``emit``, ``overhead``,
+  ``ttft``; see ``front``'s docstring), with
   buckets fine enough (five per decade, 10 µs to 10 s) for a median and p99 by
   interpolation (``bench serve``);
 - read from the engine at scrape time (``engine.stats()`` on the engine thread): gauges
@@ -45,7 +46,8 @@ _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 #: 10 µs .. 10 s, five per decade: the server's own latencies (tens of µs to a step or more)
 SERVER_LATENCY_BUCKETS = tuple(float(f"{1e-5 * 10 ** (k / 5):.3g}") for k in range(31))
 #: the stages of xllm_vmm_server_latency_seconds (front's module docstring)
-SERVER_STAGES = ("admit", "pickup", "add", "handoff", "emit", "overhead")
+SERVER_STAGES = ("admit", "pickup", "add", "queue", "first_step", "handoff", "emit", "overhead",
+                 "ttft")
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
