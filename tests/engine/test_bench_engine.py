@@ -29,6 +29,18 @@ def test_bench_engine_smoke(tmp_path, monkeypatch):
     assert 5 <= doc["prompt_tokens_min"] <= doc["prompt_tokens_max"] <= 20
     assert 0 <= doc["greedy_match_fraction"] <= 1
     assert doc["layer_ops"] in ("avx512", "portable", "off")
+    assert doc["host_malloc_tuned"] in (True, False)  # False only off glibc / switched off
+    assert doc["max_tokens_per_batch"] == 2048 and doc["prefix_caching"] is False
+    assert "vllm_prefix_caching" not in doc  # no vLLM side asked for
+
+
+def test_bench_engine_token_budget_flag(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    r = CliRunner().invoke(app, _small(["--max-tokens-per-batch", "8"]))
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["max_tokens_per_batch"] == 8
+    r = CliRunner().invoke(app, _small(["--max-tokens-per-batch", "0"]))
+    assert r.exit_code == 2 and "--max-tokens-per-batch" in r.stderr
 
 
 def test_bench_engine_bad_options_exit_2(tmp_path, monkeypatch):
@@ -43,7 +55,9 @@ FAKE_VLLM = r'''
 import json, sys, time
 spec = json.load(open(sys.argv[-1]))
 print("not json: log noise", flush=True)
-print(json.dumps({"ready": True}), flush=True)
+# echo what the bench asked for, as the real runner reads it back from vLLM's config
+print(json.dumps({"ready": True, "enable_prefix_caching": spec["enable_prefix_caching"],
+                  "max_num_batched_tokens": 4096}), flush=True)
 for line in sys.stdin:
     if line.strip() == "quit":
         break
@@ -80,6 +94,9 @@ def test_bench_engine_vllm_side_by_side_protocol(tmp_path, monkeypatch):
     assert doc["vllm_tokens_per_s_median"] == doc["vllm_tokens_per_s_min"] == 2 * 2 / 0.5
     assert 0 < doc["vs_vllm_ratio_min"] <= doc["vs_vllm_ratio"]
     assert 0 <= doc["vllm_greedy_match_fraction"] <= 1
+    # both sides without prefix caching (the trace repeats), both budgets printed
+    assert doc["prefix_caching"] is False and doc["vllm_prefix_caching"] is False
+    assert doc["max_tokens_per_batch"] == 2048 and doc["vllm_max_num_batched_tokens"] == 4096
     r = CliRunner().invoke(app, _small(["--vllm-venv", str(tmp_path / "nowhere")]))
     assert r.exit_code == 0, r.stderr
     doc = json.loads(r.stdout)

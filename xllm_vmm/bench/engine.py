@@ -31,7 +31,14 @@ in one run, on the same checkpoint and prompts.
   per repeat (median; ``_min`` the least; above 1 = the engine is faster). Also
   ``vllm_tokens_per_s_min/_median``, ``vllm_startup_s`` (its start-up, compilation included)
   and ``vllm_greedy_match_fraction`` (prompts whose vLLM tokens equal the engine's). When vLLM
-  cannot run, ``vllm_error`` holds its exact error and the ratio is None.
+  cannot run, ``vllm_error`` holds its exact error and the ratio is None. Both sides run
+  without prefix caching (the trace repeats: a cache would serve the second repeat's prompts):
+  ``prefix_caching`` (ours) and ``vllm_prefix_caching`` (read back from vLLM's config) say so;
+  the per-step token budgets are ``max_tokens_per_batch`` (ours, ``--max-tokens-per-batch``)
+  and ``vllm_max_num_batched_tokens`` (vLLM's CPU default, 4,096).
+- ``host_malloc_tuned``: whether the engine's start tuned glibc malloc
+  (:mod:`xllm_vmm.engine.host_memory`; process-wide, so the HF runs, which follow the engine's
+  start, have it too).
 
 Threads: unless ``OMP_WAIT_POLICY`` is already set, the bench sets it to ``PASSIVE`` before
 torch loads (its OpenMP threads then sleep at a barrier instead of spinning): on this shared
@@ -158,11 +165,12 @@ def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
         layers: int = 4, hidden: int = 512, dtype: str = "bfloat16", seed: int = 0,
         elastic: bool = True, block_size: int = 16, device_memory: str = "4GiB",
         threads: int | None = None, vllm_venv: str | None = None,
-        vllm_timeout_s: float = 900.0) -> dict[str, Any]:
+        vllm_timeout_s: float = 900.0, max_tokens_per_batch: int = 2048) -> dict[str, Any]:
     """Run the benchmark (module docstring); returns a flat dict of results."""
     for name, v, lo in (("prompts", prompts, 1), ("min_prompt", min_prompt, 1),
                         ("new_tokens", new_tokens, 1), ("hf_batch", hf_batch, 1),
-                        ("repeats", repeats, 1), ("equal_prompt", equal_prompt, 1)):
+                        ("repeats", repeats, 1), ("equal_prompt", equal_prompt, 1),
+                        ("max_tokens_per_batch", max_tokens_per_batch, 1)):
         if v < lo:
             raise ValueError(f"--{name.replace('_', '-')} must be at least {lo}, got {v}")
     if max_prompt < min_prompt:
@@ -188,7 +196,8 @@ def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
     longest = max(max_prompt, equal_prompt) + new_tokens
     flags: dict[str, Any] = dict(
         block_size=block_size, enable_vmm_kvcache=True, vmm_elastic=elastic,
-        enable_prefix_cache=False, max_seqs_per_batch=256, max_tokens_per_batch=2048,
+        enable_prefix_cache=False, max_seqs_per_batch=256,
+        max_tokens_per_batch=max_tokens_per_batch,
         device_memory=device_memory, max_model_len=longest + 1, dtype=dtype)
     out: dict[str, Any] = {
         "model": str(mdir) if model else f"built llama {layers}x{hidden} vocab {vocab}",
@@ -198,6 +207,8 @@ def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
         "hf_batch": hf_batch, "repeats": repeats, "mode": "elastic" if elastic else "fixed",
         "omp_wait_policy": policy,
         "layer_ops": _layer_ops_path(),
+        "max_tokens_per_batch": max_tokens_per_batch, "prefix_caching": False,
+        "host_malloc_tuned": None,
     }
     vllm = None
     if vllm_venv:
@@ -205,10 +216,16 @@ def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
         vllm = VllmRunner(vllm_venv, mdir, dtype, trace, new_tokens, longest + 1,
                           threads=torch.get_num_threads(), timeout_s=vllm_timeout_s)
         out["vllm_startup_s"] = time.perf_counter() - t0
+        out["vllm_prefix_caching"] = vllm.settings.get("enable_prefix_caching")
+        out["vllm_max_num_batched_tokens"] = vllm.settings.get("max_num_batched_tokens")
         if vllm.error:
             out["vllm_error"] = vllm.error
             vllm = None
     with LLM(str(mdir), **flags) as llm:
+        from xllm_vmm.engine.host_memory import host_malloc_tuning
+
+        tuning = host_malloc_tuning()  # set by the engine's start (process-wide: HF's runs too)
+        out["host_malloc_tuned"] = None if tuning is None else tuning.applied
         _engine_generate(llm, trace[:2], 2)  # warm-up (both sides)
         _hf_generate(hf, trace[:2], 2, 2)
         eng_tps, hf_tps, ratios = [], [], []
@@ -293,6 +310,7 @@ class VllmRunner:
         import tempfile
 
         self.error: str | None = None
+        self.settings: dict[str, Any] = {}
         self.proc = None
         self.timeout_s = timeout_s
         py = Path(venv).expanduser() / "bin" / "python"
@@ -301,7 +319,8 @@ class VllmRunner:
             return
         self._spec = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
         json.dump({"model": str(model_dir), "dtype": dtype, "prompts": [list(p) for p in prompts],
-                   "new_tokens": new_tokens, "kv_space_gib": 2, "max_model_len": max_model_len},
+                   "new_tokens": new_tokens, "kv_space_gib": 2, "max_model_len": max_model_len,
+                   "enable_prefix_caching": False},  # as our engine runs (the trace repeats)
                   self._spec)
         self._spec.close()
         self._err = tempfile.TemporaryFile("w+")
@@ -322,6 +341,9 @@ class VllmRunner:
         if "error" in got:
             self.error = got["error"]
             self.close()
+        else:
+            self.settings = {k: got.get(k) for k in ("enable_prefix_caching",
+                                                     "max_num_batched_tokens")}
 
     @staticmethod
     def _pump(stream: Any, lines: Any) -> None:

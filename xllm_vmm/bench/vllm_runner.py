@@ -2,8 +2,11 @@
 Python (it never imports xllm_vmm, so the venv needs only vLLM).
 
 Protocol (one JSON object per line): argv[1] is a JSON file ``{"model", "dtype", "prompts":
-[[ids]], "new_tokens", "kv_space_gib", "max_model_len"}``; the runner builds ``LLM`` once,
-warms it up, prints ``{"ready": true}``; then for every line ``run`` read on stdin it generates
+[[ids]], "new_tokens", "kv_space_gib", "max_model_len", "enable_prefix_caching"}``
+(``enable_prefix_caching`` false when absent: the bench runs our engine without its prefix
+cache, and the trace's repeats would otherwise hit vLLM's); the runner builds ``LLM`` once,
+warms it up, prints ``{"ready": true, "enable_prefix_caching": b, "max_num_batched_tokens":
+n}`` (the settings vLLM runs with, read back from its config; null when unreadable); then for every line ``run`` read on stdin it generates
 every prompt (token ids, greedy, ``ignore_eos``, ``max_tokens=new_tokens``) and prints
 ``{"seconds": s, "output_tokens": n, "outputs": [[ids]]}``; ``quit`` (or EOF) ends it. Errors
 print ``{"error": "..."}`` and exit 1.
@@ -21,6 +24,17 @@ import json  # noqa: E402
 import time  # noqa: E402
 
 
+def _settings(llm) -> dict:
+    """What vLLM actually runs with: prefix caching and its per-step token budget."""
+    out = {"enable_prefix_caching": None, "max_num_batched_tokens": None}
+    cfg = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    if cfg is not None:
+        out["enable_prefix_caching"] = getattr(cfg.cache_config, "enable_prefix_caching", None)
+        out["max_num_batched_tokens"] = getattr(cfg.scheduler_config, "max_num_batched_tokens",
+                                                None)
+    return out
+
+
 def main() -> int:
     spec = json.load(open(sys.argv[1]))
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -30,7 +44,9 @@ def main() -> int:
         from vllm import LLM, SamplingParams
 
         llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
-                  skip_tokenizer_init=True, enforce_eager=False, seed=0)
+                  skip_tokenizer_init=True, enforce_eager=False, seed=0,
+                  enable_prefix_caching=bool(spec.get("enable_prefix_caching", False)))
+        settings = _settings(llm)
         sp = SamplingParams(temperature=0, max_tokens=spec["new_tokens"], ignore_eos=True,
                             detokenize=False)
         prompts = [{"prompt_token_ids": list(p)} for p in spec["prompts"]]
@@ -42,7 +58,7 @@ def main() -> int:
         traceback.print_exc()
         print(json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
         return 1
-    print(json.dumps({"ready": True}), flush=True)
+    print(json.dumps({"ready": True, **settings}), flush=True)
     for line in sys.stdin:
         cmd = line.strip()
         if cmd == "quit":

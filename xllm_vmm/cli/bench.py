@@ -440,6 +440,7 @@ def bench_engine(
     vllm_venv: Optional[str] = typer.Option(None, "--vllm-venv", help="A venv with vLLM's CPU "
                                             "build: its LLM.generate runs side by side "
                                             "(vs_vllm_ratio)."),
+    max_tokens_per_batch: int = typer.Option(2048, "--max-tokens-per-batch", help="The engine's per-step token budget (vLLM keeps its own; both are printed)."),
     fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
 ) -> None:
     from xllm_vmm.bench import engine as engine_bench
@@ -462,7 +463,8 @@ def bench_engine(
             new_tokens=new_tokens, hf_batch=hf_batch, batch_sizes=sizes,
             equal_prompt=equal_prompt, repeats=repeats, layers=layers, hidden=hidden,
             dtype=dtype, seed=seed, elastic=elastic, block_size=block_size,
-            device_memory=device_memory, threads=threads, vllm_venv=vllm_venv))
+            device_memory=device_memory, threads=threads, vllm_venv=vllm_venv,
+            max_tokens_per_batch=max_tokens_per_batch))
     except ConfigError as exc:
         raise _fail(2, f"bench engine: {exc}") from None
     emit("bench engine (output tokens/s)", results, fmt)
