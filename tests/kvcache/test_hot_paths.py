@@ -148,3 +148,76 @@ def test_flat_publish_conflict_is_refused_and_undone():
         m.check_invariants()
     finally:
         e.close()
+
+
+def _ordered_state(a, g="attn"):
+    """:func:`_state` with each bucket's insertion order (the tie-break of slot choice)."""
+    return _state(a, g) + ([list(b) for b in a._groups[g].buckets],)
+
+
+def _take_partial_rescanning(self, g, n, out):
+    """The fullest-first pass as it was written before the one-pass walk: rescan the buckets
+    from the fullest for every slot taken (the reference for ``_take_partial``)."""
+    buckets, stacks, ref, want = g.buckets, g.stacks, g.ref, n
+    while n and g.free_active > want - n:
+        bucket = next(b for b in buckets if b)
+        slot = next(iter(bucket))
+        stack = stacks[slot]
+        k = len(stack)
+        take = min(k, n)
+        got = stack[-take:][::-1]
+        del stack[-take:]
+        for b in got:
+            ref[b] = 1
+        out.extend(got)
+        del bucket[slot]
+        if k - take:
+            buckets[k - take][slot] = None
+        n -= take
+    g.free_active -= want - n
+    return n
+
+
+def test_free_group_fast_pass_and_one_pass_take_equal_the_general_passes(monkeypatch):
+    """``free_group`` of a group that retains nothing (its inlined pass) against the general
+    pass (``will_retain`` set, nothing retained), and ``_take_partial``'s one-pass walk against
+    the rescanning reference: the same ids, stacks, bucket order, slots released and refusals."""
+    from xllm_vmm.kvcache.allocator import BlockAllocator
+
+    rng = random.Random(7)
+    for trial in range(40):
+        fast, general = (make(FakeBacking(), slots=8, bps=4) for _ in range(2))
+        general.will_retain("attn")
+        reqs: list[list[int]] = []
+        for step in range(40):
+            op = rng.random()
+            if op < 0.55 or not reqs:
+                n = rng.randint(1, 9)
+                hint = reqs[-1][-1] if reqs and rng.random() < 0.4 else -1
+                x = fast.allocate_group("attn", n, hint)
+                with monkeypatch.context() as m:
+                    m.setattr(BlockAllocator, "_take_partial", _take_partial_rescanning)
+                    y = general.allocate_group("attn", n, hint)
+                assert x == y
+                if x is not None:
+                    if hint >= 0:
+                        reqs[-1].extend(x)
+                    else:
+                        reqs.append(x)
+            elif op < 0.9:
+                r = reqs.pop(rng.randrange(len(reqs)))
+                order = r[::-1] if rng.random() < 0.5 else r
+                assert fast.free_group("attn", order) is None
+                assert general.free_group("attn", order) is None
+            else:  # refusals: a double free, a duplicate, an id outside, a negative id
+                r = rng.choice(reqs)
+                bad = rng.choice([r + [r[0]], r[:1] + r[:1],
+                                  r[:2] + [fast.shape("attn").num_blocks], r[:1] + [-1]])
+                for a in (fast, general):
+                    before = _ordered_state(a)
+                    with pytest.raises(ValueError):
+                        a.free_group("attn", bad)
+                    assert _ordered_state(a) == before
+            assert _ordered_state(fast) == _ordered_state(general)
+            fast.check_invariants()
+        assert fast.backing.calls == general.backing.calls
