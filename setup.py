@@ -52,6 +52,7 @@ setup(
         _lib("libascendcl_emu", ["native/acl_emu.c", "native/hostvmm.c"]),
         _lib("libxllm_paged_attn", ["native/paged_attn.c"]),  # engine.attention.native_decode
         _lib("libxllm_layer_ops", ["native/layer_ops.c"]),  # engine.layers.layer_ops
+        _lib("libxllm_kvtable", ["native/kvtable.c"]),  # kvcache.kvtable (block tables)
     ],
     cmdclass={"build_ext": build_plain_shared_libs},
 )
