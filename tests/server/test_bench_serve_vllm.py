@@ -40,7 +40,8 @@ opts = dict(zip(argv[2::2], argv[3::2]))
 with open({record!r}, "a") as fh:
     fh.write(json.dumps({{"argv": argv, "pid": os.getpid(), "t": time.time(),
         "env": {{k: os.environ.get(k) for k in ("VLLM_TARGET_DEVICE",
-                                               "VLLM_CPU_KVCACHE_SPACE")}}}}) + "\\n")
+                                               "VLLM_CPU_KVCACHE_SPACE",
+                                               "VLLM_CPU_OMP_THREADS_BIND")}}}}) + "\\n")
 if {fail!r}:
     print("RuntimeError: Engine core initialization failed. See root cause above.",
           flush=True)
@@ -129,36 +130,118 @@ def test_vllm_server_missing_and_failing(tmp_path, tiny_llama_dir):
     assert srv._log is None  # the log is removed
 
 
-def test_compare_interleaves_and_reports_both(tmp_path, tiny_llama_dir):
+def test_compare_warms_both_then_alternates_rounds(tmp_path, tiny_llama_dir):
+    """Both servers stay up; each gets the same warm-up load (not counted), then every round
+    drives both with that round's own prompts (the same for both sides), one server at a time,
+    the order alternating; ratios per round pair the same round."""
     venv, record = _venv(tmp_path)
     cfg = bs.LoadConfig(num_prompts=6, request_rate=float("inf"), input_len=12, output_len=8,
-                        timeout=120)
+                        timeout=120, seed=5)
     args = bs.serve_args(str(tiny_llama_dir), ["--device-memory=256MiB"], 12, 0.5, 8)
     t0 = time.time()
-    out = sc.compare(cfg, args, str(venv), rounds=2, kv_space_gib=1)
-    runs = [json.loads(line) for line in record.read_text().splitlines()]
-    assert len(runs) == 2 and all(r["t"] > t0 for r in runs)
-    for r in runs:
-        assert r["env"] == {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        argv = r["argv"]
-        assert argv[:2] == ["serve", str(tiny_llama_dir)]
-        assert argv[argv.index("--dtype") + 1] == "bfloat16"
-        assert argv[argv.index("--max-model-len") + 1] == sc._flag_value(args, "max_model_len")
-        assert bs.tree_rss_bytes(r["pid"]) is None  # stopped
+    out = sc.compare(cfg, args, str(venv), rounds=3, kv_space_gib=1, warmup_prompts=4,
+                     vllm_env={"VLLM_CPU_OMP_THREADS_BIND": "0"}, settle_s=0.0)
+    starts = [json.loads(line) for line in record.read_text().splitlines()]
+    assert len(starts) == 1 and starts[0]["t"] > t0  # one vLLM start for all rounds
+    r = starts[0]
+    assert r["env"] == {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
+                        "VLLM_CPU_OMP_THREADS_BIND": "0"}  # --vllm-env reaches it
+    argv = r["argv"]
+    assert argv[:2] == ["serve", str(tiny_llama_dir)]
+    assert argv[argv.index("--dtype") + 1] == "bfloat16"
+    assert argv[argv.index("--max-model-len") + 1] == sc._flag_value(args, "max_model_len")
+    assert bs.tree_rss_bytes(r["pid"]) is None  # stopped
+    assert out["vllm"]["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0"
     for side in ("xllm_vmm", "vllm"):
         s = out[side]
-        assert len(s["runs"]) == 2 and s["failures"] == 0, s
-        assert all(r["completed"] == 6 and r["total_output_tokens"] == 48 for r in s["runs"])
+        assert [x["round"] for x in s["runs"]] == [0, 1, 2]
+        assert [x["seed"] for x in s["runs"]] == [5, 6, 7]  # new prompts every round
+        assert s["warmup"]["completed"] == 4 and s["warmup"]["seed"] == 5 + sc.WARMUP_SEED_OFFSET
+        assert len(s["runs"]) == 3 and s["failures"] == 0, s
+        assert all(x["completed"] == 6 and x["total_output_tokens"] == 48 for x in s["runs"])
         assert s["output_throughput_min"] <= s["output_throughput_median"]
+        assert s["ttft_ms_min"] <= s["ttft_ms_median"] and s["tpot_ms_min"] <= s["tpot_ms_median"]
         assert s["rss_bytes_peak_median"] > 10 << 20
         assert s["ttft_ms_median"] > 0 and s["tpot_ms_median"] > 0
-    assert all(r["server_exit_code"] == 0 for r in out["xllm_vmm"]["runs"])
+        # the other server was idle while this one ran (a few scheduler ticks at most)
+        assert all(x["idle_server_cpu_s"] is not None and x["idle_server_cpu_s"] < 1.0
+                   for x in s["runs"])
+    assert out["xllm_vmm"]["server_exit_code"] == 0
     assert "error" not in out["vllm"] and out["vllm"]["kv_reserved_bytes"] == 1 << 30
     assert out["vs_vllm_throughput_ratio"] == pytest.approx(
         out["xllm_vmm"]["output_throughput_median"] / out["vllm"]["output_throughput_median"])
-    assert len(out["vs_vllm_throughput_ratio_per_round"]) == 2
+    for key, field in (("throughput", "output_throughput"), ("ttft", "ttft_ms_median"),
+                       ("tpot", "tpot_ms_median")):
+        per = out[f"vs_vllm_{key}_ratio_per_round"]
+        assert per == [pytest.approx(a[field] / b[field]) for a, b in
+                       zip(out["xllm_vmm"]["runs"], out["vllm"]["runs"])]
     flat = sc.flat(out)
     assert "xllm_vmm.output_throughput_median" in flat and "vllm.runs" not in flat
+    assert "vllm.warmup" not in flat
+
+
+def test_compare_alternates_which_server_goes_first(tmp_path, tiny_llama_dir, monkeypatch):
+    venv, _ = _venv(tmp_path)
+    seen: list[tuple[str, int]] = []
+    real = sc.drive
+
+    async def spy(url, load, **kw):
+        seen.append((url, load.seed))
+        return await real(url, load, **kw)
+
+    monkeypatch.setattr(sc, "drive", spy)
+    cfg = bs.LoadConfig(num_prompts=3, request_rate=float("inf"), input_len=12, output_len=4,
+                        timeout=120)
+    args = bs.serve_args(str(tiny_llama_dir), ["--device-memory=256MiB"], 12, 0.5, 4)
+    out = sc.compare(cfg, args, str(venv), rounds=3, kv_space_gib=1, warmup_prompts=2,
+                     settle_s=0.0)
+    ours = out["xllm_vmm"]["server"] and seen[0][0]
+    sides = ["ours" if url == ours else "vllm" for url, _ in seen]
+    assert sides == ["ours", "vllm",            # warm-up, each alone
+                     "ours", "vllm", "vllm", "ours", "ours", "vllm"]
+    assert [seed for _, seed in seen] == [1000, 1000, 0, 0, 1, 1, 2, 2]
+
+
+def test_parse_env():
+    assert sc.parse_env(["A=1", "B_C=x=y", "D="]) == {"A": "1", "B_C": "x=y", "D": ""}
+    for bad in ("A", "=1", "A B=1"):
+        with pytest.raises(ValueError, match="--vllm-env"):
+            sc.parse_env([bad])
+
+
+def test_tree_cpu_seconds_counts_children():
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import time\nt = time.process_time()\n"
+                              "while time.process_time() - t < 0.6: pass\ntime.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 20
+        while (bs.tree_cpu_seconds(child.pid) or 0) < 0.5 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        alone = bs.tree_cpu_seconds(child.pid)
+        assert alone is not None and alone >= 0.5
+        assert bs.tree_cpu_seconds(os.getpid()) >= alone  # this process's tree includes it
+    finally:
+        child.kill()
+        child.wait()
+    assert bs.tree_cpu_seconds(child.pid) is None
+
+
+def test_vllm_stage_figures_read_its_histograms():
+    def text(q_sum, q_n, p_sum, p_n, steps):
+        rows = []
+        for name, total, n in (("vllm:request_queue_time_seconds", q_sum, q_n),
+                               ("vllm:request_prefill_time_seconds", p_sum, p_n)):
+            lab = 'engine="0",model_name="m"'
+            rows += [f'{name}_bucket{{{lab},le="0.1"}} {n}', f'{name}_bucket{{{lab},le="+Inf"}} {n}',
+                     f"{name}_count{{{lab}}} {n}", f"{name}_sum{{{lab}}} {total}"]
+        rows.append(f'vllm:iteration_tokens_total_count{{engine="0",model_name="m"}} {steps}')
+        return "\n".join(rows)
+
+    figs = bs.vllm_stage_figures(text(1.0, 10, 2.0, 10, 50), text(1.5, 20, 3.0, 20, 80))
+    assert figs["vllm_queue_ms_mean"] == pytest.approx(50.0)
+    assert figs["vllm_prefill_ms_mean"] == pytest.approx(100.0)
+    assert figs["vllm_steps"] == 30
+    assert bs.vllm_stage_figures("", "xllm_vmm_x 1") == {}  # ours has none
 
 
 def test_compare_cli_keeps_our_side_when_vllm_fails(tmp_path, tiny_llama_dir):
@@ -174,6 +257,7 @@ def test_compare_cli_keeps_our_side_when_vllm_fails(tmp_path, tiny_llama_dir):
     assert out["xllm_vmm"]["runs"][0]["completed"] == 4
     assert "Engine core initialization failed" in out["vllm"]["error"]
     assert out["vllm"]["runs"] == [] and out["vs_vllm_throughput_ratio"] is None
+    assert out["vs_vllm_ttft_ratio_per_round"] == []
 
 
 def test_compare_refuses_bad_options(tmp_path):
@@ -184,6 +268,8 @@ def test_compare_refuses_bad_options(tmp_path):
         sc.compare(cfg, ["--model", "/m"], str(tmp_path), kv_space_gib=0)
     with pytest.raises(ValueError, match="whole number"):
         sc.compare(cfg, ["--model", "/m"], str(tmp_path), kv_space_gib=0.5)
+    with pytest.raises(ValueError, match="--warmup-prompts"):
+        sc.compare(cfg, ["--model", "/m"], str(tmp_path), warmup_prompts=-1)
     with pytest.raises(ValueError, match="--model"):
         sc.compare(cfg, [], str(tmp_path))
 
@@ -195,6 +281,6 @@ def test_real_vllm_side_by_side():
     cfg = bs.LoadConfig(num_prompts=8, request_rate=float("inf"), input_len=16, output_len=8)
     args = bs.serve_args(None, ["--device-memory=1GiB"], 16, 0.5, 8)
     out = sc.compare(cfg, args, os.environ["XLLM_VMM_TEST_VLLM_VENV"], rounds=1,
-                     kv_space_gib=1)
+                     kv_space_gib=1, warmup_prompts=4)
     assert "error" not in out["vllm"], out["vllm"].get("error")
     assert out["vllm"]["runs"][0]["completed"] == 8 and out["vs_vllm_throughput_ratio"] > 0

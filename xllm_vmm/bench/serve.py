@@ -29,6 +29,8 @@ the server's own time beside it: ``output_thread_busy_fraction`` / ``_us_per_tok
 JSON-encoding the SSE chunks, timed without awaits), over wall seconds or per output token, from
 ``xllm_vmm_output_thread_cpu_seconds``, ``xllm_vmm_stream_encode_seconds`` and
 ``xllm_vmm_output_tokens``;
+against vLLM's server, its own stages from its ``/metrics`` (``vllm_queue_ms_mean``,
+``vllm_prefill_ms_mean``, ``vllm_steps``: :func:`vllm_stage_figures`);
 ``rss_bytes_peak`` (when the server's process id is known: the most resident bytes of its
 process tree, every process's ``VmRSS`` summed, every ``sample_interval`` seconds — shared pages count
 once per process, as ``ps`` shows them). One warm-up request (not counted) precedes the load.
@@ -118,9 +120,8 @@ def percentile(values: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def tree_rss_bytes(pid: int) -> Optional[int]:
-    """Resident bytes of process ``pid`` and all its descendants (``VmRSS`` of each, from
-    ``/proc``, summed); None when ``pid`` is gone or ``/proc`` cannot be read (not Linux)."""
+def _children() -> Optional[dict[int, list[int]]]:
+    """parent pid -> child pids of every process (``/proc``); None when it cannot be read."""
     children: dict[int, list[int]] = {}
     try:
         names = os.listdir("/proc")
@@ -136,6 +137,37 @@ def tree_rss_bytes(pid: int) -> Optional[int]:
             continue
         ppid = int(stat.rpartition(b")")[2].split()[1])  # after "(comm)": state ppid ...
         children.setdefault(ppid, []).append(int(name))
+    return children
+
+
+def tree_cpu_seconds(pid: int) -> Optional[float]:
+    """CPU seconds (user + system, every thread) used so far by process ``pid`` and its live
+    descendants (``/proc/PID/stat`` utime + stime); None when ``pid`` is gone or ``/proc``
+    cannot be read. The difference over an interval is what the tree ran meanwhile."""
+    children = _children()
+    if children is None:
+        return None
+    tick = float(os.sysconf("SC_CLK_TCK"))
+    total, found, todo = 0.0, False, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/stat", "rb") as fh:
+                fields = fh.read().rpartition(b")")[2].split()
+        except OSError:
+            continue
+        found = True
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15)
+        todo.extend(children.get(p, []))
+    return total if found else None
+
+
+def tree_rss_bytes(pid: int) -> Optional[int]:
+    """Resident bytes of process ``pid`` and all its descendants (``VmRSS`` of each, from
+    ``/proc``, summed); None when ``pid`` is gone or ``/proc`` cannot be read (not Linux)."""
+    children = _children()
+    if children is None:
+        return None
     total, found, todo = 0, False, [pid]
     while todo:
         p = todo.pop()
@@ -468,7 +500,7 @@ async def drive(url: str, cfg: LoadConfig, *, rss_pid: Optional[int] = None) -> 
         "num_prompts": cfg.num_prompts,
         "request_rate": "inf" if math.isinf(cfg.request_rate) else cfg.request_rate,
         "input_len": cfg.input_len, "range_ratio": cfg.range_ratio,
-        "output_len": cfg.output_len, "duration_s": wall,
+        "output_len": cfg.output_len, "seed": cfg.seed, "duration_s": wall,
         "output_throughput": out_tokens / wall if wall > 0 else 0.0,
         "request_throughput": len(ok) / wall if wall > 0 else 0.0,
         "total_output_tokens": out_tokens,
@@ -490,8 +522,37 @@ async def drive(url: str, cfg: LoadConfig, *, rss_pid: Optional[int] = None) -> 
                                        if own["stream_s"] is not None and own["tokens"]
                                        else None),
         **server_latency_figures(reserved_text, end_text),
+        **vllm_stage_figures(reserved_text, end_text),
         **workers,
     }
+
+
+#: vLLM's own per-request stages (its /metrics histograms, seconds) -> bench field prefix:
+#: ``queue`` (arrival in its engine core to first scheduled), ``prefill`` (first scheduled to
+#: the first token), beside our ``server_pickup``/``server_queue`` and ``server_first_step``
+VLLM_STAGES = (("vllm:request_queue_time_seconds", "vllm_queue"),
+               ("vllm:request_prefill_time_seconds", "vllm_prefill"))
+
+
+def vllm_stage_figures(before: str, after: str) -> dict:
+    """``vllm_queue_ms_mean`` and ``vllm_prefill_ms_mean`` (what the load added to vLLM's
+    histograms between two scrapes, sum / count: its buckets start at 0.3 s, too coarse for a
+    median) and ``vllm_steps`` (its engine iterations, ``vllm:iteration_tokens_total_count``);
+    empty for a server without them (ours)."""
+    out: dict = {}
+    for metric, field_ in VLLM_STAGES:
+        n1 = parse_metric(after, f"{metric}_count")
+        if n1 is None:
+            continue
+        n = n1 - (parse_metric(before, f"{metric}_count") or 0.0)
+        s = (parse_metric(after, f"{metric}_sum") or 0.0) - (parse_metric(before, f"{metric}_sum")
+                                                            or 0.0)
+        out[f"{field_}_ms_mean"] = 1e3 * s / n if n > 0 else None
+    steps = parse_metric(after, "vllm:iteration_tokens_total_count")
+    if steps is not None:
+        out["vllm_steps"] = int(steps - (parse_metric(before, "vllm:iteration_tokens_total_count")
+                                         or 0.0))
+    return out
 
 
 def _own_costs(text: str) -> dict:

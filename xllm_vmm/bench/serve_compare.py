@@ -3,27 +3,48 @@ side by side under the same load.
 
 What is compared: the same checkpoint (the bench Llama by default), the same dtype (bfloat16
 unless ``--dtype`` is given to serve), the same context (``--max-model-len``), the same load
-generator (:func:`xllm_vmm.bench.serve.drive`) with the same seed and token-id range, hence the
-same prompts, arrivals and budgets (``ignore_eos``). The servers run one at a time, interleaved:
-round *i* starts ours, drives it, stops it, then starts vLLM's, drives it, stops it. Each server
-gets the same one warm-up request before its load (``drive``'s own).
+generator (:func:`xllm_vmm.bench.serve.drive`) with the same seeds and token-id range, hence the
+same prompts, arrivals and budgets (``ignore_eos``), and each side's own default settings (vLLM:
+its CPU platform's thread binding, one OpenMP thread bound to one core with the other core kept
+for its API server and engine core; ours: torch's threads). ``vllm_env`` adds environment
+variables to vLLM's (its own tuning knobs, e.g. ``VLLM_CPU_OMP_THREADS_BIND``); they are
+reported in ``vllm.env``.
+
+How (the order is what makes the figures stable on a small noisy machine):
+
+1. Both servers are started, one after the other (ours, then vLLM's while ours is idle), and
+   stay up for the whole comparison: neither pays its start-up or its first load inside a
+   measured run.
+2. Both get the same **warm-up load** — the measured load's shape (lengths, rate, output
+   budget) with ``warmup_prompts`` prompts of another seed — one after the other, not
+   counted (``warmup`` in each side's figures): the first load after start-up pays one-time
+   costs on both sides (allocator growth, oneDNN primitives per shape, lazy imports; vLLM's
+   first load ran 2-4x its later TTFT here).
+3. ``rounds`` measured rounds; round *i* drives both with the load of seed ``seed + i`` (the
+   same prompts for both sides within a round, new prompts every round, so that no prefix
+   cache serves a repeat), ours first in even rounds and vLLM's first in odd ones (drift in
+   the machine's load cancels over pairs). One server is driven at a time: the other is idle,
+   and ``idle_server_cpu_s`` (the CPU seconds the idle server's process tree used during the
+   run, from ``/proc``) shows it stayed idle. ``settle_s`` seconds pass between runs.
+
+Figures (:func:`compare`): per side, ``runs`` (each run's ``drive`` figures, with ``round``,
+``seed`` and ``idle_server_cpu_s``), ``warmup``, and over the runs ``output_throughput_min`` /
+``_median``, ``ttft_ms_min`` / ``_median``, ``tpot_ms_min`` / ``_median``, ``itl_ms_median``
+(min and median over runs of each run's median), ``rss_bytes_peak_median``, the server's own
+latency (``server_*_us_*``, medians over runs; None for vLLM) and vLLM's own stages
+(``vllm_queue_ms_mean``, ``vllm_prefill_ms_mean``: its queue and prefill time per request,
+``vllm_steps``; None for ours), ``failures`` (all runs); ``vs_vllm_throughput_ratio`` = our median output throughput /
+vLLM's (> 1: ours is faster), ``vs_vllm_ttft_ratio`` and ``vs_vllm_tpot_ratio`` (our median /
+theirs: < 1 is better), and per round (the pairs closest in time)
+``vs_vllm_throughput_ratio_per_round``, ``vs_vllm_ttft_ratio_per_round``,
+``vs_vllm_tpot_ratio_per_round``.
 
 vLLM's server: ``VENV/bin/vllm serve MODEL --dtype D --host 127.0.0.1 --port P --max-model-len L``
 with ``VLLM_TARGET_DEVICE=cpu`` and ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB of KV reserved up front), in
 its own session (its engine core and worker processes are stopped with it: SIGTERM to the
 group, SIGKILL after a grace period); ready when ``/health`` answers 200. Its log goes to a
 temporary file; a start that fails reports the exit code and the log's last lines, and the
-comparison still reports our side (``vllm.error``).
-
-Figures (:func:`compare`): per side, ``runs`` (each run's ``drive`` figures) and
-``output_throughput_min``/``_median``, ``ttft_ms_median``, ``tpot_ms_median``, ``itl_ms_median``
-(medians over runs of each run's median), ``rss_bytes_peak_median``,
-``server_overhead_us_median``/``_p99`` and ``server_emit_us_median``/``_p99`` (the server's own
-latency, medians over runs; None for vLLM), ``failures`` (all runs);
-``vs_vllm_throughput_ratio`` = our median output throughput / vLLM's (> 1: ours is faster),
-``vs_vllm_ttft_ratio`` and ``vs_vllm_tpot_ratio`` (ours / theirs: < 1 is better),
-``vs_vllm_throughput_ratio_per_round`` (ours / theirs within each round: the pairs closest in
-time on a noisy machine). Nothing here imports torch.
+comparison still reports our side (``vllm.error``). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -40,7 +61,12 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from xllm_vmm.bench.serve import LoadConfig, ServerProcess, drive
+from dataclasses import replace
+
+from xllm_vmm.bench.serve import LoadConfig, ServerProcess, drive, tree_cpu_seconds
+
+#: the warm-up load's seed is the measured seed plus this (prompts no measured round sends)
+WARMUP_SEED_OFFSET = 1000
 
 
 def _flag_value(args: list[str], name: str) -> Optional[str]:
@@ -67,13 +93,14 @@ class VllmServer:
 
     def __init__(self, venv: str | os.PathLike, model: str, *, dtype: str = "bfloat16",
                  max_model_len: Optional[int] = None, kv_space_gib: int = 2,
-                 start_timeout: float = 300.0):
+                 start_timeout: float = 300.0, env: Optional[dict[str, str]] = None):
         self.exe = Path(venv) / "bin" / "vllm"
         self.model = model
         self.dtype = dtype
         self.max_model_len = max_model_len
         self.kv_space_gib = kv_space_gib
         self.start_timeout = start_timeout
+        self.extra_env = dict(env or {})
         self.proc: Optional[subprocess.Popen] = None
         self.url: Optional[str] = None
         self._log: Optional[tempfile._TemporaryFileWrapper] = None
@@ -109,7 +136,8 @@ class VllmServer:
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
         env = dict(os.environ, VLLM_TARGET_DEVICE="cpu",
-                   VLLM_CPU_KVCACHE_SPACE=str(int(self.kv_space_gib)), PYTHONUNBUFFERED="1")
+                   VLLM_CPU_KVCACHE_SPACE=str(int(self.kv_space_gib)), PYTHONUNBUFFERED="1",
+                   **self.extra_env)
         env.pop("VIRTUAL_ENV", None)
         self._log = tempfile.NamedTemporaryFile("w+", prefix="vllm-serve-", suffix=".log",
                                                 delete=False)
@@ -183,43 +211,80 @@ def _median(xs: list) -> Optional[float]:
     return statistics.median(xs) if xs else None
 
 
+def _min(xs: list) -> Optional[float]:
+    xs = [x for x in xs if x is not None]
+    return min(xs) if xs else None
+
+
 def summarize(runs: list[dict]) -> dict:
     """One side's figures over its runs (module docstring)."""
     ok = [r for r in runs if "error" not in r]
     tput = [r["output_throughput"] for r in ok]
+    ttft = [r["ttft_ms_median"] for r in ok]
+    tpot = [r["tpot_ms_median"] for r in ok]
     return {
         "runs": runs,
         "output_throughput_min": min(tput) if tput else None,
         "output_throughput_median": _median(tput),
-        "ttft_ms_median": _median([r["ttft_ms_median"] for r in ok]),
-        "tpot_ms_median": _median([r["tpot_ms_median"] for r in ok]),
+        "ttft_ms_min": _min(ttft),
+        "ttft_ms_median": _median(ttft),
+        "tpot_ms_min": _min(tpot),
+        "tpot_ms_median": _median(tpot),
         "itl_ms_median": _median([r["itl_ms_median"] for r in ok]),
         "rss_bytes_peak_median": _median([r.get("rss_bytes_peak") for r in ok]),
-        # the server's own latency (bench serve's server_*_us_*; None for vLLM's server)
+        # the server's own latency (bench serve's server_*_us_*; None for vLLM's server) and
+        # vLLM's own stages (None for ours)
         **{k: _median([r.get(k) for r in ok])
            for k in ("server_overhead_us_median", "server_overhead_us_p99",
-                     "server_emit_us_median", "server_emit_us_p99")},
+                     "server_emit_us_median", "server_emit_us_p99",
+                     "server_pickup_us_median", "server_queue_us_median",
+                     "server_first_step_us_median", "server_ttft_us_median",
+                     "vllm_queue_ms_mean", "vllm_prefill_ms_mean", "vllm_steps",
+                     "engine_steps", "engine_step_ms_mean")},
+        "idle_server_cpu_s_max": _max([r.get("idle_server_cpu_s") for r in ok]),
         "failures": sum(r["failures"] for r in ok),
     }
+
+
+def _max(xs: list) -> Optional[float]:
+    xs = [x for x in xs if x is not None]
+    return max(xs) if xs else None
 
 
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a is not None and b else None
 
 
-def compare(cfg: LoadConfig, serve_args: list[str], vllm_venv: str, *, rounds: int = 2,
-            kv_space_gib: int = 2, vllm_start_timeout: float = 300.0) -> dict:
-    """``rounds`` interleaved rounds of ours then vLLM's (module docstring). ``serve_args`` are
-    ``xllm-vmm serve``'s (:func:`xllm_vmm.bench.serve.serve_args`: they name the model, dtype
-    and context vLLM gets too). A vLLM start that fails ends vLLM's side with its ``error``
-    (the exact message and log tail), and so does a load that fails on it; our rounds still
-    run."""
+def parse_env(items: list[str]) -> dict[str, str]:
+    """``KEY=VALUE`` strings (``--vllm-env``) as a dict; anything else is a ValueError naming
+    the option."""
+    env: dict[str, str] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key or not key.replace("_", "a").isalnum():
+            raise ValueError(f"--vllm-env takes KEY=VALUE (an environment variable for vllm "
+                             f"serve), got {item!r}")
+        env[key] = value
+    return env
+
+
+def compare(cfg: LoadConfig, serve_args: list[str], vllm_venv: str, *, rounds: int = 3,
+            kv_space_gib: int = 2, vllm_start_timeout: float = 300.0,
+            warmup_prompts: int = 32, vllm_env: Optional[dict[str, str]] = None,
+            settle_s: float = 1.0) -> dict:
+    """Both servers up, the same warm-up, then ``rounds`` alternating rounds (module
+    docstring). ``serve_args`` are ``xllm-vmm serve``'s (:func:`xllm_vmm.bench.serve.serve_args`:
+    they name the model, dtype and context vLLM gets too). A vLLM start that fails ends vLLM's
+    side with its ``error`` (the exact message and log tail), and so does a load that fails on
+    it; our rounds still run."""
     if not 1 <= rounds <= 20:
         raise ValueError(f"--rounds must be in 1..20, got {rounds}")
     if kv_space_gib != int(kv_space_gib) or not 1 <= kv_space_gib <= 1024:
         # vLLM reads VLLM_CPU_KVCACHE_SPACE as an integer (0.5 fails its config validation)
         raise ValueError(f"--vllm-kv-space must be a whole number of GiB in 1..1024, got "
                          f"{kv_space_gib}")
+    if not 0 <= warmup_prompts <= 100_000:
+        raise ValueError(f"--warmup-prompts must be in 0..100000, got {warmup_prompts}")
     cfg.check()
     model = _flag_value(serve_args, "model")
     if model is None:
@@ -230,52 +295,93 @@ def compare(cfg: LoadConfig, serve_args: list[str], vllm_venv: str, *, rounds: i
         dtype = "bfloat16"
     if cfg.vocab is None:
         cfg.vocab = model_vocab(model)  # the same token ids for both: vLLM's /v1/models has none
-    ours: list[dict] = []
-    theirs: list[dict] = []
+    loads = [replace(cfg, seed=cfg.seed + i) for i in range(rounds)]
+    warm = (replace(cfg, seed=cfg.seed + WARMUP_SEED_OFFSET, num_prompts=warmup_prompts)
+            if warmup_prompts else None)
+    runs: dict[str, list[dict]] = {"xllm_vmm": [], "vllm": []}
+    warmups: dict[str, Optional[dict]] = {"xllm_vmm": None, "vllm": None}
     vllm_error: Optional[str] = None
-    vllm_cmd = ""
-    for _ in range(rounds):
-        with ServerProcess(list(serve_args)) as srv:
-            out = asyncio.run(drive(srv.url, cfg, rss_pid=srv.pid))
-            out["server_exit_code"] = srv.stop()
-        ours.append(out)
-        if vllm_error is not None:
-            continue
-        vs = VllmServer(vllm_venv, model, dtype=dtype,
-                        max_model_len=int(max_len) if max_len else None,
-                        kv_space_gib=kv_space_gib, start_timeout=vllm_start_timeout)
+    vs = VllmServer(vllm_venv, model, dtype=dtype,
+                    max_model_len=int(max_len) if max_len else None,
+                    kv_space_gib=kv_space_gib, start_timeout=vllm_start_timeout, env=vllm_env)
+    ours = ServerProcess(list(serve_args))
+    our_exit: Optional[int] = None
+    try:
+        ours.start()
         try:
             vs.start()
         except RuntimeError as exc:
             vllm_error = str(exc)
-            continue
-        try:
-            vllm_cmd = " ".join(vs.args)
-            theirs.append(asyncio.run(drive(vs.url, cfg, rss_pid=vs.pid)))
-        except Exception as exc:  # noqa: BLE001 - its engine failed under the load: say how
-            vllm_error = (f"the load failed on vllm serve: {type(exc).__name__}: {exc}\n"
-                          f"{vs.log_tail(30)}")
-        finally:
-            vs.stop()
-    a, b = summarize(ours), summarize(theirs)
-    b["server"] = vllm_cmd or None
+        servers = {"xllm_vmm": (ours.url, ours.pid), "vllm": (vs.url, vs.pid)}
+
+        def run_one(side: str, load: LoadConfig, rss: bool) -> Optional[dict]:
+            """One load on ``side``; None (and vLLM's error recorded) when vLLM failed."""
+            nonlocal vllm_error
+            url, pid = servers[side]
+            other = servers["vllm" if side == "xllm_vmm" else "xllm_vmm"][1]
+            idle0 = tree_cpu_seconds(other) if other is not None and vllm_error is None else None
+            try:
+                out = asyncio.run(drive(url, load, rss_pid=pid if rss else None))
+            except Exception as exc:  # noqa: BLE001
+                if side == "xllm_vmm":
+                    raise
+                vllm_error = (f"the load failed on vllm serve: {type(exc).__name__}: {exc}\n"
+                              f"{vs.log_tail(30)}")
+                vs.stop()
+                return None
+            idle1 = tree_cpu_seconds(other) if idle0 is not None else None
+            out["idle_server_cpu_s"] = (idle1 - idle0 if idle0 is not None
+                                        and idle1 is not None else None)
+            return out
+
+        if warm is not None:
+            for side in ("xllm_vmm", "vllm"):
+                if side == "vllm" and vllm_error is not None:
+                    break
+                warmups[side] = run_one(side, warm, rss=False)
+                time.sleep(settle_s)
+        for i, load in enumerate(loads):
+            order = ("xllm_vmm", "vllm") if i % 2 == 0 else ("vllm", "xllm_vmm")
+            for side in order:
+                if side == "vllm" and vllm_error is not None:
+                    continue
+                out = run_one(side, load, rss=True)
+                if out is not None:
+                    out["round"] = i
+                    runs[side].append(out)
+                time.sleep(settle_s)
+    finally:
+        vs.stop()
+        our_exit = ours.stop()
+    a, b = summarize(runs["xllm_vmm"]), summarize(runs["vllm"])
+    a["warmup"], b["warmup"] = warmups["xllm_vmm"], warmups["vllm"]
+    a["server_exit_code"] = our_exit
+    b["server"] = " ".join(vs.args) if vs.url else None
+    b["env"] = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(int(kv_space_gib)),
+                **(vllm_env or {})}
     b["kv_reserved_bytes"] = int(kv_space_gib) << 30
     if vllm_error is not None:
         b["error"] = vllm_error
     a["server"] = "xllm-vmm serve " + " ".join(serve_args)
-    per_round = [_ratio(x["output_throughput"], y["output_throughput"])
-                 for x, y in zip(ours, theirs)]
+    by_round = {r["round"]: r for r in runs["vllm"]}
+    pairs = [(x, by_round[x["round"]]) for x in runs["xllm_vmm"] if x["round"] in by_round]
+
+    def per_round(key: str) -> list:
+        return [_ratio(x.get(key), y.get(key)) for x, y in pairs]
+
     return {
         "num_prompts": cfg.num_prompts, "input_len": cfg.input_len,
         "range_ratio": cfg.range_ratio, "output_len": cfg.output_len,
         "request_rate": cfg.request_rate if cfg.request_rate != float("inf") else "inf",
-        "seed": cfg.seed, "rounds": rounds,
+        "seed": cfg.seed, "rounds": rounds, "warmup_prompts": warmup_prompts,
         "xllm_vmm": a, "vllm": b,
         "vs_vllm_throughput_ratio": _ratio(a["output_throughput_median"],
                                            b["output_throughput_median"]),
-        "vs_vllm_throughput_ratio_per_round": per_round,
         "vs_vllm_ttft_ratio": _ratio(a["ttft_ms_median"], b["ttft_ms_median"]),
         "vs_vllm_tpot_ratio": _ratio(a["tpot_ms_median"], b["tpot_ms_median"]),
+        "vs_vllm_throughput_ratio_per_round": per_round("output_throughput"),
+        "vs_vllm_ttft_ratio_per_round": per_round("ttft_ms_median"),
+        "vs_vllm_tpot_ratio_per_round": per_round("tpot_ms_median"),
     }
 
 
@@ -286,7 +392,7 @@ def flat(result: dict) -> dict:
     for k, v in result.items():
         if isinstance(v, dict):
             for kk, vv in v.items():
-                if kk != "runs":
+                if kk not in ("runs", "warmup"):
                     out[f"{k}.{kk}"] = vv
         else:
             out[k] = v

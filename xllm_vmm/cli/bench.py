@@ -491,7 +491,9 @@ def bench_serve(
     timeout: float = typer.Option(600.0, help="Seconds the load may take in all."),
     serve_arg: list[str] = typer.Option([], "--serve-arg", help="Extra flag for serve (repeatable), e.g. --serve-arg=--vmm_elastic=false."),
     vllm_venv: Optional[str] = typer.Option(None, "--vllm-venv", help="A venv with vLLM's CPU build: run `vllm serve` of the same model side by side (interleaved rounds, same load) and report vs_vllm_throughput_ratio."),
-    rounds: int = typer.Option(2, help="With --vllm-venv: interleaved rounds (ours, then vLLM's, one server at a time)."),
+    rounds: int = typer.Option(3, help="With --vllm-venv: measured rounds, each driving both servers (kept up and warmed) one at a time with the same new prompts, alternating which goes first."),
+    warmup_prompts: int = typer.Option(32, "--warmup-prompts", help="With --vllm-venv: prompts of the same-shaped warm-up load each server gets before the rounds (not counted; 0: none)."),
+    vllm_env: list[str] = typer.Option([], "--vllm-env", help="With --vllm-venv: KEY=VALUE added to vllm serve's environment (repeatable), e.g. --vllm-env VLLM_CPU_OMP_THREADS_BIND=0-1."),
     vllm_kv_space: int = typer.Option(2, "--vllm-kv-space", help="With --vllm-venv: VLLM_CPU_KVCACHE_SPACE, whole GiB of KV vLLM reserves up front."),
     engine_only: bool = typer.Option(False, "--engine-only", help="Replay the same load straight on the engine in this process (no HTTP, no server threads): the server's share is the difference."),
     fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
@@ -522,8 +524,13 @@ def bench_serve(
 
         if url is not None:
             raise _fail(2, "--vllm-venv starts both servers itself: drop --url")
+        try:
+            env = serve_compare.parse_env(vllm_env)
+        except ValueError as exc:
+            raise _fail(2, str(exc)) from None
         out = _run("bench serve", lambda: serve_compare.compare(
-            cfg, args, vllm_venv, rounds=rounds, kv_space_gib=vllm_kv_space))
+            cfg, args, vllm_venv, rounds=rounds, kv_space_gib=vllm_kv_space,
+            warmup_prompts=warmup_prompts, vllm_env=env))
         emit("bench serve: xllm-vmm vs vllm serve", out if fmt is OutputFormat.json
              else serve_compare.flat(out), fmt)
         return
