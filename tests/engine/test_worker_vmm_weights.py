@@ -26,6 +26,14 @@ def test_weights_in_the_arena_sleep_and_wake(qwen3):
         lo, hi = s.pool.arena_va, s.pool.arena_va + s.pool.arena_pages * s.pool.page_bytes
         q = s.worker.model.layers[1].attn.q_proj.weight
         assert lo <= q.data_ptr() < hi  # a view of the pool's arena, not a host copy
+        # fused projections over pool weights are views only: gate/up lie back to back in the
+        # pool's image (checkpoint order) and run as one product over the arena; k, o, q, v
+        # sort apart, so q/k/v stay three products (nothing is ever copied out of the pool)
+        mlp = s.worker.model.layers[1].mlp
+        assert mlp.gate_up is not None and mlp.gate_up.weight.data_ptr() == mlp.gate.weight.data_ptr()
+        assert lo <= mlp.gate_up.weight.data_ptr() < hi
+        assert s.worker.model.layers[1].attn.qkv is None
+        del mlp
         ids = list(range(10, 40))
         before = s.greedy({"a": ids}, 6)["a"]
         assert before == C.hf_greedy(qwen3[1], ids, 6)

@@ -17,7 +17,11 @@ section 3):
 - the device follows the pool's driver (host → CPU, cuda → ``cuda:<i>``, acl → ``npu:<i>``;
   the ACL emulation → CPU); on the CPU, glibc's malloc is tuned once for the process
   (:func:`xllm_vmm.engine.host_memory.configure_host_malloc`; ``XLLM_VMM_MALLOPT=0`` keeps
-  glibc's defaults).
+  glibc's defaults);
+- plain weights (not the pool's) are re-laid so that each layer's q/k/v and gate/up lie back to
+  back (:func:`xllm_vmm.engine.layers.fusion.colocate_projections`: the same tensor objects,
+  values and byte counts) and run as one product each; pool weights are never moved (gate/up
+  fuse as a view where the pool already placed them adjacently).
 
 Tensor parallelism (issue 14): ``tp`` (:class:`~xllm_vmm.engine.layers.parallel.TensorParallel`)
 reaches every layer; only world size 1 runs today.
@@ -75,8 +79,18 @@ def load_model_weights(model_dir: str | Path, *, pool: VmmPool | None = None,
 
     weights = load_weights(str(model_dir), pool=pool, dtype=dtype)
     if pool is None and device != "cpu":  # plain tensors: the device's own copies
-        return {name: t.to(device) for name, t in weights.items()}
+        weights = {name: t.to(device) for name, t in weights.items()}
+    if pool is None:  # q/k/v, gate/up back to back: one product each (layers.fusion)
+        from xllm_vmm.engine.layers.fusion import colocate_projections
+
+        colocate_projections(weights)
     return weights
+
+
+def weights_in_pool(weights: Mapping[str, Any]) -> bool:
+    """The tensors view a VMM pool (their addresses must never change: sleep, wakeup and fork
+    refer to them), as opposed to plain tensors the engine may re-lay."""
+    return bool(getattr(weights, "device_bytes", 0)) or bool(getattr(weights, "vmm", False))
 
 
 class Worker:
@@ -123,6 +137,10 @@ class Worker:
         check_loaded = getattr(weights, "check_loaded", None)
         if check_loaded is not None:
             check_loaded()
+        if not owns and not weights_in_pool(weights):  # the caller's plain tensors
+            from xllm_vmm.engine.layers.fusion import colocate_projections
+
+            colocate_projections(weights)  # same tensor objects and values, one buffer a group
         model = build_model(cfg, weights, tp=tp, device=device)
         if model.dtype != compute_dtype:
             raise ValueError(f"the weights are {model.dtype}, the worker was asked for "

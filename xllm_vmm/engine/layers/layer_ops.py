@@ -126,6 +126,16 @@ def supported(*tensors: Tensor) -> bool:
     return _code(dt) is not None
 
 
+def supported_heads(q: Tensor, k: Tensor) -> bool:
+    """:func:`rope_` can take ``q`` (T, H, D) and ``k`` (T, Hkv, D): on, CPU, one dtype
+    (float32 or bfloat16), unit stride inside a head, one head stride for both; token rows may
+    sit at any stride (q/k/v as views of one fused product)."""
+    if not enabled() or q.dtype is not k.dtype or _code(q.dtype) is None:
+        return False
+    return all(t.device.type == "cpu" and t.dim() == 3 and t.stride(2) == 1
+               and t.stride(1) == q.stride(1) for t in (q, k))
+
+
 def _threads() -> int:
     import torch
 
@@ -197,8 +207,13 @@ def rope_(positions: Tensor, q: Tensor, k: Tensor | None, cos: Tensor, sin: Tens
     ``< P`` (checked unless ``checked``: the caller already knows it)."""
     import torch
 
-    ts = (q, cos, sin) if k is None else (q, k, cos, sin)
+    ts = (cos, sin)
     dt = _check("rope", *ts)
+    if not (supported_heads(q, q if k is None else k) and q.dtype is cos.dtype):
+        raise ValueError(f"rope: q {tuple(q.shape)} {q.dtype} stride {q.stride()} / k "
+                         f"{None if k is None else (tuple(k.shape), k.dtype, k.stride())}: need "
+                         f"CPU (T, H, D) tensors of the tables' dtype {cos.dtype} with unit-stride "
+                         f"heads at one head stride (native ops {'on' if enabled() else 'off'})")
     if (q.dim() != 3 or (k is not None and (k.dim() != 3 or k.shape[0] != q.shape[0]
                                              or k.shape[2] != q.shape[2]
                                              or k.stride(1) != q.stride(1)))
@@ -229,4 +244,4 @@ def rope_(positions: Tensor, q: Tensor, k: Tensor | None, cos: Tensor, sin: Tens
 
 
 __all__ = ["ENV", "enabled", "force_portable", "isa", "load", "rms_norm", "rope_",
-           "set_enabled", "silu_and_mul", "supported"]
+           "set_enabled", "silu_and_mul", "supported", "supported_heads"]

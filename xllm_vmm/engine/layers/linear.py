@@ -69,3 +69,43 @@ class RowParallelLinear(ReplicatedLinear):
         if self.reduce:
             y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y
+
+
+class MergedColumnLinear:
+    """Column-parallel projections of one input (q/k/v, gate/up) as one product:
+    ``weight`` is a view over the parts' weights lying back to back
+    (:func:`~xllm_vmm.engine.layers.fusion.adjacent_rows`), ``bias`` the same over their biases
+    (or None); ``__call__`` returns each part's output, a view of one ``(T, sum(sizes))``
+    product, in order. Build with :meth:`of`."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, sizes: tuple[int, ...]) -> None:
+        self.weight = weight
+        self.bias = bias
+        self.sizes = sizes
+
+    @classmethod
+    def of(cls, parts: list[ReplicatedLinear]) -> MergedColumnLinear | None:
+        """The fused form of ``parts`` (already this rank's shards), or None when their
+        weights (or biases) are not adjacent in memory, only some have a bias, or fusion is
+        off (``XLLM_VMM_FUSED_PROJ=0``): the caller then runs the parts one by one."""
+        from xllm_vmm.engine.layers import fusion
+
+        if not fusion.enabled():
+            return None
+        weight = fusion.adjacent_rows([p.weight for p in parts])
+        if weight is None:
+            return None
+        biases = [p.bias for p in parts]
+        bias = None
+        if any(b is not None for b in biases):
+            if any(b is None for b in biases):
+                return None
+            bias = fusion.adjacent_rows(biases)
+            if bias is None:
+                return None
+        return cls(weight, bias, tuple(p.weight.shape[0] for p in parts))
+
+    def __call__(self, x: Tensor) -> tuple[Tensor, ...]:
+        import torch.nn.functional as F
+
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)

@@ -1,5 +1,8 @@
 """The SiLU-gated feed-forward of Llama / Qwen: ``down(silu(gate(x)) * up(x))``.
 
+Gate and up are one product when their weights lie back to back
+(:class:`~.linear.MergedColumnLinear`; plain weights are re-laid so at load), two otherwise.
+
 ``silu(g) * u`` is one native pass into ``g``'s memory (``layer_ops.silu_and_mul``) when the
 tensors fit it, else torch's in-place ``silu_`` then ``mul_`` (the same roundings)."""
 
@@ -8,7 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from xllm_vmm.engine.layers import layer_ops
-from xllm_vmm.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+from xllm_vmm.engine.layers.linear import (ColumnParallelLinear, MergedColumnLinear,
+                                           RowParallelLinear)
 from xllm_vmm.engine.layers.parallel import SINGLE, TensorParallel
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -33,10 +37,19 @@ class GatedMLP:
         self.up = ColumnParallelLinear(up, up_bias, tp=tp, what="intermediate_size")
         self.down = RowParallelLinear(down, down_bias, tp=tp, what="intermediate_size",
                                       reduce=reduce)
+        self.gate_up = MergedColumnLinear.of([self.gate, self.up])  # None: two products
 
     def __call__(self, x: Tensor) -> Tensor:
         import torch.nn.functional as F
 
+        import torch
+
+        if self.gate_up is not None:  # g, u: views of one (T, 2 * I) product
+            g, u = self.gate_up(x)
+            if layer_ops.supported(g, u):  # into a contiguous (T, I) for the down product
+                return self.down(layer_ops.silu_and_mul(g, u, out=torch.empty(g.shape,
+                                                                                dtype=g.dtype)))
+            return self.down(F.silu(g).mul_(u))
         g, u = self.gate(x), self.up(x)
         if layer_ops.supported(g, u):
             return self.down(layer_ops.silu_and_mul(g, u, out=g))

@@ -224,8 +224,7 @@ class RotaryEmbedding:
 
         if (q.shape[-1] == self.head_dim and k.shape[-1] == self.head_dim
                 and positions.dtype is torch.int64 and positions.device.type == "cpu"
-                and q.dim() == 3 and k.dim() == 3 and q.stride(1) == k.stride(1)
-                and layer_ops.supported(q, k) and positions.is_contiguous()):
+                and layer_ops.supported_heads(q, k) and positions.is_contiguous()):
             cos, sin = self.tables(positions, q.dtype)
             layer_ops.rope_(positions, q, k, cos, sin, checked=True)  # StepInput: positions >= 0
             return q, k

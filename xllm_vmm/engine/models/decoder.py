@@ -21,7 +21,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Mapping
 
 from xllm_vmm.engine.layers.embedding import LMHead, VocabEmbedding
-from xllm_vmm.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+from xllm_vmm.engine.layers.linear import (ColumnParallelLinear, MergedColumnLinear,
+                                           RowParallelLinear)
 from xllm_vmm.engine.layers.mlp import GatedMLP, check_activation
 from xllm_vmm.engine.layers.moe import SparseMoE
 from xllm_vmm.engine.layers.norm import RMSNorm
@@ -92,6 +93,9 @@ class Attention:
         self.o_proj = RowParallelLinear(w.get(f"{prefix}.o_proj.weight", (hid, h * d)),
                                         w.maybe(f"{prefix}.o_proj.bias"), tp=tp,
                                         what="attention heads")
+        # one product over q/k/v when their weights lie back to back (plain weights are re-laid
+        # so at load: fusion.colocate_projections); else three
+        self.qkv = MergedColumnLinear.of([self.q_proj, self.k_proj, self.v_proj])
         self.q_norm = self.k_norm = None
         if qk_norm:
             self.q_norm = RMSNorm(w.get(f"{prefix}.q_norm.weight", (d,)), cfg.rms_norm_eps)
@@ -104,9 +108,13 @@ class Attention:
     def __call__(self, x: Tensor, positions: Tensor, kv: PagedKV, backend: AttentionBackend,
                  meta: Any) -> Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv is not None:  # views of one product: rows at its stride
+            q, k, v = self.qkv(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary.apply_(positions, q, k)  # in place where the native op runs
