@@ -146,6 +146,29 @@ class KeepAll:
             self.allocator.release_cached(name, cached)
 
 
+def _block_tables():
+    from xllm_vmm.kvcache.kvtable import native_available
+
+    return ["python", "native"] if native_available() else ["python"]
+
+
+def pytest_generate_tests(metafunc):
+    if "block_tables" in metafunc.fixturenames and getattr(metafunc.module, "BOTH_PATHS", True):
+        metafunc.parametrize("block_tables", _block_tables(), indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def block_tables(request, monkeypatch):
+    """Every test function here runs on both block-table paths: the pure-Python passes and
+    the C ones of libxllm_kvtable.so (when it is built; XLLM_VMM_KVTABLE selects them for
+    every allocator the test builds, directly or through the cache and the manager). The
+    hypothesis state machines (unittest classes, not parametrized) have a class per path."""
+    mode = getattr(request, "param", None)
+    if mode is not None:
+        monkeypatch.setenv("XLLM_VMM_KVTABLE", mode)
+    return mode
+
+
 @pytest.fixture
 def backing():
     return FakeBacking()

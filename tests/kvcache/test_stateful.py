@@ -22,6 +22,8 @@ fails.
 
 from __future__ import annotations
 
+import os
+
 import ctypes
 import struct
 
@@ -43,9 +45,22 @@ QUOTA = 72 * MiB
 
 class CacheMachine(RuleBasedStateMachine):
     DRIVER = "sim"
+    TABLES = ""  # XLLM_VMM_KVTABLE while the cache is built ("": the default, native if built)
 
     def __init__(self) -> None:
         super().__init__()
+        before = os.environ.get("XLLM_VMM_KVTABLE")
+        if self.TABLES:
+            os.environ["XLLM_VMM_KVTABLE"] = self.TABLES
+        try:
+            self._build()
+        finally:
+            if before is None:
+                os.environ.pop("XLLM_VMM_KVTABLE", None)
+            else:
+                os.environ["XLLM_VMM_KVTABLE"] = before
+
+    def _build(self) -> None:
         self.sim = self.DRIVER == "sim"
         self.d = SimDriver(DEVICE) if self.sim else open_driver(self.DRIVER,
                                                                  device_memory=DEVICE)
@@ -58,6 +73,9 @@ class CacheMachine(RuleBasedStateMachine):
         tokens = 8 * 4 * 12  # attn: 12 slots (2 pages each), draft: 24 slots
         self.pool = VmmPool(self.d, cfg, VirtualKVCache.arena_bytes(self.layout, PAGE, tokens))
         self.c = VirtualKVCache.for_tokens(self.pool, self.layout, tokens)
+        from xllm_vmm.kvcache.kvtable import native_available
+
+        assert self.c.allocator.native == (self.TABLES != "python" and native_available())
         self.policy = KeepAll(self.c.allocator)  # the prefix cache's stand-in
         self.adm = Admission([self.c])
         self.seqs: dict[int, tuple[int, dict[str, list[int]]]] = {}  # id -> (tokens, blocks)
@@ -243,3 +261,22 @@ HostCacheMachine.TestCase.settings = settings(
     max_examples=40, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestHostCacheMachine = HostCacheMachine.TestCase
+
+
+class PythonTablesCacheMachine(CacheMachine):
+    """The same machine on the pure-Python block-table passes (the classes above use the C
+    ones of libxllm_kvtable.so when it is built)."""
+
+    TABLES = "python"
+
+
+PythonTablesCacheMachine.TestCase.settings = CacheMachine.TestCase.settings
+TestPythonTablesCacheMachine = PythonTablesCacheMachine.TestCase
+
+
+class PythonTablesHostCacheMachine(HostCacheMachine):
+    TABLES = "python"
+
+
+PythonTablesHostCacheMachine.TestCase.settings = HostCacheMachine.TestCase.settings
+TestPythonTablesHostCacheMachine = PythonTablesHostCacheMachine.TestCase

@@ -790,6 +790,8 @@ def run_kvcache_bench(cfg: KvBenchConfig = KvBenchConfig()) -> dict[str, Any]:
 
     out: dict[str, Any] = {
         "driver": cfg.driver,
+        # the allocator's block-table passes: "native" (libxllm_kvtable.so) or "python"
+        "block_tables": "native" if fresh_allocator().native else "python",
         "sequences": cfg.sequences,
         "trace_ops": n_alloc,
         "freelist_ops_per_s": n_alloc / fl_best,

@@ -46,6 +46,16 @@ first. :meth:`BlockAllocator.free` checks its input first (a refused free change
 makes one pass: drop the reference; at 0 a retained or pinned block becomes cached, any other is
 pushed on its slot's stack; then one bucket move per run of one slot.
 
+Two implementations of the same passes: with ``libxllm_kvtable.so`` built (the default), a
+group's state lives in flat arrays (:class:`~xllm_vmm.kvcache.kvtable.NativeGroup`) and
+allocation and free are one C call each (compaction's stack moves and a slot push too);
+without it, or with ``XLLM_VMM_KVTABLE=python`` / ``BlockAllocator(native=False)``, the
+pure-Python ``_Group`` below (lists, ordered dicts, a heap). Both hand out the same block ids in
+the same order, make the same slot choices and refuse the same frees with the same messages
+(``tests/kvcache/test_kvtable.py`` runs them in lockstep; every other kvcache test runs on
+both). Readers outside this module see only the per-block arrays (``ref``, ``cached``,
+``keep``) and the counters, which mean the same in both.
+
 Invariants (:meth:`BlockAllocator.check_invariants`, run by the tests after every step):
 
 - every block is free, live or cached; a cached block is retained or pinned;
@@ -71,12 +81,16 @@ group); ``False`` (a copy failed) changes nothing.
 
 from __future__ import annotations
 
+import ctypes as C
 import heapq
+import operator
 from collections import Counter
 from dataclasses import dataclass, field
 from heapq import heappop, heappush
 from itertools import islice
-from typing import Iterable, Mapping, Protocol, Sequence
+from typing import Any, Iterable, Mapping, Protocol, Sequence
+
+from xllm_vmm.kvcache.kvtable import NativeGroup, native_available, native_requested
 
 __all__ = [
     "BlockAllocator",
@@ -161,6 +175,12 @@ _NO_SLOTS: Mapping[str, list[int]] = {}  # no new slots (never written)
 _NOTHING_CACHED: Mapping[str, list[int]] = {}  # free() kept no block (never written)
 
 
+def _check_shape(shape: GroupShape) -> None:
+    if shape.num_slots < 0 or shape.blocks_per_slot < 1:
+        raise ValueError(f"group {shape.name!r}: needs num_slots >= 0 and "
+                         f"blocks_per_slot >= 1, got {shape}")
+
+
 class _Group:
     """Mutable state of one group (internal). ``stacks[s]`` is slot ``s``'s free stack, or
     ``None`` while the slot is inactive."""
@@ -169,10 +189,10 @@ class _Group:
                  "pins", "stacks", "buckets", "rbuckets", "inactive", "free_active",
                  "n_cached", "n_active", "desc", "asc")
 
+    native = False  # the pure-Python passes (NativeGroup: the C ones)
+
     def __init__(self, shape: GroupShape) -> None:
-        if shape.num_slots < 0 or shape.blocks_per_slot < 1:
-            raise ValueError(f"group {shape.name!r}: needs num_slots >= 0 and "
-                             f"blocks_per_slot >= 1, got {shape}")
+        _check_shape(shape)
         self.name = shape.name
         self.num_slots = shape.num_slots
         self.bps = shape.blocks_per_slot
@@ -218,17 +238,36 @@ class _Group:
         stack = self.stacks[slot]
         return 0 if stack is None else self.bps - len(stack)
 
+    def stack_len(self, slot: int) -> int:
+        """Free blocks of ``slot``; -1 while it is inactive."""
+        stack = self.stacks[slot]
+        return -1 if stack is None else len(stack)
+
 
 class BlockAllocator:
     """Reference-counted, page-aware block allocator over the slots of several groups; the one
     owner of block state (see the module docstring). ``backing`` maps and releases slots."""
 
-    def __init__(self, shapes: Iterable[GroupShape], backing: SlotBacking) -> None:
+    def __init__(self, shapes: Iterable[GroupShape], backing: SlotBacking,
+                 native: bool | None = None) -> None:
+        """``native``: keep the block state in flat arrays changed by the C passes of
+        ``libxllm_kvtable.so`` (:mod:`~xllm_vmm.kvcache.kvtable`) — the same ids, order and
+        refusals as the pure-Python passes (``False``). ``None`` (default): the C passes when
+        the library is built, unless ``XLLM_VMM_KVTABLE=python``."""
+        if native is None:
+            native = native_requested()
+        elif native and not native_available():
+            raise RuntimeError("BlockAllocator(native=True): libxllm_kvtable.so is not built; "
+                               "rebuild with `pip install -e .` (or `python setup.py "
+                               "build_ext --inplace`), or pass native=False")
+        self.native = bool(native)
         self._groups: dict[str, _Group] = {}
         for s in shapes:
             if s.name in self._groups:
                 raise ValueError(f"duplicate group name {s.name!r}")
-            self._groups[s.name] = _Group(s)
+            _check_shape(s)
+            self._groups[s.name] = (NativeGroup(s.name, s.num_slots,  # type: ignore[assignment]
+                                                s.blocks_per_slot) if native else _Group(s))
         self.backing = backing
 
     # -- configuration / shape -----------------------------------------------------------
@@ -295,6 +334,15 @@ class BlockAllocator:
         ("not now": nothing changed). The one allocation path: :meth:`allocate` calls it for
         every group that fits in its active slots (the manager's hot path calls it directly)."""
         g = self._groups.get(group) or self._g(group)
+        if g.native:  # the C passes (kvtable): one call, two when new slots are mapped
+            if n == 1:
+                try:
+                    b = g._alloc1(g.p, hint)  # type: ignore[attr-defined]
+                except C.ArgumentError:  # a hint that is no int32: no hint
+                    b = g._alloc1(g.p, -1)  # type: ignore[attr-defined]
+                if b >= 0:
+                    return [b]
+            return self._allocate_native(g, n, hint)
         if n == 1 and g.free_active:
             # decode growth, the one place it is written: one block from an active
             # slot — the hint's slot, else (hinted slot full) the roomiest partial slot,
@@ -356,6 +404,26 @@ class BlockAllocator:
             n = self._take_new_slot(g, slot, n, out)
         return out
 
+    def _allocate_native(self, g: NativeGroup, n: int, hint: int) -> list[int] | None:
+        """:meth:`allocate_group` on the C passes (see there)."""
+        n = operator.index(n)
+        if n < 0:
+            raise ValueError(f"negative block count {n} for group {g.name!r}")
+        if n > g.nblocks:
+            return None
+        if not (type(hint) is int and 0 <= hint < g.nblocks):
+            hint = -1
+        got = g.alloc(n, hint)
+        if type(got) is list:
+            return got
+        chosen = g.pop_inactive(got)  # type: ignore[arg-type]
+        if chosen is None:
+            return None
+        if not self.backing.activate({g.name: chosen}):
+            g.push_inactive(chosen)
+            return None
+        return g.take(n, hint, chosen)
+
     def _take(self, g: _Group, n: int, hint: int, new: list[int] | None) -> list[int]:
         """Hand out ``n`` blocks of ``g`` (not the one-block growth of :meth:`allocate`): the
         hint's slot, then partial slots (fullest first), then the ``new`` slots (just
@@ -363,6 +431,8 @@ class BlockAllocator:
         out: list[int] = []
         if n == 0:
             return out
+        if g.native:
+            return g.take(n, hint if 0 <= hint < g.nblocks else -1, new or [])  # type: ignore
         if 0 <= hint < g.nblocks:
             n = self._take_near(g, hint, n, out)
         if n:
@@ -473,15 +543,22 @@ class BlockAllocator:
             short = n - g.free_active
             if short > 0:
                 k = -(-short // g.bps)
-                if k > len(g.inactive):
+                if k > (g.ctr[3] if g.native else len(g.inactive)):  # type: ignore[attr-defined]
                     return None
                 need[name] = k
-        chosen = {name: [heappop(self._groups[name].inactive) for _ in range(k)]
-                  for name, k in need.items()}
+        chosen = {}
+        for name, k in need.items():
+            g = self._groups[name]
+            chosen[name] = (g.pop_inactive(k) if g.native  # type: ignore[attr-defined]
+                            else [heappop(g.inactive) for _ in range(k)])
         if self.backing.activate(chosen):
             return chosen
         for name, slots in chosen.items():
-            inactive = self._groups[name].inactive
+            g = self._groups[name]
+            if g.native:
+                g.push_inactive(slots)  # type: ignore[attr-defined]
+                continue
+            inactive = g.inactive
             for s in slots:
                 heappush(inactive, s)
         return None
@@ -523,6 +600,11 @@ class BlockAllocator:
         raises ``ValueError``), release the slots this empties in one backing call, and return
         the blocks that became cached (``None`` when none did)."""
         g = self._groups.get(group) or self._g(group)
+        if g.native:
+            kept, released = self._free_native(g, blocks, 0)
+            if released:
+                self.backing.deactivate({group: released})
+            return kept
         if g.retains or g.pins:  # a block may become cached: the general pass
             k, released = self._free_group(g, blocks, True)
             if released:
@@ -600,6 +682,18 @@ class BlockAllocator:
         (its slot released when it empties). A block without a reference, or not a block of
         the group, raises ``ValueError`` and nothing changes (``lru`` included)."""
         g = self._groups.get(group) or self._g(group)
+        if g.native:
+            try:
+                r, bad = g.free(blocks, 1)  # type: ignore[attr-defined]
+            except (TypeError, OverflowError):  # an entry that is no int64
+                r, bad = -1, -1
+            if r < 0:
+                self._refuse_free(g, blocks, bad, False)
+            if r:
+                lru.update(dict.fromkeys(g.kept(r)))  # type: ignore[attr-defined]
+            if g.ctr[4]:  # type: ignore[attr-defined]
+                self.backing.deactivate({group: g.released()})  # type: ignore[attr-defined]
+            return g.pinned_out()  # type: ignore[attr-defined]
         ref = g.ref
         keep = g.keep
         pins = g.pins
@@ -661,6 +755,43 @@ class BlockAllocator:
                     self.backing.deactivate({group: released})
         return pinned
 
+    def _free_native(self, g: NativeGroup, blocks: Sequence[int], lru: int
+                     ) -> tuple[list[int] | None, list[int]]:
+        """The C free pass (kvt_free) of ``blocks``: (blocks that became cached or ``None``,
+        slots released); a refused entry raises ``ValueError`` and nothing changed."""
+        try:
+            r, bad = g.free(blocks, lru)
+        except (TypeError, OverflowError):  # an entry that is no int64: find the first refusal
+            self._refuse_free(g, blocks, -1, True)
+        if r < 0:
+            self._refuse_free(g, blocks, bad, True)
+        return (g.kept(r) if r else None), (g.released() if g.ctr[4] else [])
+
+    def _refuse_free(self, g: Any, blocks: Sequence[int], bad: int, check: bool) -> None:
+        """Raise the ``ValueError`` of a refused free on the C passes (nothing changed):
+        entry ``bad`` (-1: find it, the first entry that is no block of the group or has no
+        reference left after the entries before it) — the messages of the Python passes
+        (``check``: :meth:`free_group`'s, else :meth:`free_group_lru`'s)."""
+        items = list(blocks)
+        if bad < 0:
+            seen: Counter[int] = Counter()
+            for i, b in enumerate(items):
+                if not isinstance(b, int) or not 0 <= b < g.nblocks:
+                    bad = i
+                    break
+                seen[b] += 1
+                if g.ref[b] < seen[b]:
+                    bad = i
+                    break
+        b = items[bad]
+        if not isinstance(b, int) or not 0 <= b < g.nblocks:
+            raise ValueError(f"free of block {b!r}: not a block of group {g.name!r} "
+                             f"(0..{g.nblocks - 1})") from None
+        if check:
+            self._check_free(g, items)
+        raise ValueError(f"free of block {b} in group {g.name!r} that holds no reference "
+                         "(double free)") from None
+
     @staticmethod
     def _push_free(g: _Group, b: int) -> bool:
         """Block ``b`` (ref 0, not cached) goes on its slot's free stack: one bucket move, or
@@ -691,6 +822,8 @@ class BlockAllocator:
         bucket move (or release) per run. With ``check``, a reference going below 0 (or a block
         outside the group) undoes the pass and raises ``ValueError``; without, ``blks`` were
         checked already. Returns (blocks that became cached, slots released)."""
+        if g.native:
+            return self._free_native(g, blks, 0)
         ref = g.ref
         keep = g.keep
         pins = g.pins
@@ -904,6 +1037,8 @@ class BlockAllocator:
         if not (g.ref[block] or g.cached[block]):
             raise ValueError(f"pin of free block {block} in group {group!r}")
         g.pins[block] = g.pins.get(block, 0) + 1
+        if g.native:
+            g.pinned[block] = 1  # type: ignore[attr-defined]
 
     def unpin(self, group: str, block: int) -> bool:
         """Drop one transfer pin; a cached block left neither pinned nor retained is freed
@@ -916,6 +1051,8 @@ class BlockAllocator:
             g.pins[block] = c - 1
             return False
         del g.pins[block]
+        if g.native:
+            g.pinned[block] = 0  # type: ignore[attr-defined]
         if g.cached[block] and not g.keep[block]:
             self.release_cached(group, [block])
             return True
@@ -938,7 +1075,7 @@ class BlockAllocator:
                                  "a transfer (invariant 4: never evicted while it runs)")
         bps = g.bps
         released: list[int] = []
-        push = self._push_free
+        push = (lambda _g, b: g.push_free(b)) if g.native else self._push_free  # type: ignore
         for b in blocks:
             g.cached[b] = 0
             g.keep[b] = 0
@@ -988,8 +1125,10 @@ class BlockAllocator:
             ref = g.ref
             cached = g.cached
             bps = g.bps
+            stacks = g.stacks  # (a NativeGroup's: a copy, read once)
+            buckets = g.buckets
             cands: list[tuple[int, int]] = []
-            for s, stack in enumerate(g.stacks):
+            for s, stack in enumerate(stacks):
                 if stack is None or len(stack) == 0:
                     continue
                 ok = True
@@ -1016,10 +1155,10 @@ class BlockAllocator:
             dests: list[int] = []
             taken: dict[int, int] = {}  # dest slot -> blocks taken from its stack
             for kk in range(1, bps):
-                for s in g.buckets[kk]:
+                for s in buckets[kk]:
                     if s in src_set:
                         continue
-                    stack = g.stacks[s]
+                    stack = stacks[s]
                     t = min(kk, n_moves - len(dests))
                     dests.extend(stack[-1:-t - 1:-1])  # type: ignore[index]
                     taken[s] = t
@@ -1049,7 +1188,11 @@ class BlockAllocator:
             cached = g.cached
             keep = g.keep
             bps = g.bps
+            native = g.native
             for s, t in taken.items():  # destination stacks give up their top t blocks
+                if native:
+                    g.drop_top(s, t)  # type: ignore[attr-defined]
+                    continue
                 stack = g.stacks[s]
                 k = len(stack)  # type: ignore[arg-type]
                 del stack[k - t:]  # type: ignore[index]
@@ -1066,6 +1209,9 @@ class BlockAllocator:
                     cached[old] = 0
                     cached[new] = 1
             for s in sources:  # every block of a source is free now: release it
+                if native:
+                    g.release_slot(s)  # type: ignore[attr-defined]
+                    continue
                 k = len(g.stacks[s])  # type: ignore[arg-type]
                 del g.buckets[k][s]
                 g.stacks[s] = None
@@ -1114,8 +1260,8 @@ class BlockAllocator:
         """True when every used block of active ``slot`` is cached and unpinned: giving them
         up releases the slot's pages."""
         g = self._g(group)
-        stack = g.stacks[slot]
-        if stack is None or g.bps - len(stack) != g.ncached_of(slot):
+        k = g.stack_len(slot)
+        if k < 0 or g.bps - k != g.ncached_of(slot):
             return False
         bps = g.bps
         return not any(p // bps == slot for p in g.pins)
@@ -1129,15 +1275,14 @@ class BlockAllocator:
 
     def slot_info(self, group: str, slot: int) -> SlotInfo:
         g = self._g(group)
-        stack = g.stacks[slot]
-        active = stack is not None
+        k = g.stack_len(slot)
+        active = k >= 0
         nc = g.ncached_of(slot)
-        return SlotInfo(group, slot, active, g.used(slot) - nc, nc,
-                        len(stack) if active else 0)  # type: ignore[arg-type]
+        return SlotInfo(group, slot, active, g.used(slot) - nc, nc, k if active else 0)
 
     def active_slots(self, group: str) -> list[int]:
         g = self._g(group)
-        return [s for s in range(g.num_slots) if g.stacks[s] is not None]
+        return [s for s in range(g.num_slots) if g.stack_len(s) >= 0]
 
     def num_active_slots(self, group: str) -> int:
         return self._g(group).n_active
@@ -1161,6 +1306,13 @@ class BlockAllocator:
             n_live = n_cached = n_active = free_active = 0
             inactive = set(g.inactive)
             assert len(inactive) == len(g.inactive), f"{g.name}: inactive heap has duplicates"
+            stacks = g.stacks  # (a NativeGroup's: copies, read once)
+            buckets = g.buckets
+            if g.native:
+                g.check_links()  # type: ignore[attr-defined]
+                heap = g.inactive
+                assert all(heap[(i - 1) // 2] <= heap[i] for i in range(1, len(heap))), \
+                    f"{g.name}: the inactive slots are not a min-heap"
             for s in range(g.num_slots):
                 blocks = range(s * g.bps, (s + 1) * g.bps)
                 live = sum(1 for b in blocks if g.ref[b] > 0)
@@ -1177,7 +1329,7 @@ class BlockAllocator:
                     if g.keep[b] or g.pins.get(b):
                         assert g.ref[b] or g.cached[b], \
                             f"{g.name}: free block {b} still retained or pinned"
-                stack = g.stacks[s]
+                stack = stacks[s]
                 if stack is None:
                     assert live == cached == 0, f"{g.name}: slot {s} inactive but holds blocks"
                     assert s in inactive, f"{g.name}: slot {s} neither active nor inactive"
@@ -1190,7 +1342,7 @@ class BlockAllocator:
                 assert sorted(stack) == free, f"{g.name}: slot {s} free list {stack} != {free}"
                 k = len(stack)
                 for kk in range(1, g.bps):
-                    assert (s in g.buckets[kk]) == (kk == k), \
+                    assert (s in buckets[kk]) == (kk == k), \
                         f"{g.name}: slot {s} with {k} free blocks in bucket {kk}"
                 n_live += live
                 n_cached += cached
