@@ -52,17 +52,18 @@ _libs: dict[str, C.CDLL] = {}
 
 
 def load_ctypes_library(path: str, prototypes: Mapping[str, tuple[list, Any]], *, op: str,
-                        unloadable: str, missing_symbol: str) -> C.CDLL:
+                        unloadable: str, missing_symbol: str, keep_gil: bool = False) -> C.CDLL:
     """Loads the shared library ``path`` once per process and declares ``prototypes`` (symbol →
     (argtypes, restype)). A library that cannot be loaded, or lacks a symbol, raises
     :class:`VmmUnavailable` for ``op`` with ``unloadable`` / ``missing_symbol`` as the advice
-    (``{path}`` and ``{name}`` are filled in)."""
+    (``{path}`` and ``{name}`` are filled in). ``keep_gil``: calls hold the GIL (``PyDLL``:
+    for short calls on state Python also reads; ~70 ns less per call than releasing it)."""
     with _lock:
         lib = _libs.get(path)
         if lib is not None:
             return lib
         try:
-            lib = C.CDLL(path)
+            lib = (C.PyDLL if keep_gil else C.CDLL)(path)
         except OSError as exc:
             raise VmmUnavailable(op, 0, str(exc), unloadable.format(path=path)) from exc
         for name, (argtypes, restype) in prototypes.items():
@@ -81,7 +82,8 @@ def load_ctypes_library(path: str, prototypes: Mapping[str, tuple[list, Any]], *
 _optional: dict[str, C.CDLL | None] = {}
 
 
-def optional_library(name: str, prototypes: Mapping[str, tuple[list, Any]]) -> C.CDLL | None:
+def optional_library(name: str, prototypes: Mapping[str, tuple[list, Any]],
+                     keep_gil: bool = False) -> C.CDLL | None:
     """An optional kernel library (the engine's ``libxllm_paged_attn.so``,
     ``libxllm_layer_ops.so``) from :func:`library_dir`, loaded once with ``prototypes``
     declared — or None when it is not built, cannot be loaded or lacks a symbol (built from
@@ -96,7 +98,8 @@ def optional_library(name: str, prototypes: Mapping[str, tuple[list, Any]]) -> C
     if path.is_file():
         try:
             lib = load_ctypes_library(str(path), prototypes, op="load native library",
-                                      unloadable="{path}", missing_symbol="{name}")
+                                      unloadable="{path}", missing_symbol="{name}",
+                                      keep_gil=keep_gil)
         except VmmUnavailable:
             lib = None
     _optional[name] = lib
