@@ -73,7 +73,8 @@ def _library() -> Any:
     if _lib is False:
         from xllm_vmm.vmm.native import optional_library
 
-        _lib = optional_library(LIB_NAME, _PROTOTYPES)
+        # the calls hold the GIL: they are short, and Python reads the same arrays
+        _lib = optional_library(LIB_NAME, _PROTOTYPES, keep_gil=True)
     return _lib
 
 
