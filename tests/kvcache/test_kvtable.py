@@ -199,3 +199,21 @@ def test_the_environment_selects_the_passes(monkeypatch):
     monkeypatch.setenv("XLLM_VMM_KVTABLE", "fast")
     with pytest.raises(ValueError, match="XLLM_VMM_KVTABLE"):
         BlockAllocator([GroupShape("attn", 2, 2)], FakeBacking())
+
+
+def test_without_the_library_or_int32_ids_the_python_passes_run(monkeypatch):
+    from xllm_vmm.kvcache import allocator as allocator_module
+    from xllm_vmm.kvcache import kvtable
+
+    monkeypatch.setattr(allocator_module, "MAX_BLOCKS", 15)  # a group of 16 blocks: too many
+    assert not BlockAllocator([GroupShape("attn", 4, 4)], FakeBacking()).native
+    assert BlockAllocator([GroupShape("attn", 3, 5)], FakeBacking()).native
+    monkeypatch.setattr(kvtable, "MAX_BLOCKS", 15)
+    with pytest.raises(ValueError, match="int32"):
+        BlockAllocator([GroupShape("attn", 4, 4)], FakeBacking(), native=True)
+    monkeypatch.setattr(kvtable, "_lib", None)  # as when libxllm_kvtable.so is not built
+    assert not native_available() and not native_requested()
+    a = BlockAllocator([GroupShape("attn", 4, 4)], FakeBacking())
+    assert not a.native and a.allocate_group("attn", 5) == [0, 1, 2, 3, 4]
+    with pytest.raises(RuntimeError, match="libxllm_kvtable.so is not built"):
+        BlockAllocator([GroupShape("attn", 4, 4)], FakeBacking(), native=True)

@@ -90,7 +90,7 @@ from heapq import heappop, heappush
 from itertools import islice
 from typing import Any, Iterable, Mapping, Protocol, Sequence
 
-from xllm_vmm.kvcache.kvtable import NativeGroup, native_available, native_requested
+from xllm_vmm.kvcache.kvtable import MAX_BLOCKS, NativeGroup, native_available, native_requested
 
 __all__ = [
     "BlockAllocator",
@@ -254,8 +254,9 @@ class BlockAllocator:
         ``libxllm_kvtable.so`` (:mod:`~xllm_vmm.kvcache.kvtable`) — the same ids, order and
         refusals as the pure-Python passes (``False``). ``None`` (default): the C passes when
         the library is built, unless ``XLLM_VMM_KVTABLE=python``."""
-        if native is None:
-            native = native_requested()
+        shapes = list(shapes)
+        if native is None:  # the C passes when built and every group's ids fit in int32
+            native = native_requested() and all(s.num_blocks <= MAX_BLOCKS for s in shapes)
         elif native and not native_available():
             raise RuntimeError("BlockAllocator(native=True): libxllm_kvtable.so is not built; "
                                "rebuild with `pip install -e .` (or `python setup.py "

@@ -31,9 +31,11 @@ import os
 from array import array
 from typing import Any
 
-__all__ = ["LIB_NAME", "NativeGroup", "native_available", "native_requested"]
+__all__ = ["LIB_NAME", "MAX_BLOCKS", "NativeGroup", "native_available", "native_requested"]
 
 LIB_NAME = "libxllm_kvtable.so"
+#: the most blocks a native group holds (block ids are int32 in C)
+MAX_BLOCKS = (1 << 31) - 1
 
 _I32 = C.c_int32
 _VP = C.c_void_p
@@ -120,10 +122,13 @@ class NativeGroup:
             raise RuntimeError(f"{LIB_NAME} is not built: rebuild with `pip install -e .` (or "
                                "`python setup.py build_ext --inplace`) or set "
                                "XLLM_VMM_KVTABLE=python")
+        n = num_slots * bps
+        if n > MAX_BLOCKS:
+            raise ValueError(f"group {name!r}: {n} blocks exceed the native block tables' "
+                             f"int32 ids (at most {MAX_BLOCKS}); use XLLM_VMM_KVTABLE=python")
         self.name = name
         self.num_slots = num_slots
         self.bps = bps
-        n = num_slots * bps
         self.nblocks = n
         self.ref = _i32(n)
         self.cached = bytearray(n)
@@ -147,7 +152,7 @@ class NativeGroup:
         self._out2 = memoryview(self.out2)
         self._out3 = memoryview(self.out3)
         self.table = _Table()
-        self._set_input(max(2 * n, 64))
+        self._set_input(max(64, min(2 * n, 4096)))  # grown by free() when a list is longer
         t = self.table
         t.nslots, t.bps, t.nblocks = num_slots, bps, n
         for f in ("ref", "cached", "keep", "pinned", "stk", "slen", "bnext", "bprev", "bhead",
@@ -172,7 +177,7 @@ class NativeGroup:
         """The free's input buffer (int64 block ids) and its run scratch, ``cap`` entries."""
         self.inp = (C.c_int64 * cap)()
         self.runs = _i32(3 * cap)
-        self.table.in_cap = cap
+        self.table.in_cap = self._in_cap = cap
         self.table.inp = C.addressof(self.inp)
         self.table.runs = _addr(self.runs)
 
@@ -295,7 +300,7 @@ class NativeGroup:
         (nothing changed), (-1, index of the refused entry). Raises ``TypeError`` /
         ``OverflowError`` for an entry that is not an int64 (nothing changed)."""
         n = len(blocks)
-        if n > self.table.in_cap:
+        if n > self._in_cap:
             self._set_input(2 * n)
         self.inp[:n] = blocks
         r = self._free(self.p, n, lru)
