@@ -54,6 +54,7 @@
 #define MAX_D 512
 #define MAX_G 16
 #define XLLM_PA_PORTABLE 1 /* flags: force the portable implementation */
+#define XLLM_PA_NO_AMX 2   /* flags (prefill): the AVX-512 form even where AMX runs */
 /* prefetch distance in keys (two tiles ahead into L1), and V rows into L2 during the score pass
    (the V pass then finds them there): measured 5-10 % off a 128-decode layer call */
 #ifndef PF_KEYS
@@ -717,4 +718,762 @@ int xllm_write_kv(const void *k, const void *v, int64_t src_stride_k, int64_t sr
         memcpy((char *)v_dst + d, (const char *)v + t * src_stride_v * elem, n);
     }
     return 0;
+}
+
+/* ========================================================================================== */
+/* Multi-query (prefill / chunked-prefill) attention over paged K/V                           */
+/*
+ * C chunks: chunk c has n_c = q_end[c] - q_start[c] >= 1 query rows q_start[c] ..
+ * q_end[c]-1 of the (T, H, D) q and out tensors (chunks in any order, rows not shared) and ends its sequence of L_c = seq_lens[c]
+ * keys (n_c <= L_c): query i of the chunk (position L_c - n_c + i) sees the keys
+ * j <= L_c - n_c + i of its sequence (causal, the chunk's offset included), read in place
+ * through table row c (block_table + c * table_stride) with the decode kernel's addressing.
+ * The chunk's own K/V are read from the arena: the caller writes them first (write_kv). Only
+ * the ceil(L_c / block_size) first table entries and keys j < L_c are read; out rows outside
+ * the chunks are left as they are.
+ *
+ * Work items: (chunk, tile of PF_QT = 16 queries, KV head), taken dynamically by the pool
+ * (last tiles of a chunk, which see the most keys, first). Per item, keys in blocks of
+ * PF_KB = 64 with an online softmax (exp2 domain; running max and sum per query), all G query
+ * heads of the KV head sharing each block's K/V reads. AVX-512 forms (same q and K/V type,
+ * head_dim a multiple of 32):
+ * - bfloat16 (avx512_bf16): scores with the 16 queries as the vector lanes, q packed once per
+ *   item as bf16 pairs (vdpbf16ps against each key's pair broadcast from the arena row, no
+ *   transpose of K, no horizontal sums; a block's max is a vertical max); probabilities
+ *   rounded to bf16 pairs and V packed per block as key pairs, so P.V is vdpbf16ps too (SDPA's
+ *   bf16 flash kernel also multiplies bf16 probabilities); float32 accumulation throughout;
+ * - float32: the same loop in FMA over float32 (P and V unrounded).
+ * Portable C (any other case, or flags & XLLM_PA_PORTABLE): an exact two-pass softmax per
+ * query in plain loops.
+ *
+ * Returns 0; -1 bad arguments (shapes, types, a chunk with n < 1 or n > L, a length above
+ * max_blocks * block_size, rows outside [0, T)); -2 out of memory; -3 a block id outside
+ * [0, num_blocks). Every check runs before anything is written; the allocations are freed on
+ * every path.
+ */
+
+#define PF_QT 16
+#define PF_KB 64
+
+typedef struct {
+    const void *q; void *out; const int64_t *qs, *qe; const int64_t *lens;
+    const void *k; const void *v;
+    const int64_t *table; int64_t table_stride;
+    int64_t C, H, Hkv, D, bs, bps, page_elems;
+    float scale; int qtype, kvtype, impl;
+    const int64_t *tile_start; /* (C + 1): tiles of the chunks before c */
+    int64_t nitems, next;
+    char *scratch; int64_t scratch_stride;
+    int64_t offs_len;          /* int64 key offsets per thread (longest L + PF_KB, rounded) */
+} pjob_t;
+
+/* element offsets of keys 0 .. kend-1 of chunk c, KV head g, into offs; offs[kend ..
+   round_up(kend, PF_KB)) repeat offs[0] (a row of the sequence) */
+static void pfill_offsets(const pjob_t *j, int64_t c, int64_t g, int64_t kend, int64_t *offs) {
+    const int64_t *tab = j->table + c * j->table_stride;
+    const int64_t hd = j->Hkv * j->D, bs = j->bs;
+    for (int64_t t0 = 0, n = 0; t0 < kend; t0 += bs, n++) {
+        const int64_t blk = tab[n];
+        const int64_t base = (blk / j->bps) * j->page_elems + (blk % j->bps) * bs * hd + g * j->D;
+        const int64_t e = t0 + bs < kend ? t0 + bs : kend;
+        for (int64_t t = t0; t < e; t++) offs[t] = base + (t - t0) * hd;
+    }
+    for (int64_t t = kend, e = (kend + PF_KB - 1) / PF_KB * PF_KB; t < e; t++) offs[t] = offs[0];
+}
+
+static void pitem_portable(const pjob_t *j, int64_t c, int64_t tile, int64_t g, char *scr) {
+    const int64_t G = j->H / j->Hkv, D = j->D, L = j->lens[c], q0 = j->qs[c];
+    const int64_t n = j->qe[c] - q0, i0 = tile * PF_QT;
+    const int64_t nq = n - i0 < PF_QT ? n - i0 : PF_QT;
+    const int64_t kend = L - n + i0 + nq;
+    int64_t *offs = (int64_t *)scr;
+    float *sc = (float *)(offs + j->offs_len);
+    float qf[MAX_D], acc[MAX_D], kv[MAX_D];
+    pfill_offsets(j, c, g, kend, offs);
+    for (int64_t u = 0; u < nq; u++) {
+        const int64_t lim = L - n + i0 + u; /* last visible key */
+        const int64_t row = q0 + i0 + u;
+        for (int64_t hh = 0; hh < G; hh++) {
+            const int64_t o = (row * j->H + g * G + hh) * D;
+            load_row(j->q, o, j->qtype, D, qf);
+            for (int64_t d = 0; d < D; d++) qf[d] *= j->scale;
+            float mx = -INFINITY;
+            for (int64_t t = 0; t <= lim; t++) {
+                load_row(j->k, offs[t], j->kvtype, D, kv);
+                float s = dot(qf, kv, D);
+                sc[t] = s;
+                if (s > mx) mx = s;
+            }
+            float z = 0.f;
+            for (int64_t t = 0; t <= lim; t++) { float e = expf(sc[t] - mx); sc[t] = e; z += e; }
+            memset(acc, 0, (size_t)D * sizeof(float));
+            for (int64_t t = 0; t <= lim; t++) {
+                load_row(j->v, offs[t], j->kvtype, D, kv);
+                const float w = sc[t];
+                for (int64_t d = 0; d < D; d++) acc[d] += w * kv[d];
+            }
+            const float inv = z > 0.f ? 1.f / z : 0.f;
+            if (j->qtype == 0) {
+                float *dst = (float *)j->out + o;
+                for (int64_t d = 0; d < D; d++) dst[d] = acc[d] * inv;
+            } else {
+                uint16_t *dst = (uint16_t *)j->out + o;
+                for (int64_t d = 0; d < D; d++) dst[d] = f32_to_bf16(acc[d] * inv);
+            }
+        }
+    }
+}
+
+#ifdef XLLM_PA_X86
+typedef int32_t __attribute__((may_alias)) i32a_t;
+
+/* the causal mask of key jj for the 16 query lanes of a tile whose lane u sees keys
+   j <= base + u (keys at or beyond kend: none) */
+static inline __mmask16 pf_lanes(int64_t jj, int64_t base, int64_t kend) {
+    if (jj >= kend) return 0;
+    if (jj <= base) return 0xffff;
+    return (__mmask16)(0xffffu << (jj - base));
+}
+
+/* online-softmax step of one head over a block of S^T rows (kn16 rows of 16 lanes, masked
+   entries -inf): updates m and l, returns alpha (the factor O is rescaled by) into al; the
+   probabilities overwrite S */
+TGT static AI void pf_softmax(float *S, int64_t kn16, float *m, float *l, float *al) {
+    __m512 mb = _mm512_set1_ps(-INFINITY);
+    for (int64_t k = 0; k < kn16; k++) mb = _mm512_max_ps(mb, _mm512_loadu_ps(S + k * 16));
+    const __m512 mo = _mm512_loadu_ps(m);
+    const __m512 mn = _mm512_max_ps(mo, mb);
+    const __m512 a = exp2_ps(_mm512_sub_ps(mo, mn));
+    __m512 z = _mm512_setzero_ps();
+    for (int64_t k = 0; k < kn16; k++) {
+        __m512 p = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(S + k * 16), mn));
+        _mm512_storeu_ps(S + k * 16, p);
+        z = _mm512_add_ps(z, p);
+    }
+    _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), a, z));
+    _mm512_storeu_ps(m, mn);
+    _mm512_storeu_ps(al, a);
+}
+
+/* one work item, bf16 q/K/V/out, D a multiple of 32 (a constant where inlined with one) */
+TGT static AI void pitem_bf16_impl(const pjob_t *j, int64_t c, int64_t tile, int64_t g,
+                                   char *scr, const int64_t D) {
+    const int64_t G = j->H / j->Hkv, L = j->lens[c], q0 = j->qs[c];
+    const int64_t n = j->qe[c] - q0, i0 = tile * PF_QT;
+    const int64_t nq = n - i0 < PF_QT ? n - i0 : PF_QT;
+    const int64_t base = L - n + i0, kend = base + nq, D2 = D / 2;
+    const uint16_t *K = (const uint16_t *)j->k, *V = (const uint16_t *)j->v;
+    const float cmul = j->scale * LOG2E;
+    int64_t *offs = (int64_t *)scr;
+    uint32_t *Qt = (uint32_t *)(offs + j->offs_len);     /* G x D2 x 16 */
+    float *S = (float *)(Qt + G * D2 * 16);              /* G x PF_KB x 16 */
+    uint32_t *Pp = (uint32_t *)(S + G * PF_KB * 16);     /* G x PF_KB/2 x 16 */
+    uint32_t *Vp = Pp + G * (PF_KB / 2) * 16;            /* PF_KB/2 x D */
+    float *O = (float *)(Vp + (PF_KB / 2) * D);          /* G x 16 x D */
+    float *M = O + G * 16 * D, *Lsum = M + G * 16, *AL = Lsum + G * 16;
+    pfill_offsets(j, c, g, kend, offs);
+    for (int64_t hh = 0; hh < G; hh++) {
+        uint32_t *qt = Qt + hh * D2 * 16;
+        for (int64_t u = 0; u < PF_QT; u++) {
+            if (u < nq) {
+                const uint32_t *qr = (const uint32_t *)((const uint16_t *)j->q +
+                                                         ((q0 + i0 + u) * j->H + g * G + hh) * D);
+                for (int64_t p = 0; p < D2; p++) qt[p * 16 + u] = qr[p];
+            } else {
+                for (int64_t p = 0; p < D2; p++) qt[p * 16 + u] = 0;
+            }
+        }
+        _mm512_storeu_ps(M + hh * 16, _mm512_set1_ps(-INFINITY));
+        _mm512_storeu_ps(Lsum + hh * 16, _mm512_setzero_ps());
+    }
+    memset(O, 0, (size_t)(G * 16 * D) * sizeof(float));
+    const __m512i pidx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                          24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                          16, 0);
+    const __m512i vlo = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+    const __m512i vhi = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+    const int64_t nqg = (nq + 7) / 8; /* query groups of 8 holding real queries */
+    for (int64_t kb0 = 0; kb0 < kend; kb0 += PF_KB) {
+        const int64_t kn = kend - kb0 < PF_KB ? kend - kb0 : PF_KB;
+        const int64_t kn16 = (kn + 15) / 16 * 16, kpn = (kn + 1) / 2;
+        const int64_t *ob = offs + kb0;
+        /* scores S^T[key][query lane], per head */
+        for (int64_t hh = 0; hh < G; hh++) {
+            const uint32_t *qt = Qt + hh * D2 * 16;
+            float *Sh = S + hh * PF_KB * 16;
+            for (int64_t k16 = 0; k16 < kn16; k16 += 16) {
+                __m512 acc[16];
+                for (int u = 0; u < 16; u++) acc[u] = _mm512_setzero_ps();
+                const uint16_t *kr[16];
+                for (int u = 0; u < 16; u++) kr[u] = K + ob[k16 + u];
+                for (int64_t p = 0; p < D2; p++) {
+                    const __m512bh qv = (__m512bh)_mm512_loadu_si512(qt + p * 16);
+                    for (int u = 0; u < 16; u++)
+                        acc[u] = _mm512_dpbf16_ps(
+                            acc[u], (__m512bh)_mm512_set1_epi32(*(const i32a_t *)(kr[u] + 2 * p)), qv);
+                }
+                for (int u = 0; u < 16; u++) {
+                    const __mmask16 km = pf_lanes(kb0 + k16 + u, base, kend);
+                    __m512 s = _mm512_mul_ps(acc[u], _mm512_set1_ps(cmul));
+                    _mm512_storeu_ps(Sh + (k16 + u) * 16,
+                                     _mm512_mask_blend_ps(km, _mm512_set1_ps(-INFINITY), s));
+                }
+            }
+            pf_softmax(Sh, kn16, M + hh * 16, Lsum + hh * 16, AL + hh * 16);
+            /* probabilities as bf16 pairs (key 2kp, 2kp+1) per query lane */
+            uint32_t *pp = Pp + hh * (PF_KB / 2) * 16;
+            for (int64_t kp = 0; kp < kpn; kp++) {
+                __m512i b = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(Sh + (2 * kp + 1) * 16),
+                                                         _mm512_loadu_ps(Sh + 2 * kp * 16));
+                _mm512_storeu_si512(pp + kp * 16, _mm512_permutexvar_epi16(pidx, b));
+            }
+        }
+        /* V as key pairs: Vp[kp][d] = (V[2kp][d], V[2kp+1][d]); rows beyond kend are zero */
+        for (int64_t kp = 0; kp < kpn; kp++) {
+            const int64_t ka = kb0 + 2 * kp, kb = ka + 1;
+            for (int64_t c32 = 0; c32 < D; c32 += 32) {
+                __m512i va = _mm512_loadu_si512(V + ob[2 * kp] + c32);
+                __m512i vb = kb < kend ? _mm512_loadu_si512(V + ob[2 * kp + 1] + c32)
+                                       : _mm512_setzero_si512();
+                (void)ka;
+                __m512i lo = _mm512_unpacklo_epi16(va, vb), hi = _mm512_unpackhi_epi16(va, vb);
+                _mm512_storeu_si512(Vp + kp * D + c32, _mm512_permutex2var_epi64(lo, vlo, hi));
+                _mm512_storeu_si512(Vp + kp * D + c32 + 16, _mm512_permutex2var_epi64(lo, vhi, hi));
+            }
+        }
+        /* O = O * alpha + P . V, 8 queries x 32 dims in registers */
+        for (int64_t hh = 0; hh < G; hh++) {
+            const uint32_t *pp = Pp + hh * (PF_KB / 2) * 16;
+            const float *al = AL + hh * 16;
+            for (int64_t qg = 0; qg < nqg; qg++) {
+                for (int64_t c32 = 0; c32 < D; c32 += 32) {
+                    __m512 a0[8], a1[8];
+                    for (int r = 0; r < 8; r++) {
+                        float *o = O + (hh * 16 + qg * 8 + r) * D + c32;
+                        const __m512 w = _mm512_set1_ps(al[qg * 8 + r]);
+                        a0[r] = _mm512_mul_ps(_mm512_loadu_ps(o), w);
+                        a1[r] = _mm512_mul_ps(_mm512_loadu_ps(o + 16), w);
+                    }
+                    for (int64_t kp = 0; kp < kpn; kp++) {
+                        const __m512bh v0 = (__m512bh)_mm512_loadu_si512(Vp + kp * D + c32);
+                        const __m512bh v1 = (__m512bh)_mm512_loadu_si512(Vp + kp * D + c32 + 16);
+                        const uint32_t *pr = pp + kp * 16 + qg * 8;
+                        for (int r = 0; r < 8; r++) {
+                            const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pr[r]);
+                            a0[r] = _mm512_dpbf16_ps(a0[r], w, v0);
+                            a1[r] = _mm512_dpbf16_ps(a1[r], w, v1);
+                        }
+                    }
+                    for (int r = 0; r < 8; r++) {
+                        float *o = O + (hh * 16 + qg * 8 + r) * D + c32;
+                        _mm512_storeu_ps(o, a0[r]);
+                        _mm512_storeu_ps(o + 16, a1[r]);
+                    }
+                }
+            }
+        }
+    }
+    for (int64_t hh = 0; hh < G; hh++)
+        for (int64_t u = 0; u < nq; u++) {
+            const float ls = Lsum[hh * 16 + u];
+            const __m512 w = _mm512_set1_ps(ls > 0.f ? 1.f / ls : 0.f);
+            uint16_t *dst = (uint16_t *)j->out + ((q0 + i0 + u) * j->H + g * G + hh) * D;
+            const float *o = O + (hh * 16 + u) * D;
+            for (int64_t c32 = 0; c32 < D; c32 += 32) {
+                __m512i r = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + c32 + 16), w),
+                                                         _mm512_mul_ps(_mm512_loadu_ps(o + c32), w));
+                _mm512_storeu_si512(dst + c32, r);
+            }
+        }
+}
+
+/* one work item, float32 q/K/V/out, D a multiple of 32 */
+TGT static AI void pitem_f32_impl(const pjob_t *j, int64_t c, int64_t tile, int64_t g,
+                                  char *scr, const int64_t D) {
+    const int64_t G = j->H / j->Hkv, L = j->lens[c], q0 = j->qs[c];
+    const int64_t n = j->qe[c] - q0, i0 = tile * PF_QT;
+    const int64_t nq = n - i0 < PF_QT ? n - i0 : PF_QT;
+    const int64_t base = L - n + i0, kend = base + nq;
+    const float *K = (const float *)j->k, *V = (const float *)j->v;
+    const float cmul = j->scale * LOG2E;
+    int64_t *offs = (int64_t *)scr;
+    float *Qt = (float *)(offs + j->offs_len);           /* G x D x 16 */
+    float *S = Qt + G * D * 16;                          /* G x PF_KB x 16 */
+    float *O = S + G * PF_KB * 16;                       /* G x 16 x D */
+    float *M = O + G * 16 * D, *Lsum = M + G * 16, *AL = Lsum + G * 16;
+    pfill_offsets(j, c, g, kend, offs);
+    for (int64_t hh = 0; hh < G; hh++) {
+        float *qt = Qt + hh * D * 16;
+        for (int64_t u = 0; u < PF_QT; u++) {
+            if (u < nq) {
+                const float *qr = (const float *)j->q + ((q0 + i0 + u) * j->H + g * G + hh) * D;
+                for (int64_t d = 0; d < D; d++) qt[d * 16 + u] = qr[d];
+            } else {
+                for (int64_t d = 0; d < D; d++) qt[d * 16 + u] = 0.f;
+            }
+        }
+        _mm512_storeu_ps(M + hh * 16, _mm512_set1_ps(-INFINITY));
+        _mm512_storeu_ps(Lsum + hh * 16, _mm512_setzero_ps());
+    }
+    memset(O, 0, (size_t)(G * 16 * D) * sizeof(float));
+    const int64_t nqg = (nq + 7) / 8;
+    for (int64_t kb0 = 0; kb0 < kend; kb0 += PF_KB) {
+        const int64_t kn = kend - kb0 < PF_KB ? kend - kb0 : PF_KB;
+        const int64_t kn16 = (kn + 15) / 16 * 16;
+        const int64_t *ob = offs + kb0;
+        for (int64_t hh = 0; hh < G; hh++) {
+            const float *qt = Qt + hh * D * 16;
+            float *Sh = S + hh * PF_KB * 16;
+            for (int64_t k16 = 0; k16 < kn16; k16 += 16) {
+                __m512 acc[16];
+                for (int u = 0; u < 16; u++) acc[u] = _mm512_setzero_ps();
+                const float *kr[16];
+                for (int u = 0; u < 16; u++) kr[u] = K + ob[k16 + u];
+                for (int64_t d = 0; d < D; d++) {
+                    const __m512 qv = _mm512_loadu_ps(qt + d * 16);
+                    for (int u = 0; u < 16; u++)
+                        acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(kr[u][d]), qv, acc[u]);
+                }
+                for (int u = 0; u < 16; u++) {
+                    const __mmask16 km = pf_lanes(kb0 + k16 + u, base, kend);
+                    __m512 s = _mm512_mul_ps(acc[u], _mm512_set1_ps(cmul));
+                    _mm512_storeu_ps(Sh + (k16 + u) * 16,
+                                     _mm512_mask_blend_ps(km, _mm512_set1_ps(-INFINITY), s));
+                }
+            }
+            pf_softmax(Sh, kn16, M + hh * 16, Lsum + hh * 16, AL + hh * 16);
+        }
+        for (int64_t hh = 0; hh < G; hh++) {
+            const float *Sh = S + hh * PF_KB * 16, *al = AL + hh * 16;
+            for (int64_t qg = 0; qg < nqg; qg++) {
+                for (int64_t c32 = 0; c32 < D; c32 += 32) {
+                    __m512 a0[8], a1[8];
+                    for (int r = 0; r < 8; r++) {
+                        float *o = O + (hh * 16 + qg * 8 + r) * D + c32;
+                        const __m512 w = _mm512_set1_ps(al[qg * 8 + r]);
+                        a0[r] = _mm512_mul_ps(_mm512_loadu_ps(o), w);
+                        a1[r] = _mm512_mul_ps(_mm512_loadu_ps(o + 16), w);
+                    }
+                    for (int64_t k = 0; k < kn; k++) {
+                        const __m512 v0 = _mm512_loadu_ps(V + ob[k] + c32);
+                        const __m512 v1 = _mm512_loadu_ps(V + ob[k] + c32 + 16);
+                        const float *pr = Sh + k * 16 + qg * 8;
+                        for (int r = 0; r < 8; r++) {
+                            const __m512 w = _mm512_set1_ps(pr[r]);
+                            a0[r] = _mm512_fmadd_ps(w, v0, a0[r]);
+                            a1[r] = _mm512_fmadd_ps(w, v1, a1[r]);
+                        }
+                    }
+                    for (int r = 0; r < 8; r++) {
+                        float *o = O + (hh * 16 + qg * 8 + r) * D + c32;
+                        _mm512_storeu_ps(o, a0[r]);
+                        _mm512_storeu_ps(o + 16, a1[r]);
+                    }
+                }
+            }
+        }
+    }
+    for (int64_t hh = 0; hh < G; hh++)
+        for (int64_t u = 0; u < nq; u++) {
+            const float ls = Lsum[hh * 16 + u];
+            const __m512 w = _mm512_set1_ps(ls > 0.f ? 1.f / ls : 0.f);
+            float *dst = (float *)j->out + ((q0 + i0 + u) * j->H + g * G + hh) * D;
+            const float *o = O + (hh * 16 + u) * D;
+            for (int64_t c16 = 0; c16 < D; c16 += 16)
+                _mm512_storeu_ps(dst + c16, _mm512_mul_ps(_mm512_loadu_ps(o + c16), w));
+        }
+}
+
+/* ---- AMX-BF16 (tile) form of the bf16 item ---------------------------------------------- */
+#define TGTA __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+
+/* 16 rows of 16 dwords r[0..15] transposed in place (r[i] lane j <- r[j] lane i) */
+TGTA static AI void tr16x16(__m512i *r) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(_mm512_castsi512_ps(r[2 * i]), _mm512_castsi512_ps(r[2 * i + 1]));
+        t[2 * i + 1] = _mm512_unpackhi_ps(_mm512_castsi512_ps(r[2 * i]), _mm512_castsi512_ps(r[2 * i + 1]));
+    }
+    for (int i = 0; i < 4; i++) { /* rows 4i .. 4i+3 from t[4i .. 4i+3] */
+        __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+        __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+        u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+        u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(u[i], u[4 + i], 0x88);
+        t[4 + i] = _mm512_shuffle_f32x4(u[i], u[4 + i], 0xdd);
+        t[8 + i] = _mm512_shuffle_f32x4(u[8 + i], u[12 + i], 0x88);
+        t[12 + i] = _mm512_shuffle_f32x4(u[8 + i], u[12 + i], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_castps_si512(_mm512_shuffle_f32x4(t[i], t[8 + i], 0x88));
+        r[8 + i] = _mm512_castps_si512(_mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd));
+    }
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg_t;
+
+/* one work item on the AMX tiles: S = Q K^T as 16 queries x 64 keys (4 C tiles, K^T packed
+   per block as bf16 pairs), a row-wise online softmax in AVX-512, O += P V (P as bf16 rows,
+   V packed per block as key pairs) in up to 4 C tiles of 16 dims at a time */
+/* the tile configuration of pitem_amx (tiles 0-5: 16 rows of 64 bytes), loaded once per
+   thread and call; amx_end releases the tiles */
+static const tilecfg_t amx_cfg __attribute__((aligned(64))) = {
+    1, 0, {0}, {64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16}};
+TGTA static void amx_begin(void) { _tile_loadconfig(&amx_cfg); }
+TGTA static void amx_end(void) { _tile_release(); }
+
+TGTA static void pitem_amx(const pjob_t *j, int64_t c, int64_t tile, int64_t g, char *scr) {
+    const int64_t G = j->H / j->Hkv, D = j->D, L = j->lens[c], q0 = j->qs[c];
+    const int64_t n = j->qe[c] - q0, i0 = tile * PF_QT;
+    const int64_t nq = n - i0 < PF_QT ? n - i0 : PF_QT;
+    const int64_t base = L - n + i0, kend = base + nq, D32 = D / 32;
+    const uint16_t *K = (const uint16_t *)j->k, *V = (const uint16_t *)j->v;
+    const float cmul = j->scale * LOG2E;
+    int64_t *offs = (int64_t *)scr;
+    uint16_t *Qb = (uint16_t *)(offs + j->offs_len);     /* G x 16 x D */
+    uint32_t *Kt = (uint32_t *)(Qb + G * 16 * D);        /* D32 x 4 x 256 */
+    uint32_t *Vp = Kt + D32 * 4 * 256;                   /* 32 x D */
+    float *S = (float *)(Vp + 32 * D);                   /* 16 x 64 */
+    uint16_t *P = (uint16_t *)(S + 16 * 64);             /* 16 x 64 */
+    float *O = (float *)(P + 16 * 64);                   /* G x 16 x D */
+    float *M = O + G * 16 * D, *Lsum = M + G * 16, *AL = Lsum + G * 16;
+    pfill_offsets(j, c, g, kend, offs);
+    for (int64_t hh = 0; hh < G; hh++) {
+        for (int64_t u = 0; u < PF_QT; u++) {
+            uint16_t *dst = Qb + (hh * 16 + u) * D;
+            if (u < nq)
+                memcpy(dst, (const uint16_t *)j->q + ((q0 + i0 + u) * j->H + g * G + hh) * D,
+                       (size_t)D * 2);
+            else
+                memset(dst, 0, (size_t)D * 2);
+            M[hh * 16 + u] = -INFINITY;
+            Lsum[hh * 16 + u] = 0.f;
+        }
+    }
+    memset(O, 0, (size_t)(G * 16 * D) * sizeof(float));
+    const __m512i vlo = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+    const __m512i vhi = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+    for (int64_t kb0 = 0; kb0 < kend; kb0 += PF_KB) {
+        const int64_t kn = kend - kb0 < PF_KB ? kend - kb0 : PF_KB;
+        const int nkt = (int)((kn + 15) / 16), nkc = (int)((kn + 31) / 32);
+        const int64_t kpn = (kn + 1) / 2;
+        const int64_t *ob = offs + kb0;
+        /* K^T tiles: Kt[(c32 * 4 + t) * 256 + p * 16 + key] = dims (2p, 2p+1) of key 16t+key */
+        for (int t = 0; t < nkt; t++)
+            for (int64_t c32 = 0; c32 < D32; c32++) {
+                __m512i r[16];
+                for (int u = 0; u < 16; u++) r[u] = _mm512_loadu_si512(K + ob[16 * t + u] + c32 * 32);
+                tr16x16(r);
+                uint32_t *dst = Kt + (c32 * 4 + t) * 256;
+                for (int p = 0; p < 16; p++) _mm512_storeu_si512(dst + p * 16, r[p]);
+            }
+        /* V as key pairs (rows beyond the block's keys zero, to a whole 32-key tile) */
+        for (int64_t kp = 0; kp < (int64_t)nkc * 16; kp++) {
+            for (int64_t c32 = 0; c32 < D; c32 += 32) {
+                __m512i va = kp < kpn ? _mm512_loadu_si512(V + ob[2 * kp] + c32) : _mm512_setzero_si512();
+                __m512i vb = kp < kpn && kb0 + 2 * kp + 1 < kend
+                                 ? _mm512_loadu_si512(V + ob[2 * kp + 1] + c32) : _mm512_setzero_si512();
+                __m512i lo = _mm512_unpacklo_epi16(va, vb), hi = _mm512_unpackhi_epi16(va, vb);
+                _mm512_storeu_si512(Vp + kp * D + c32, _mm512_permutex2var_epi64(lo, vlo, hi));
+                _mm512_storeu_si512(Vp + kp * D + c32 + 16, _mm512_permutex2var_epi64(lo, vhi, hi));
+            }
+        }
+        for (int64_t hh = 0; hh < G; hh++) {
+            /* S (16 x 64, row stride 256 bytes) = Q K^T */
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int64_t c32 = 0; c32 < D32; c32++) {
+                _tile_loadd(4, Qb + hh * 16 * D + c32 * 32, D * 2);
+                const uint32_t *kt = Kt + c32 * 4 * 256;
+                _tile_loadd(5, kt, 64); _tile_dpbf16ps(0, 4, 5);
+                if (nkt > 1) { _tile_loadd(5, kt + 256, 64); _tile_dpbf16ps(1, 4, 5); }
+                if (nkt > 2) { _tile_loadd(5, kt + 512, 64); _tile_dpbf16ps(2, 4, 5); }
+                if (nkt > 3) { _tile_loadd(5, kt + 768, 64); _tile_dpbf16ps(3, 4, 5); }
+            }
+            _tile_stored(0, S, 256);
+            if (nkt > 1) _tile_stored(1, S + 16, 256);
+            if (nkt > 2) _tile_stored(2, S + 32, 256);
+            if (nkt > 3) _tile_stored(3, S + 48, 256);
+            /* online softmax per query row (visible keys: j <= base + q, j < kend) */
+            float *Mh = M + hh * 16, *Lh = Lsum + hh * 16, *Ah = AL + hh * 16;
+            for (int q = 0; q < 16; q++) {
+                int64_t vis = base + q - kb0 + 1;
+                if (vis > kn) vis = kn;
+                __m512 x[4], mx = _mm512_set1_ps(-INFINITY);
+                for (int v = 0; v < 4; v++) x[v] = _mm512_set1_ps(-INFINITY);
+                for (int v = 0; v < nkt; v++) {
+                    const int64_t r = vis - 16 * v;
+                    const __mmask16 mk = r >= 16 ? 0xffff : r <= 0 ? 0 : (__mmask16)((1u << r) - 1);
+                    x[v] = _mm512_maskz_mul_ps(mk, _mm512_maskz_loadu_ps(mk, S + q * 64 + 16 * v),
+                                               _mm512_set1_ps(cmul));
+                    x[v] = _mm512_mask_blend_ps(mk, _mm512_set1_ps(-INFINITY), x[v]);
+                    mx = _mm512_max_ps(mx, x[v]);
+                }
+                const float mo = Mh[q], mb = _mm512_reduce_max_ps(mx);
+                const float mn = mb > mo ? mb : mo;
+                const __m512 mv = _mm512_set1_ps(mn);
+                __m512 z = _mm512_setzero_ps(), pv[4];
+                for (int v = 0; v < 4; v++) pv[v] = _mm512_setzero_ps();
+                for (int v = 0; v < nkt; v++) {
+                    pv[v] = exp2_ps(_mm512_sub_ps(x[v], mv));
+                    z = _mm512_add_ps(z, pv[v]);
+                }
+                _mm512_storeu_si512(P + q * 64, (__m512i)_mm512_cvtne2ps_pbh(pv[1], pv[0]));
+                if (nkc > 1)
+                    _mm512_storeu_si512(P + q * 64 + 32, (__m512i)_mm512_cvtne2ps_pbh(pv[3], pv[2]));
+                const float a = mo == -INFINITY ? 0.f : exp2f(mo - mn);
+                Lh[q] = Lh[q] * a + _mm512_reduce_add_ps(z);
+                Mh[q] = mn;
+                Ah[q] = a;
+            }
+            /* O = O * alpha + P V */
+            float *Oh = O + hh * 16 * D;
+            for (int q = 0; q < 16; q++) {
+                const __m512 w = _mm512_set1_ps(Ah[q]);
+                for (int64_t d = 0; d < D; d += 16)
+                    _mm512_storeu_ps(Oh + q * D + d, _mm512_mul_ps(_mm512_loadu_ps(Oh + q * D + d), w));
+            }
+            for (int64_t dc = 0; dc < D; dc += 64) {
+                const int nt = D - dc >= 64 ? 4 : (int)((D - dc) / 16);
+                float *oc = Oh + dc;
+                _tile_loadd(0, oc, D * 4);
+                _tile_loadd(1, oc + 16, D * 4);
+                if (nt > 2) { _tile_loadd(2, oc + 32, D * 4); _tile_loadd(3, oc + 48, D * 4); }
+                for (int kc = 0; kc < nkc; kc++) {
+                    _tile_loadd(4, P + kc * 32, 128);
+                    const uint32_t *vp = Vp + (int64_t)kc * 16 * D + dc;
+                    _tile_loadd(5, vp, D * 4); _tile_dpbf16ps(0, 4, 5);
+                    _tile_loadd(5, vp + 16, D * 4); _tile_dpbf16ps(1, 4, 5);
+                    if (nt > 2) {
+                        _tile_loadd(5, vp + 32, D * 4); _tile_dpbf16ps(2, 4, 5);
+                        _tile_loadd(5, vp + 48, D * 4); _tile_dpbf16ps(3, 4, 5);
+                    }
+                }
+                _tile_stored(0, oc, D * 4);
+                _tile_stored(1, oc + 16, D * 4);
+                if (nt > 2) { _tile_stored(2, oc + 32, D * 4); _tile_stored(3, oc + 48, D * 4); }
+            }
+        }
+    }
+    for (int64_t hh = 0; hh < G; hh++)
+        for (int64_t u = 0; u < nq; u++) {
+            const float ls = Lsum[hh * 16 + u];
+            const __m512 w = _mm512_set1_ps(ls > 0.f ? 1.f / ls : 0.f);
+            uint16_t *dst = (uint16_t *)j->out + ((q0 + i0 + u) * j->H + g * G + hh) * D;
+            const float *o = O + (hh * 16 + u) * D;
+            for (int64_t c32 = 0; c32 < D; c32 += 32) {
+                __m512i r = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + c32 + 16), w),
+                                                         _mm512_mul_ps(_mm512_loadu_ps(o + c32), w));
+                _mm512_storeu_si512(dst + c32, r);
+            }
+        }
+}
+
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define XLLM_ARCH_REQ_XCOMP_PERM 0x1023
+#define XLLM_XFEATURE_XTILEDATA 18
+
+/* AMX-TILE and AMX-BF16 on this CPU and the kernel's permission for the tile data granted
+   (Linux arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), asked once per process) */
+static int amx_ok(void) {
+    static int ok = -1;
+    int v = __atomic_load_n(&ok, __ATOMIC_ACQUIRE);
+    if (v < 0) {
+        unsigned a, b, c_, d;
+        v = 0;
+        if (__get_cpuid_count(7, 0, &a, &b, &c_, &d) && (d & (1u << 22)) && (d & (1u << 24)) &&
+            (isa_bits() & 2))
+            v = syscall(SYS_arch_prctl, XLLM_ARCH_REQ_XCOMP_PERM, XLLM_XFEATURE_XTILEDATA) == 0;
+        __atomic_store_n(&ok, v, __ATOMIC_RELEASE);
+    }
+    return v;
+}
+
+TGT static void pitem_bf16_d64(const pjob_t *j, int64_t c, int64_t t, int64_t g, char *s) { pitem_bf16_impl(j, c, t, g, s, 64); }
+TGT static void pitem_bf16_d128(const pjob_t *j, int64_t c, int64_t t, int64_t g, char *s) { pitem_bf16_impl(j, c, t, g, s, 128); }
+TGT static void pitem_bf16_any(const pjob_t *j, int64_t c, int64_t t, int64_t g, char *s) { pitem_bf16_impl(j, c, t, g, s, j->D); }
+TGT static void pitem_f32_d64(const pjob_t *j, int64_t c, int64_t t, int64_t g, char *s) { pitem_f32_impl(j, c, t, g, s, 64); }
+TGT static void pitem_f32_d128(const pjob_t *j, int64_t c, int64_t t, int64_t g, char *s) { pitem_f32_impl(j, c, t, g, s, 128); }
+TGT static void pitem_f32_any(const pjob_t *j, int64_t c, int64_t t, int64_t g, char *s) { pitem_f32_impl(j, c, t, g, s, j->D); }
+#endif
+
+typedef void (*pitem_fn)(const pjob_t *, int64_t, int64_t, int64_t, char *);
+
+static pitem_fn ppick(const pjob_t *j) {
+#ifdef XLLM_PA_X86
+    if (j->impl == 3) return pitem_amx;
+    if (j->impl == 2)
+        return j->D == 64 ? pitem_bf16_d64 : j->D == 128 ? pitem_bf16_d128 : pitem_bf16_any;
+    if (j->impl == 1)
+        return j->D == 64 ? pitem_f32_d64 : j->D == 128 ? pitem_f32_d128 : pitem_f32_any;
+#endif
+    (void)j;
+    return pitem_portable;
+}
+
+static void prun_items(void *ctx, int tid, int nthr) {
+    (void)nthr;
+    pjob_t *j = (pjob_t *)ctx;
+    pitem_fn fn = ppick(j);
+    char *scr = j->scratch + (int64_t)tid * j->scratch_stride;
+#ifdef XLLM_PA_X86
+    if (j->impl == 3) amx_begin();
+#endif
+    for (;;) {
+        const int64_t w = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+        if (w >= j->nitems) break;
+        const int64_t gt = w / j->Hkv, g = w % j->Hkv;
+        int64_t lo = 0, hi = j->C - 1; /* the chunk c with tile_start[c] <= gt < tile_start[c+1] */
+        while (lo < hi) {
+            const int64_t mid = (lo + hi + 1) / 2;
+            if (j->tile_start[mid] <= gt) lo = mid; else hi = mid - 1;
+        }
+        const int64_t ntiles = j->tile_start[lo + 1] - j->tile_start[lo];
+        fn(j, lo, ntiles - 1 - (gt - j->tile_start[lo]), g, scr); /* last tiles first */
+    }
+#ifdef XLLM_PA_X86
+    if (j->impl == 3) amx_end();
+#endif
+}
+
+/* Which implementation a prefill call with these arguments takes: 0 portable, 1 AVX-512
+   float32, 2 AVX-512 bfloat16, 3 AMX-BF16 (bfloat16 where the tiles run and the kernel grants
+   them; flags & XLLM_PA_NO_AMX keeps the AVX-512 form). */
+int xllm_paged_prefill_impl(int64_t D, int qtype, int kvtype, int flags) {
+    int bits = isa_bits();
+    if ((flags & XLLM_PA_PORTABLE) || qtype != kvtype || D % 32) return 0;
+#ifdef XLLM_PA_X86
+    if (kvtype == 1 && !(flags & XLLM_PA_NO_AMX) && amx_ok()) return 3;
+#endif
+    if (kvtype == 1 && (bits & 2)) return 2;
+    if (kvtype == 0 && (bits & 1)) return 1;
+    return 0;
+}
+
+int xllm_paged_prefill(const void *q, void *out, int64_t T, const void *k, const void *v,
+                       const int64_t *block_table, int64_t table_stride, int64_t max_blocks,
+                       const int64_t *q_start, const int64_t *q_end, const int64_t *seq_lens,
+                       int64_t C, int64_t H,
+                       int64_t Hkv, int64_t D, int64_t block_size, int64_t blocks_per_slot,
+                       int64_t page_elems, int64_t num_blocks, float scale, int qtype,
+                       int kvtype, int nthreads, int flags) {
+    if (!q || !out || !k || !v || !block_table || !q_start || !q_end || !seq_lens || C < 0 || H < 1 ||
+        Hkv < 1 || H % Hkv || H / Hkv > MAX_G || D < 1 || D > MAX_D || block_size < 1 ||
+        blocks_per_slot < 1 || max_blocks < 1 || table_stride < max_blocks || num_blocks < 1 ||
+        page_elems < blocks_per_slot * block_size * Hkv * D || T < 0 ||
+        (qtype != 0 && qtype != 1) || (kvtype != 0 && kvtype != 1))
+        return -1;
+    if (C == 0) return 0;
+    int64_t max_len = 0, tiles = 0;
+    for (int64_t c = 0; c < C; c++) {
+        const int64_t n = q_end[c] - q_start[c], L = seq_lens[c];
+        if (q_start[c] < 0 || q_end[c] > T || n < 1 || L < n || L > max_blocks * block_size)
+            return -1;
+        if (L > max_len) max_len = L;
+        tiles += (n + PF_QT - 1) / PF_QT;
+        const int64_t *tab = block_table + c * table_stride;
+        for (int64_t b = 0, nb = (L + block_size - 1) / block_size; b < nb; b++)
+            if (tab[b] < 0 || tab[b] >= num_blocks) return -3;
+    }
+    const int64_t G = H / Hkv;
+    pjob_t j = {q, out, q_start, q_end, seq_lens, k, v, block_table, table_stride, C, H, Hkv, D,
+                block_size, blocks_per_slot, page_elems, scale, qtype, kvtype,
+                xllm_paged_prefill_impl(D, qtype, kvtype, flags), NULL, tiles * Hkv, 0, NULL,
+                0, (max_len + PF_KB + 15) / 16 * 16};
+    int64_t floats; /* per-thread float32-sized words after the offsets */
+    if (j.impl == 0)
+        floats = max_len + 16;
+    else if (j.impl == 3)
+        floats = G * 16 * D / 2 + (D / 32) * 4 * 256 + 32 * D + 16 * 64 + 16 * 64 / 2 +
+                 G * 16 * D + 3 * G * 16;
+    else if (j.impl == 1)
+        floats = G * D * 16 + G * PF_KB * 16 + G * 16 * D + 3 * G * 16;
+    else
+        floats = G * (D / 2) * 16 + G * PF_KB * 16 + G * (PF_KB / 2) * 16 + (PF_KB / 2) * D +
+                 G * 16 * D + 3 * G * 16;
+    j.scratch_stride = (j.offs_len * 8 + floats * 4 + 63) / 64 * 64;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > XT_POOL_MAX) nthreads = XT_POOL_MAX;
+    if (nthreads > j.nitems) nthreads = (int)j.nitems;
+    int64_t *ts = malloc((size_t)(C + 1) * sizeof(int64_t));
+    if (!ts) return -2;
+    ts[0] = 0;
+    for (int64_t c = 0; c < C; c++) ts[c + 1] = ts[c] + (q_end[c] - q_start[c] + PF_QT - 1) / PF_QT;
+    j.tile_start = ts;
+    void *scr = NULL;
+    if (posix_memalign(&scr, 64, (size_t)nthreads * (size_t)j.scratch_stride) != 0) {
+        free(ts);
+        return -2;
+    }
+    j.scratch = (char *)scr;
+    xt_pool_run(nthreads, prun_items, &j);
+    free(scr);
+    free(ts);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Plain streaming read (the decode kernel's roofline, `bench attention`)                     */
+
+typedef struct { const char *p; int64_t bytes; int64_t per; uint64_t out[XT_POOL_MAX]; } sjob_t;
+
+#ifdef XLLM_PA_X86
+TGT static uint64_t stream_part(const char *p, int64_t n) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t i = 0;
+    for (; i + 256 <= n; i += 256) {
+        a0 = _mm512_xor_si512(a0, _mm512_loadu_si512(p + i));
+        a1 = _mm512_xor_si512(a1, _mm512_loadu_si512(p + i + 64));
+        a2 = _mm512_xor_si512(a2, _mm512_loadu_si512(p + i + 128));
+        a3 = _mm512_xor_si512(a3, _mm512_loadu_si512(p + i + 192));
+    }
+    uint64_t r = (uint64_t)_mm512_reduce_add_epi64(
+        _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3)));
+    for (; i < n; i++) r += (unsigned char)p[i];
+    return r;
+}
+#endif
+
+static uint64_t stream_part_portable(const char *p, int64_t n) {
+    uint64_t r = 0, w;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) { memcpy(&w, p + i, 8); r ^= w; }
+    for (; i < n; i++) r += (unsigned char)p[i];
+    return r;
+}
+
+static void stream_run(void *ctx, int tid, int nthr) {
+    (void)nthr;
+    sjob_t *s = (sjob_t *)ctx;
+    const int64_t a = (int64_t)tid * s->per, e = a + s->per < s->bytes ? a + s->per : s->bytes;
+    if (a >= e) { s->out[tid] = 0; return; }
+#ifdef XLLM_PA_X86
+    if (isa_bits() & 1) { s->out[tid] = stream_part(s->p + a, e - a); return; }
+#endif
+    s->out[tid] = stream_part_portable(s->p + a, e - a);
+}
+
+/* Reads `bytes` bytes from p once (64-byte vector loads where AVX-512 runs), split evenly over
+   `nthreads` threads of the pool; returns a checksum (so that the reads are not elided). */
+uint64_t xllm_stream_read(const void *p, int64_t bytes, int nthreads) {
+    if (!p || bytes <= 0) return 0;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > XT_POOL_MAX) nthreads = XT_POOL_MAX;
+    sjob_t s;
+    s.p = (const char *)p;
+    s.bytes = bytes;
+    s.per = (bytes / nthreads + 63) / 64 * 64;
+    xt_pool_run(nthreads, stream_run, &s);
+    uint64_t r = 0;
+    for (int t = 0; t < nthreads; t++) r ^= s.out[t];
+    return r;
 }

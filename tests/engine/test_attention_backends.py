@@ -68,7 +68,9 @@ def _step(stack, plan, g):
 
 
 @pytest.mark.parametrize("block_size", [16, 24])
-@pytest.mark.parametrize("kind", ["torch", "torch-gather", "torch-per-sequence", "npu-standin"])
+@pytest.mark.parametrize("kind", ["torch", "torch-gather", "torch-per-sequence", "npu-standin",
+                                  "torch-native-prefill", "torch-native-prefill-portable",
+                                  "torch-sdpa-prefill"])
 def test_backend_matches_reference(model_dir, monkeypatch, block_size, kind):
     if kind == "npu-standin":
         if block_size == 24:
@@ -79,7 +81,10 @@ def test_backend_matches_reference(model_dir, monkeypatch, block_size, kind):
     try:
         cls = NpuPagedBackend if kind == "npu-standin" else backend_class("torch", "cpu")
         kw = {"torch-per-sequence": {"batch_decodes": False},
-              "torch-gather": {"native_decode": False}}.get(kind, {})
+              "torch-gather": {"native_decode": False},
+              "torch-native-prefill": {"native_prefill": "on"},
+              "torch-native-prefill-portable": {"native_prefill": "portable"},
+              "torch-sdpa-prefill": {"native_prefill": "off"}}.get(kind, {})
         _check_against_reference(stack, cls, torch.Generator().manual_seed(block_size), **kw)
     finally:
         stack.close()

@@ -17,7 +17,8 @@ def test_bench_attention_json():
     r = CliRunner().invoke(app, ["bench", "attention", "--batch", "5", "--head-dim", "64",
                                  "--threads", "1", "--threads", "2", "--dtype", "bfloat16",
                                  "--dtype", "float32", "--max-keys", "70", "--repeats", "1",
-                                 "--format", "json"])
+                                 "--prefill", "20", "--prefill", "7:30", "--prefill-tokens",
+                                 "40", "--format", "json"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
     for case in ("b5_d64_t1_bfloat16", "b5_d64_t2_float32"):
@@ -28,6 +29,21 @@ def test_bench_attention_json():
     assert out["b5_d64_t1_bfloat16_max_abs_diff"] < 3e-2
     assert out["native_impl"] in ("avx512-bf16", "portable")
     assert out["min_native_speedup_ratio"] > 0
+    # the roofline: the kernel's K/V read rate against a plain read of the same bytes
+    for case in ("b5_d64_t1_bfloat16", "b5_d64_t2_float32"):
+        assert out[f"{case}_stream_read_gbps"] > 0 and out[f"{case}_native_read_gbps"] > 0
+        assert out[f"{case}_roofline_ratio"] == pytest.approx(
+            out[f"{case}_native_read_gbps"] / out[f"{case}_stream_read_gbps"], rel=0.01)
+    # prefill cases: the backend with its chunks on the native kernel against SDPA
+    for case, chunks in (("p20_o0_d64_t1_bfloat16", 2), ("p7_o30_d64_t2_float32", 5)):
+        assert out[f"{case}_native_cpu_median_ms"] >= 0
+        assert out[f"{case}_sdpa_wall_min_ms"] >= 0
+        assert out[f"{case}_native_speedup_ratio"] > 0
+        assert out[f"{case}_chunks"] == chunks
+    assert out["p20_o0_d64_t1_float32_max_abs_diff"] < 1e-4
+    assert out["p7_o30_d64_t1_bfloat16_max_abs_diff"] < 3e-2
+    assert out["prefill_impl"] in ("amx-bf16", "avx512-bf16", "portable")
+    assert out["min_prefill_speedup_ratio"] > 0
 
 
 @pytest.mark.parametrize("args, message", [
@@ -35,6 +51,9 @@ def test_bench_attention_json():
     (["--min-keys", "80", "--max-keys", "70"], "need 1 <= min <= max"),
     (["--dtype", "float16"], "dtype 'float16' is not one of"),
     (["--repeats", "0"], "--repeats"),
+    (["--prefill", "0:5"], "--prefill '0:5': expected N or N:OFFSET"),
+    (["--prefill", "abc"], "--prefill 'abc'"),
+    (["--prefill-tokens", "0"], "--prefill-tokens"),
 ])
 def test_bench_attention_bad_options(args, message):
     r = CliRunner().invoke(app, ["bench", "attention", "--batch", "2", "--head-dim", "64",

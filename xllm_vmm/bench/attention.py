@@ -1,7 +1,12 @@
-"""``xllm-vmm bench attention``: decode attention over paged K/V — the native kernel reading
-blocks in place (:mod:`xllm_vmm.engine.attention.native_decode`) against the torch backend's
-bucketed gather + SDPA path (:class:`~xllm_vmm.engine.attention.torch_sdpa.TorchSDPABackend`
-with ``native_decode=False``), on the same arena, queries and block tables, interleaved.
+"""``xllm-vmm bench attention``: attention over paged K/V — the native kernels reading blocks
+in place against the torch backend's SDPA paths, on the same arena, queries and block tables,
+interleaved. Decodes: the decode kernel (:mod:`xllm_vmm.engine.attention.native_decode`)
+against the bucketed gather + SDPA path
+(:class:`~xllm_vmm.engine.attention.torch_sdpa.TorchSDPABackend` with ``native_decode=False``).
+Prefill chunks: the backend's ``attend`` with its chunks on the native prefill kernel
+(:mod:`xllm_vmm.engine.attention.native_prefill`, ``native_prefill="on"``) against the same
+backend on SDPA (``"off"``: per-chunk copies into SDPA's layout, ``is_causal`` at position 0,
+a materialised mask with an offset).
 
 For every case (``B`` decodes of uniformly random length in ``[min_keys, max_keys]``, bf16 or
 fp32 K/V, ``H`` query heads over ``Hkv`` KV heads of ``D``, ``threads`` threads): the arena has
@@ -12,9 +17,20 @@ tensor; :mod:`xllm_vmm.engine.attention.kv`), the blocks of each sequence are sc
 ``_cpu_median_ms`` and the same for ``{case}_sdpa_`` (CPU time of the whole process, all
 threads: ``time.process_time``), the same as ``_wall_min_ms`` / ``_wall_median_ms``,
 ``{case}_native_speedup_ratio`` (SDPA's median CPU time over the native one's: above 1 = native
-is cheaper), ``{case}_max_abs_diff`` (between the two outputs). Summary:
-``min_native_speedup_ratio`` (the least case) and ``native_impl`` (``avx512-bf16`` /
-``avx512-f32`` / ``portable``, for bf16 K/V).
+is cheaper), ``{case}_max_abs_diff`` (between the two outputs). The decode kernel's roofline,
+in the same run and cache state: ``{case}_native_read_gbps`` (the decodes' K/V bytes over the
+kernel's fastest wall time), ``{case}_stream_read_gbps`` (a plain vector read of the arena's
+K and V tensors on the same threads: :func:`stream_read_gbps`) and ``{case}_roofline_ratio``
+(the first over the second).
+
+Prefill cases (``prefill``: ``"N"`` or ``"N:OFFSET"``): ``prefill_tokens // N`` chunks of ``N``
+queries, each ending a sequence of ``OFFSET + N`` keys (``OFFSET > 0``: chunked prefill /
+prefix hits), blocks scattered; fields ``p{N}_o{OFFSET}_d{D}_t{threads}_{dtype}_`` + the same
+``native_``/``sdpa_`` times, ``_native_speedup_ratio``, ``_max_abs_diff`` and ``_chunks``.
+
+Summary: ``min_native_speedup_ratio`` / ``min_prefill_speedup_ratio`` (the least case) and
+``native_impl`` / ``prefill_impl`` (``amx-bf16`` (prefill only) / ``avx512-bf16`` /
+``avx512-f32`` / ``portable``, for bf16 at the first head_dim).
 
 CPU time is the figure to decide by on a shared machine; wall times are loaded figures there.
 As ``bench engine`` does, it sets ``OMP_WAIT_POLICY=PASSIVE`` before torch loads unless it is
@@ -72,11 +88,107 @@ def _buckets(be: Any, c: dict[str, Any]) -> list:
     return be._buckets(list(range(n)), list(range(n + 1)), c["lens"], c["table"])
 
 
+def parse_prefill(spec: str) -> tuple[int, int]:
+    """``"N"`` or ``"N:OFFSET"`` (chunks of N queries after OFFSET cached tokens) ->
+    ``(N, OFFSET)``; ValueError naming the option otherwise."""
+    parts = spec.split(":")
+    try:
+        n, off = int(parts[0]), int(parts[1]) if len(parts) == 2 else 0
+    except (ValueError, IndexError):
+        n, off = 0, -1
+    if len(parts) > 2 or n < 1 or off < 0:
+        raise ValueError(f"--prefill {spec!r}: expected N or N:OFFSET with N >= 1, OFFSET >= 0")
+    return n, off
+
+
+def _prefill_case(n: int, off: int, tokens: int, d: int, dtype: Any, h: int, hkv: int,
+                  block_size: int, blocks_per_slot: int, seed: int) -> dict[str, Any]:
+    """``max(1, tokens // n)`` chunks of ``n`` queries, each ending a sequence of ``off + n``
+    keys whose blocks are scattered over an arena of the engine's layout; the step
+    description the torch backend prepares from, and the chunks' own K/V rows (``k``/``v``,
+    what a layer hands to ``attend``) equal to the arena's."""
+    import torch
+
+    from xllm_vmm.engine.attention.kv import KVGeometry, PagedKV
+
+    g = torch.Generator().manual_seed(seed)
+    bs, bps = block_size, blocks_per_slot
+    c = max(1, tokens // n)
+    seq = off + n
+    nb = -(-seq // bs)
+    slots = -(-c * nb // bps) + 1
+    hd = hkv * d
+    page = bps * bs * hd
+    flat_k = torch.randn(slots * page, generator=g).to(dtype)
+    flat_v = torch.randn(slots * page, generator=g).to(dtype)
+    shape, stride = (slots, bps * bs, hkv, d), (page, hd, d, 1)
+    k_slots, v_slots = flat_k.as_strided(shape, stride), flat_v.as_strided(shape, stride)
+    perm = torch.randperm(slots * bps, generator=g)[:c * nb]
+    table = perm.view(c, nb).to(torch.int32)
+    pos = torch.arange(off, seq)
+    blk = table[:, pos // bs].to(torch.int64)  # (c, n) block of each new token
+    flat = blk * bs + pos % bs
+    tps = bps * bs
+    k = k_slots[flat // tps, flat % tps].reshape(c * n, hkv, d)
+    v = v_slots[flat // tps, flat % tps].reshape(c * n, hkv, d)
+    step = _Step(slot_mapping={"attn": flat.reshape(-1)},
+                 query_start_loc=torch.arange(0, c * n + 1, n, dtype=torch.int32),
+                 seq_lens=torch.full((c,), seq, dtype=torch.int32),
+                 block_tables={"attn": table}, num_seqs=c, num_tokens=c * n)
+    geo = KVGeometry("attn", bs, bps, slots * bps, bs * hd, 1, bps)
+    layer = PagedKV(k_slots, v_slots, None, None, flat_k.view(-1, bs * hd),
+                    flat_v.view(-1, bs * hd))
+    q = torch.randn(c * n, h, d, generator=g).to(dtype)
+    return dict(step=step, geo=geo, layer=layer, q=q, k=k, v=v, chunks=c)
+
+
+class _Step:
+    """The fields of :class:`~xllm_vmm.engine.step.StepInput` the torch backend's ``prepare``
+    reads."""
+
+    def __init__(self, **kw: Any) -> None:
+        self.__dict__.update(kw)
+
+
+def stream_read_gbps(flat: Sequence[Any], nthreads: int, repeats: int) -> float:
+    """The machine's plain streaming read bandwidth over the bytes of ``flat`` (tensors read
+    once each, in turn, by the native library's vector loads on ``nthreads`` threads): GB/s of
+    the fastest of ``repeats`` passes (wall time)."""
+    from xllm_vmm.engine.attention import native_decode as nd
+
+    lib = nd.load()
+    total = sum(t.numel() * t.element_size() for t in flat)
+    best = float("inf")
+    for _ in range(repeats):
+        w0 = time.perf_counter()
+        for t in flat:
+            lib.xllm_stream_read(t.data_ptr(), t.numel() * t.element_size(), nthreads)
+        best = min(best, time.perf_counter() - w0)
+    return total / best / 1e9
+
+
+def _timed(times: dict[str, tuple[list, list]], name: str, fn: Any) -> Any:
+    c0, w0 = time.process_time(), time.perf_counter()
+    r = fn()
+    times[name][0].append((time.process_time() - c0) * 1e3)
+    times[name][1].append((time.perf_counter() - w0) * 1e3)
+    return r
+
+
+def _record(out: dict[str, Any], key: str, times: dict[str, tuple[list, list]]) -> None:
+    for name, (cpu, wall) in times.items():
+        out[f"{key}_{name}_cpu_min_ms"] = round(min(cpu), 3)
+        out[f"{key}_{name}_cpu_median_ms"] = round(statistics.median(cpu), 3)
+        out[f"{key}_{name}_wall_min_ms"] = round(min(wall), 3)
+        out[f"{key}_{name}_wall_median_ms"] = round(statistics.median(wall), 3)
+
+
 def run(*, batches: Sequence[int] = (32, 128), head_dims: Sequence[int] = (64, 128),
         threads: Sequence[int] = (1, 2), dtypes: Sequence[str] = ("bfloat16",),
         min_keys: int = 64, max_keys: int = 640, heads: int = 8, kv_heads: int = 4,
         block_size: int = 16, blocks_per_slot: int = 4, repeats: int = 7,
-        seed: int = 0) -> dict[str, Any]:
+        seed: int = 0, prefill: Sequence[str] = ("512", "128", "512:1024", "32"),
+        prefill_tokens: int = 2048) -> dict[str, Any]:
     from xllm_vmm.bench.threads import passive_omp_wait
 
     policy = passive_omp_wait()  # before torch loads (torch's SDPA threads, as bench engine)
@@ -101,7 +213,13 @@ def run(*, batches: Sequence[int] = (32, 128), head_dims: Sequence[int] = (64, 1
                            "min_keys": min_keys, "max_keys": max_keys, "heads": heads,
                            "kv_heads": kv_heads, "block_size": block_size, "repeats": repeats,
                            "omp_wait_policy": policy}
-    speedups = []
+    from xllm_vmm.engine.attention import native_prefill as npf
+
+    out["prefill_impl"] = npf.implementation(torch.bfloat16, torch.bfloat16, head_dims[0])
+    for spec in prefill:
+        parse_prefill(spec)
+    speedups: list = []
+    prefill_speedups: list = []
     try:
         for dname in dtypes:
             dtype = table[dname]
@@ -126,29 +244,78 @@ def run(*, batches: Sequence[int] = (32, 128), head_dims: Sequence[int] = (64, 1
                             o[bk.rows] = be._decode_batched(q[bk.rows], layer, bk)
                         return o
 
+                    # bytes the kernel reads: each decode's keys, K and V
+                    kv_bytes = 2 * sum(c["lens"]) * kv_heads * d * q.element_size()
                     for nt in threads:
                         torch.set_num_threads(nt)
                         diff = (native(nt).float() - sdpa(nt).float()).abs().max().item()
                         times: dict[str, tuple[list, list]] = {"native": ([], []),
                                                                "sdpa": ([], [])}
                         for _ in range(repeats):
-                            for name, fn in (("native", native), ("sdpa", sdpa)):
-                                c0, w0 = time.process_time(), time.perf_counter()
-                                fn(nt)
-                                times[name][0].append((time.process_time() - c0) * 1e3)
-                                times[name][1].append((time.perf_counter() - w0) * 1e3)
+                            _timed(times, "native", lambda: native(nt))
+                            _timed(times, "sdpa", lambda: sdpa(nt))
                         key = f"b{b}_d{d}_t{nt}_{dname}"
-                        for name, (cpu, wall) in times.items():
-                            out[f"{key}_{name}_cpu_min_ms"] = round(min(cpu), 3)
-                            out[f"{key}_{name}_cpu_median_ms"] = round(statistics.median(cpu), 3)
-                            out[f"{key}_{name}_wall_min_ms"] = round(min(wall), 3)
-                            out[f"{key}_{name}_wall_median_ms"] = round(statistics.median(wall), 3)
+                        _record(out, key, times)
                         ratio = statistics.median(times["sdpa"][0]) / max(
                             statistics.median(times["native"][0]), 1e-9)
                         out[f"{key}_native_speedup_ratio"] = round(ratio, 3)
                         out[f"{key}_max_abs_diff"] = diff
                         speedups.append(ratio)
+                        # roofline: the kernel's K/V read rate against a plain streaming read
+                        # of the arena's bytes (same run, same threads, same cache state)
+                        kernel = kv_bytes / (min(times["native"][1]) * 1e-3) / 1e9
+                        stream = stream_read_gbps([layer.k_rows, layer.v_rows], nt, repeats)
+                        out[f"{key}_native_read_gbps"] = round(kernel, 2)
+                        out[f"{key}_stream_read_gbps"] = round(stream, 2)
+                        out[f"{key}_roofline_ratio"] = round(kernel / stream, 3)
+            for d in head_dims:
+                for spec in prefill:
+                    n, off = parse_prefill(spec)
+                    _prefill(out, prefill_speedups, n=n, off=off, tokens=prefill_tokens, d=d,
+                             dtype=dtype, dname=dname, heads=heads, kv_heads=kv_heads,
+                             block_size=block_size, blocks_per_slot=blocks_per_slot,
+                             threads=threads, repeats=repeats, seed=seed)
     finally:
         torch.set_num_threads(before)
     out["min_native_speedup_ratio"] = round(min(speedups), 3) if speedups else None
+    out["min_prefill_speedup_ratio"] = (round(min(prefill_speedups), 3) if prefill_speedups
+                                        else None)
     return out
+
+
+def _prefill(out: dict[str, Any], speedups: list, *, n: int, off: int, tokens: int, d: int,
+             dtype: Any, dname: str, heads: int, kv_heads: int, block_size: int,
+             blocks_per_slot: int, threads: Sequence[int], repeats: int, seed: int) -> None:
+    """One prefill case: the torch backend's ``attend`` over the same step with its prefill
+    chunks on the native kernel against SDPA (``native_prefill`` on / off; no decodes, so the
+    decode paths do not run), interleaved; fields ``p{n}_o{off}_d{D}_t{threads}_{dtype}_*``."""
+    import torch
+
+    from xllm_vmm.engine.attention.torch_sdpa import TorchSDPABackend
+
+    c = _prefill_case(n, off, tokens, d, dtype, heads, kv_heads, block_size, blocks_per_slot,
+                      seed)
+    paths = {name: TorchSDPABackend(c["geo"], num_heads=heads, num_kv_heads=kv_heads,
+                                    head_dim=d, device="cpu", native_prefill=flag)
+             for name, flag in (("native", True), ("sdpa", False))}
+    metas = {name: be.prepare(c["step"]) for name, be in paths.items()}
+    q, k, v, layer = c["q"], c["k"], c["v"], c["layer"]
+
+    def call(name: str) -> Any:
+        return paths[name].attend(q, k, v, layer, metas[name])
+
+    for nt in threads:
+        torch.set_num_threads(nt)
+        diff = (call("native").float() - call("sdpa").float()).abs().max().item()
+        times: dict[str, tuple[list, list]] = {"native": ([], []), "sdpa": ([], [])}
+        for _ in range(repeats):
+            _timed(times, "native", lambda: call("native"))
+            _timed(times, "sdpa", lambda: call("sdpa"))
+        key = f"p{n}_o{off}_d{d}_t{nt}_{dname}"
+        _record(out, key, times)
+        ratio = statistics.median(times["sdpa"][0]) / max(statistics.median(times["native"][0]),
+                                                          1e-9)
+        out[f"{key}_native_speedup_ratio"] = round(ratio, 3)
+        out[f"{key}_max_abs_diff"] = diff
+        out[f"{key}_chunks"] = c["chunks"]
+        speedups.append(ratio)

@@ -11,13 +11,17 @@ from xllm_vmm.cli.bench import OutputFormat, _check, _run, bench_app, emit
 
 
 @bench_app.command(
-    "attention", short_help="Decode attention: native kernel in place vs gather + SDPA.",
+    "attention", short_help="Paged attention: native kernels in place vs SDPA.",
     help=(
-        "Decode attention over paged K/V in the engine's arena layout: the native kernel "
-        "reading blocks in place against the torch backend's bucketed gather + SDPA, "
-        "interleaved on the same data (fields {case}_native_cpu_ms_min/_median, "
-        "{case}_sdpa_cpu_ms_min/_median, wall times, {case}_native_speedup_ratio = SDPA CPU "
-        "time over native, native_speedup_ratio_min; case = b{B}_d{D}_t{threads}_{dtype})."))
+        "Attention over paged K/V in the engine's arena layout, interleaved on the same data. "
+        "Decodes: the native kernel reading blocks in place against the torch backend's "
+        "bucketed gather + SDPA (case b{B}_d{D}_t{threads}_{dtype}: _native_/_sdpa_ "
+        "cpu/wall min/median ms, _native_speedup_ratio = SDPA CPU time over native, and the "
+        "roofline: _native_read_gbps, _stream_read_gbps of a plain read of the same bytes, "
+        "_roofline_ratio). Prefill chunks (--prefill N or N:OFFSET, --prefill-tokens per "
+        "call): the torch backend with its chunks on the native prefill kernel against SDPA "
+        "(case p{N}_o{OFFSET}_d{D}_t{threads}_{dtype}, the same fields). Summary: "
+        "min_native_speedup_ratio, min_prefill_speedup_ratio, native_impl, prefill_impl."))
 def bench_attention(
     batch: List[int] = typer.Option([32, 128], help="Decodes per call (repeatable)."),
     head_dim: List[int] = typer.Option([64, 128], help="Head size (repeatable)."),
@@ -31,6 +35,11 @@ def bench_attention(
     block_size: int = typer.Option(16, help="Tokens per KV block."),
     repeats: int = typer.Option(7, help="Interleaved runs of each path (1 to 100)."),
     seed: int = typer.Option(0, help="Seed of the lengths, block tables and data."),
+    prefill: List[str] = typer.Option(
+        ["512", "128", "512:1024", "32"],
+        help="Prefill case: chunks of N queries after OFFSET cached keys, N or N:OFFSET "
+             "(repeatable; --prefill none for decodes only)."),
+    prefill_tokens: int = typer.Option(2048, help="Query tokens per prefill call (chunks of N)."),
     fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
 ) -> None:
     from xllm_vmm.bench import attention
@@ -44,8 +53,10 @@ def bench_attention(
     _check("--repeats", repeats, 1, 100)
     _check("--max-keys", max_keys, 1, 32768)
     _check("--block-size", block_size, 1, 1024)
+    _check("--prefill-tokens", prefill_tokens, 1, 65536)
+    prefill = [p for p in prefill if p != "none"]  # a bad case: ValueError, exit 2 (_run)
     results = _run("bench attention", lambda: attention.run(
         batches=batch, head_dims=head_dim, threads=threads, dtypes=dtype, min_keys=min_keys,
         max_keys=max_keys, heads=heads, kv_heads=kv_heads, block_size=block_size,
-        repeats=repeats, seed=seed))
-    emit("bench attention (native in place vs gather + SDPA)", results, fmt)
+        repeats=repeats, seed=seed, prefill=prefill, prefill_tokens=prefill_tokens))
+    emit("bench attention (native kernels in place vs SDPA)", results, fmt)

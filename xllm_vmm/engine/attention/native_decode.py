@@ -52,6 +52,12 @@ _PROTOTYPES: dict[str, tuple[list, Any]] = {
     "xllm_write_kv": ([_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
                        _I64, _I64], _I32),
     "xllm_paged_attn_isa": ([], _I32),
+    # the prefill kernel of the same library (wrapped by native_prefill)
+    "xllm_paged_prefill": ([_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR,
+                            _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _I32,
+                            _I32, _I32, _I32], _I32),
+    "xllm_paged_prefill_impl": ([_I64, _I32, _I32, _I32], _I32),
+    "xllm_stream_read": ([_PTR, _I64, _I32], ctypes.c_uint64),  # bench attention's roofline
 }
 
 

@@ -39,6 +39,13 @@ step's output; cheaper than these buckets, measured in its module docstring); th
 for CUDA, for what the kernel does not take, and with ``native_decode=False`` /
 ``XLLM_VMM_NATIVE_DECODE=0``.
 
+Prefill chunks (more than one query) go, where :mod:`.native_prefill` is on for the layer's
+dtypes (``native_prefill`` / ``XLLM_VMM_NATIVE_PREFILL``; by default bf16 where its AMX form
+runs, every chunk; where only its AVX-512-BF16 form runs, chunks of at most 32 queries), to
+the native prefill kernel: one call per layer for all of them, K/V read in place through the
+block table (the chunk's own rows after ``write_kv``), no per-chunk copies, no masks — those
+are built only for the chunks SDPA still takes. Measured: docs/engine.md.
+
 Only blocks of the step's sequences are read: runs cover ``[0, seq_len)`` exactly, and padding
 entries of a block table never reach an index (the batched path replaces them by the
 sequence's first block before its gather). Grouped-query attention uses SDPA's
@@ -52,6 +59,12 @@ from typing import TYPE_CHECKING, Any
 
 from xllm_vmm.engine.attention.base import AttentionBackend
 
+
+def torch_device_type(device: Any) -> str:
+    import torch
+
+    return torch.device(device).type
+
 if TYPE_CHECKING:  # pragma: no cover
     from torch import Tensor
 
@@ -59,11 +72,26 @@ if TYPE_CHECKING:  # pragma: no cover
     from xllm_vmm.engine.step import StepInput
 
 
+class _LazyMask:
+    """``mask``: the (n, seq_len) bool mask ``key j <= start + i`` of a chunk with an offset and
+    more than one query (None otherwise), built on first use on ``device`` (a step whose
+    chunks the native prefill kernel takes never builds it)."""
+
+    @property
+    def mask(self) -> Any:
+        if self._mask is None and self.start and self.q1 - self.q0 > 1:
+            import torch
+
+            self._mask = (torch.arange(self.seq_len)[None, :]
+                          <= torch.arange(self.start, self.seq_len)[:, None]).to(self.device)
+        return self._mask
+
+
 @dataclass
-class PrefillSeq:
+class PrefillSeq(_LazyMask):
     """One prefill chunk: query rows ``[q0, q1)``; ``rows`` indexes the ``nb`` blocks of
     ``[0, seq_len)`` in the ``rows`` views when ``start > 0``; ``mask`` (n, seq_len) bool,
-    True = attend."""
+    True = attend (built on first use)."""
 
     q0: int
     q1: int
@@ -71,23 +99,25 @@ class PrefillSeq:
     seq_len: int
     nb: int = 0
     rows: Any = None
-    mask: Any = None
+    device: Any = None
+    _mask: Any = field(default=None, repr=False)
 
 
 @dataclass
-class SeqRuns:
+class SeqRuns(_LazyMask):
     """One chunk for the per-sequence path: query rows ``[q0, q1)`` at positions
     ``start ..``; ``runs``: ``(slot, t0, t1)`` token ranges of the ``slots`` views covering
     ``[0, seq_len)`` in order (empty for a chunk at position 0, and for a decode when decodes
     are batched: it is never read then); ``mask`` (n, seq_len) bool for a chunk with an offset
-    and more than one query (None otherwise)."""
+    and more than one query (None otherwise; built on first use)."""
 
     q0: int
     q1: int
     start: int
     seq_len: int
     runs: list[tuple[int, int, int]]
-    mask: Any = None
+    device: Any = None
+    _mask: Any = field(default=None, repr=False)
 
 
 def block_runs(blocks: list[int], seq_len: int, block_size: int,
@@ -116,16 +146,72 @@ class SDPAMetadata:
     decode_rows: Any = None  # (Bd,) int64 rows of the token axis, or None when Bd == 0
     decode_all: bool = False  # every token is a decode (rows == arange(T))
     decode_nb: int = 0  # blocks per decode row (the longest decode's)
-    decode_block_rows: Any = None  # (Bd * nb * rows_per_block,) rows of the `rows` views
-    decode_mask: Any = None  # (Bd, 1, 1, nb * block_size) bool
     prefills: list[PrefillSeq] = field(default_factory=list)
-    decode_keys: int = 0  # Bd * nb * block_size (workspace sizing)
+    decode_keys: int = 0  # keys of the largest decode bucket, padded (workspace sizing)
     seqs: list[SeqRuns] = field(default_factory=list)  # every chunk, in chunk order
     decode_table: Any = None  # (Bd, nb) int64 block ids of the decodes (padding: first block)
     decode_lens: Any = None  # (Bd,) int64 keys per decode
-    decode_buckets: list[DecodeBucket] = field(default_factory=list)
-    """The batched path's calls: decodes sorted by length, cut into buckets each padded to
-    its own longest (``decode_buckets``), in place of one call padded to the longest of all."""
+    _decode_src: Any = field(default=None, repr=False)
+    """What the lazy decode fields below are built from on first use (the native decode
+    kernel reads only ``decode_table`` / ``decode_lens``, so a step it runs never builds
+    them): ``(backend, decodes, qsl, seq_lens, tables, cpu table, cpu lens)``."""
+    _decode_lazy: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def decode_block_rows(self) -> Any:
+        """(Bd * nb * rows_per_block,) rows of the ``rows`` views (the gather form; MLA)."""
+        return self._lazy("block_rows")
+
+    @property
+    def decode_mask(self) -> Any:
+        """(Bd, 1, 1, nb * block_size) bool, key ``j < seq_len`` (MLA's gathered decodes)."""
+        return self._lazy("mask")
+
+    @property
+    def decode_buckets(self) -> list[DecodeBucket]:
+        """The batched path's calls: decodes sorted by length, cut into buckets each padded
+        to its own longest, in place of one call padded to the longest of all."""
+        return self._lazy("buckets") or []
+
+    def _lazy(self, name: str) -> Any:
+        if self._decode_src is None:
+            return None
+        v = self._decode_lazy.get(name)
+        if v is None:
+            import torch
+
+            be, decodes, qsl, seq_lens, tables, table, lens = self._decode_src
+            geo, dev = be.geometry, be.device
+            if name == "block_rows":
+                v = geo.block_rows(table).to(dev)
+            elif name == "mask":
+                v = (torch.arange(self.decode_nb * geo.block_size)[None, :]
+                     < lens[:, None])[:, None, None, :].to(dev)
+            else:
+                v = be._buckets(decodes, qsl, seq_lens, tables)
+            self._decode_lazy[name] = v
+        return v
+    prefill_q0: Any = None  # (C,) int64 first query row of each prefill chunk (None: none)
+    prefill_q1: Any = None  # (C,) int64 end row of each prefill chunk
+    prefill_lens: Any = None  # (C,) int64 seq_len of each prefill chunk
+    prefill_table: Any = None  # (C, nb) int64 block ids (entries beyond a chunk's are unread)
+    prefill_min_n: int = 0  # fewest queries of a prefill chunk
+    _native_sel: dict = field(default_factory=dict, repr=False)
+
+    def native_prefills(self, limit: int) -> tuple[Any, Any, Any, Any]:
+        """``(q0, q1, seq_lens, table)`` of the prefill chunks of at most ``limit`` queries
+        (all of them when the longest is within it; cached per limit)."""
+        sel = self._native_sel.get(limit)
+        if sel is None:
+            n = self.prefill_q1 - self.prefill_q0
+            if int(n.max()) <= limit:
+                sel = (self.prefill_q0, self.prefill_q1, self.prefill_lens, self.prefill_table)
+            else:
+                keep = (n <= limit).nonzero().reshape(-1)
+                sel = (self.prefill_q0[keep], self.prefill_q1[keep], self.prefill_lens[keep],
+                       self.prefill_table[keep])
+            self._native_sel[limit] = sel
+        return sel
 
 
 @dataclass
@@ -172,6 +258,13 @@ DECODE_BUCKET_MIN = 16
 MAX_DECODE_BUCKETS = 4
 
 
+def _bucket_parts(order: list) -> list[list]:
+    """``order`` (decodes sorted by length) cut into the buckets' equal parts: up to
+    ``MAX_DECODE_BUCKETS`` of at least ``DECODE_BUCKET_MIN`` (one home for the cut)."""
+    nbk = max(1, min(MAX_DECODE_BUCKETS, len(order) // DECODE_BUCKET_MIN))
+    return [order[j * len(order) // nbk:(j + 1) * len(order) // nbk] for j in range(nbk)]
+
+
 class TorchSDPABackend(AttentionBackend):
     """``batch_decodes``: decodes as one batched gather + SDPA call (one call instead of one per
     sequence and layer: the default on every device, measured in the module docstring) rather
@@ -184,9 +277,11 @@ class TorchSDPABackend(AttentionBackend):
     name = "torch"
 
     def __init__(self, *args: Any, batch_decodes: bool | None = None,
-                 native_decode: bool | None = None, **kw: Any) -> None:
+                 native_decode: bool | None = None, native_prefill: bool | str | None = None,
+                 **kw: Any) -> None:
         super().__init__(*args, **kw)
         from xllm_vmm.engine.attention import native_decode as nd
+        from xllm_vmm.engine.attention import native_prefill as npf
 
         if batch_decodes is None:
             batch_decodes = True
@@ -195,6 +290,21 @@ class TorchSDPABackend(AttentionBackend):
             native_decode = nd.enabled_by_env() and nd.load() is not None
         self.native_decode = bool(native_decode) and batch_decodes
         self.native_portable = nd.portable_by_env()
+        if native_prefill is None:
+            native_prefill = npf.mode_by_env()
+        elif native_prefill is True or native_prefill is False:
+            native_prefill = "on" if native_prefill else "off"
+        if native_prefill not in ("off", "on", "portable", "auto"):
+            raise ValueError(f"native_prefill {native_prefill!r} is not one of off, on, "
+                             "portable, auto (or a bool)")
+        if nd.load() is None or torch_device_type(self.device) != "cpu":
+            native_prefill = "off"
+        self.native_prefill = native_prefill
+        """``off`` (SDPA for prefill chunks), ``on`` / ``portable`` (the native prefill kernel
+        for every chunk of a configuration it takes; ``portable`` forces its portable C),
+        ``auto`` (the kernel where :func:`.native_prefill.use_by_default` says: bf16 on
+        AVX-512-BF16)."""
+        self._prefill_ok: dict[tuple, bool] = {}
         self._native_ok: dict[tuple, bool] = {}
         self._buffers: dict[str, Any] = {}
 
@@ -211,6 +321,24 @@ class TorchSDPABackend(AttentionBackend):
                                                     self.num_heads, self.num_kv_heads,
                                                     self.head_dim)
         return ok
+
+    def _native_prefill_limit(self, q: Tensor, kv: PagedKV) -> int:
+        """The longest prefill chunk (queries) the native prefill kernel runs for this layer
+        (0: none; decided once per dtype pair): every chunk with ``on`` / ``portable``,
+        :func:`.native_prefill.default_limit` with ``auto``."""
+        if self.native_prefill == "off":
+            return 0
+        key = (q.dtype, kv.k_slots.dtype, q.device.type)
+        limit = self._prefill_ok.get(key)
+        if limit is None:
+            from xllm_vmm.engine.attention import native_prefill as npf
+
+            ok = npf.supports(q.dtype, kv.k_slots.dtype, q.device, self.num_heads,
+                              self.num_kv_heads, self.head_dim)
+            limit = 0 if not ok else 1 << 62 if self.native_prefill != "auto" else \
+                npf.default_limit(q.dtype, kv.k_slots.dtype, self.head_dim)
+            self._prefill_ok[key] = limit
+        return limit
 
     def prepare(self, step: StepInput) -> SDPAMetadata:
         import torch
@@ -232,13 +360,11 @@ class TorchSDPABackend(AttentionBackend):
             table = torch.where(torch.arange(nb)[None, :] < used[:, None], table, table[:, :1])
             meta.decode_nb = nb
             meta.decode_table, meta.decode_lens = table.to(dev), lens.to(dev)
-            meta.decode_block_rows = geo.block_rows(table).to(dev)
-            meta.decode_mask = (torch.arange(nb * bs)[None, :] < lens[:, None])[:, None, None, :].to(dev)
             meta.decode_all = len(decodes) == step.num_tokens
             meta.decode_rows = torch.tensor([qsl[i] for i in decodes], dtype=torch.int64).to(dev)
-            meta.decode_buckets = self._buckets(decodes, qsl, seq_lens, tables)
-            meta.decode_keys = max(int(b.block_rows.numel()) for b in meta.decode_buckets
-                                   ) // geo.rows_per_block * bs
+            meta._decode_src = (self, decodes, qsl, seq_lens, tables, table, lens)
+            meta.decode_keys = max(len(part) * -(-max(part) // bs) * bs
+                                   for part in _bucket_parts(sorted(seq_lens[i] for i in decodes)))
         for i in range(step.num_seqs):
             q0, q1 = qsl[i], qsl[i + 1]
             seq_len = seq_lens[i]
@@ -247,18 +373,25 @@ class TorchSDPABackend(AttentionBackend):
             runs = start and not (self.batch_decodes and q1 - q0 == 1)
             sq = SeqRuns(q0, q1, start, seq_len,
                          block_runs(tables[i, :-(-seq_len // bs)].tolist(), seq_len, bs,
-                                    geo.blocks_per_slot) if runs else [])
-            if start and q1 - q0 > 1:
-                sq.mask = (torch.arange(seq_len)[None, :]
-                           <= torch.arange(start, seq_len)[:, None]).to(dev)
+                                    geo.blocks_per_slot) if runs else [], dev)
             meta.seqs.append(sq)
             if q1 - q0 == 1:
                 continue
-            p = PrefillSeq(q0, q1, start, seq_len, mask=sq.mask)
+            p = PrefillSeq(q0, q1, start, seq_len, device=dev)
+            p._mask = sq._mask
             if start > 0:  # gather indices (for backends that gather, e.g. MLA)
                 nb = -(-seq_len // bs)
                 p.nb, p.rows = nb, geo.block_rows(tables[i, :nb]).to(dev)
             meta.prefills.append(p)
+        if meta.prefills and self.native_prefill != "off":
+            idx = [i for i in range(step.num_seqs) if qsl[i + 1] - qsl[i] > 1]
+            meta.prefill_q0 = torch.tensor([p.q0 for p in meta.prefills], dtype=torch.int64)
+            meta.prefill_q1 = torch.tensor([p.q1 for p in meta.prefills], dtype=torch.int64)
+            meta.prefill_lens = torch.tensor([p.seq_len for p in meta.prefills],
+                                             dtype=torch.int64)
+            nb = -(-max(p.seq_len for p in meta.prefills) // bs)
+            meta.prefill_table = tables[idx, :nb].contiguous()
+            meta.prefill_min_n = min(p.q1 - p.q0 for p in meta.prefills)
         return meta
 
     def _buckets(self, decodes: list[int], qsl: list[int], seq_lens: list[int],
@@ -270,10 +403,8 @@ class TorchSDPABackend(AttentionBackend):
 
         geo, bs, dev = self.geometry, self.geometry.block_size, self.device
         order = sorted(decodes, key=lambda i: seq_lens[i])
-        nbk = max(1, min(MAX_DECODE_BUCKETS, len(order) // DECODE_BUCKET_MIN))
         out = []
-        for j in range(nbk):
-            part = order[j * len(order) // nbk:(j + 1) * len(order) // nbk]
+        for part in _bucket_parts(order):
             lens = torch.tensor([seq_lens[i] for i in part], dtype=torch.int64)
             nb = -(-int(lens.max()) // bs)
             table = tables[part, :nb]
@@ -303,6 +434,10 @@ class TorchSDPABackend(AttentionBackend):
         import torch.nn.functional as F
 
         batched = self.batch_decodes and meta.decode_rows is not None
+        limit = self._native_prefill_limit(q, kv) if meta.prefill_q0 is not None else 0
+        native_prefill = limit > 0 and meta.prefill_min_n <= limit  # some chunks native
+        if native_prefill:
+            q = q.contiguous()
         if batched and self._use_native(q, kv):
             from xllm_vmm.engine.attention.native_decode import paged_decode
 
@@ -322,8 +457,20 @@ class TorchSDPABackend(AttentionBackend):
                 if meta.decode_all:
                     return out
         kd = kv.k_slots
+        if native_prefill:  # every prefill chunk in one call, K/V read in place
+            from xllm_vmm.engine.attention.native_prefill import paged_prefill
+
+            geo = self.geometry
+            q0, q1, lens, table = meta.native_prefills(limit)
+            paged_prefill(q, kd, kv.v_slots, table, q0, q1, lens, block_size=geo.block_size,
+                          blocks_per_slot=geo.blocks_per_slot, scale=self.scale, out=out,
+                          portable=self.native_prefill == "portable")
+        else:
+            limit = 0
         for sq in meta.seqs:
             if batched and sq.q1 - sq.q0 == 1:
+                continue
+            if 1 < sq.q1 - sq.q0 <= limit:  # done by the native prefill kernel
                 continue
             qi = q[sq.q0:sq.q1].transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
             if sq.start == 0:
