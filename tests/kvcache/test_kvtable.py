@@ -217,3 +217,25 @@ def test_without_the_library_or_int32_ids_the_python_passes_run(monkeypatch):
     assert not a.native and a.allocate_group("attn", 5) == [0, 1, 2, 3, 4]
     with pytest.raises(RuntimeError, match="libxllm_kvtable.so is not built"):
         BlockAllocator([GroupShape("attn", 4, 4)], FakeBacking(), native=True)
+
+
+def test_hints_and_counts_that_are_not_python_ints():
+    class Index:  # an integer type of another library (numpy's, torch's scalars)
+        def __init__(self, v):
+            self.v = v
+
+        def __index__(self):
+            return self.v
+
+    py, c = _pair(slots=6, bps=4)
+    for a in (py, c):
+        a.allocate_group("attn", 6)  # slot 1 has 2 free blocks
+        a.allocate_group("attn", 9)  # slots 2, 3 full, slot 4 has 3 free
+    hints = [Index(5), 2 ** 40, Index(17), -1]
+    for h in hints:
+        x = c.allocate_group("attn", Index(1) if h == -1 else 1, h)
+        y = py.allocate_group("attn", 1, h.v if isinstance(h, Index) else h)
+        assert x == y
+        assert _state(py) == _state(c)
+    with pytest.raises(TypeError, match="hint"):
+        c.allocate_group("attn", 2, "5")

@@ -339,8 +339,8 @@ class BlockAllocator:
             if n == 1:
                 try:
                     b = g._alloc1(g.p, hint)  # type: ignore[attr-defined]
-                except C.ArgumentError:  # a hint that is no int32: no hint
-                    b = g._alloc1(g.p, -1)  # type: ignore[attr-defined]
+                except C.ArgumentError:  # a hint that is no Python int32: converted below
+                    b = -1
                 if b >= 0:
                     return [b]
             return self._allocate_native(g, n, hint)
@@ -412,7 +412,12 @@ class BlockAllocator:
             raise ValueError(f"negative block count {n} for group {g.name!r}")
         if n > g.nblocks:
             return None
-        if not (type(hint) is int and 0 <= hint < g.nblocks):
+        try:
+            hint = operator.index(hint)
+        except TypeError:
+            raise TypeError(f"allocate_group({g.name!r}): the hint must be a block id (an int) "
+                            f"or -1, got {hint!r}") from None
+        if not 0 <= hint < g.nblocks:  # a hint outside the group is no hint
             hint = -1
         got = g.alloc(n, hint)
         if type(got) is list:
