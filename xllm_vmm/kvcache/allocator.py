@@ -243,6 +243,10 @@ class _Group:
         stack = self.stacks[slot]
         return -1 if stack is None else len(stack)
 
+    @property
+    def n_inactive(self) -> int:
+        return len(self.inactive)
+
 
 class BlockAllocator:
     """Reference-counted, page-aware block allocator over the slots of several groups; the one
@@ -549,7 +553,7 @@ class BlockAllocator:
             short = n - g.free_active
             if short > 0:
                 k = -(-short // g.bps)
-                if k > (g.ctr[3] if g.native else len(g.inactive)):  # type: ignore[attr-defined]
+                if k > g.n_inactive:
                     return None
                 need[name] = k
         chosen = {}
@@ -1294,7 +1298,7 @@ class BlockAllocator:
         return self._g(group).n_active
 
     def num_inactive_slots(self, group: str) -> int:
-        return len(self._g(group).inactive)
+        return self._g(group).n_inactive
 
     def num_free_blocks(self, group: str) -> int:
         """Free blocks in active slots (usable without mapping anything)."""
@@ -1311,7 +1315,8 @@ class BlockAllocator:
         for g in self._groups.values():
             n_live = n_cached = n_active = free_active = 0
             inactive = set(g.inactive)
-            assert len(inactive) == len(g.inactive), f"{g.name}: inactive heap has duplicates"
+            assert len(inactive) == len(g.inactive) == g.n_inactive, \
+                f"{g.name}: inactive heap has duplicates or a wrong size"
             stacks = g.stacks  # (a NativeGroup's: copies, read once)
             buckets = g.buckets
             if g.native:

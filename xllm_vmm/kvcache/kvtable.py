@@ -199,6 +199,10 @@ class NativeGroup:
         return self.ctr[_NA]
 
     @property
+    def n_inactive(self) -> int:
+        return self.ctr[_HEAPN]
+
+    @property
     def n_live(self) -> int:
         return self.ctr[_NA] * self.bps - self.ctr[_FA] - self.ctr[_NC]
 
