@@ -411,22 +411,24 @@ class BlockAllocator:
 
     def _allocate_native(self, g: NativeGroup, n: int, hint: int) -> list[int] | None:
         """:meth:`allocate_group` on the C passes (see there)."""
-        n = operator.index(n)
+        if type(n) is not int:
+            n = operator.index(n)
         if n < 0:
             raise ValueError(f"negative block count {n} for group {g.name!r}")
         if n > g.nblocks:
             return None
-        try:
-            hint = operator.index(hint)
-        except TypeError:
-            raise TypeError(f"allocate_group({g.name!r}): the hint must be a block id (an int) "
-                            f"or -1, got {hint!r}") from None
+        if type(hint) is not int:
+            try:
+                hint = operator.index(hint)
+            except TypeError:
+                raise TypeError(f"allocate_group({g.name!r}): the hint must be a block id (an "
+                                f"int) or -1, got {hint!r}") from None
         if not 0 <= hint < g.nblocks:  # a hint outside the group is no hint
             hint = -1
-        got = g.alloc(n, hint)
-        if type(got) is list:
-            return got
-        chosen = g.pop_inactive(got)  # type: ignore[arg-type]
+        r = g._alloc(g.p, n, hint)  # NativeGroup.alloc, inlined: n blocks, or -(slots) - 1
+        if r >= 0:
+            return g._out[:r].tolist()
+        chosen = g.pop_inactive(-r - 1)
         if chosen is None:
             return None
         if not self.backing.activate({g.name: chosen}):

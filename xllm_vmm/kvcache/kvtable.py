@@ -274,14 +274,6 @@ class NativeGroup:
                 f"{self.name}: pinned flag of block {b} disagrees with the pin counts"
 
     # -- the C passes ----------------------------------------------------------------------
-    def alloc(self, n: int, hint: int) -> list[int] | int:
-        """``n`` blocks from the active slots (a list), or the number of slots to activate
-        first (an int > 0; nothing changed)."""
-        r = self._alloc(self.p, n, hint)
-        if r >= 0:
-            return self._out[:r].tolist()
-        return -r - 1
-
     def pop_inactive(self, k: int) -> list[int] | None:
         """The ``k`` lowest inactive slots (taken off the heap), or ``None`` when fewer."""
         if self._pop_inactive(self.p, k) < 0:
