@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from xllm_vmm.engine.request import Request, RequestError
-from xllm_vmm.engine.sampler import Sampler, top_logprobs
+from xllm_vmm.engine.sampler import Sampler, argmax_rows, top_logprobs
 from xllm_vmm.engine.sampling_params import SamplingParams
 
 P = [0.5, 0.3, 0.15, 0.05]
@@ -211,3 +211,22 @@ def test_plain_greedy_batch_equals_the_general_path():
     logits2[0, 3] = 1000.0  # EOS would win
     held = [req(SamplingParams(temperature=0, min_tokens=2), rid="m")] + plain[1:]
     assert Sampler(0).sample(logits2, held).token_ids[0] != 3
+
+
+def test_argmax_rows_picks_torch_argmax_first_index_ties_and_nans_included():
+    """The numpy path of the greedy argmax equals ``torch.argmax`` (first index on ties, a NaN
+    is the maximum) on CPU float32, contiguous or not; other dtypes go through torch."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 300, generator=g)
+    x[3, [5, 200]] = 50.0  # a tie
+    x[7, [9, 11]] = float("nan")
+    x[8] = 0.0  # all equal
+    assert argmax_rows(x) == x.argmax(dim=-1).tolist()
+    assert argmax_rows(x)[3] == 5 and argmax_rows(x)[7] == 9 and argmax_rows(x)[8] == 0
+    cols = x[:, ::3]  # a strided view
+    assert argmax_rows(cols) == cols.argmax(dim=-1).tolist()
+    with torch.inference_mode():
+        y = torch.randn(5, 40, generator=g)
+    assert argmax_rows(y) == y.argmax(dim=-1).tolist()
+    b = x.to(torch.bfloat16)
+    assert argmax_rows(b) == b.argmax(dim=-1).tolist()

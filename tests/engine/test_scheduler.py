@@ -241,3 +241,19 @@ def test_no_chunked_prefill_recomputes_a_long_preempted_request_in_chunks(env):
     plan, out, _ = e.step()
     assert plan == [("a", 0, 6, False)]
     assert e.step()[0] == [("a", 6, 2, True)]
+
+
+def test_update_keeps_rows_aligned_when_a_sampled_request_was_aborted_meanwhile(env):
+    """``token_ids[i]`` belongs to the i-th sampled chunk even when an earlier sampled request
+    was aborted between ``schedule`` and ``update`` (the server cancels from another thread)."""
+    e = env(budget_slots=4, tokens=16)
+    for r in "abc":
+        e.add(r, 2, max_tokens=3)
+    e.step()
+    out = e.s.schedule()
+    assert [c.request.request_id for c in out.chunks] == ["a", "b", "c"]
+    e.s.abort("a")
+    res = e.s.update(out, [11, 22, 33])
+    assert [(r.request_id, r.new_token_ids) for r in res] == [("b", [22]), ("c", [33])]
+    assert e.s.requests["b"].output_token_ids == [TOK, 22]
+    assert e.s.generation_tokens == 3 + 2

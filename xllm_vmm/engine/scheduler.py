@@ -188,25 +188,31 @@ class Scheduler:
         finished: list[Request] = []
         scheduled_ids: set[str] = set()
 
+        # the pass over running requests runs for every sequence of every step: the manager's
+        # verbs and the budgets are locals, the request's counts read without properties
+        running = self.running
+        max_seqs = self.max_seqs_per_batch
+        ready, computed_of, allocate = mgr.ready, mgr.num_computed_tokens, mgr.allocate
         i = 0
-        while i < len(self.running) and token_budget > 0 and len(chunks) < self.max_seqs_per_batch:
-            req = self.running[i]
+        while i < len(running) and token_budget > 0 and len(chunks) < max_seqs:
+            req = running[i]
             rid = req.request_id
-            if not mgr.ready(rid):
+            if not ready(rid):
                 i += 1
                 continue
-            req.num_computed_tokens = mgr.num_computed_tokens(rid)  # a failed restore rolls back
-            n = min(req.num_uncomputed_tokens, token_budget)
+            computed = req.num_computed_tokens = computed_of(rid)  # a failed restore rolls back
+            uncomputed = len(req.prompt_token_ids) + len(req.output_token_ids) - computed
+            n = uncomputed if uncomputed < token_budget else token_budget
             if n <= 0:  # nothing to compute (cannot happen for a running request)
                 i += 1
                 continue
             # speculative decoding: a decode verifies its drafts (what the budget leaves)
             spec = (req.spec_token_ids[:token_budget - n]
-                    if req.spec_token_ids and req.num_uncomputed_tokens == 1 else [])
-            got = mgr.allocate(rid, n, lookahead=len(spec)) if spec else mgr.allocate(rid, n)
+                    if req.spec_token_ids and uncomputed == 1 else [])
+            got = allocate(rid, n, lookahead=len(spec)) if spec else allocate(rid, n)
             if got is None and spec:  # no room for the drafts: decode plainly, preempt nobody
                 spec = []
-                got = mgr.allocate(rid, n)
+                got = allocate(rid, n)
             self_preempted = False
             while got is None:
                 victim = self.running[-1]
@@ -232,8 +238,7 @@ class Scheduler:
             if self_preempted:
                 break
             tables[rid] = got
-            chunks.append(ScheduledChunk(req, req.num_computed_tokens, n,
-                                         req.num_computed_tokens + n == req.num_tokens, spec))
+            chunks.append(ScheduledChunk(req, computed, n, n == uncomputed, spec))
             scheduled_ids.add(rid)
             token_budget -= n + len(spec)
             i += 1
@@ -290,12 +295,16 @@ class Scheduler:
         if not chunks and self.has_unfinished() and self._copies_in_flight():
             time.sleep(COPY_WAIT_S)  # what waits needs copies to end: do not spin on them
         if chunks:
-            step = StepInput.build(
-                [SeqChunk(c.request.request_id,
-                          c.request.all_token_ids[c.start_pos:c.start_pos + c.num_tokens]
-                          + c.spec_token_ids,
-                          c.start_pos, tables[c.request.request_id], c.sample) for c in chunks],
-                self.block_size)
+            seqs = []
+            for c in chunks:
+                r = c.request
+                start, n = c.start_pos, c.num_tokens
+                toks = r.all_token_ids
+                ids = [toks[start]] if n == 1 else toks[start:start + n]
+                if c.spec_token_ids:
+                    ids = ids + c.spec_token_ids
+                seqs.append(SeqChunk(r.request_id, ids, start, tables[r.request_id], c.sample))
+            step = StepInput.build(seqs, self.block_size)
         return SchedulerOutput(chunks, step, preempted, admitted, finished)
 
     def _truncate(self, request_id: str, num_tokens: int) -> None:
@@ -358,41 +367,56 @@ class Scheduler:
         sampled = out.sampled
         if len(token_ids) != len(sampled):
             raise ValueError(f"{len(token_ids)} sampled tokens for {len(sampled)} sampled chunks")
-        by_req = {r.request_id: j for j, r in enumerate(sampled)}
         results: list[EngineOutput] = []
         mgr = self.mgr
+        commit = mgr.commit
+        max_len = self.max_model_len
+        running = RequestStatus.RUNNING
+        generated = 0
+        j = -1  # row of token_ids: sampled chunks in chunk order
         for c in out.chunks:
             req = c.request
-            if req.status is not RequestStatus.RUNNING:  # aborted meanwhile
+            if c.sample:
+                j += 1
+            if req.status is not running:  # aborted meanwhile
                 continue
             if not c.sample:
                 req.num_computed_tokens = c.start_pos + c.num_tokens
-                mgr.commit(req.request_id, req.num_computed_tokens, req.all_token_ids)
+                commit(req.request_id, req.num_computed_tokens, req.all_token_ids)
                 continue
-            j = by_req[req.request_id]
             got, lp_got = token_ids[j], logprobs[j] if logprobs is not None else None
-            if c.spec_token_ids:
+            if not c.spec_token_ids:  # one token: the common case, no per-token loop
+                tok = int(got)
+                req.append_output(tok)
+                new = [tok]
+                if lp_got is not None:
+                    req.output_logprobs.append(lp_got)
+                    new_lps = [lp_got]
+                else:
+                    new_lps = []
+                generated += 1
+                status = req.check_stop(tok, max_len)
+            else:
                 toks = [int(t) for t in got]
                 lps = list(lp_got) if lp_got is not None else [None] * len(toks)
-            else:
-                toks, lps = [int(got)], [lp_got]
-            new: list[int] = []
-            new_lps: list[Any] = []
-            status = None
-            for tok, lp in zip(toks, lps):
-                req.append_output(tok)
-                new.append(tok)
-                if lp is not None:
-                    req.output_logprobs.append(lp)
-                    new_lps.append(lp)
-                self.generation_tokens += 1
-                status = req.check_stop(tok, self.max_model_len)
-                if status is not None:
-                    break
+                new = []
+                new_lps = []
+                status = None
+                for tok, lp in zip(toks, lps):
+                    req.append_output(tok)
+                    new.append(tok)
+                    if lp is not None:
+                        req.output_logprobs.append(lp)
+                        new_lps.append(lp)
+                    generated += 1
+                    status = req.check_stop(tok, max_len)
+                    if status is not None:
+                        break
             # the chunk's tokens and the accepted drafts before the last new token hold KV
             req.num_computed_tokens = c.start_pos + c.num_tokens + len(new) - 1
-            mgr.commit(req.request_id, req.num_computed_tokens, req.all_token_ids)
-            req.spec_token_ids, req.spec_draft_probs = [], None
+            commit(req.request_id, req.num_computed_tokens, req.all_token_ids)
+            if req.spec_token_ids or req.spec_draft_probs is not None:
+                req.spec_token_ids, req.spec_draft_probs = [], None
             if status is not None:
                 self._finish(req, status)
             elif c.spec_token_ids:
@@ -401,8 +425,9 @@ class Scheduler:
                 req.request_id, new, status is not None,
                 status.finish_reason if status is not None else None,
                 req.stop_reason if status is not None else None,
-                new_lps or None, req.num_prompt_tokens,
+                new_lps or None, len(req.prompt_token_ids),
                 max(req.num_cached_tokens, 0)))
+        self.generation_tokens += generated
         for req in out.finished:
             results.append(EngineOutput(req.request_id, [], True, req.finish_reason, None, None,
                                         req.num_prompt_tokens, max(req.num_cached_tokens, 0)))

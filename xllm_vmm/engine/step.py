@@ -139,46 +139,69 @@ class StepInput:
         chunks = list(chunks)
         if not chunks:
             raise ValueError("a step needs at least one chunk")
-        groups: tuple[str, ...] = tuple(chunks[0].block_table)
+        first = chunks[0].block_table
+        groups: tuple[str, ...] = tuple(first)
         if not groups:
             raise ValueError(f"chunk {chunks[0].request_id!r}: block_table has no groups")
-        seen: set[str] = set()
+        keys = first.keys()
         ids: list[int] = []
         ns: list[int] = []
         starts: list[int] = []
         samples: list[bool] = []
         rows: dict[str, list[list[int]]] = {g: [] for g in groups}
+        one = groups[0] if len(groups) == 1 else None  # the common single-group layout
+        one_rows = rows[groups[0]]
+        # one pass, no per-chunk helper calls: this runs for every sequence of every step
         for c in chunks:
-            rid = c.request_id
-            if rid in seen:
-                raise ValueError(f"request {rid!r} appears twice in one step")
-            seen.add(rid)
-            n = len(c.token_ids)
+            tok = c.token_ids
+            n = len(tok)
+            start = c.start_pos
             if n < 1:
-                raise ValueError(f"chunk {rid!r}: token_ids is empty (a chunk computes >= 1 token)")
-            if c.start_pos < 0:
-                raise ValueError(f"chunk {rid!r}: start_pos {c.start_pos} < 0")
+                raise ValueError(f"chunk {c.request_id!r}: token_ids is empty (a chunk computes "
+                                 ">= 1 token)")
+            if start < 0:
+                raise ValueError(f"chunk {c.request_id!r}: start_pos {start} < 0")
             bt_all = c.block_table
-            if len(bt_all) != len(groups) or any(g not in bt_all for g in groups):
+            if bt_all.keys() != keys:
                 raise ValueError(
-                    f"chunk {rid!r}: block_table groups {sorted(bt_all)} differ from "
+                    f"chunk {c.request_id!r}: block_table groups {sorted(bt_all)} differ from "
                     f"the step's {sorted(groups)}"
                 )
-            seq_len = c.start_pos + n
+            seq_len = start + n
             need = -(-seq_len // block_size)
-            for g in groups:
-                bt = bt_all[g]
-                if len(bt) < need:
-                    raise ValueError(
-                        f"chunk {rid!r}: group {g!r} block table has {len(bt)} blocks, "
-                        f"{need} needed for {seq_len} tokens at block_size {block_size}"
-                    )
-                rows[g].append(bt if len(bt) == need else bt[:need])
-            ids.extend(c.token_ids)
+            if one is not None:
+                bt = bt_all[one]
+                lb = len(bt)
+                if lb < need:
+                    cls._short_table(c, one, lb, need, seq_len, block_size)
+                one_rows.append(bt if lb == need else bt[:need])
+            else:
+                for g in groups:
+                    bt = bt_all[g]
+                    lb = len(bt)
+                    if lb < need:
+                        cls._short_table(c, g, lb, need, seq_len, block_size)
+                    rows[g].append(bt if lb == need else bt[:need])
+            if n == 1:
+                ids.append(tok[0])
+            else:
+                ids.extend(tok)
             ns.append(n)
-            starts.append(c.start_pos)
+            starts.append(start)
             samples.append(c.sample)
+        if len({c.request_id for c in chunks}) != len(chunks):
+            seen: set[str] = set()
+            for c in chunks:
+                if c.request_id in seen:
+                    raise ValueError(f"request {c.request_id!r} appears twice in one step")
+                seen.add(c.request_id)
         return cls._from_arrays(chunks, block_size, groups, ids, ns, starts, samples, rows)
+
+    @staticmethod
+    def _short_table(c: SeqChunk, g: str, have: int, need: int, seq_len: int,
+                     block_size: int) -> None:
+        raise ValueError(f"chunk {c.request_id!r}: group {g!r} block table has {have} blocks, "
+                         f"{need} needed for {seq_len} tokens at block_size {block_size}")
 
     @classmethod
     def _from_arrays(cls, chunks: list[SeqChunk], block_size: int, groups: tuple[str, ...],
@@ -190,17 +213,24 @@ class StepInput:
         import numpy as np
 
         b = len(ns)
-        n = np.array(ns, dtype=np.int64)
+        t = len(ids)
         start = np.array(starts, dtype=np.int64)
-        seq_lens = start + n
-        qsl = np.zeros(b + 1, dtype=np.int64)
-        np.cumsum(n, out=qsl[1:])
-        t = int(qsl[-1])
-        # positions: start_pos .. start_pos + n - 1 per chunk, concatenated
-        positions = np.arange(t, dtype=np.int64) - np.repeat(qsl[:-1] - start, n)
+        if t == b:  # a pure decode step: one token per chunk, at its start_pos
+            n = np.ones(b, dtype=np.int64)
+            seq_lens = start + 1
+            qsl = np.arange(b + 1, dtype=np.int64)
+            positions = start
+            tok_chunk = qsl[:-1]
+        else:
+            n = np.array(ns, dtype=np.int64)
+            seq_lens = start + n
+            qsl = np.zeros(b + 1, dtype=np.int64)
+            np.cumsum(n, out=qsl[1:])
+            # positions: start_pos .. start_pos + n - 1 per chunk, concatenated
+            positions = np.arange(t, dtype=np.int64) - np.repeat(qsl[:-1] - start, n)
+            tok_chunk = np.repeat(np.arange(b), n)
         need = (seq_lens + block_size - 1) // block_size
         max_blocks = int(need.max())
-        tok_chunk = np.repeat(np.arange(b), n)
         tok_block = positions // block_size
         tok_off = positions - tok_block * block_size
         covered = np.arange(max_blocks)[None, :] < need[:, None]  # row-major = concatenation order
