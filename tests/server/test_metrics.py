@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import httpx
+import pytest
 
 from tests.server.conftest import FakeEngine
 from xllm_vmm.bench.serve import parse_metric
@@ -79,3 +80,41 @@ def test_the_servers_own_costs_are_counted(tokenizer):
     assert out["output_thread_us_per_token"] > 0 and out["stream_encode_us_per_token"] > 0
     assert 0 < out["output_thread_busy_fraction"] < 1
     assert 0 < out["stream_encode_busy_fraction"] < 1
+
+
+def test_hot_histogram_renders_as_prometheus_histogram():
+    """The hot-path histogram (server stages, inter-token latency) is the same exposition as
+    prometheus_client's ``Histogram`` for the same samples (bounds included: a sample on a
+    bound counts in it; past the last bound in +Inf), less the ``_created`` series, and
+    ``observe(v, n)`` is n samples of v."""
+    import random
+
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from xllm_vmm.server.metrics import SERVER_LATENCY_BUCKETS, HotHistogram
+
+    rng = random.Random(3)
+    r1, r2 = CollectorRegistry(auto_describe=False), CollectorRegistry(auto_describe=False)
+    ref = Histogram("x_seconds", "doc", ["model_name", "stage"],
+                    buckets=SERVER_LATENCY_BUCKETS, registry=r1)
+    hot = HotHistogram("x_seconds", "doc", ["model_name", "stage"],
+                       buckets=SERVER_LATENCY_BUCKETS, registry=r2)
+    samples = [0.0, 1e-5, 2.51e-3, 10.0, 11.0, *(rng.random() * 0.2 for _ in range(500))]
+    for stage in ("emit", "queue"):
+        for v in samples:
+            ref.labels("m", stage).observe(v)
+            hot.labels("m", stage).observe(v)
+    for _ in range(3):
+        ref.labels("m", "emit").observe(0.004)
+    hot.labels("m", "emit").observe(0.004, 3)
+
+    def lines(reg, sums: bool):
+        return [ln for ln in generate_latest(reg).decode().splitlines()
+                if "_created" not in ln and ("_sum{" in ln) == sums]
+
+    assert lines(r1, False) == lines(r2, False)
+    for a, b in zip(lines(r1, True), lines(r2, True), strict=True):  # float order of the sum
+        assert a.rpartition(" ")[0] == b.rpartition(" ")[0]
+        assert float(a.rpartition(" ")[2]) == pytest.approx(float(b.rpartition(" ")[2]))
+    with pytest.raises(ValueError, match="label values"):
+        hot.labels("m")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import threading
@@ -133,6 +134,13 @@ async def serve_async(app: FastAPI, host: str, port: int, *, drain_timeout: floa
         url_host = host if host not in ("0.0.0.0", "::", "") else "127.0.0.1"
         if ":" in url_host:
             url_host = f"[{url_host}]"
+        if signals:
+            # The serving process (main thread): what was built up to here (the app, its
+            # routes, uvicorn, the modules they imported) lives as long as the process, so it
+            # leaves the collector's generations — a full collection would otherwise walk it
+            # under load (the engine freezes its own objects the same way). Not in the test
+            # servers on a thread: their objects are meant to be collected.
+            gc.freeze()
         if on_ready is not None:
             on_ready(f"http://{url_host}:{bound_port(server)}")
         stopper = asyncio.create_task(stop.wait())
