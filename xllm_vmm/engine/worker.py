@@ -21,7 +21,9 @@ section 3):
 - plain weights (not the pool's) are re-laid so that each layer's q/k/v and gate/up lie back to
   back (:func:`xllm_vmm.engine.layers.fusion.colocate_projections`: the same tensor objects,
   values and byte counts) and run as one product each; pool weights are never moved (gate/up
-  fuse as a view where the pool already placed them adjacently).
+  fuse as a view where the pool already placed them adjacently); on the CPU in bfloat16 the
+  dense decoder's projections of plain weights are replaced by oneDNN-packed copies
+  (:func:`xllm_vmm.engine.layers.packed.pack_model`; ``XLLM_VMM_PACKED_LINEAR=0`` keeps them).
 
 Tensor parallelism (issue 14): ``tp`` (:class:`~xllm_vmm.engine.layers.parallel.TensorParallel`)
 reaches every layer; only world size 1 runs today.
@@ -142,6 +144,10 @@ class Worker:
 
             colocate_projections(weights)  # same tensor objects and values, one buffer a group
         model = build_model(cfg, weights, tp=tp, device=device)
+        if device == "cpu" and not weights_in_pool(weights):  # bf16: oneDNN-packed copies
+            from xllm_vmm.engine.layers.packed import pack_model
+
+            model.packed = pack_model(model, weights)  # replace the originals (layers.packed)
         if model.dtype != compute_dtype:
             raise ValueError(f"the weights are {model.dtype}, the worker was asked for "
                              f"{compute_dtype}; load them with dtype={compute_dtype}")

@@ -55,7 +55,11 @@ class VocabEmbedding:
 
 
 class LMHead:
-    """``logits = hidden @ weight^T``; tied models pass the embedding table itself."""
+    """``logits = hidden @ weight^T``; tied models pass the embedding table itself. An untied
+    head may be replaced by oneDNN's packed copy (``packed``; ``weight`` None then:
+    :func:`~xllm_vmm.engine.layers.packed.pack_model`)."""
+
+    packed = None
 
     def __init__(self, weight: Tensor, *, tp: TensorParallel = SINGLE) -> None:
         self.tp = tp
@@ -70,4 +74,8 @@ class LMHead:
             from xllm_vmm.engine.distributed.vocab import gather_logits
 
             return gather_logits(F.linear(hidden, self.rows), self.tp, self.vocab_size)
+        if self.packed is not None:
+            from xllm_vmm.engine.layers.packed import linear
+
+            return linear(hidden, self.packed, None)
         return F.linear(hidden, self.weight)

@@ -18,6 +18,10 @@ if TYPE_CHECKING:  # pragma: no cover
 class ReplicatedLinear:
     """The full weight on every rank (routers, small projections)."""
 
+    packed: Tensor | None = None
+    """oneDNN's packed copy when :func:`~xllm_vmm.engine.layers.packed.pack_model` replaced the
+    weight by it (``weight`` is then None)."""
+
     def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
         self.weight = weight
         self.bias = bias
@@ -25,6 +29,10 @@ class ReplicatedLinear:
     def __call__(self, x: Tensor) -> Tensor:
         import torch.nn.functional as F
 
+        if self.packed is not None:
+            from xllm_vmm.engine.layers.packed import linear
+
+            return linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -64,7 +72,7 @@ class RowParallelLinear(ReplicatedLinear):
         import torch.nn.functional as F
 
         if self.tp.world_size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return ReplicatedLinear.__call__(self, x)
         y = F.linear(x, self.weight)
         if self.reduce:
             y = self.tp.all_reduce(y)
@@ -77,6 +85,8 @@ class MergedColumnLinear:
     (:func:`~xllm_vmm.engine.layers.fusion.adjacent_rows`), ``bias`` the same over their biases
     (or None); ``__call__`` returns each part's output, a view of one ``(T, sum(sizes))``
     product, in order. Build with :meth:`of`."""
+
+    packed: Tensor | None = None  # as ReplicatedLinear.packed
 
     def __init__(self, weight: Tensor, bias: Tensor | None, sizes: tuple[int, ...]) -> None:
         self.weight = weight
@@ -108,4 +118,8 @@ class MergedColumnLinear:
     def __call__(self, x: Tensor) -> tuple[Tensor, ...]:
         import torch.nn.functional as F
 
+        if self.packed is not None:
+            from xllm_vmm.engine.layers.packed import linear
+
+            return linear(x, self.packed, self.bias).split(self.sizes, dim=-1)
         return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
