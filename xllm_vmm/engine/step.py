@@ -251,7 +251,7 @@ class StepInput:
         return cls(
             chunks=chunks,
             block_size=block_size,
-            input_ids=torch.tensor(ids, dtype=torch.int64),
+            input_ids=torch.from_numpy(np.array(ids, dtype=np.int64)),  # 1/3 of torch.tensor(list)
             positions=torch.from_numpy(positions),
             slot_mapping=slots,
             query_start_loc=torch.from_numpy(qsl.astype(np.int32)),
