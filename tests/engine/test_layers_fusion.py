@@ -145,3 +145,16 @@ def test_families_run_fused_and_match_unfused_and_hf(tmp_path, monkeypatch, fami
     assert fused == plain
     for r, ids in prompts.items():
         assert fused[r] == C.hf_greedy(hf, ids, 6), (family, r)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_of_fused_heads_equals_norm_of_contiguous_heads(dtype):
+    """Qwen3's per-head q/k norms over views of the fused product: the same bits as over the
+    separate (contiguous) products."""
+    from xllm_vmm.engine.layers.norm import rms_norm
+
+    qkv = torch.randn(9, 48 + 16 + 16, dtype=dtype)
+    q = qkv[:, :48].view(9, 3, 16)  # token rows at the product's stride
+    w = torch.rand(16, dtype=dtype) + 0.5
+    assert not q.is_contiguous()
+    assert torch.equal(rms_norm(q, w, 1e-6), rms_norm(q.contiguous(), w, 1e-6))

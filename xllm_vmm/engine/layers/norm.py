@@ -34,6 +34,12 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Normalise the last dimension of ``x``; the result has ``x``'s dtype (a new tensor)."""
     if layer_ops.supported(x, weight):
         return layer_ops.rms_norm(x, weight, eps)
+    if x.dim() > 2 and x.stride(-1) == 1 and not x.is_contiguous():
+        # heads of a fused q/k/v product (token rows at the product's stride): one copy, then
+        # the same native pass the separate products' contiguous q/k take
+        xc = x.contiguous()
+        if layer_ops.supported(xc, weight):
+            return layer_ops.rms_norm(xc, weight, eps)
     return rms_norm_torch(x, weight, eps)
 
 
