@@ -206,9 +206,10 @@ def _backend(**kw):
 
 
 def test_backend_switches(monkeypatch):
-    """``XLLM_VMM_NATIVE_PREFILL`` / ``native_prefill``: auto by default (bf16 where the AMX
-    form runs: every chunk; the AVX-512-BF16 form alone: chunks of at most 32; never float32),
-    ``0`` off, ``1`` every chunk, ``portable``; a bad value is refused naming it."""
+    """``XLLM_VMM_NATIVE_PREFILL`` / ``native_prefill``: auto by default (every chunk where the
+    AMX or the AVX-512 float32 form runs; the AVX-512-BF16 form alone: chunks of at most 32;
+    none on the portable C alone), ``0`` off, ``1`` every chunk, ``portable``; a bad value is
+    refused naming it."""
     monkeypatch.delenv(npf.ENV, raising=False)
     be = _backend()
     assert be.native_prefill == "auto"
@@ -218,14 +219,16 @@ def test_backend_switches(monkeypatch):
     impl = npf.implementation(torch.bfloat16, torch.bfloat16, 64)
     want = {"amx-bf16": 1 << 62, "avx512-bf16": npf.AVX512_BF16_MAX_QUERIES}.get(impl, 0)
     assert be._native_prefill_limit(q_bf, bf) == want
-    assert be._native_prefill_limit(q_f32, f32) == 0
+    want32 = 1 << 62 if npf.implementation(torch.float32, torch.float32, 64) == "avx512-f32" else 0
+    assert be._native_prefill_limit(q_f32, f32) == want32
+    assert be._native_prefill_limit(q_f32, bf) == 0  # mixed dtypes: only the portable C
     for env, mode in (("0", "off"), ("1", "on"), ("portable", "portable"), ("", "auto")):
         monkeypatch.setenv(npf.ENV, env)
         assert _backend().native_prefill == mode
     monkeypatch.setenv(npf.ENV, "0")
     assert _backend(native_prefill=True).native_prefill == "on"
     assert _backend()._native_prefill_limit(q_bf, bf) == 0
-    assert _backend(native_prefill="on")._native_prefill_limit(q_f32, f32) == 1 << 62
+    assert _backend(native_prefill="on")._native_prefill_limit(q_f32, bf) == 1 << 62
     with pytest.raises(ValueError, match="native_prefill 'fast' is not one of"):
         _backend(native_prefill="fast")
 

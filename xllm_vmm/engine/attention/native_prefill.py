@@ -19,10 +19,11 @@ float32 FMA in the float32 form); elsewhere, or with ``XLLM_VMM_NATIVE_PREFILL=p
 portable C (exact two-pass softmax per query). Work items (chunk, tile, KV head) go to the
 library's persistent thread pool, the GIL released.
 
-When the torch backend uses it (``ENV``): by default for bfloat16 chunks where the AVX-512-BF16
-form runs (measured cheaper than SDPA's flash kernel plus its copies and masks:
-``xllm-vmm bench attention``'s prefill cases, docs/engine.md); ``1`` uses it for every
-prefill chunk it takes (float32 too, whatever implementation runs); ``portable`` forces the
+When the torch backend uses it (``ENV``, :func:`default_limit`): by default for every chunk
+where the AMX form (bfloat16) or the AVX-512 float32 form runs, and for chunks of at most 32
+queries where only the AVX-512-BF16 form does (measured against SDPA's flash kernel plus its
+copies and masks: ``xllm-vmm bench attention``'s prefill cases, docs/engine.md); ``1`` uses it
+for every prefill chunk it takes, whatever implementation runs; ``portable`` forces the
 portable C for every chunk (tests: fp32 greedy equality with transformers through it); ``0``
 keeps SDPA.
 """
@@ -40,7 +41,7 @@ if TYPE_CHECKING:  # pragma: no cover
 ENV = "XLLM_VMM_NATIVE_PREFILL"
 """``0`` (false/off/no): prefill chunks keep SDPA; ``1`` (true/on/yes): the kernel for every
 prefill chunk of a supported configuration; ``portable``: that, with the portable C forced;
-unset / ``auto``: the kernel where its AVX-512-BF16 form runs (bfloat16)."""
+unset / ``auto``: :func:`default_limit`."""
 
 MAX_HEAD_DIM = nd.MAX_HEAD_DIM
 MAX_GROUP = nd.MAX_GROUP
@@ -93,15 +94,12 @@ measured cheaper than SDPA up to 32 queries a chunk and dearer from 128 (docs/en
 
 def default_limit(q_dtype: Any, kv_dtype: Any, head_dim: int) -> int:
     """The ``auto`` choice, as the longest chunk (queries) the kernel takes: every chunk
-    where the AMX form runs (bfloat16), chunks of at most ``AVX512_BF16_MAX_QUERIES`` where
-    only the AVX-512-BF16 form does, none (0) otherwise (float32, no AVX-512-BF16: SDPA
-    measured cheaper or equal)."""
-    import torch
-
-    if q_dtype != torch.bfloat16 or kv_dtype != torch.bfloat16:
-        return 0
+    where the AMX form (bfloat16) or the AVX-512 float32 form runs, chunks of at most
+    ``AVX512_BF16_MAX_QUERIES`` where only the AVX-512-BF16 form does (bfloat16 without AMX),
+    none (0) where only the portable C would (SDPA is faster than plain loops). Measured
+    against SDPA's flash kernel: docs/engine.md."""
     impl = implementation(q_dtype, kv_dtype, head_dim)
-    if impl == "amx-bf16":
+    if impl in ("amx-bf16", "avx512-f32"):
         return 1 << 62
     return AVX512_BF16_MAX_QUERIES if impl == "avx512-bf16" else 0
 

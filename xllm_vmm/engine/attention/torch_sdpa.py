@@ -40,8 +40,9 @@ for CUDA, for what the kernel does not take, and with ``native_decode=False`` /
 ``XLLM_VMM_NATIVE_DECODE=0``.
 
 Prefill chunks (more than one query) go, where :mod:`.native_prefill` is on for the layer's
-dtypes (``native_prefill`` / ``XLLM_VMM_NATIVE_PREFILL``; by default bf16 where its AMX form
-runs, every chunk; where only its AVX-512-BF16 form runs, chunks of at most 32 queries), to
+dtypes (``native_prefill`` / ``XLLM_VMM_NATIVE_PREFILL``; by default every chunk where its AMX
+(bf16) or AVX-512 float32 form runs; where only its AVX-512-BF16 form runs, chunks of at most
+32 queries), to
 the native prefill kernel: one call per layer for all of them, K/V read in place through the
 block table (the chunk's own rows after ``write_kv``), no per-chunk copies, no masks — those
 are built only for the chunks SDPA still takes. Measured: docs/engine.md.
@@ -302,8 +303,7 @@ class TorchSDPABackend(AttentionBackend):
         self.native_prefill = native_prefill
         """``off`` (SDPA for prefill chunks), ``on`` / ``portable`` (the native prefill kernel
         for every chunk of a configuration it takes; ``portable`` forces its portable C),
-        ``auto`` (the kernel where :func:`.native_prefill.use_by_default` says: bf16 on
-        AVX-512-BF16)."""
+        ``auto`` (:func:`.native_prefill.default_limit`)."""
         self._prefill_ok: dict[tuple, bool] = {}
         self._native_ok: dict[tuple, bool] = {}
         self._buffers: dict[str, Any] = {}
