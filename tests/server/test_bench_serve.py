@@ -42,6 +42,10 @@ def test_drive_counts_every_request(tokenizer):
         out = asyncio.run(bs.drive(srv.url, cfg))
     assert out["completed"] == 20 and out["failures"] == 0 and out["errors"] == []
     assert out["total_output_tokens"] == 120
+    # the planned arrivals (the sum of the Poisson gaps: 20 at 200/s, ~0.1 s) and the span
+    # this client sent them in (its sleeps are never shorter than the gaps)
+    assert 0 < out["arrival_span_s"] < 1.0
+    assert out["send_span_s"] >= out["arrival_span_s"] * 0.99
     for k in ("ttft_ms_median", "ttft_ms_p99", "tpot_ms_median", "itl_ms_median", "itl_ms_p99"):
         assert out[k] >= 0 and math.isfinite(out[k]), k
     assert out["ttft_ms_p99"] >= out["ttft_ms_median"]

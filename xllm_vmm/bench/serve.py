@@ -31,6 +31,8 @@ JSON-encoding the SSE chunks, timed without awaits), over wall seconds or per ou
 ``xllm_vmm_output_tokens``;
 against vLLM's server, its own stages from its ``/metrics`` (``vllm_queue_ms_mean``,
 ``vllm_prefill_ms_mean``, ``vllm_steps``: :func:`vllm_stage_figures`);
+``arrival_span_s`` / ``send_span_s`` (first to last request: planned by the gaps, and as this
+client sent them — well above the plan, the client fell behind);
 ``rss_bytes_peak`` (when the server's process id is known: the most resident bytes of its
 process tree, every process's ``VmRSS`` summed, every ``sample_interval`` seconds — shared pages count
 once per process, as ``ps`` shows them). One warm-up request (not counted) precedes the load.
@@ -458,6 +460,7 @@ async def drive(url: str, cfg: LoadConfig, *, rss_pid: Optional[int] = None) -> 
             if gap:
                 await asyncio.sleep(gap)
             tasks.append(asyncio.create_task(_one(client, url, model, prompt, cfg, headers)))
+        send_span = time.perf_counter() - t_start
         remaining = cfg.timeout - (time.perf_counter() - t_start)
         finished, pending = await asyncio.wait(tasks, timeout=max(0.0, remaining))
         for t in pending:
@@ -501,6 +504,9 @@ async def drive(url: str, cfg: LoadConfig, *, rss_pid: Optional[int] = None) -> 
         "request_rate": "inf" if math.isinf(cfg.request_rate) else cfg.request_rate,
         "input_len": cfg.input_len, "range_ratio": cfg.range_ratio,
         "output_len": cfg.output_len, "seed": cfg.seed, "duration_s": wall,
+        # the arrivals as planned (the Poisson gaps) and as sent: a send span well above the
+        # plan means this client fell behind, not the server
+        "arrival_span_s": sum(gaps), "send_span_s": send_span,
         "output_throughput": out_tokens / wall if wall > 0 else 0.0,
         "request_throughput": len(ok) / wall if wall > 0 else 0.0,
         "total_output_tokens": out_tokens,
