@@ -97,6 +97,8 @@ def test_bench_engine_vllm_side_by_side_protocol(tmp_path, monkeypatch):
     # both sides without prefix caching (the trace repeats), both budgets printed
     assert doc["prefix_caching"] is False and doc["vllm_prefix_caching"] is False
     assert doc["max_tokens_per_batch"] == 2048 and doc["vllm_max_num_batched_tokens"] == 4096
+    # vLLM's process was stopped while ours and HF ran, and resumed for each of its runs
+    assert doc["vllm_paused_while_others_ran"] is True
     r = CliRunner().invoke(app, _small(["--vllm-venv", str(tmp_path / "nowhere")]))
     assert r.exit_code == 0, r.stderr
     doc = json.loads(r.stdout)

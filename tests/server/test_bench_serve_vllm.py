@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -166,6 +167,7 @@ def test_compare_warms_both_then_alternates_rounds(tmp_path, tiny_llama_dir):
         # the other server was idle while this one ran (a few scheduler ticks at most)
         assert all(x["idle_server_cpu_s"] is not None and x["idle_server_cpu_s"] < 1.0
                    for x in s["runs"])
+        assert all(x["idle_server_paused"] is True for x in s["runs"])  # stopped, then resumed
     assert out["xllm_vmm"]["server_exit_code"] == 0
     assert "error" not in out["vllm"] and out["vllm"]["kv_reserved_bytes"] == 1 << 30
     assert out["vs_vllm_throughput_ratio"] == pytest.approx(
@@ -224,6 +226,41 @@ def test_tree_cpu_seconds_counts_children():
         child.kill()
         child.wait()
     assert bs.tree_cpu_seconds(child.pid) is None
+
+
+def _state(pid):
+    with open(f"/proc/{pid}/stat", "rb") as fh:
+        return fh.read().rpartition(b")")[2].split()[0].decode()
+
+
+def test_signal_tree_pauses_and_resumes_a_process_and_its_children():
+    # a parent that starts a busy child: both stop on SIGSTOP (state T) and run again on SIGCONT
+    parent = subprocess.Popen([sys.executable, "-c",
+                               "import subprocess, sys, time\n"
+                               "c = subprocess.Popen([sys.executable, '-c', 'while True: pass'])\n"
+                               "print(c.pid, flush=True)\ntime.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert set(bs.tree_pids(parent.pid)) == {parent.pid, child}
+        assert bs.signal_tree(parent.pid, signal.SIGSTOP) == 2
+        deadline = time.monotonic() + 10
+        while {_state(parent.pid), _state(child)} != {"T"} and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _state(parent.pid) == _state(child) == "T"
+        busy = bs.tree_cpu_seconds(child)
+        time.sleep(0.3)
+        assert bs.tree_cpu_seconds(child) == busy  # a stopped tree uses no CPU
+        assert bs.signal_tree(parent.pid, signal.SIGCONT) == 2
+        deadline = time.monotonic() + 10
+        while bs.tree_cpu_seconds(child) == busy and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert bs.tree_cpu_seconds(child) > busy  # running again
+    finally:
+        for p in bs.tree_pids(parent.pid)[::-1]:
+            os.kill(p, signal.SIGKILL)
+        parent.wait()
+    assert bs.tree_pids(parent.pid) == []
 
 
 def test_vllm_stage_figures_read_its_histograms():

@@ -35,7 +35,10 @@ in one run, on the same checkpoint and prompts.
   without prefix caching (the trace repeats: a cache would serve the second repeat's prompts):
   ``prefix_caching`` (ours) and ``vllm_prefix_caching`` (read back from vLLM's config) say so;
   the per-step token budgets are ``max_tokens_per_batch`` (ours, ``--max-tokens-per-batch``)
-  and ``vllm_max_num_batched_tokens`` (vLLM's CPU default, 4,096).
+  and ``vllm_max_num_batched_tokens`` (vLLM's CPU default, 4,096). vLLM's process tree is
+  stopped (SIGSTOP) while our engine and HF run and resumed for its own runs
+  (``vllm_paused_while_others_ran``): idle, its gloo threads woke ~1,300 times a second, each
+  wake-up stalling one of the other engine's two OpenMP threads.
 - ``host_malloc_tuned``: whether the engine's start tuned glibc malloc
   (:mod:`xllm_vmm.engine.host_memory`; process-wide, so the HF runs, which follow the engine's
   start, have it too).
@@ -59,6 +62,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import statistics
 import time
 from pathlib import Path
@@ -235,7 +239,10 @@ def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
         matched = 0
         v_tps: list[float] = []
         v_ratios: list[float] = []
+        paused = []
         for r in range(repeats):
+            if vllm is not None:
+                paused.append(vllm.pause())
             dt, outs, pk = _engine_generate(llm, trace, new_tokens, sample_kv=(r == 0))
             hdt, houts = _hf_generate(hf, trace, new_tokens, hf_batch)
             n_out = prompts * new_tokens
@@ -282,6 +289,8 @@ def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
                                                 if peaks["floor"] else None)
         cache = llm.llm_engine.kv_cache_manager.cache
         out["kv_slot_bytes"] = max(geo.slot_bytes for geo in cache.geometry.values())
+        if vllm is not None:
+            out["vllm_paused_while_others_ran"] = all(paused) and vllm.pause()
         for b in batch_sizes:
             eq = _trace(b, equal_prompt, equal_prompt, seed + b, vocab)
             dt, _, _ = _engine_generate(llm, eq, new_tokens)
@@ -312,6 +321,7 @@ class VllmRunner:
         self.error: str | None = None
         self.settings: dict[str, Any] = {}
         self.proc = None
+        self._paused = False
         self.timeout_s = timeout_s
         py = Path(venv).expanduser() / "bin" / "python"
         if not py.is_file():
@@ -380,8 +390,27 @@ class VllmRunner:
         tail = [ln for ln in self._err.read().splitlines() if ln.strip()][-3:]
         return f"vLLM exited with code {self.proc.returncode}: " + " | ".join(tail)
 
+    def pause(self) -> bool:
+        """Stops vLLM's process tree (SIGSTOP) while the other engines run: an idle vLLM is not
+        quiet (its gloo threads wake ~1,300 times a second here, each stalling one of the other
+        engine's two OpenMP threads). ``run()`` and ``close()`` resume it. True if paused."""
+        from xllm_vmm.bench.serve import signal_tree
+
+        if self.proc is None or self.proc.poll() is not None or self._paused:
+            return self._paused
+        self._paused = signal_tree(self.proc.pid, signal.SIGSTOP) > 0
+        return self._paused
+
+    def resume(self) -> None:
+        from xllm_vmm.bench.serve import signal_tree
+
+        if self._paused and self.proc is not None:
+            signal_tree(self.proc.pid, signal.SIGCONT)
+        self._paused = False
+
     def run(self) -> dict[str, Any]:
         assert self.proc is not None and self.proc.stdin is not None
+        self.resume()
         try:
             self.proc.stdin.write("run\n")
             self.proc.stdin.flush()
@@ -390,6 +419,7 @@ class VllmRunner:
         return self._read()
 
     def close(self) -> None:
+        self.resume()
         p, self.proc = self.proc, None
         if p is not None:
             try:

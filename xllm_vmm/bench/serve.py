@@ -142,6 +142,34 @@ def _children() -> Optional[dict[int, list[int]]]:
     return children
 
 
+def tree_pids(pid: int) -> list[int]:
+    """Process ``pid`` and its live descendants (``/proc``), parents first; ``[]`` when
+    ``/proc`` cannot be read."""
+    children = _children()
+    if children is None:
+        return []
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        if os.path.exists(f"/proc/{p}"):
+            out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def signal_tree(pid: int, sig: int) -> int:
+    """Sends ``sig`` to ``pid`` and every live descendant; returns how many received it
+    (a process that has gone meanwhile is skipped)."""
+    n = 0
+    for p in tree_pids(pid):
+        try:
+            os.kill(p, sig)
+            n += 1
+        except OSError:
+            pass
+    return n
+
+
 def tree_cpu_seconds(pid: int) -> Optional[float]:
     """CPU seconds (user + system, every thread) used so far by process ``pid`` and its live
     descendants (``/proc/PID/stat`` utime + stime); None when ``pid`` is gone or ``/proc``

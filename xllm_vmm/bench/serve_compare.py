@@ -23,9 +23,14 @@ How (the order is what makes the figures stable on a small noisy machine):
 3. ``rounds`` measured rounds; round *i* drives both with the load of seed ``seed + i`` (the
    same prompts for both sides within a round, new prompts every round, so that no prefix
    cache serves a repeat), ours first in even rounds and vLLM's first in odd ones (drift in
-   the machine's load cancels over pairs). One server is driven at a time: the other is idle,
-   and ``idle_server_cpu_s`` (the CPU seconds the idle server's process tree used during the
-   run, from ``/proc``) shows it stayed idle. ``settle_s`` seconds pass between runs.
+   the machine's load cancels over pairs). One server is driven at a time; the other's whole
+   process tree is paused (SIGSTOP, SIGCONT after the run; ``pause_idle``, reported as
+   ``idle_server_paused``): an idle ``vllm serve`` is not quiet — its worker's 12
+   ``gloo_tcp_loop`` threads woke ~1,300 times a second here, and with it merely running our
+   server's steps took 50-57 ms instead of 22-32 ms (each wake-up stalls one of the two
+   OpenMP threads every parallel region waits for). ``idle_server_cpu_s`` (the CPU seconds
+   the idle tree used during the run, from ``/proc``) shows it stayed idle. ``settle_s``
+   seconds pass between runs.
 
 Figures (:func:`compare`): per side, ``runs`` (each run's ``drive`` figures, with ``round``,
 ``seed`` and ``idle_server_cpu_s``), ``warmup``, and over the runs ``output_throughput_min`` /
@@ -63,7 +68,7 @@ from typing import Optional
 
 from dataclasses import replace
 
-from xllm_vmm.bench.serve import LoadConfig, ServerProcess, drive, tree_cpu_seconds
+from xllm_vmm.bench.serve import LoadConfig, ServerProcess, drive, signal_tree, tree_cpu_seconds
 
 #: the warm-up load's seed is the measured seed plus this (prompts no measured round sends)
 WARMUP_SEED_OFFSET = 1000
@@ -271,7 +276,7 @@ def parse_env(items: list[str]) -> dict[str, str]:
 def compare(cfg: LoadConfig, serve_args: list[str], vllm_venv: str, *, rounds: int = 3,
             kv_space_gib: int = 2, vllm_start_timeout: float = 300.0,
             warmup_prompts: int = 32, vllm_env: Optional[dict[str, str]] = None,
-            settle_s: float = 1.0) -> dict:
+            settle_s: float = 1.0, pause_idle: bool = True) -> dict:
     """Both servers up, the same warm-up, then ``rounds`` alternating rounds (module
     docstring). ``serve_args`` are ``xllm-vmm serve``'s (:func:`xllm_vmm.bench.serve.serve_args`:
     they name the model, dtype and context vLLM gets too). A vLLM start that fails ends vLLM's
@@ -320,6 +325,7 @@ def compare(cfg: LoadConfig, serve_args: list[str], vllm_venv: str, *, rounds: i
             url, pid = servers[side]
             other = servers["vllm" if side == "xllm_vmm" else "xllm_vmm"][1]
             idle0 = tree_cpu_seconds(other) if other is not None and vllm_error is None else None
+            paused = pause_idle and idle0 is not None and signal_tree(other, signal.SIGSTOP) > 0
             try:
                 out = asyncio.run(drive(url, load, rss_pid=pid if rss else None))
             except Exception as exc:  # noqa: BLE001
@@ -329,9 +335,13 @@ def compare(cfg: LoadConfig, serve_args: list[str], vllm_venv: str, *, rounds: i
                               f"{vs.log_tail(30)}")
                 vs.stop()
                 return None
+            finally:
+                if paused:
+                    signal_tree(other, signal.SIGCONT)
             idle1 = tree_cpu_seconds(other) if idle0 is not None else None
             out["idle_server_cpu_s"] = (idle1 - idle0 if idle0 is not None
                                         and idle1 is not None else None)
+            out["idle_server_paused"] = bool(paused)
             return out
 
         if warm is not None:
