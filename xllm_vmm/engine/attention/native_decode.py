@@ -122,6 +122,43 @@ def _int64(t: Any, name: str) -> Any:
     return t.to(torch.int64).contiguous()
 
 
+def check_paged_views(q: Tensor, k_slots: Tensor, v_slots: Tensor, *, block_size: int,
+                      blocks_per_slot: int, kernel: str = "decode") -> tuple[int, ...]:
+    """The argument checks the paged kernels (decode and prefill) share: ``q`` ``(T, H, D)``,
+    two ``(S, tokens, Hkv, D)`` token-major CPU views of one shape and dtype, GQA within
+    ``MAX_GROUP``, ``D <= MAX_HEAD_DIM``, ``tokens == block_size * blocks_per_slot``. Returns
+    ``(q_code, kv_code, T, H, D, S, Hkv)``; raises ``ValueError`` naming the argument."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be (T, H, D), got shape {tuple(q.shape)}")
+    if k_slots.dim() != 4 or tuple(v_slots.shape) != tuple(k_slots.shape):
+        raise ValueError(f"k_slots/v_slots must be two (S, tokens, Hkv, D) views of one shape, "
+                         f"got {tuple(k_slots.shape)} / {tuple(v_slots.shape)}")
+    for name, t in (("q", q), ("k_slots", k_slots), ("v_slots", v_slots)):
+        if t.device.type != "cpu":
+            raise ValueError(f"{name} is on {t.device}; the native {kernel} kernel runs on CPU")
+    qt, kt = _code(q.dtype), _code(k_slots.dtype)
+    if qt is None:
+        raise ValueError(f"q must be float32 or bfloat16, got {q.dtype}")
+    if kt is None or v_slots.dtype != k_slots.dtype:
+        raise ValueError(f"k_slots/v_slots must be float32 or bfloat16 and alike, got "
+                         f"{k_slots.dtype} / {v_slots.dtype}")
+    t_rows, h, d = q.shape
+    s, tokens, hkv, dk = k_slots.shape
+    if dk != d:
+        raise ValueError(f"k_slots head_dim {dk} differs from q's {d}")
+    if h % hkv or h // hkv > MAX_GROUP or d > MAX_HEAD_DIM:
+        raise ValueError(f"q heads {h} over K/V heads {hkv}: the kernel needs H a multiple of "
+                         f"Hkv with H/Hkv <= {MAX_GROUP}, and head_dim <= {MAX_HEAD_DIM} "
+                         f"(got {d})")
+    if k_slots.stride()[1:] != (hkv * d, d, 1) or v_slots.stride() != k_slots.stride():
+        raise ValueError("k_slots/v_slots must be token-major views with equal strides "
+                         f"(page, Hkv*D, D, 1), got {k_slots.stride()} / {v_slots.stride()}")
+    if block_size < 1 or blocks_per_slot < 1 or tokens != block_size * blocks_per_slot:
+        raise ValueError(f"block_size {block_size} x blocks_per_slot {blocks_per_slot} must "
+                         f"equal the views' tokens per slot {tokens}")
+    return qt, kt, t_rows, h, d, s, hkv
+
+
 def paged_decode(q: Tensor, k_slots: Tensor, v_slots: Tensor, block_table: Tensor,
                  seq_lens: Tensor, *, block_size: int, blocks_per_slot: int, scale: float,
                  rows: Tensor | None = None, out: Tensor | None = None,
@@ -143,34 +180,8 @@ def paged_decode(q: Tensor, k_slots: Tensor, v_slots: Tensor, block_table: Tenso
     lib = load()
     if lib is None:
         raise ValueError(_NOT_BUILT)
-    if q.dim() != 3:
-        raise ValueError(f"q must be (T, H, D), got shape {tuple(q.shape)}")
-    if k_slots.dim() != 4 or tuple(v_slots.shape) != tuple(k_slots.shape):
-        raise ValueError(f"k_slots/v_slots must be two (S, tokens, Hkv, D) views of one shape, "
-                         f"got {tuple(k_slots.shape)} / {tuple(v_slots.shape)}")
-    for name, t in (("q", q), ("k_slots", k_slots), ("v_slots", v_slots)):
-        if t.device.type != "cpu":
-            raise ValueError(f"{name} is on {t.device}; the native decode kernel runs on CPU")
-    qt, kt = _code(q.dtype), _code(k_slots.dtype)
-    if qt is None:
-        raise ValueError(f"q must be float32 or bfloat16, got {q.dtype}")
-    if kt is None or v_slots.dtype != k_slots.dtype:
-        raise ValueError(f"k_slots/v_slots must be float32 or bfloat16 and alike, got "
-                         f"{k_slots.dtype} / {v_slots.dtype}")
-    t_rows, h, d = q.shape
-    s, tokens, hkv, dk = k_slots.shape
-    if dk != d:
-        raise ValueError(f"k_slots head_dim {dk} differs from q's {d}")
-    if h % hkv or h // hkv > MAX_GROUP or d > MAX_HEAD_DIM:
-        raise ValueError(f"q heads {h} over K/V heads {hkv}: the kernel needs H a multiple of "
-                         f"Hkv with H/Hkv <= {MAX_GROUP}, and head_dim <= {MAX_HEAD_DIM} "
-                         f"(got {d})")
-    if k_slots.stride()[1:] != (hkv * d, d, 1) or v_slots.stride() != k_slots.stride():
-        raise ValueError("k_slots/v_slots must be token-major views with equal strides "
-                         f"(page, Hkv*D, D, 1), got {k_slots.stride()} / {v_slots.stride()}")
-    if block_size < 1 or blocks_per_slot < 1 or tokens != block_size * blocks_per_slot:
-        raise ValueError(f"block_size {block_size} x blocks_per_slot {blocks_per_slot} must "
-                         f"equal the views' tokens per slot {tokens}")
+    qt, kt, t_rows, h, d, s, hkv = check_paged_views(q, k_slots, v_slots, block_size=block_size,
+                                                     blocks_per_slot=blocks_per_slot)
     q = q.contiguous()
     table = _int64(block_table, "block_table")
     lens = _int64(seq_lens, "seq_lens")
