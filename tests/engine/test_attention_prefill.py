@@ -253,9 +253,53 @@ def test_backend_splits_chunks_by_limit():
     assert q0.shape == (8,) and table.shape[0] == 8
     q0, q1, lens, table = meta.native_prefills(4)
     assert q0.shape == (0,)
-    be._prefill_ok[(torch.bfloat16, torch.bfloat16, "cpu")] = 4  # nothing native
+    be._prefill_ok[(torch.bfloat16, torch.bfloat16, "cpu")] = (4, 1 << 62, 1 << 62)  # none
     got = be.attend(c["q"], c["k"], c["v"], c["layer"], be.prepare(step))
     assert torch.equal(got, want)
+
+
+def test_backend_routes_chunks_by_keys_too():
+    """The route's key bound: chunks (8 queries ending at key 48) past ``max_keys`` go to SDPA
+    unless they are within ``any_keys_queries``; every row equals SDPA either way."""
+    from xllm_vmm.bench.attention import _prefill_case
+
+    c = _prefill_case(8, 40, 64, 64, torch.bfloat16, 8, 4, 16, 4, 0)  # 8 chunks of 8 at 40
+    step = c["step"]
+    ref = _backend(native_prefill="off")
+    want = ref.attend(c["q"], c["k"], c["v"], c["layer"], ref.prepare(step))
+    be = _backend(native_prefill="on")
+    meta = be.prepare(step)
+    assert meta.native_prefills(1 << 62, 47, 7)[0].shape == (0,)  # 48 keys > 47, 8 queries > 7
+    assert meta.native_prefills(1 << 62, 48, 0)[0].shape == (8,)  # within the keys
+    assert meta.native_prefills(1 << 62, 0, 8)[0].shape == (8,)  # short enough for any keys
+    key = (torch.bfloat16, torch.bfloat16, "cpu")
+    for route, native in (((1 << 62, 47, 7), False), ((1 << 62, 48, 0), True)):
+        be._prefill_ok[key] = route
+        got = be.attend(c["q"], c["k"], c["v"], c["layer"], be.prepare(step))
+        if native:
+            assert (got.float() - want.float()).abs().max() < 1.6e-2
+        else:
+            assert torch.equal(got, want)  # SDPA alone: the same bits
+
+
+def test_default_route_bounds_the_amx_form_at_wide_heads():
+    """``auto``: the AMX form takes every chunk below head_dim 128 and, from 128, chunks of at
+    most 512 queries ending within 1,024 keys or of at most 128 queries (measured,
+    ``AMX_WIDE_HEAD_DIM``); ``route_takes`` applies the rule."""
+    r = npf.AMX_WIDE_ROUTE
+    assert npf.route_takes(r, 512, 1024) and npf.route_takes(r, 128, 4096)
+    assert not npf.route_takes(r, 512, 1025) and not npf.route_takes(r, 513, 600)
+    assert not npf.route_takes(r, 256, 1280) and npf.route_takes(r, 1, 1 << 20)
+    for d in (64, 128):
+        impl = npf.implementation(torch.bfloat16, torch.bfloat16, d)
+        route = npf.default_route(torch.bfloat16, torch.bfloat16, d)
+        if impl == "amx-bf16":
+            assert route == (r if d >= npf.AMX_WIDE_HEAD_DIM else (npf.UNBOUNDED,) * 3)
+        elif impl == "avx512-bf16":
+            assert route == (npf.AVX512_BF16_MAX_QUERIES, npf.UNBOUNDED, npf.UNBOUNDED)
+        else:
+            assert route == (0, 0, 0)
+        assert npf.default_limit(torch.bfloat16, torch.bfloat16, d) == route[0]
 
 
 @pytest.mark.parametrize("mode", ["on", "portable"])

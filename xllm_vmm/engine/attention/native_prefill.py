@@ -19,8 +19,9 @@ float32 FMA in the float32 form); elsewhere, or with ``XLLM_VMM_NATIVE_PREFILL=p
 portable C (exact two-pass softmax per query). Work items (chunk, tile, KV head) go to the
 library's persistent thread pool, the GIL released.
 
-When the torch backend uses it (``ENV``, :func:`default_limit`): by default for every chunk
-where the AMX form (bfloat16) or the AVX-512 float32 form runs, and for chunks of at most 32
+When the torch backend uses it (``ENV``, :func:`default_route`): by default for every chunk
+where the AMX form (bfloat16; from head_dim 128 only chunks of at most 512 queries ending
+within 1,024 keys, or of at most 128 queries) or the AVX-512 float32 form runs, and for chunks of at most 32
 queries where only the AVX-512-BF16 form does (measured against SDPA's flash kernel plus its
 copies and masks: ``xllm-vmm bench attention``'s prefill cases, docs/engine.md); ``1`` uses it
 for every prefill chunk it takes, whatever implementation runs; ``portable`` forces the
@@ -92,16 +93,50 @@ AVX512_BF16_MAX_QUERIES = 32
 measured cheaper than SDPA up to 32 queries a chunk and dearer from 128 (docs/engine.md)."""
 
 
-def default_limit(q_dtype: Any, kv_dtype: Any, head_dim: int) -> int:
-    """The ``auto`` choice, as the longest chunk (queries) the kernel takes: every chunk
-    where the AMX form (bfloat16) or the AVX-512 float32 form runs, chunks of at most
-    ``AVX512_BF16_MAX_QUERIES`` where only the AVX-512-BF16 form does (bfloat16 without AMX),
+AMX_WIDE_HEAD_DIM = 128
+"""From this head_dim the AMX form's ``auto`` chunks are bounded by their keys too
+(``AMX_WIDE_ROUTE``): at head_dim 128 it measured dearer than SDPA on long chunks (2 threads,
+quiet, 19:16 UTC: 2,048 queries at offset 0 0.62-0.69 of SDPA's speed, 1,024 at 0 0.85, 512 at
+1,024 0.83, 256 at 1,024 0.89) and cheaper on the rest (512 at 0 1.2, 512 at 512 1.11, 128 at
+1,024 1.07, 32 at 1,024 2.0); at head_dim 64 it was cheaper in every case."""
+
+AMX_WIDE_ROUTE = (512, 1024, 128)
+"""``(max_queries, max_keys, any_keys_queries)`` of the AMX form from ``AMX_WIDE_HEAD_DIM``:
+a chunk of ``n`` queries ending at key ``seq_len`` runs natively iff ``n <= 512`` and
+(``seq_len <= 1024`` or ``n <= 128``)."""
+
+UNBOUNDED = 1 << 62
+
+
+def default_route(q_dtype: Any, kv_dtype: Any, head_dim: int) -> tuple[int, int, int]:
+    """The ``auto`` choice as ``(max_queries, max_keys, any_keys_queries)``: a chunk of ``n``
+    queries ending at key ``seq_len`` runs natively iff ``n <= max_queries`` and
+    (``seq_len <= max_keys`` or ``n <= any_keys_queries``) (:func:`route_takes`). Every chunk
+    where the AMX form (bfloat16, below ``AMX_WIDE_HEAD_DIM``) or the AVX-512 float32 form
+    runs; ``AMX_WIDE_ROUTE`` for the AMX form from ``AMX_WIDE_HEAD_DIM``; chunks of at most
+    ``AVX512_BF16_MAX_QUERIES`` where only the AVX-512-BF16 form does (bfloat16 without AMX);
     none (0) where only the portable C would (SDPA is faster than plain loops). Measured
     against SDPA's flash kernel: docs/engine.md."""
     impl = implementation(q_dtype, kv_dtype, head_dim)
+    if impl == "amx-bf16" and head_dim >= AMX_WIDE_HEAD_DIM:
+        return AMX_WIDE_ROUTE
     if impl in ("amx-bf16", "avx512-f32"):
-        return 1 << 62
-    return AVX512_BF16_MAX_QUERIES if impl == "avx512-bf16" else 0
+        return (UNBOUNDED, UNBOUNDED, UNBOUNDED)
+    if impl == "avx512-bf16":
+        return (AVX512_BF16_MAX_QUERIES, UNBOUNDED, UNBOUNDED)
+    return (0, 0, 0)
+
+
+def route_takes(route: tuple[int, int, int], n: int, seq_len: int) -> bool:
+    """Whether ``route`` (:func:`default_route`) sends a chunk of ``n`` queries ending at key
+    ``seq_len`` to the kernel."""
+    return n <= route[0] and (seq_len <= route[1] or n <= route[2])
+
+
+def default_limit(q_dtype: Any, kv_dtype: Any, head_dim: int) -> int:
+    """The longest chunk (queries) the ``auto`` choice gives the kernel
+    (:func:`default_route`'s first field)."""
+    return default_route(q_dtype, kv_dtype, head_dim)[0]
 
 
 def paged_prefill(q: Tensor, k_slots: Tensor, v_slots: Tensor, block_table: Tensor,
@@ -171,5 +206,6 @@ def paged_prefill(q: Tensor, k_slots: Tensor, v_slots: Tensor, block_table: Tens
     return out
 
 
-__all__ = ["AVX512_BF16_MAX_QUERIES", "ENV", "IMPLS", "default_limit", "implementation",
+__all__ = ["AMX_WIDE_HEAD_DIM", "AMX_WIDE_ROUTE", "AVX512_BF16_MAX_QUERIES", "ENV", "IMPLS",
+           "UNBOUNDED", "default_limit", "default_route", "implementation", "route_takes",
            "mode_by_env", "paged_prefill", "supports"]

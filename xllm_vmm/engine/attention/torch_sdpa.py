@@ -199,19 +199,25 @@ class SDPAMetadata:
     prefill_min_n: int = 0  # fewest queries of a prefill chunk
     _native_sel: dict = field(default_factory=dict, repr=False)
 
-    def native_prefills(self, limit: int) -> tuple[Any, Any, Any, Any]:
-        """``(q0, q1, seq_lens, table)`` of the prefill chunks of at most ``limit`` queries
-        (all of them when the longest is within it; cached per limit)."""
-        sel = self._native_sel.get(limit)
+    def native_prefills(self, limit: int, max_keys: int = 1 << 62,
+                        any_keys_queries: int = 1 << 62) -> tuple[Any, Any, Any, Any]:
+        """``(q0, q1, seq_lens, table)`` of the prefill chunks the route ``(limit, max_keys,
+        any_keys_queries)`` sends to the native kernel (:func:`.native_prefill.route_takes`:
+        at most ``limit`` queries, and ending within ``max_keys`` keys or of at most
+        ``any_keys_queries`` queries); all of them when every chunk qualifies; cached per
+        route."""
+        route = (limit, max_keys, any_keys_queries)
+        sel = self._native_sel.get(route)
         if sel is None:
             n = self.prefill_q1 - self.prefill_q0
-            if int(n.max()) <= limit:
+            take = (n <= limit) & ((self.prefill_lens <= max_keys) | (n <= any_keys_queries))
+            if bool(take.all()):
                 sel = (self.prefill_q0, self.prefill_q1, self.prefill_lens, self.prefill_table)
             else:
-                keep = (n <= limit).nonzero().reshape(-1)
+                keep = take.nonzero().reshape(-1)
                 sel = (self.prefill_q0[keep], self.prefill_q1[keep], self.prefill_lens[keep],
                        self.prefill_table[keep])
-            self._native_sel[limit] = sel
+            self._native_sel[route] = sel
         return sel
 
 
@@ -304,7 +310,7 @@ class TorchSDPABackend(AttentionBackend):
         """``off`` (SDPA for prefill chunks), ``on`` / ``portable`` (the native prefill kernel
         for every chunk of a configuration it takes; ``portable`` forces its portable C),
         ``auto`` (:func:`.native_prefill.default_limit`)."""
-        self._prefill_ok: dict[tuple, bool] = {}
+        self._prefill_ok: dict[tuple, tuple[int, int, int]] = {}
         self._native_ok: dict[tuple, bool] = {}
         self._buffers: dict[str, Any] = {}
 
@@ -322,23 +328,30 @@ class TorchSDPABackend(AttentionBackend):
                                                     self.head_dim)
         return ok
 
-    def _native_prefill_limit(self, q: Tensor, kv: PagedKV) -> int:
-        """The longest prefill chunk (queries) the native prefill kernel runs for this layer
-        (0: none; decided once per dtype pair): every chunk with ``on`` / ``portable``,
-        :func:`.native_prefill.default_limit` with ``auto``."""
+    def _native_prefill_route(self, q: Tensor, kv: PagedKV) -> tuple[int, int, int]:
+        """Which prefill chunks the native prefill kernel runs for this layer, as
+        :func:`.native_prefill.default_route`'s ``(max_queries, max_keys, any_keys_queries)``
+        (``(0, 0, 0)``: none; decided once per dtype pair): every chunk with ``on`` /
+        ``portable``, :func:`.native_prefill.default_route` with ``auto``."""
         if self.native_prefill == "off":
-            return 0
+            return (0, 0, 0)
         key = (q.dtype, kv.k_slots.dtype, q.device.type)
-        limit = self._prefill_ok.get(key)
-        if limit is None:
+        route = self._prefill_ok.get(key)
+        if route is None:
             from xllm_vmm.engine.attention import native_prefill as npf
 
             ok = npf.supports(q.dtype, kv.k_slots.dtype, q.device, self.num_heads,
                               self.num_kv_heads, self.head_dim)
-            limit = 0 if not ok else 1 << 62 if self.native_prefill != "auto" else \
-                npf.default_limit(q.dtype, kv.k_slots.dtype, self.head_dim)
-            self._prefill_ok[key] = limit
-        return limit
+            route = (0, 0, 0) if not ok else (npf.UNBOUNDED,) * 3 \
+                if self.native_prefill != "auto" else \
+                npf.default_route(q.dtype, kv.k_slots.dtype, self.head_dim)
+            self._prefill_ok[key] = route
+        return route
+
+    def _native_prefill_limit(self, q: Tensor, kv: PagedKV) -> int:
+        """The longest prefill chunk (queries) the native prefill kernel runs for this layer
+        (0: none): :meth:`_native_prefill_route`'s first field."""
+        return self._native_prefill_route(q, kv)[0]
 
     def prepare(self, step: StepInput) -> SDPAMetadata:
         import torch
@@ -434,8 +447,13 @@ class TorchSDPABackend(AttentionBackend):
         import torch.nn.functional as F
 
         batched = self.batch_decodes and meta.decode_rows is not None
-        limit = self._native_prefill_limit(q, kv) if meta.prefill_q0 is not None else 0
-        native_prefill = limit > 0 and meta.prefill_min_n <= limit  # some chunks native
+        route = (self._native_prefill_route(q, kv) if meta.prefill_q0 is not None
+                 else (0, 0, 0))
+        limit = route[0]
+        native_prefill = limit > 0 and meta.prefill_min_n <= limit  # maybe some chunks native
+        if native_prefill:
+            sel = meta.native_prefills(*route)
+            native_prefill = sel[0].numel() > 0
         if native_prefill:
             q = q.contiguous()
         if batched and self._use_native(q, kv):
@@ -461,7 +479,7 @@ class TorchSDPABackend(AttentionBackend):
             from xllm_vmm.engine.attention.native_prefill import paged_prefill
 
             geo = self.geometry
-            q0, q1, lens, table = meta.native_prefills(limit)
+            q0, q1, lens, table = sel
             paged_prefill(q, kd, kv.v_slots, table, q0, q1, lens, block_size=geo.block_size,
                           blocks_per_slot=geo.blocks_per_slot, scale=self.scale, out=out,
                           portable=self.native_prefill == "portable")
@@ -470,8 +488,9 @@ class TorchSDPABackend(AttentionBackend):
         for sq in meta.seqs:
             if batched and sq.q1 - sq.q0 == 1:
                 continue
-            if 1 < sq.q1 - sq.q0 <= limit:  # done by the native prefill kernel
-                continue
+            if 1 < sq.q1 - sq.q0 <= limit and (sq.seq_len <= route[1]
+                                               or sq.q1 - sq.q0 <= route[2]):
+                continue  # done by the native prefill kernel (the route's rule)
             qi = q[sq.q0:sq.q1].transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
             if sq.start == 0:
                 ki = k[sq.q0:sq.q1].to(q.dtype)
