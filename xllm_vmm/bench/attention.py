@@ -48,6 +48,20 @@ import time
 from typing import Any, Sequence
 
 
+def _random_slots(slots: int, tokens: int, hkv: int, d: int, dtype: Any, g: Any) -> tuple:
+    """Random K and V arenas ``(k_slots, v_slots, flat_k, flat_v)``: the slot views
+    ``(slots, tokens, hkv, d)`` (token-major, page stride ``tokens * hkv * d``), as the
+    arena's views look, over flat tensors drawn from generator ``g``."""
+    import torch
+
+    hd = hkv * d
+    page = tokens * hd
+    flat_k = torch.randn(slots * page, generator=g).to(dtype)
+    flat_v = torch.randn(slots * page, generator=g).to(dtype)
+    shape, stride = (slots, tokens, hkv, d), (page, hd, d, 1)
+    return (flat_k.as_strided(shape, stride), flat_v.as_strided(shape, stride), flat_k, flat_v)
+
+
 def _case(b: int, lo: int, hi: int, d: int, dtype: Any, h: int, hkv: int, block_size: int,
           blocks_per_slot: int, seed: int) -> dict[str, Any]:
     import torch
@@ -61,11 +75,7 @@ def _case(b: int, lo: int, hi: int, d: int, dtype: Any, h: int, hkv: int, block_
     nbs = [-(-n // bs) for n in lens]
     slots = -(-sum(nbs) // bps) + 1
     hd = hkv * d
-    page = bps * bs * hd
-    flat_k = torch.randn(slots * page, generator=g).to(dtype)
-    flat_v = torch.randn(slots * page, generator=g).to(dtype)
-    shape, stride = (slots, bps * bs, hkv, d), (page, hd, d, 1)
-    k_slots, v_slots = flat_k.as_strided(shape, stride), flat_v.as_strided(shape, stride)
+    k_slots, v_slots, flat_k, flat_v = _random_slots(slots, bps * bs, hkv, d, dtype, g)
     perm = torch.randperm(slots * bps, generator=g)
     width = max(nbs)
     table = torch.zeros(b, width, dtype=torch.int64)
@@ -119,11 +129,7 @@ def _prefill_case(n: int, off: int, tokens: int, d: int, dtype: Any, h: int, hkv
     nb = -(-seq // bs)
     slots = -(-c * nb // bps) + 1
     hd = hkv * d
-    page = bps * bs * hd
-    flat_k = torch.randn(slots * page, generator=g).to(dtype)
-    flat_v = torch.randn(slots * page, generator=g).to(dtype)
-    shape, stride = (slots, bps * bs, hkv, d), (page, hd, d, 1)
-    k_slots, v_slots = flat_k.as_strided(shape, stride), flat_v.as_strided(shape, stride)
+    k_slots, v_slots, flat_k, flat_v = _random_slots(slots, bps * bs, hkv, d, dtype, g)
     perm = torch.randperm(slots * bps, generator=g)[:c * nb]
     table = perm.view(c, nb).to(torch.int32)
     pos = torch.arange(off, seq)

@@ -122,6 +122,21 @@ def _int64(t: Any, name: str) -> Any:
     return t.to(torch.int64).contiguous()
 
 
+def output_for(q: Tensor, out: Tensor | None) -> Tensor:
+    """The paged kernels' output: a new tensor like ``q`` when ``out`` is None, else ``out``
+    once checked to be a contiguous CPU tensor of q's shape and dtype (``ValueError`` naming
+    it otherwise)."""
+    import torch
+
+    if out is None:
+        return torch.empty_like(q)
+    if (out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous()
+            or out.device.type != "cpu"):
+        raise ValueError(f"out must be a contiguous CPU {q.dtype} tensor of q's shape "
+                         f"{tuple(q.shape)}, got {out.dtype} {tuple(out.shape)}")
+    return out
+
+
 def check_paged_views(q: Tensor, k_slots: Tensor, v_slots: Tensor, *, block_size: int,
                       blocks_per_slot: int, kernel: str = "decode") -> tuple[int, ...]:
     """The argument checks the paged kernels (decode and prefill) share: ``q`` ``(T, H, D)``,
@@ -198,12 +213,7 @@ def paged_decode(q: Tensor, k_slots: Tensor, v_slots: Tensor, block_table: Tenso
         rows_t = _int64(rows, "rows")
         if rows_t.shape != (b,):
             raise ValueError(f"rows {tuple(rows_t.shape)} must be ({b},), one per sequence")
-    if out is None:
-        out = torch.empty_like(q)
-    elif (out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous()
-          or out.device.type != "cpu"):
-        raise ValueError(f"out must be a contiguous CPU {q.dtype} tensor of q's shape "
-                         f"{tuple(q.shape)}, got {out.dtype} {tuple(out.shape)}")
+    out = output_for(q, out)
     if portable is None:
         portable = portable_by_env()
     n = torch.get_num_threads() if num_threads is None else num_threads

@@ -177,12 +177,7 @@ def paged_prefill(q: Tensor, k_slots: Tensor, v_slots: Tensor, block_table: Tens
     if starts.shape != (c,) or ends.shape != (c,):
         raise ValueError(f"q_start {tuple(starts.shape)} / q_end {tuple(ends.shape)} must be "
                          f"({c},), one per chunk")
-    if out is None:
-        out = torch.empty_like(q)
-    elif (out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous()
-          or out.device.type != "cpu"):
-        raise ValueError(f"out must be a contiguous CPU {q.dtype} tensor of q's shape "
-                         f"{tuple(q.shape)}, got {out.dtype} {tuple(out.shape)}")
+    out = nd.output_for(q, out)
     if c == 0:
         return out
     if portable is None:
