@@ -5,6 +5,8 @@
  *   xllm_silu_and_mul  out = silu(gate) * up              (the gated MLP's activation)
  *   xllm_rope          q, k rotated in place at positions (neox "rotate half" or GPT-J pairs,
  *                                                          partial rotary: the first rot_dim dims)
+ *   xllm_rope_out      the same with q's result written to another tensor (a fused q/k/v
+ *                      product's strided q into the contiguous q attention reads: one pass)
  *
  * Each is one pass over its rows, computed in float32 with the roundings Hugging Face's torch
  * formulas make in the activations' dtype, so bfloat16 results equal torch's op-by-op results
@@ -50,7 +52,7 @@
 #endif
 #endif
 
-#define ABI_VERSION 1
+#define ABI_VERSION 2 /* 2: xllm_rope_out */
 
 /* ---------------------------------------------------------------- scalar helpers */
 
@@ -143,11 +145,13 @@ static void silu_row_c(void *out, const void *g, const void *u, int64_t n, int d
     }
 }
 
-static void rope_head_c(void *x, const void *c, const void *s, int64_t rot, int neox, int dt) {
+/* dst = rope(src) over the first rot dims (dst may be src: in place) */
+static void rope_head_c(void *x, const void *src, const void *c, const void *s, int64_t rot,
+                        int neox, int dt) {
     int64_t h = rot / 2;
     if (neox) {
         for (int64_t i = 0; i < h; i++) {
-            float a = ld(x, i, dt), b = ld(x, i + h, dt);
+            float a = ld(src, i, dt), b = ld(src, i + h, dt);
             float y0 = rnd(a * ld(c, i, dt), dt) - rnd(b * ld(s, i, dt), dt);
             float y1 = rnd(b * ld(c, i + h, dt), dt) + rnd(a * ld(s, i + h, dt), dt);
             st(x, i, y0, dt);
@@ -155,7 +159,7 @@ static void rope_head_c(void *x, const void *c, const void *s, int64_t rot, int 
         }
     } else {
         for (int64_t i = 0; i < h; i++) {
-            float a = ld(x, 2 * i, dt), b = ld(x, 2 * i + 1, dt);
+            float a = ld(src, 2 * i, dt), b = ld(src, 2 * i + 1, dt);
             float ci = ld(c, i, dt), si = ld(s, i, dt);
             float y0 = rnd(a * ci, dt) - rnd(b * si, dt);
             float y1 = rnd(b * ci, dt) + rnd(a * si, dt);
@@ -210,24 +214,26 @@ static inline __m512 AVX512 AINL vexp(__m512 x) {
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(P4));
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(P5));
     y = _mm512_add_ps(_mm512_fmadd_ps(y, z, r), _mm512_set1_ps(1.0f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+    return _mm512_scalef_ps(y, fx); /* y * 2^fx: the portable path's exact power-of-two product */
 }
 
 static inline void AVX512 AINL rms_row_v_t(void *out, const void *x, void *res, const void *w, int64_t H,
                              float eps, int dt) {
     const void *src = x;
-    if (res) {
+    __m512 acc = _mm512_setzero_ps();
+    if (res) { /* the sum stored back, rounded, and its squares summed in the same pass */
         for (int64_t i = 0; i < H; i += 16) {
             __mmask16 m = tail_mask(H - i);
-            vst(res, i, _mm512_add_ps(vld(res, i, m, dt), vld(x, i, m, dt)), m, dt);
+            __m512 v = vrnd(_mm512_add_ps(vld(res, i, m, dt), vld(x, i, m, dt)), dt);
+            vst(res, i, v, m, dt);
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
         }
         src = res;
-    }
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < H; i += 16) {
-        __m512 v = vld(src, i, tail_mask(H - i), dt);
-        acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+    } else {
+        for (int64_t i = 0; i < H; i += 16) {
+            __m512 v = vld(src, i, tail_mask(H - i), dt);
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+        }
     }
     float lanes[16];
     _mm512_storeu_ps(lanes, acc);
@@ -261,16 +267,16 @@ static void AVX512 silu_row_v(void *out, const void *g, const void *u, int64_t n
     else silu_row_v_t(out, g, u, n, 0);
 }
 
-static inline void AVX512 AINL rope_head_v_t(void *x, const void *c, const void *s, int64_t rot, int neox,
-                               int dt) {
+static inline void AVX512 AINL rope_head_v_t(void *x, const void *src, const void *c,
+                                             const void *s, int64_t rot, int neox, int dt) {
     if (!neox) {  /* GPT-J pairs: strided, scalar (not on a hot path of the supported families) */
-        rope_head_c(x, c, s, rot, neox, dt);
+        rope_head_c(x, src, c, s, rot, neox, dt);
         return;
     }
     int64_t h = rot / 2;
     for (int64_t i = 0; i < h; i += 16) {
         __mmask16 m = tail_mask(h - i);
-        __m512 a = vld(x, i, m, dt), b = vld(x, i + h, m, dt);
+        __m512 a = vld(src, i, m, dt), b = vld(src, i + h, m, dt);
         __m512 y0 = _mm512_sub_ps(vrnd(_mm512_mul_ps(a, vld(c, i, m, dt)), dt),
                                   vrnd(_mm512_mul_ps(b, vld(s, i, m, dt)), dt));
         __m512 y1 = _mm512_add_ps(vrnd(_mm512_mul_ps(b, vld(c, i + h, m, dt)), dt),
@@ -280,10 +286,10 @@ static inline void AVX512 AINL rope_head_v_t(void *x, const void *c, const void 
     }
 }
 
-static void AVX512 rope_head_v(void *x, const void *c, const void *s, int64_t rot, int neox,
-                               int dt) {
-    if (dt) rope_head_v_t(x, c, s, rot, neox, 1);
-    else rope_head_v_t(x, c, s, rot, neox, 0);
+static void AVX512 rope_head_v(void *x, const void *src, const void *c, const void *s,
+                               int64_t rot, int neox, int dt) {
+    if (dt) rope_head_v_t(x, src, c, s, rot, neox, 1);
+    else rope_head_v_t(x, src, c, s, rot, neox, 0);
 }
 #endif
 
@@ -331,6 +337,7 @@ typedef struct {
     int64_t n; float eps;
     /* rope */
     void *q; int64_t q_s, hq; void *k; int64_t k_s, hk, head_s;
+    void *qo; int64_t qo_s, qo_hs, hd; /* rope out of place for q (NULL: in place) */
     const int64_t *pos; const void *cos, *sin; int64_t cs_s, rot;
 } job_t;
 
@@ -361,10 +368,17 @@ static void run_rows(const job_t *j, int64_t r0, int64_t r1) {
             for (int64_t hh = 0; hh < j->hq + j->hk; hh++) {
                 void *x = hh < j->hq ? (char *)j->q + (size_t)(r * j->q_s + hh * j->head_s) * el
                                      : (char *)j->k + (size_t)(r * j->k_s + (hh - j->hq) * j->head_s) * el;
+                const void *src = x;
+                if (hh < j->hq && j->qo) { /* q's head into q_out; dims past rot copied as is */
+                    x = (char *)j->qo + (size_t)(r * j->qo_s + hh * j->qo_hs) * el;
+                    if (j->hd > j->rot)
+                        memcpy((char *)x + (size_t)j->rot * el, (const char *)src + (size_t)j->rot * el,
+                               (size_t)(j->hd - j->rot) * el);
+                }
 #ifdef XLO_X86
-                if (j->isa) { rope_head_v(x, c, s, j->rot, j->neox, dt); continue; }
+                if (j->isa) { rope_head_v(x, src, c, s, j->rot, j->neox, dt); continue; }
 #endif
-                rope_head_c(x, c, s, j->rot, j->neox, dt);
+                rope_head_c(x, src, c, s, j->rot, j->neox, dt);
             }
         }
     }
@@ -446,6 +460,29 @@ int xllm_rope(void *q, int64_t q_stride, int64_t hq, void *k, int64_t k_stride, 
     j.op = 2; j.dt = dtype; j.rows = T; j.neox = neox != 0; j.q = q; j.q_s = q_stride;
     j.hq = hq; j.k = k; j.k_s = k_stride; j.hk = hk; j.head_s = head_stride; j.pos = positions;
     j.cos = cos; j.sin = sin; j.cs_s = cs_stride; j.rot = rot_dim;
+    run(&j, T * (hq + hk) * rot_dim, nthreads);
+    return 0;
+}
+
+/* xllm_rope with q written out of place: head h of token t of the result at
+ * q_out + t*q_out_stride + h*q_out_head_stride (its first rot_dim elements rotated, the rest of
+ * the head_dim elements copied), q itself left as it is; k rotated in place as xllm_rope does.
+ * q_out must not overlap q or k (a fused q/k/v product's q lands in a contiguous tensor: one
+ * pass instead of a rotation in place and a copy). */
+int xllm_rope_out(void *q_out, int64_t q_out_stride, int64_t q_out_head_stride, const void *q,
+                  int64_t q_stride, int64_t hq, void *k, int64_t k_stride, int64_t hk,
+                  int64_t head_stride, int64_t head_dim, const int64_t *positions, int64_t T,
+                  const void *cos, const void *sin, int64_t cs_stride, int64_t rot_dim, int neox,
+                  int dtype, int nthreads) {
+    if (!q_out || !q || !positions || !cos || !sin || T < 0 || hq < 0 || hk < 0 || (hk && !k) ||
+        rot_dim < 2 || rot_dim % 2 || head_dim < rot_dim || (dtype != 0 && dtype != 1))
+        return -1;
+    job_t j;
+    memset(&j, 0, sizeof j);
+    j.op = 2; j.dt = dtype; j.rows = T; j.neox = neox != 0; j.q = (void *)q; j.q_s = q_stride;
+    j.hq = hq; j.k = k; j.k_s = k_stride; j.hk = hk; j.head_s = head_stride; j.pos = positions;
+    j.cos = cos; j.sin = sin; j.cs_s = cs_stride; j.rot = rot_dim;
+    j.qo = q_out; j.qo_s = q_out_stride; j.qo_hs = q_out_head_stride; j.hd = head_dim;
     run(&j, T * (hq + hk) * rot_dim, nthreads);
     return 0;
 }

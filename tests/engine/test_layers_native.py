@@ -125,6 +125,42 @@ def test_rope_neox_gptj_and_partial_bit_equal(path, dtype):
     assert torch.equal(q4[..., 32:], q[..., 32:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [3, 520])  # 520: split between threads
+def test_rope_out_of_place_from_fused_product_bit_equal(path, dtype, t):
+    """q as a strided view of a fused q/k/v product, rotated into a contiguous q_out in one
+    pass: the same bits as rotating a copy in place; q itself untouched, k rotated in place;
+    with partial rotary the dims past rot are copied."""
+    d, hq, hk = 64, 4, 2
+    pos = torch.randint(0, 700, (t,), generator=torch.Generator().manual_seed(30))
+    for rot in (d, 32):
+        prod = _rows(dtype, (t, (hq + 2 * hk) * d), 31, 1.0)
+        q = prod[:, :hq * d].view(t, hq, d)
+        k = prod[:, hq * d:(hq + hk) * d].view(t, hk, d)
+        cos, sin, _, _ = _tables(dtype, rot)
+        want_q, want_k = q.clone(), k.clone()
+        layer_ops.rope_(pos, want_q, want_k, cos, sin)
+        q_before = q.clone()
+        out = torch.empty(q.shape, dtype=dtype)
+        layer_ops.rope_(pos, q, k, cos, sin, q_out=out)
+        assert torch.equal(out, want_q) and torch.equal(k, want_k)
+        assert torch.equal(q, q_before)
+    with pytest.raises(ValueError, match="q_out"):
+        layer_ops.rope_(pos, q, k, cos, sin, q_out=torch.empty((t, hq, d + 1), dtype=dtype))
+
+
+def test_rotary_apply_strided_q_gives_contiguous_rotation(path):
+    rope = RotaryEmbedding(64, {"rope_type": "default", "rope_theta": 10000.0}, 4096)
+    pos = torch.tensor([0, 5, 9000, 17])
+    for dtype in (torch.float32, torch.bfloat16):
+        prod = _rows(dtype, (4, 8 * 64), 32, 1.0)
+        q, k = prod[:, :4 * 64].view(4, 4, 64), prod[:, 4 * 64:6 * 64].view(4, 2, 64)
+        want = rope(pos, q, k)
+        got = rope.apply_(pos, q, k)
+        assert got[0].is_contiguous() and torch.equal(got[0], want[0])
+        assert got[1] is k and torch.equal(got[1], want[1])
+
+
 def test_rotary_apply_in_place_equals_formula(path):
     rope = RotaryEmbedding(64, {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
 LIB_NAME = "libxllm_layer_ops.so"
 ENV = "XLLM_VMM_LAYER_OPS"
 """``0``/``false``/``off`` turns the native layer ops off (the torch formulas run instead)."""
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 _LIB: Any = None  # the loaded library once its ABI matched
 _ON: bool | None = None
@@ -42,6 +42,8 @@ _PROTOTYPES: dict[str, tuple[list, Any]] = {
     "xllm_silu_and_mul": ([_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I32, _I32], _I32),
     "xllm_rope": ([_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64,
                    _I32, _I32, _I32], _I32),
+    "xllm_rope_out": ([_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR,
+                       _I64, _PTR, _PTR, _I64, _I64, _I32, _I32, _I32], _I32),
     "xllm_layer_ops_isa": ([], _I32),
     "xllm_layer_ops_set_isa": ([_I32], _I32),
 }
@@ -199,12 +201,17 @@ def silu_and_mul(gate: Tensor, up: Tensor, out: Tensor | None = None) -> Tensor:
 
 
 def rope_(positions: Tensor, q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor, *,
-          neox: bool = True, checked: bool = False) -> None:
+          neox: bool = True, checked: bool = False, q_out: Tensor | None = None) -> None:
     """Rotate ``q`` (T, Hq, D) and ``k`` (T, Hk, D) in place at ``positions`` (T,) int64: the
     first ``rot`` dims of every head, ``rot = cos.shape[1]`` (neox: rows hold ``rot`` entries,
     both halves read) or ``2 * cos.shape[1]`` (GPT-J: ``rot / 2`` entries, pairs ``(2i,
     2i+1)``). ``cos``/``sin`` (P, ·) contiguous tables in q's dtype; every position must be
-    ``< P`` (checked unless ``checked``: the caller already knows it)."""
+    ``< P`` (checked unless ``checked``: the caller already knows it).
+
+    ``q_out`` (a contiguous tensor of q's shape and dtype, not overlapping q or k): q's rotated
+    heads are written there instead (dims past ``rot`` copied) and ``q`` is left as it is, one
+    pass where a fused q/k/v product's strided q would otherwise be rotated and then copied for
+    attention; k is still rotated in place."""
     import torch
 
     ts = (cos, sin)
@@ -232,7 +239,21 @@ def rope_(positions: Tensor, q: Tensor, k: Tensor | None, cos: Tensor, sin: Tens
     rot = cos.shape[1] if neox else 2 * cos.shape[1]
     if rot > q.shape[2] or rot % 2:
         raise ValueError(f"rope: rotary dims {rot} do not fit head_dim {q.shape[2]}")
+    if q_out is not None and (q_out.shape != q.shape or q_out.dtype is not q.dtype
+                              or q_out.device.type != "cpu" or not q_out.is_contiguous()):
+        raise ValueError(f"rope: q_out {tuple(q_out.shape)} {q_out.dtype} must be a contiguous "
+                         f"CPU tensor of q's shape {tuple(q.shape)} and dtype {q.dtype}")
     if q.shape[0] == 0:
+        return
+    if q_out is not None:
+        rc = load().xllm_rope_out(
+            q_out.data_ptr(), q_out.stride(0), q_out.stride(1), q.data_ptr(), q.stride(0),
+            q.shape[1], None if k is None else k.data_ptr(), 0 if k is None else k.stride(0),
+            0 if k is None else k.shape[1], q.stride(1), q.shape[2], positions.data_ptr(),
+            q.shape[0], cos.data_ptr(), sin.data_ptr(), cos.shape[1], rot, int(neox), dt,
+            _threads())
+        if rc:
+            raise ValueError(f"rope: the native op refused q {tuple(q.shape)} (rc {rc})")
         return
     rc = load().xllm_rope(q.data_ptr(), q.stride(0), q.shape[1],
                           None if k is None else k.data_ptr(), 0 if k is None else k.stride(0),

@@ -217,7 +217,9 @@ class RotaryEmbedding:
 
     def apply_(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """Rotated ``q`` (T, H, D) and ``k`` (T, Hkv, D), ``D == rotary_dim``: in place (the same
-        tensors are returned) when the native op takes them, else :meth:`__call__`'s."""
+        tensors are returned) when the native op takes them, else :meth:`__call__`'s. A
+        non-contiguous ``q`` (a view of a fused q/k/v product) is rotated into a new contiguous
+        tensor in the same pass (what attention reads: no later copy); ``k`` stays in place."""
         import torch
 
         from xllm_vmm.engine.layers import layer_ops
@@ -226,6 +228,10 @@ class RotaryEmbedding:
                 and positions.dtype is torch.int64 and positions.device.type == "cpu"
                 and layer_ops.supported_heads(q, k) and positions.is_contiguous()):
             cos, sin = self.tables(positions, q.dtype)
-            layer_ops.rope_(positions, q, k, cos, sin, checked=True)  # StepInput: positions >= 0
-            return q, k
+            if q.is_contiguous():
+                layer_ops.rope_(positions, q, k, cos, sin, checked=True)  # positions >= 0
+                return q, k
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            layer_ops.rope_(positions, q, k, cos, sin, checked=True, q_out=out)
+            return out, k
         return self(positions, q, k)

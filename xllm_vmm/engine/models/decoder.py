@@ -117,7 +117,7 @@ class Attention:
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary.apply_(positions, q, k)  # in place where the native op runs
+        q, k = self.rotary.apply_(positions, q, k)  # native: in place (strided q: a new one)
         backend.write_kv(kv, k, v, meta)
         o = backend.attend(q, k, v, kv, meta)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
