@@ -154,13 +154,18 @@ def _check(what: str, *tensors: Tensor) -> int:
     return _code(tensors[0].dtype)
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None, *,
+             checked: bool = False) -> Tensor:
     """``weight * rms_norm(x)`` over the last dimension, a new tensor of ``x``'s shape; with
-    ``residual`` (same shape): ``residual += x`` in place first and the norm is of the sum."""
+    ``residual`` (same shape): ``residual += x`` in place first and the norm is of the sum.
+    ``checked``: the caller has just seen :func:`supported` hold for these tensors (the
+    layers' hot path; the shapes are still checked)."""
     import torch
 
-    args = (x, weight) if residual is None else (x, weight, residual)
-    dt = _check("rms_norm", *args)
+    if checked:
+        dt = 1 if x.dtype is torch.bfloat16 else 0
+    else:
+        dt = _check("rms_norm", *((x, weight) if residual is None else (x, weight, residual)))
     h = x.shape[-1]
     if weight.dim() != 1 or weight.shape[0] != h or (residual is not None
                                                      and residual.shape != x.shape):
@@ -179,14 +184,19 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     return out
 
 
-def silu_and_mul(gate: Tensor, up: Tensor, out: Tensor | None = None) -> Tensor:
+def silu_and_mul(gate: Tensor, up: Tensor, out: Tensor | None = None, *,
+                 checked: bool = False) -> Tensor:
     """``silu(gate) * up`` (same shapes), into ``out`` (may be ``gate`` or ``up``; default a new
-    tensor)."""
+    tensor). ``checked``: :func:`supported` holds for ``gate`` and ``up`` and ``out`` is None,
+    one of them, or a new contiguous tensor of their dtype (the MLP's hot path)."""
     import torch
 
     if out is None:
         out = torch.empty(gate.shape, dtype=gate.dtype)
-    dt = _check("silu_and_mul", gate, up, out)
+    if checked:
+        dt = 1 if gate.dtype is torch.bfloat16 else 0
+    else:
+        dt = _check("silu_and_mul", gate, up, out)
     if gate.shape != up.shape or out.shape != gate.shape:
         raise ValueError(f"silu_and_mul: gate {tuple(gate.shape)}, up {tuple(up.shape)} and out "
                          f"{tuple(out.shape)} differ")

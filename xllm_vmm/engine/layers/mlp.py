@@ -42,16 +42,13 @@ class GatedMLP:
     def __call__(self, x: Tensor) -> Tensor:
         import torch.nn.functional as F
 
-        import torch
-
         if self.gate_up is not None:  # g, u: views of one (T, 2 * I) product
             g, u = self.gate_up(x)
-            if layer_ops.supported(g, u):  # into a contiguous (T, I) for the down product
-                return self.down(layer_ops.silu_and_mul(g, u, out=torch.empty(g.shape,
-                                                                                dtype=g.dtype)))
+            if layer_ops.supported(g, u):  # into a new contiguous (T, I) for the down product
+                return self.down(layer_ops.silu_and_mul(g, u, checked=True))
             return self.down(F.silu(g).mul_(u))
         g, u = self.gate(x), self.up(x)
         if layer_ops.supported(g, u):
-            return self.down(layer_ops.silu_and_mul(g, u, out=g))
+            return self.down(layer_ops.silu_and_mul(g, u, out=g, checked=True))
         # in place: no extra (T, intermediate) temporaries
         return self.down(F.silu(g, inplace=True).mul_(u))

@@ -33,7 +33,7 @@ def rms_norm_torch(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Normalise the last dimension of ``x``; the result has ``x``'s dtype (a new tensor)."""
     if layer_ops.supported(x, weight):
-        return layer_ops.rms_norm(x, weight, eps)
+        return layer_ops.rms_norm(x, weight, eps, checked=True)
     if x.dim() > 2 and x.stride(-1) == 1 and not x.is_contiguous():
         # heads of a fused q/k/v product (token rows at the product's stride): one copy, then
         # the same native pass the separate products' contiguous q/k take
@@ -47,7 +47,7 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Ten
     """``residual += x`` (in place, rounded to the dtype as ``x + residual`` is), then
     :func:`rms_norm` of the new ``residual`` (a new tensor)."""
     if layer_ops.supported(x, weight, residual) and x.shape == residual.shape:
-        return layer_ops.rms_norm(x, weight, eps, residual=residual)
+        return layer_ops.rms_norm(x, weight, eps, residual=residual, checked=True)
     residual.add_(x)
     return rms_norm(residual, weight, eps)
 
