@@ -26,14 +26,16 @@ def test_weights_in_the_arena_sleep_and_wake(qwen3):
         lo, hi = s.pool.arena_va, s.pool.arena_va + s.pool.arena_pages * s.pool.page_bytes
         q = s.worker.model.layers[1].attn.q_proj.weight
         assert lo <= q.data_ptr() < hi  # a view of the pool's arena, not a host copy
-        # fused projections over pool weights are views only: gate/up lie back to back in the
-        # pool's image (checkpoint order) and run as one product over the arena; k, o, q, v
-        # sort apart, so q/k/v stay three products (nothing is ever copied out of the pool)
-        mlp = s.worker.model.layers[1].mlp
+        # fused projections over pool weights are views only: the pool's image places q/k/v and
+        # gate/up back to back (weights.image.placement_order) and each group runs as one
+        # product over the arena (nothing is ever copied out of the pool)
+        mlp, attn = s.worker.model.layers[1].mlp, s.worker.model.layers[1].attn
         assert mlp.gate_up is not None and mlp.gate_up.weight.data_ptr() == mlp.gate.weight.data_ptr()
         assert lo <= mlp.gate_up.weight.data_ptr() < hi
-        assert s.worker.model.layers[1].attn.qkv is None
-        del mlp
+        assert attn.qkv is not None and attn.qkv.weight.data_ptr() == q.data_ptr()
+        assert attn.qkv.weight.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
+        assert attn.qkv.packed is None  # pool weights are never packed (a packed copy is not the pool's)
+        del mlp, attn
         ids = list(range(10, 40))
         before = s.greedy({"a": ids}, 6)["a"]
         assert before == C.hf_greedy(qwen3[1], ids, 6)

@@ -268,6 +268,47 @@ def test_image_placement_and_windows(sizes, limit):
     assert [p for _, _, ts in windows for p in ts] == list(image.placed)
 
 
+def test_image_places_each_layers_projections_back_to_back():
+    """q/k/v (weights and biases) and gate/up of a layer are placed together in product order
+    where the group's first tensor falls (names sort k, o, q, v in a checkpoint), the rest in
+    checkpoint order; with 512-byte multiples the parts are adjacent (one view fuses them)."""
+    from pathlib import Path
+
+    from xllm_vmm.weights.checkpoint import Checkpoint, TensorEntry
+    from xllm_vmm.weights.image import TENSOR_ALIGN, plan_image
+
+    names = ["model.embed_tokens.weight"]
+    for i in range(2):
+        a, m = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        names += [f"{m}.down_proj.weight", f"{m}.gate_proj.weight", f"{m}.up_proj.weight",
+                  f"{a}.k_proj.bias", f"{a}.k_proj.weight", f"{a}.o_proj.weight",
+                  f"{a}.q_proj.bias", f"{a}.q_proj.weight", f"{a}.v_proj.bias",
+                  f"{a}.v_proj.weight"]
+    names.append("model.layers.1.self_attn.q_norm.weight")
+    entries = tuple(TensorEntry(n, "U8", (1024,), Path("x"), 8 + 1024 * i, 1024)
+                    for i, n in enumerate(names))
+    image = plan_image(Checkpoint(Path("."), entries, {}, {}))
+    order = [p.name for p in image.placed]
+    assert sorted(order) == sorted(names)
+    a, m = "model.layers.0.self_attn", "model.layers.0.mlp"
+    assert order[:11] == ["model.embed_tokens.weight", f"{m}.down_proj.weight",
+                          f"{m}.gate_proj.weight", f"{m}.up_proj.weight",
+                          f"{a}.q_proj.bias", f"{a}.k_proj.bias",
+                          f"{a}.v_proj.bias", f"{a}.q_proj.weight", f"{a}.k_proj.weight",
+                          f"{a}.v_proj.weight", f"{a}.o_proj.weight"]
+    assert order[-1] == "model.layers.1.self_attn.q_norm.weight"
+    at = {p.name: p for p in image.placed}
+    for g in ("q_proj", "k_proj"):  # back to back: no padding between the parts
+        nxt = {"q_proj": "k_proj", "k_proj": "v_proj"}[g]
+        assert at[f"{a}.{g}.weight"].offset + 1024 == at[f"{a}.{nxt}.weight"].offset
+    assert all(p.offset % TENSOR_ALIGN == 0 for p in image.placed)
+    # an incomplete group (no v_proj) keeps checkpoint order
+    part = tuple(e for e in entries if e.name != f"{a}.v_proj.weight")
+    order = [p.name for p in plan_image(Checkpoint(Path("."), part, {}, {})).placed]
+    assert order.index(f"{a}.k_proj.weight") < order.index(f"{a}.o_proj.weight") < order.index(
+        f"{a}.q_proj.weight")
+
+
 def test_a_simulated_pool_is_refused(tmp_path):
     from tests.weights.conftest import make_pool
     from xllm_vmm.vmm.sim import SimDriver

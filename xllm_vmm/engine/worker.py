@@ -20,8 +20,9 @@ section 3):
   glibc's defaults);
 - plain weights (not the pool's) are re-laid so that each layer's q/k/v and gate/up lie back to
   back (:func:`xllm_vmm.engine.layers.fusion.colocate_projections`: the same tensor objects,
-  values and byte counts) and run as one product each; pool weights are never moved (gate/up
-  fuse as a view where the pool already placed them adjacently); on the CPU in bfloat16 the
+  values and byte counts) and run as one product each; pool weights are never moved: the
+  pool's image already places each group back to back
+  (:func:`xllm_vmm.weights.image.placement_order`), and they fuse as views; on the CPU in bfloat16 the
   dense decoder's projections of plain weights are replaced by oneDNN-packed copies
   (:func:`xllm_vmm.engine.layers.packed.pack_model`; ``XLLM_VMM_PACKED_LINEAR=0`` keeps them).
 

@@ -2,7 +2,12 @@
 weights tenant's region (and like the host copy, which mirrors it byte for byte).
 
 ``plan_image(checkpoint, dtype, shard)`` places every tensor at an offset aligned to
-:data:`TENSOR_ALIGN` bytes, in checkpoint order (file, then offset: reading is sequential).
+:data:`TENSOR_ALIGN` bytes, in checkpoint order (file, then offset: reading is sequential),
+except that each layer's projections of one input — ``*.q_proj``, ``*.k_proj``, ``*.v_proj``
+(weights, and biases) and ``*.gate_proj``, ``*.up_proj`` — are placed together in that order
+where the group's first tensor falls (:func:`placement_order`): with sizes that are multiples
+of the alignment (the usual case) they lie back to back, and the engine runs each group as one
+product over a view of the image (``engine.layers.fusion``), never a copy.
 A placed tensor is the whole tensor, or the part a shard hook chose (indices ``[start, stop)``
 along one dimension), converted to ``dtype`` when one was asked for and the tensor is
 floating point (F16/BF16/F32/F64; integer and quantized tensors keep their dtype).
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import ctypes as C
 import math
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable
 
@@ -29,7 +35,8 @@ from xllm_vmm.weights.errors import CheckpointError
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["TENSOR_ALIGN", "Placed", "WeightImage", "plan_image", "st_dtype_of"]
+__all__ = ["TENSOR_ALIGN", "Placed", "WeightImage", "placement_order", "plan_image",
+           "projection_groups", "st_dtype_of"]
 
 #: Every tensor starts at a multiple of this many bytes (512: what NPU kernels want; CUDA 256).
 TENSOR_ALIGN = 512
@@ -177,13 +184,52 @@ def _check_shard(e: TensorEntry, spec: object) -> ShardSpec | None:
     return spec
 
 
+_GROUPS = (
+    (re.compile(r"^(.*\.)(q_proj|k_proj|v_proj)\.(weight|bias)$"), ("q_proj", "k_proj", "v_proj")),
+    (re.compile(r"^(.*\.)(gate_proj|up_proj)\.(weight|bias)$"), ("gate_proj", "up_proj")),
+)
+
+
+def projection_groups(names: Iterable[str]) -> list[list[str]]:
+    """The names of each group of projections of one input present in full (a layer's q/k/v
+    weights, their biases, its gate/up weights, ...), each in product order (q, k, v; gate,
+    up), groups in the order their first name appears."""
+    found: dict[tuple, dict[str, str]] = {}
+    for name in names:
+        for i, (pattern, _order) in enumerate(_GROUPS):
+            m = pattern.match(name)
+            if m:
+                found.setdefault((i, m.group(1), m.group(3)), {})[m.group(2)] = name
+                break
+    return [[members[o] for o in _GROUPS[i][1]] for (i, _p, _k), members in found.items()
+            if all(o in members for o in _GROUPS[i][1])]
+
+
+def placement_order(entries: Iterable[TensorEntry]) -> list[TensorEntry]:
+    """``entries`` in checkpoint order, except that each :func:`projection_groups` group is
+    placed together, in product order, where its first member falls (the rest of the order is
+    unchanged)."""
+    entries = list(entries)
+    by_name = {e.name: e for e in entries}
+    group_of = {n: g for g in projection_groups(by_name) for n in g}
+    out: list[TensorEntry] = []
+    done: set[str] = set()
+    for e in entries:
+        if e.name in done:
+            continue
+        members = group_of.get(e.name, (e.name,))
+        out.extend(by_name[n] for n in members)
+        done.update(members)
+    return out
+
+
 def plan_image(checkpoint: Checkpoint, dtype: "torch.dtype | None" = None,
                shard: ShardHook | None = None) -> WeightImage:
     """Places every tensor of ``checkpoint`` (see the module docstring)."""
     want = st_dtype_of(dtype)
     placed = []
     offset = 0
-    for e in checkpoint.entries:
+    for e in placement_order(checkpoint.entries):
         spec = shard(e.name, e.shape) if shard is not None else None
         if isinstance(spec, ShardSpec) and spec.skipped:  # not held by this worker
             continue

@@ -7,9 +7,9 @@ Two halves:
   (same dtype, device and trailing shape, contiguous) and returns one view over all of them;
   :class:`~xllm_vmm.engine.layers.linear.MergedColumnLinear` runs one ``linear`` over such a
   view and returns each part's output as a view of the product. Works on any weights,
-  pool-backed ones included (the pool's loader places tensors in checkpoint order, 512-byte
-  aligned: ``gate_proj`` then ``up_proj`` are adjacent when their bytes are a multiple of 512;
-  ``k_proj``, ``o_proj``, ``q_proj``, ``v_proj`` sort apart, so q/k/v stay unfused in the pool).
+  pool-backed ones included: the pool's image places each group together in product order,
+  512-byte aligned (:func:`xllm_vmm.weights.image.placement_order`), so q/k/v and gate/up are
+  adjacent whenever each part's bytes are a multiple of 512.
 - :func:`colocate_projections` (plain weights only: never the pool's, which sleep / wakeup /
   fork refer to by address) re-lays each group — ``*.q_proj/k_proj/v_proj.{weight,bias}``,
   ``*.gate_proj/up_proj.{weight,bias}`` — into one new buffer and points the *same tensor
@@ -25,7 +25,6 @@ gated ``q_proj``) keep their separate products.
 from __future__ import annotations
 
 import os
-import re
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -33,11 +32,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 ENV = "XLLM_VMM_FUSED_PROJ"
 """``0``/``false``/``off``/``no``: separate q/k/v and gate/up products, no re-layout."""
-
-_GROUPS = (
-    (re.compile(r"^(.*\.)(q_proj|k_proj|v_proj)\.(weight|bias)$"), ("q_proj", "k_proj", "v_proj")),
-    (re.compile(r"^(.*\.)(gate_proj|up_proj)\.(weight|bias)$"), ("gate_proj", "up_proj")),
-)
 
 
 def enabled() -> bool:
@@ -66,20 +60,12 @@ def adjacent_rows(parts: Sequence[Tensor]) -> Tensor | None:
 
 
 def projection_groups(names: Sequence[str]) -> list[list[str]]:
-    """The names of each fusable group present in full, in product order (q, k, v; gate, up)."""
-    found: dict[tuple, dict[str, str]] = {}
-    for name in names:
-        for i, (pattern, order) in enumerate(_GROUPS):
-            m = pattern.match(name)
-            if m:
-                found.setdefault((i, m.group(1), m.group(3)), {})[m.group(2)] = name
-                break
-    out = []
-    for (i, _prefix, _kind), members in found.items():
-        order = _GROUPS[i][1]
-        if all(o in members for o in order):
-            out.append([members[o] for o in order])
-    return out
+    """The names of each fusable group present in full, in product order (q, k, v; gate, up):
+    :func:`xllm_vmm.weights.image.projection_groups`, the one home of the grouping (the pool's
+    image places the same groups together)."""
+    from xllm_vmm.weights.image import projection_groups as groups
+
+    return groups(names)
 
 
 def colocate_projections(weights: Mapping[str, Tensor]) -> int:

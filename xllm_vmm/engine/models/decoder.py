@@ -94,7 +94,7 @@ class Attention:
                                         w.maybe(f"{prefix}.o_proj.bias"), tp=tp,
                                         what="attention heads")
         # one product over q/k/v when their weights lie back to back (plain weights are re-laid
-        # so at load: fusion.colocate_projections); else three
+        # so at load: fusion.colocate_projections; the pool's image places them so); else three
         self.qkv = MergedColumnLinear.of([self.q_proj, self.k_proj, self.v_proj])
         self.q_norm = self.k_norm = None
         if qk_norm:
