@@ -21,6 +21,12 @@
  *   heads of the group; scores 16 keys at a time (bf16 pairs through vdpbf16ps, float32 through
  *   FMA; a transpose-tree reduction, no per-key horizontal sum), an exact two-pass softmax with
  *   a vectorised exp2 (polynomial + vscalefps), V accumulated in float32 registers;
+ *   With bf16, a head_dim a multiple of 32 up to 128 and AMX-BF16 granted by Linux (impl 3,
+ *   unless flags & XLLM_PA_NO_AMX), the scores of every whole 16-key tile inside one block go
+ *   on the AMX tiles instead: S^T = K q^T with K's 16 rows loaded straight from the arena at the
+ *   token stride (no packing of K) against the group's q^T packed once per item; a sequence's
+ *   last partial tile, and tiles across blocks (block_size not a multiple of 16), keep the
+ *   AVX-512 scores, so no key beyond L_b is read on either path;
  * - portable C (any other machine, mixed q/K types, or flags & XLLM_PA_PORTABLE): the same
  *   arithmetic in plain loops (expf per score).
  * Work items are taken dynamically (one atomic counter) by `nthreads` threads of the library's
@@ -32,8 +38,9 @@
  *
  * Returns 0; -1 bad arguments (a shape, a type, a length outside [1, max_blocks * block_size]);
  * -2 out of memory; -3 a block id used outside [0, num_blocks) or a row outside [0, T). Every
- * check runs before anything is written, and the one allocation (per-thread score buffers) is
- * freed on every path.
+ * check runs before anything is written. The per-thread score buffers are the calling thread's
+ * (decode_scratch: kept between calls, grown to the largest call; nothing allocated per call
+ * once warm).
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -245,6 +252,38 @@ static void item_portable(const job_t *j, int64_t b, int64_t g, float *scores, i
 #define TGT __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 #define AI __attribute__((always_inline)) inline
 
+#define TGTA __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg_t;
+
+static int isa_bits(void);
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define XLLM_ARCH_REQ_XCOMP_PERM 0x1023
+#define XLLM_XFEATURE_XTILEDATA 18
+
+/* AMX-TILE and AMX-BF16 on this CPU and the kernel's permission for the tile data granted
+   (Linux arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), asked once per process) */
+static int amx_ok(void) {
+    static int ok = -1;
+    int v = __atomic_load_n(&ok, __ATOMIC_ACQUIRE);
+    if (v < 0) {
+        unsigned a, b, c_, d;
+        v = 0;
+        if (__get_cpuid_count(7, 0, &a, &b, &c_, &d) && (d & (1u << 22)) && (d & (1u << 24)) &&
+            (isa_bits() & 2))
+            v = syscall(SYS_arch_prctl, XLLM_ARCH_REQ_XCOMP_PERM, XLLM_XFEATURE_XTILEDATA) == 0;
+        __atomic_store_n(&ok, v, __ATOMIC_RELEASE);
+    }
+    return v;
+}
+
+
 /* r[i] = horizontal sum of v[i], i = 0..15 (a transpose tree: 45 shuffles/adds, no per-vector
    horizontal reduction) */
 TGT static AI __m512 hsum16(const __m512 *v) {
@@ -376,9 +415,61 @@ PV_BF16_R(4, 2)
 PV_BF16_R(1, 4)
 PV_BF16_R(2, 4)
 
-/* one (sequence, KV head) work item, bf16 q/K/V/out; D a constant where inlined with one */
-TGT static AI void item_bf16_impl(const job_t *j, int64_t b, int64_t g, float *sc,
-                                  int64_t *offa, const int64_t D) {
+/* AMX decode scores (impl 3): tile 0 = S^T (16 keys x G heads, float32), tiles 1 and 6 = A
+   (16 K rows x 32 dims, loaded straight from the arena at the token stride), tiles 2 .. 2+nc-1
+   = B (q^T of the G heads as bf16 pairs: 16 dim pairs x G), configured once per thread and
+   call by damx_begin */
+TGTA static void damx_begin(int64_t G, int64_t nc) {
+    tilecfg_t cfg __attribute__((aligned(64)));
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    cfg.rows[0] = 16; cfg.colsb[0] = (uint16_t)(4 * G);
+    cfg.rows[1] = 16; cfg.colsb[1] = 64;
+    cfg.rows[6] = 16; cfg.colsb[6] = 64;
+    for (int64_t c = 0; c < nc; c++) { cfg.rows[2 + c] = 16; cfg.colsb[2 + c] = (uint16_t)(4 * G); }
+    /* GCC does not see ldtilecfg read its operand: keep the stores above */
+    __asm__ volatile("" : : "r"(&cfg) : "memory");
+    _tile_loadconfig(&cfg);
+}
+
+TGTA static void damx_end(void) { _tile_release(); }
+
+/* the scores of a whole 16-key tile whose keys lie in one block (rows `hd` elements apart from
+   K + o0) on the tiles: S^T = K q^T, then per head i the 16 scores (column i) into s[i] */
+TGTA static AI void damx_scores(const uint16_t *K, int64_t o0, int64_t hd, int64_t G,
+                                int64_t nc, float *sbuf, __m512 *s) {
+    const uint16_t *kb = K + o0;
+    const int64_t st = hd * 2;
+    _tile_zero(0);
+    _tile_loadd(1, kb, st);
+    if (nc > 1) _tile_loadd(6, kb + 32, st);
+    _tile_dpbf16ps(0, 1, 2);
+    if (nc > 1) _tile_dpbf16ps(0, 6, 3);
+    if (nc > 2) { _tile_loadd(1, kb + 64, st); _tile_dpbf16ps(0, 1, 4); }
+    if (nc > 3) { _tile_loadd(6, kb + 96, st); _tile_dpbf16ps(0, 6, 5); }
+    _tile_stored(0, sbuf, 4 * G);
+    if (G == 1) {
+        s[0] = _mm512_loadu_ps(sbuf);
+    } else if (G == 2) {
+        const __m512 z0 = _mm512_loadu_ps(sbuf), z1 = _mm512_loadu_ps(sbuf + 16);
+        const __m512i ev = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+        const __m512i od = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+        s[0] = _mm512_permutex2var_ps(z0, ev, z1);
+        s[1] = _mm512_permutex2var_ps(z0, od, z1);
+    } else {
+        const __m512i lane = _mm512_mullo_epi32(
+            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+            _mm512_set1_epi32((int)G));
+        for (int64_t i = 0; i < G; i++)
+            s[i] = _mm512_i32gather_ps(_mm512_add_epi32(lane, _mm512_set1_epi32((int)i)), sbuf, 4);
+    }
+}
+
+/* one (sequence, KV head) work item, bf16 q/K/V/out; D a constant where inlined with one;
+   amx (a constant): whole one-block tiles' scores on the AMX tiles (damx_scores), the others
+   (a sequence's last partial tile, tiles across blocks) on AVX-512 */
+TGTA static AI void item_bf16_impl(const job_t *j, int64_t b, int64_t g, float *sc,
+                                   int64_t *offa, const int64_t D, const int amx) {
     const int64_t G = j->H / j->Hkv, L = j->lens[b], lp = j->lpad;
     const int64_t row = j->rows ? j->rows[b] : b;
     const int64_t nc = (D + 31) / 32;
@@ -391,6 +482,19 @@ TGT static AI void item_bf16_impl(const job_t *j, int64_t b, int64_t g, float *s
     __m512 vmax[MAX_G];
     for (int64_t i = 0; i < G; i++) vmax[i] = _mm512_set1_ps(-INFINITY);
     fill_offsets(j, b, g, offa);
+    const int64_t hd = j->Hkv * D;
+    float sbuf[16 * MAX_G] __attribute__((aligned(64)));
+    if (amx) { /* q^T of the group as bf16 pairs: B tile c holds dword c * 16 + kp of each head */
+        uint32_t qt[4 * 16 * MAX_G] __attribute__((aligned(64)));
+        for (int64_t c = 0; c < nc; c++)
+            for (int64_t kp = 0; kp < 16; kp++)
+                for (int64_t i = 0; i < G; i++)
+                    memcpy(&qt[(c * 16 + kp) * G + i], q + i * D + c * 32 + 2 * kp, 4);
+        _tile_loadd(2, qt, 4 * G);
+        if (nc > 1) _tile_loadd(3, qt + 16 * G, 4 * G);
+        if (nc > 2) _tile_loadd(4, qt + 32 * G, 4 * G);
+        if (nc > 3) _tile_loadd(5, qt + 48 * G, 4 * G);
+    }
     for (int64_t t0 = 0; t0 < L; t0 += 16) {
         const int64_t *offs = offa + t0;
         const int cnt = L - t0 < 16 ? (int)(L - t0) : 16;
@@ -403,6 +507,16 @@ TGT static AI void item_bf16_impl(const job_t *j, int64_t b, int64_t g, float *s
 #endif
         }
         __mmask16 km = (__mmask16)(cnt == 16 ? 0xffff : (1u << cnt) - 1);
+        if (amx && cnt == 16 && offs[15] - offs[0] == 15 * hd) {
+            __m512 s[MAX_G];
+            damx_scores(K, offs[0], hd, G, nc, sbuf, s);
+            for (int64_t i = 0; i < G; i++) {
+                const __m512 si = _mm512_mul_ps(s[i], _mm512_set1_ps(cmul));
+                _mm512_storeu_ps(sc + i * lp + t0, si);
+                vmax[i] = _mm512_max_ps(vmax[i], si);
+            }
+            continue;
+        }
         for (int64_t i = 0; i < G; i++) {
             const uint16_t *qi = q + i * D;
             __m512 acc[16];
@@ -594,9 +708,12 @@ TGT static AI void item_f32_impl(const job_t *j, int64_t b, int64_t g, float *sc
     }
 }
 
-TGT static void item_bf16_d64(const job_t *j, int64_t b, int64_t g, float *sc, int64_t *o) { item_bf16_impl(j, b, g, sc, o, 64); }
-TGT static void item_bf16_d128(const job_t *j, int64_t b, int64_t g, float *sc, int64_t *o) { item_bf16_impl(j, b, g, sc, o, 128); }
-TGT static void item_bf16_any(const job_t *j, int64_t b, int64_t g, float *sc, int64_t *o) { item_bf16_impl(j, b, g, sc, o, j->D); }
+TGTA static void item_bf16_d64(const job_t *j, int64_t b, int64_t g, float *sc, int64_t *o) { item_bf16_impl(j, b, g, sc, o, 64, 0); }
+TGTA static void item_bf16_d128(const job_t *j, int64_t b, int64_t g, float *sc, int64_t *o) { item_bf16_impl(j, b, g, sc, o, 128, 0); }
+TGTA static void item_bf16_any(const job_t *j, int64_t b, int64_t g, float *sc, int64_t *o) { item_bf16_impl(j, b, g, sc, o, j->D, 0); }
+TGTA static void item_amx_d64(const job_t *j, int64_t b, int64_t g, float *sc, int64_t *o) { item_bf16_impl(j, b, g, sc, o, 64, 1); }
+TGTA static void item_amx_d128(const job_t *j, int64_t b, int64_t g, float *sc, int64_t *o) { item_bf16_impl(j, b, g, sc, o, 128, 1); }
+TGTA static void item_amx_any(const job_t *j, int64_t b, int64_t g, float *sc, int64_t *o) { item_bf16_impl(j, b, g, sc, o, j->D, 1); }
 TGT static void item_f32_d64(const job_t *j, int64_t b, int64_t g, float *sc, int64_t *o) { item_f32_impl(j, b, g, sc, o, 64); }
 TGT static void item_f32_d128(const job_t *j, int64_t b, int64_t g, float *sc, int64_t *o) { item_f32_impl(j, b, g, sc, o, 128); }
 TGT static void item_f32_any(const job_t *j, int64_t b, int64_t g, float *sc, int64_t *o) { item_f32_impl(j, b, g, sc, o, j->D); }
@@ -621,6 +738,8 @@ typedef void (*item_fn)(const job_t *, int64_t, int64_t, float *, int64_t *);
 static item_fn pick(const job_t *j) {
     (void)j;
 #ifdef XLLM_PA_X86
+    if (j->impl == 3)
+        return j->D == 64 ? item_amx_d64 : j->D == 128 ? item_amx_d128 : item_amx_any;
     if (j->impl == 2)
         return j->D == 64 ? item_bf16_d64 : j->D == 128 ? item_bf16_d128 : item_bf16_any;
     if (j->impl == 1)
@@ -636,25 +755,60 @@ static void run_items(void *ctx, int tid, int n) {
     char *base = j->scratch + (int64_t)tid * j->scratch_stride;
     float *sc = (float *)base;
     int64_t *offs = (int64_t *)(base + (j->H / j->Hkv) * j->lpad * (int64_t)sizeof(float));
+#ifdef XLLM_PA_X86
+    if (j->impl == 3) damx_begin(j->H / j->Hkv, j->D / 32);
+#endif
     for (;;) {
         int64_t w0 = __atomic_fetch_add(&j->next, j->chunk, __ATOMIC_RELAXED);
         if (w0 >= j->nitems) break;
         for (int64_t w = w0, we = w0 + j->chunk < j->nitems ? w0 + j->chunk : j->nitems; w < we; w++)
             fn(j, w / j->Hkv, w % j->Hkv, sc, offs);
     }
+#ifdef XLLM_PA_X86
+    if (j->impl == 3) damx_end();
+#endif
 }
 
 /* Bit 0: the AVX-512 float32 path can run here; bit 1: the AVX-512 bfloat16 path can. */
 int xllm_paged_attn_isa(void) { return isa_bits(); }
 
+#ifndef DECODE_AMX
+#define DECODE_AMX 1 /* 0: the AVX-512 scores even where AMX runs (A/B builds) */
+#endif
+
 /* Which implementation a call with these arguments takes: 0 portable, 1 AVX-512 float32,
-   2 AVX-512 bfloat16. */
+   2 AVX-512 bfloat16, 3 AVX-512 bfloat16 with the scores on the AMX tiles (bfloat16, head_dim
+   a multiple of 32 up to 128, where the tiles run and the kernel grants them; flags &
+   XLLM_PA_NO_AMX keeps 2). */
 int xllm_paged_decode_impl(int64_t D, int qtype, int kvtype, int flags) {
     int bits = isa_bits();
     if ((flags & XLLM_PA_PORTABLE) || qtype != kvtype || D % 16) return 0;
+#ifdef XLLM_PA_X86
+    if (DECODE_AMX && kvtype == 1 && (bits & 2) && !(flags & XLLM_PA_NO_AMX) && D % 32 == 0 &&
+        D <= 128 && amx_ok())
+        return 3;
+#endif
     if (kvtype == 1 && (bits & 2)) return 2;
     if (kvtype == 0 && (bits & 1)) return 1;
     return 0;
+}
+
+/* The calling thread's score / offset buffers, kept between calls and grown to the largest
+   asked for (so a decode step's layer calls allocate nothing): thread-local, hence private to
+   each concurrent caller (the pool's workers use slices of their caller's). NULL when it cannot
+   grow (the old buffer is kept). */
+static __thread char *decode_scratch_p;
+static __thread size_t decode_scratch_cap;
+static char *decode_scratch(size_t need) {
+    if (need > decode_scratch_cap) {
+        size_t cap = need + need / 2;
+        char *p = malloc(cap);
+        if (!p) return NULL;
+        free(decode_scratch_p);
+        decode_scratch_p = p;
+        decode_scratch_cap = cap;
+    }
+    return decode_scratch_p;
 }
 
 int xllm_paged_decode(const void *q, void *out, const int64_t *rows, int64_t T, const void *k,
@@ -688,10 +842,9 @@ int xllm_paged_decode(const void *q, void *out, const int64_t *rows, int64_t T, 
                xllm_paged_decode_impl(D, qtype, kvtype, flags), NULL, 0, (max_len + 15) / 16 * 16,
                B * Hkv, 0, CHUNK_SEQ && B >= 8 * nthreads ? Hkv : 1};
     j.scratch_stride = ((H / Hkv) * j.lpad * 4 + (j.lpad + PF_KEYS + 16) * 8 + 63) / 64 * 64;
-    j.scratch = malloc((size_t)nthreads * (size_t)j.scratch_stride);
+    j.scratch = decode_scratch((size_t)nthreads * (size_t)j.scratch_stride);
     if (!j.scratch) return -2;
     xt_pool_run(nthreads, run_items, &j);
-    free(j.scratch);
     return 0;
 }
 
@@ -1085,7 +1238,6 @@ TGT static AI void pitem_f32_impl(const pjob_t *j, int64_t c, int64_t tile, int6
 }
 
 /* ---- AMX-BF16 (tile) form of the bf16 item ---------------------------------------------- */
-#define TGTA __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
 
 /* 16 rows of 16 dwords r[0..15] transposed in place (r[i] lane j <- r[j] lane i) */
 TGTA static AI void tr16x16(__m512i *r) {
@@ -1113,12 +1265,6 @@ TGTA static AI void tr16x16(__m512i *r) {
         r[8 + i] = _mm512_castps_si512(_mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd));
     }
 }
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tilecfg_t;
 
 /* one work item on the AMX tiles: S = Q K^T as 16 queries x 64 keys (4 C tiles, K^T packed
    per block as bf16 pairs), a row-wise online softmax in AVX-512, O += P V (P as bf16 rows,
@@ -1274,28 +1420,6 @@ TGTA static void pitem_amx(const pjob_t *j, int64_t c, int64_t tile, int64_t g, 
                 _mm512_storeu_si512(dst + c32, r);
             }
         }
-}
-
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define XLLM_ARCH_REQ_XCOMP_PERM 0x1023
-#define XLLM_XFEATURE_XTILEDATA 18
-
-/* AMX-TILE and AMX-BF16 on this CPU and the kernel's permission for the tile data granted
-   (Linux arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), asked once per process) */
-static int amx_ok(void) {
-    static int ok = -1;
-    int v = __atomic_load_n(&ok, __ATOMIC_ACQUIRE);
-    if (v < 0) {
-        unsigned a, b, c_, d;
-        v = 0;
-        if (__get_cpuid_count(7, 0, &a, &b, &c_, &d) && (d & (1u << 22)) && (d & (1u << 24)) &&
-            (isa_bits() & 2))
-            v = syscall(SYS_arch_prctl, XLLM_ARCH_REQ_XCOMP_PERM, XLLM_XFEATURE_XTILEDATA) == 0;
-        __atomic_store_n(&ok, v, __ATOMIC_RELEASE);
-    }
-    return v;
 }
 
 TGT static void pitem_bf16_d64(const pjob_t *j, int64_t c, int64_t t, int64_t g, char *s) { pitem_bf16_impl(j, c, t, g, s, 64); }

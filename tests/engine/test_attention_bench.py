@@ -27,7 +27,7 @@ def test_bench_attention_json():
         assert out[f"{case}_native_speedup_ratio"] > 0
     assert out["b5_d64_t1_float32_max_abs_diff"] < 1e-4  # same attention, both paths
     assert out["b5_d64_t1_bfloat16_max_abs_diff"] < 3e-2
-    assert out["native_impl"] in ("avx512-bf16", "portable")
+    assert out["native_impl"] in ("amx-bf16", "avx512-bf16", "portable")
     assert out["min_native_speedup_ratio"] > 0
     # the roofline: the kernel's K/V read rate against a plain read of the same bytes
     for case in ("b5_d64_t1_bfloat16", "b5_d64_t2_float32"):
@@ -61,3 +61,51 @@ def test_bench_attention_bad_options(args, message):
                                  "--threads", "1", "--repeats", "1", *args])
     assert r.exit_code == 2
     assert message in r.output
+
+
+FAKE_VLLM = '''
+import json, sys
+spec = json.load(sys.stdin)
+out = {"vllm_isa": "fake"}
+for c in spec["cases"]:
+    assert c["kind"] in ("decode", "prefill") and spec["repeats"] >= 1
+    k = c["key"]
+    out.update({k + "_vllm_cpu_min_ms": 1.0, k + "_vllm_cpu_median_ms": 2.0,
+                k + "_vllm_wall_median_ms": 2.5})
+print("a line vLLM logs")
+print(json.dumps(out))
+'''
+
+
+def test_bench_attention_vllm_side(tmp_path):
+    """``--vllm-venv``: the venv's python gets every case (decode and prefill) and its figures
+    come back with the ratios; a venv without python, or a failing side, is exit 2 naming the
+    option."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    fake = tmp_path / "fake.py"
+    fake.write_text(FAKE_VLLM)
+    py = venv / "bin" / "python"
+    import sys
+
+    py.write_text(f"#!/bin/sh\nexec {sys.executable} {fake}\n")
+    py.chmod(0o755)
+    args = ["bench", "attention", "--batch", "4", "--head-dim", "64", "--threads", "1",
+            "--min-keys", "8", "--max-keys", "40", "--repeats", "1", "--prefill", "16",
+            "--prefill-tokens", "32",
+            "--format", "json"]
+    r = CliRunner().invoke(app, args + ["--vllm-venv", str(venv)])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    for key in ("b4_d64_t1_bfloat16", "p16_o0_d64_t1_bfloat16"):
+        assert out[f"{key}_vllm_cpu_median_ms"] == 2.0
+        assert out[f"{key}_native_vs_vllm_ratio"] == pytest.approx(
+            2.0 / out[f"{key}_native_cpu_median_ms"], rel=1e-2)
+    assert out["min_native_vs_vllm_ratio"] == out["b4_d64_t1_bfloat16_native_vs_vllm_ratio"]
+    assert out["min_prefill_vs_vllm_ratio"] == out["p16_o0_d64_t1_bfloat16_native_vs_vllm_ratio"]
+    assert out["vllm_isa"] == "fake"
+    r = CliRunner().invoke(app, args + ["--vllm-venv", str(tmp_path / "none")])
+    assert r.exit_code == 2 and "--vllm-venv" in r.output and "no " in r.output
+    fake.write_text("import sys; sys.stderr.write('boom\\n'); sys.exit(3)\n")
+    r = CliRunner().invoke(app, args + ["--vllm-venv", str(venv)])
+    assert r.exit_code == 2 and "--vllm-venv" in r.output and "boom" in r.output

@@ -4,7 +4,8 @@ tables: scattered blocks, shared prefix blocks, lengths 1, bs-1, bs, bs+1 and ma
 slot the kernel must not read (unused blocks, a last block's tail, padding table entries) holds
 NaN and the output must be finite. GQA groups 1/2/4/8, head_dim 64/128 (and 80, 72: the
 AVX-512 tail masks and the portable fallback), float32 and bfloat16, 1 and 2 threads, both
-implementations (AVX-512 where the CPU has it, and the portable C forced)."""
+implementations (AVX-512 where the CPU has it — with its bf16 scores on the AMX tiles where
+those run, and with AMX off — and the portable C forced)."""
 
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ def _check(out, exp, dtype, untouched):
         assert (out[r] == 12.5).all()  # rows not in `rows` are left as they were
 
 
-IMPLS = ["native", "portable"]
+IMPLS = ["native", "avx512", "portable"]  # native: AMX scores where they run; avx512: AMX off
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -119,7 +120,8 @@ def test_matches_float64_reference(impl, dtype, G, D):
     for threads in (1, 2):
         nd.paged_decode(q, arena.k, arena.v, table, lens_t, block_size=bs,
                         blocks_per_slot=arena.bps, scale=D ** -0.5, rows=rows, out=out,
-                        num_threads=threads, portable=impl == "portable")
+                        num_threads=threads, portable=impl == "portable",
+                        amx=impl != "avx512")
         _check(out, exp, dtype, set(range(q.shape[0])) - set(exp))
 
 
@@ -137,7 +139,7 @@ def test_shared_prefix_odd_block_size_and_head_dims(impl, dtype):
         out = torch.full_like(q, 12.5)
         nd.paged_decode(q, arena.k, arena.v, table, lens_t, block_size=bs,
                         blocks_per_slot=arena.bps, scale=D ** -0.5, rows=rows, out=out,
-                        num_threads=2, portable=impl == "portable")
+                        num_threads=2, portable=impl == "portable", amx=impl != "avx512")
         _check(out, exp, dtype, set(range(q.shape[0])) - set(exp))
 
 
@@ -146,8 +148,17 @@ def test_implementations_agree_and_dispatch():
     assert nd.implementation(torch.bfloat16, torch.bfloat16, 64, portable=True) == "portable"
     assert nd.implementation(torch.float32, torch.bfloat16, 64) == "portable"  # mixed types
     assert nd.implementation(torch.bfloat16, torch.bfloat16, 72) == "portable"
+    from xllm_vmm.engine.attention import native_prefill as npf
+
+    amx = npf.implementation(torch.bfloat16, torch.bfloat16, 64) == "amx-bf16"  # same check
     assert nd.implementation(torch.bfloat16, torch.bfloat16, 64) == (
+        "amx-bf16" if amx else "avx512-bf16" if isa & 2 else "portable")
+    assert nd.implementation(torch.bfloat16, torch.bfloat16, 64, amx=False) == (
         "avx512-bf16" if isa & 2 else "portable")
+    for d in (80, 160):  # AMX scores: head_dim a multiple of 32 up to 128
+        assert nd.implementation(torch.bfloat16, torch.bfloat16, d) == (
+            "avx512-bf16" if isa & 2 else "portable")
+    assert nd.implementation(torch.float32, torch.float32, 64) != "amx-bf16"
     assert nd.implementation(torch.float32, torch.float32, 128) == (
         "avx512-f32" if isa & 1 else "portable")
     g = torch.Generator().manual_seed(9)
@@ -166,6 +177,15 @@ def test_env_forces_the_portable_path(monkeypatch):
     assert not nd.portable_by_env() and not nd.enabled_by_env()
     monkeypatch.delenv(nd.ENV)
     assert nd.enabled_by_env() and not nd.portable_by_env()  # on by default
+    assert nd.amx_by_env()
+    monkeypatch.setenv(nd.ENV, "avx512")  # on, AMX scores off (A/B runs)
+    assert nd.enabled_by_env() and not nd.portable_by_env() and not nd.amx_by_env()
+    from xllm_vmm.engine.attention.torch_sdpa import TorchSDPABackend
+    from xllm_vmm.engine.attention.kv import KVGeometry
+
+    be = TorchSDPABackend(KVGeometry("attn", 16, 4, 64), num_heads=4,
+                          num_kv_heads=2, head_dim=64, device="cpu")
+    assert be.native_decode and not be.native_amx
 
 
 def test_mixed_q_and_kv_dtypes():

@@ -33,6 +33,15 @@ Summary: ``min_native_speedup_ratio`` / ``min_prefill_speedup_ratio`` (the least
 ``native_impl`` / ``prefill_impl`` (``amx-bf16`` (prefill only) / ``avx512-bf16`` /
 ``avx512-f32`` / ``portable``, for bf16 at the first head_dim).
 
+With ``vllm_venv`` (a venv holding vLLM's CPU build, ``shared/tools/vllm-cpu-venv.sh``), vLLM's
+own CPU attention op (``cpu_attention_with_kv_cache``, the AMX form for bf16 where the CPU has
+it) runs the same cases — the same decode lengths and chunk shapes, heads and threads, in its own
+cache layout and default block size (:mod:`xllm_vmm.bench.attention_vllm`, one process after
+ours) — adding ``{case}_vllm_cpu_min_ms`` / ``_vllm_cpu_median_ms`` / ``_vllm_wall_median_ms``,
+``{case}_native_vs_vllm_ratio`` (vLLM's median CPU time over the native kernel's: above 1 = ours
+is cheaper), ``min_native_vs_vllm_ratio`` / ``min_prefill_vs_vllm_ratio`` (the least decode /
+prefill case) and ``vllm_isa``.
+
 CPU time is the figure to decide by on a shared machine; wall times are loaded figures there.
 As ``bench engine`` does, it sets ``OMP_WAIT_POLICY=PASSIVE`` before torch loads unless it is
 set (torch's spinning OpenMP threads otherwise charge the 2-thread SDPA cases many times their
@@ -197,7 +206,7 @@ def run(*, batches: Sequence[int] = (32, 128), head_dims: Sequence[int] = (64, 1
         min_keys: int = 64, max_keys: int = 640, heads: int = 8, kv_heads: int = 4,
         block_size: int = 16, blocks_per_slot: int = 4, repeats: int = 7,
         seed: int = 0, prefill: Sequence[str] = ("512", "128", "512:1024", "32"),
-        prefill_tokens: int = 2048) -> dict[str, Any]:
+        prefill_tokens: int = 2048, vllm_venv: str | None = None) -> dict[str, Any]:
     from xllm_vmm.bench.threads import passive_omp_wait
 
     policy = passive_omp_wait()  # before torch loads (torch's SDPA threads, as bench engine)
@@ -227,8 +236,10 @@ def run(*, batches: Sequence[int] = (32, 128), head_dims: Sequence[int] = (64, 1
     out["prefill_impl"] = npf.implementation(torch.bfloat16, torch.bfloat16, head_dims[0])
     for spec in prefill:
         parse_prefill(spec)
+    vllm_py = _vllm_python(vllm_venv) if vllm_venv else None
     speedups: list = []
     prefill_speedups: list = []
+    vcases: list[dict[str, Any]] = []  # the cases vLLM runs after ours (vllm_venv)
     try:
         for dname in dtypes:
             dtype = table[dname]
@@ -277,6 +288,9 @@ def run(*, batches: Sequence[int] = (32, 128), head_dims: Sequence[int] = (64, 1
                         out[f"{key}_native_read_gbps"] = round(kernel, 2)
                         out[f"{key}_stream_read_gbps"] = round(stream, 2)
                         out[f"{key}_roofline_ratio"] = round(kernel / stream, 3)
+                        vcases.append(dict(key=key, kind="decode", dtype=dname, heads=heads,
+                                           kv_heads=kv_heads, head_dim=d, threads=nt,
+                                           lens=c["lens"]))
             for d in head_dims:
                 for spec in prefill:
                     n, off = parse_prefill(spec)
@@ -284,12 +298,71 @@ def run(*, batches: Sequence[int] = (32, 128), head_dims: Sequence[int] = (64, 1
                              dtype=dtype, dname=dname, heads=heads, kv_heads=kv_heads,
                              block_size=block_size, blocks_per_slot=blocks_per_slot,
                              threads=threads, repeats=repeats, seed=seed)
+                    vcases.extend(dict(key=f"p{n}_o{off}_d{d}_t{nt}_{dname}", kind="prefill",
+                                       dtype=dname, heads=heads, kv_heads=kv_heads, head_dim=d,
+                                       threads=nt, n=n, off=off,
+                                       chunks=max(1, prefill_tokens // n)) for nt in threads)
     finally:
         torch.set_num_threads(before)
     out["min_native_speedup_ratio"] = round(min(speedups), 3) if speedups else None
     out["min_prefill_speedup_ratio"] = (round(min(prefill_speedups), 3) if prefill_speedups
                                         else None)
+    if vllm_py is not None:
+        _vllm_side(out, vllm_py, vcases, repeats)
     return out
+
+
+VLLM_TIMEOUT_S = 170
+"""Longest the vLLM side of ``bench attention`` may run (its import is ~10 s of it)."""
+
+
+def _vllm_python(venv: str) -> str:
+    """The venv's python; ValueError naming ``--vllm-venv`` when there is none."""
+    from pathlib import Path
+
+    py = Path(venv).expanduser() / "bin" / "python"
+    if not py.is_file():
+        raise ValueError(f"--vllm-venv {venv}: no {py} (build it with "
+                         "shared/tools/vllm-cpu-venv.sh)")
+    return str(py)
+
+
+def _vllm_side(out: dict[str, Any], py: str, cases: list[dict[str, Any]], repeats: int) -> None:
+    """vLLM's op on ``cases`` in one process of the venv's ``py``
+    (:mod:`xllm_vmm.bench.attention_vllm`), merged into ``out`` with the per-case
+    ``_native_vs_vllm_ratio`` and the least ones; ValueError naming ``--vllm-venv`` when that
+    process fails."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
+    env.pop("PYTHONPATH", None)
+    # -P: not the script's folder first on sys.path (bench/copy.py would shadow stdlib copy)
+    script = str(Path(__file__).with_name("attention_vllm.py"))
+    try:
+        r = subprocess.run([py, "-P", script],
+                           input=json.dumps({"cases": cases, "repeats": repeats}),
+                           capture_output=True, text=True, env=env, timeout=VLLM_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise ValueError(f"--vllm-venv: vLLM's side ran over {VLLM_TIMEOUT_S} s") from None
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode != 0 or not lines:
+        tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
+        raise ValueError(f"--vllm-venv: vLLM's attention op failed (rc {r.returncode}): "
+                         + " | ".join(tail))
+    res = json.loads(lines[-1])
+    out.update(res)
+    ratios: dict[str, list] = {"decode": [], "prefill": []}
+    for c in cases:
+        k = c["key"]
+        ratio = res[f"{k}_vllm_cpu_median_ms"] / max(out[f"{k}_native_cpu_median_ms"], 1e-9)
+        out[f"{k}_native_vs_vllm_ratio"] = round(ratio, 3)
+        ratios[c["kind"]].append(ratio)
+    out["min_native_vs_vllm_ratio"] = round(min(ratios["decode"]), 3) if ratios["decode"] else None
+    out["min_prefill_vs_vllm_ratio"] = (round(min(ratios["prefill"]), 3) if ratios["prefill"]
+                                        else None)
 
 
 def _prefill(out: dict[str, Any], speedups: list, *, n: int, off: int, tokens: int, d: int,

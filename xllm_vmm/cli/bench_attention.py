@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import typer
 
@@ -40,6 +40,10 @@ def bench_attention(
         help="Prefill case: chunks of N queries after OFFSET cached keys, N or N:OFFSET "
              "(repeatable; --prefill none for decodes only)."),
     prefill_tokens: int = typer.Option(2048, help="Query tokens per prefill call (chunks of N)."),
+    vllm_venv: Optional[str] = typer.Option(
+        None, "--vllm-venv", help="A venv with vLLM's CPU build: run its CPU attention op on the "
+        "same cases after ours (_vllm_ fields, _native_vs_vllm_ratio = vLLM's CPU time over "
+        "ours, min_native_vs_vllm_ratio, min_prefill_vs_vllm_ratio)."),
     fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
 ) -> None:
     from xllm_vmm.bench import attention
@@ -58,5 +62,6 @@ def bench_attention(
     results = _run("bench attention", lambda: attention.run(
         batches=batch, head_dims=head_dim, threads=threads, dtypes=dtype, min_keys=min_keys,
         max_keys=max_keys, heads=heads, kv_heads=kv_heads, block_size=block_size,
-        repeats=repeats, seed=seed, prefill=prefill, prefill_tokens=prefill_tokens))
+        repeats=repeats, seed=seed, prefill=prefill, prefill_tokens=prefill_tokens,
+        vllm_venv=vllm_venv))
     emit("bench attention (native kernels in place vs SDPA)", results, fmt)

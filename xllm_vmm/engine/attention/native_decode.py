@@ -41,7 +41,8 @@ LIB_NAME = "libxllm_paged_attn.so"
 ENV = "XLLM_VMM_NATIVE_DECODE"
 """``0`` (false/off/no) turns the native decode kernel off for the torch backend's default (on
 otherwise, where the library is built); ``portable`` keeps it on with its portable C
-implementation."""
+implementation; ``avx512`` keeps it on with its bf16 scores on AVX-512 where the AMX form would
+run (A/B comparisons)."""
 
 _I64, _PTR, _I32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _PROTOTYPES: dict[str, tuple[list, Any]] = {
@@ -72,6 +73,11 @@ def portable_by_env() -> bool:
     return os.environ.get(ENV, "").strip().lower() == "portable"
 
 
+def amx_by_env() -> bool:
+    """The AMX scores may run (``ENV`` is not ``avx512``)."""
+    return os.environ.get(ENV, "").strip().lower() != "avx512"
+
+
 def load() -> Any:
     """The ctypes library, or None when it is not built (:func:`xllm_vmm.vmm.native.optional_library`)."""
     from xllm_vmm.vmm.native import optional_library
@@ -97,15 +103,27 @@ def supports(q_dtype: Any, kv_dtype: Any, device: Any, num_heads: int, num_kv_he
             and num_heads // num_kv_heads <= MAX_GROUP)
 
 
-def implementation(q_dtype: Any, kv_dtype: Any, head_dim: int, *, portable: bool = False) -> str:
-    """Which implementation a call takes here: ``"avx512-bf16"``, ``"avx512-f32"`` or
-    ``"portable"`` (no AVX-512 / AVX-512-BF16 on this CPU, q and K/V of different dtypes, a
-    head_dim not a multiple of 16, or ``portable``)."""
+IMPLS = {0: "portable", 1: "avx512-f32", 2: "avx512-bf16", 3: "amx-bf16"}
+PORTABLE, NO_AMX = 1, 2  # the library's flags
+
+
+def _flags(portable: bool, amx: bool) -> int:
+    return (PORTABLE if portable else 0) | (0 if amx else NO_AMX)
+
+
+def implementation(q_dtype: Any, kv_dtype: Any, head_dim: int, *, portable: bool = False,
+                   amx: bool = True) -> str:
+    """Which implementation a call takes here: ``"amx-bf16"`` (the AVX-512-BF16 kernel with
+    its q.K scores on the AMX tiles: bfloat16, head_dim a multiple of 32 up to 128, where the
+    CPU has AMX-BF16 and Linux grants the tiles; ``amx`` False keeps ``"avx512-bf16"``),
+    ``"avx512-bf16"``, ``"avx512-f32"`` or ``"portable"`` (no AVX-512 / AVX-512-BF16 on this
+    CPU, q and K/V of different dtypes, a head_dim not a multiple of 16, or ``portable``)."""
     lib = load()
     if lib is None:
         raise ValueError(_NOT_BUILT)
-    code = lib.xllm_paged_decode_impl(head_dim, _code(q_dtype), _code(kv_dtype), int(portable))
-    return {0: "portable", 1: "avx512-f32", 2: "avx512-bf16"}[code]
+    code = lib.xllm_paged_decode_impl(head_dim, _code(q_dtype), _code(kv_dtype),
+                                      _flags(portable, amx))
+    return IMPLS[code]
 
 
 _NOT_BUILT = (f"the native decode kernel is not available ({LIB_NAME} is not built: "
@@ -177,7 +195,8 @@ def check_paged_views(q: Tensor, k_slots: Tensor, v_slots: Tensor, *, block_size
 def paged_decode(q: Tensor, k_slots: Tensor, v_slots: Tensor, block_table: Tensor,
                  seq_lens: Tensor, *, block_size: int, blocks_per_slot: int, scale: float,
                  rows: Tensor | None = None, out: Tensor | None = None,
-                 num_threads: int | None = None, portable: bool | None = None) -> Tensor:
+                 num_threads: int | None = None, portable: bool | None = None,
+                 amx: bool = True) -> Tensor:
     """Decode attention written into ``out`` ``(T, H, D)`` (q's dtype; a new tensor when None)
     and returned: for decode ``b``, row ``r = rows[b]`` (``rows`` None: ``r = b``, ``B = T``)
     of ``out`` is the attention of query row ``q[r]`` over the keys ``0 .. seq_lens[b] - 1`` of
@@ -186,7 +205,8 @@ def paged_decode(q: Tensor, k_slots: Tensor, v_slots: Tensor, block_table: Tenso
     in ``rows`` are left as they are. Every table entry below ``ceil(seq_lens[b] /
     block_size)`` must be a block the manager handed out (invariant 1; ids outside the views
     are refused); entries beyond, and a block's slots beyond ``seq_lens[b]``, are never read.
-    ``portable`` (None: the ``ENV`` setting) forces the portable C implementation.
+    ``portable`` (None: the ``ENV`` setting) forces the portable C implementation; ``amx``
+    False keeps the AVX-512 scores where the AMX form would run (:func:`implementation`).
 
     Raises ``ValueError`` naming the argument on a shape, dtype, device or range the kernel
     does not take; nothing is written then."""
@@ -223,7 +243,7 @@ def paged_decode(q: Tensor, k_slots: Tensor, v_slots: Tensor, block_table: Tenso
         q.data_ptr(), out.data_ptr(), None if rows_t is None else rows_t.data_ptr(), t_rows,
         k_slots.data_ptr(), v_slots.data_ptr(), table.data_ptr(), table.shape[1], table.shape[1],
         lens.data_ptr(), b, h, hkv, d, block_size, blocks_per_slot, k_slots.stride(0),
-        s * blocks_per_slot, float(scale), qt, kt, int(n), int(bool(portable)))
+        s * blocks_per_slot, float(scale), qt, kt, int(n), _flags(bool(portable), amx))
     if rc == -3:
         raise ValueError(f"block_table holds a block id outside [0, {s * blocks_per_slot}) of "
                          f"the views, or rows a row outside [0, {t_rows})")
@@ -273,5 +293,5 @@ def write_kv(k: Tensor, v: Tensor, k_slots: Tensor, v_slots: Tensor, page: Tenso
     return True
 
 
-__all__ = ["ENV", "LIB_NAME", "enabled_by_env", "implementation", "load", "paged_decode",
-           "portable_by_env", "supports", "write_kv"]
+__all__ = ["ENV", "IMPLS", "LIB_NAME", "amx_by_env", "enabled_by_env", "implementation", "load",
+           "paged_decode", "portable_by_env", "supports", "write_kv"]

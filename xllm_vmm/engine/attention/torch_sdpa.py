@@ -297,6 +297,7 @@ class TorchSDPABackend(AttentionBackend):
             native_decode = nd.enabled_by_env() and nd.load() is not None
         self.native_decode = bool(native_decode) and batch_decodes
         self.native_portable = nd.portable_by_env()
+        self.native_amx = nd.amx_by_env()  # the decode kernel's AMX scores (ENV=avx512: off)
         if native_prefill is None:
             native_prefill = npf.mode_by_env()
         elif native_prefill is True or native_prefill is False:
@@ -464,7 +465,8 @@ class TorchSDPABackend(AttentionBackend):
             out = paged_decode(q, kv.k_slots, kv.v_slots, meta.decode_table, meta.decode_lens,
                                block_size=geo.block_size, blocks_per_slot=geo.blocks_per_slot,
                                scale=self.scale, rows=None if meta.decode_all else meta.decode_rows,
-                               out=torch.empty_like(q), portable=self.native_portable)
+                               out=torch.empty_like(q), portable=self.native_portable,
+                               amx=self.native_amx)
             if meta.decode_all:
                 return out
         else:
