@@ -43,9 +43,22 @@ def test_drive_counts_every_request(tokenizer):
     assert out["completed"] == 20 and out["failures"] == 0 and out["errors"] == []
     assert out["total_output_tokens"] == 120
     # the planned arrivals (the sum of the Poisson gaps: 20 at 200/s, ~0.1 s) and the span
-    # this client sent them in (its sleeps are never shorter than the gaps)
+    # this client sent them in (each send waits for its planned time, never less)
     assert 0 < out["arrival_span_s"] < 1.0
     assert out["send_span_s"] >= out["arrival_span_s"] * 0.99
+    # each send's lateness against its planned time; the loop's wake-up lateness
+    assert 0 <= out["send_lag_ms_median"] <= out["send_lag_ms_p99"] <= out["send_lag_ms_max"]
+    # (a late send does not delay the next: the span is the plan plus the last one's lag)
+    assert out["send_span_s"] * 1e3 <= (out["arrival_span_s"] * 1e3 + out["send_lag_ms_max"]
+                                        + 50)
+    assert 0 <= out["client_loop_lag_ms_median"] <= out["client_loop_lag_ms_max"]
+    # CPU during the load: this process ran the client and the in-process server, so the
+    # machine's busy time covers at least this process's; no server pid, no server CPU
+    assert out["client_cpu_s"] > 0 and out["server_cpu_s"] is None
+    assert out["machine_cpu_s"] >= out["client_cpu_s"] - 0.05
+    assert out["other_cpu_s"] is None and out["loadavg_end"] >= 0
+    # the server process's CPU during its steps, per step and over the steps' wall time
+    assert out["engine_step_cpu_ms_mean"] > 0 and out["engine_step_cpu_over_wall"] > 0
     for k in ("ttft_ms_median", "ttft_ms_p99", "tpot_ms_median", "itl_ms_median", "itl_ms_p99"):
         assert out[k] >= 0 and math.isfinite(out[k]), k
     assert out["ttft_ms_p99"] >= out["ttft_ms_median"]
@@ -87,6 +100,12 @@ def test_bench_serve_cli_json_on_a_real_server(tiny_llama_dir):
     assert out["kv_mapped_bytes_after"] <= out["kv_packed_floor_bytes_after"] + (2 << 20) * 8
     assert out["reserved_virtual_bytes"] > out["kv_mapped_bytes_peak"]
     assert out["engine_steps"] >= 64 and 0 < out["engine_busy_fraction"] <= 1.0
+    # the server's process tree's CPU over the load (from /proc), per output token too
+    assert out["server_cpu_s"] > 0 and out["server_cpu_ms_per_output_token"] == pytest.approx(
+        1e3 * out["server_cpu_s"] / out["total_output_tokens"])
+    assert out["other_cpu_s"] == pytest.approx(out["machine_cpu_s"] - out["server_cpu_s"]
+                                               - out["client_cpu_s"])
+    assert "--enable_vmm_weights=true" not in out["server"]  # serve's own default weights
     # the server's own latency by stage (median <= p99, in µs; what the load added)
     for stage in ("overhead", "admit", "pickup", "add", "handoff", "emit"):
         med, p99 = out[f"server_{stage}_us_median"], out[f"server_{stage}_us_p99"]

@@ -153,7 +153,11 @@ def test_compare_warms_both_then_alternates_rounds(tmp_path, tiny_llama_dir):
     assert argv[argv.index("--max-model-len") + 1] == sc._flag_value(args, "max_model_len")
     assert bs.tree_rss_bytes(r["pid"]) is None  # stopped
     assert out["vllm"]["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0"
-    for side in ("xllm_vmm", "vllm"):
+    assert out["order"] == "alternate"
+    # ours as serve runs it (the headline) and ours with the weights in the pool too
+    assert "--enable_vmm_weights=true" not in out["xllm_vmm"]["server"]
+    assert out["xllm_vmm_vmm_weights"]["server"].endswith(" --enable_vmm_weights=true")
+    for side in sc.SIDES:
         s = out[side]
         assert [x["round"] for x in s["runs"]] == [0, 1, 2]
         assert [x["seed"] for x in s["runs"]] == [5, 6, 7]  # new prompts every round
@@ -168,15 +172,21 @@ def test_compare_warms_both_then_alternates_rounds(tmp_path, tiny_llama_dir):
         assert all(x["idle_server_cpu_s"] is not None and x["idle_server_cpu_s"] < 1.0
                    for x in s["runs"])
         assert all(x["idle_server_paused"] is True for x in s["runs"])  # stopped, then resumed
+        assert s["server_cpu_ms_per_output_token"] > 0  # every side's tree from /proc
     assert out["xllm_vmm"]["server_exit_code"] == 0
+    assert out["xllm_vmm_vmm_weights"]["server_exit_code"] == 0
     assert "error" not in out["vllm"] and out["vllm"]["kv_reserved_bytes"] == 1 << 30
     assert out["vs_vllm_throughput_ratio"] == pytest.approx(
         out["xllm_vmm"]["output_throughput_median"] / out["vllm"]["output_throughput_median"])
-    for key, field in (("throughput", "output_throughput"), ("ttft", "ttft_ms_median"),
-                       ("tpot", "tpot_ms_median")):
-        per = out[f"vs_vllm_{key}_ratio_per_round"]
-        assert per == [pytest.approx(a[field] / b[field]) for a, b in
-                       zip(out["xllm_vmm"]["runs"], out["vllm"]["runs"])]
+    for side, suffix in (("xllm_vmm", ""), ("xllm_vmm_vmm_weights", "_vmm_weights")):
+        for key, field in (("throughput", "output_throughput"), ("ttft", "ttft_ms_median"),
+                           ("tpot", "tpot_ms_median")):
+            per = out[f"vs_vllm_{key}_ratio_per_round{suffix}"]
+            assert per == [pytest.approx(a[field] / b[field]) for a, b in
+                           zip(out[side]["runs"], out["vllm"]["runs"])]
+        assert out[f"vs_vllm_cpu_per_token_ratio{suffix}"] == pytest.approx(
+            out[side]["server_cpu_ms_per_output_token"]
+            / out["vllm"]["server_cpu_ms_per_output_token"])
     flat = sc.flat(out)
     assert "xllm_vmm.output_throughput_median" in flat and "vllm.runs" not in flat
     assert "vllm.warmup" not in flat
@@ -197,11 +207,26 @@ def test_compare_alternates_which_server_goes_first(tmp_path, tiny_llama_dir, mo
     args = bs.serve_args(str(tiny_llama_dir), ["--device-memory=256MiB"], 12, 0.5, 4)
     out = sc.compare(cfg, args, str(venv), rounds=3, kv_space_gib=1, warmup_prompts=2,
                      settle_s=0.0)
-    ours = out["xllm_vmm"]["server"] and seen[0][0]
-    sides = ["ours" if url == ours else "vllm" for url, _ in seen]
-    assert sides == ["ours", "vllm",            # warm-up, each alone
-                     "ours", "vllm", "vllm", "ours", "ours", "vllm"]
-    assert [seed for _, seed in seen] == [1000, 1000, 0, 0, 1, 1, 2, 2]
+    names = dict(zip([url for url, _ in seen[:3]], ("ours", "ours_vw", "vllm")))
+    assert [names[url] for url, _ in seen] == [
+        "ours", "ours_vw", "vllm",                                # warm-up, each alone
+        "ours", "ours_vw", "vllm", "vllm", "ours_vw", "ours", "ours", "ours_vw", "vllm"]
+    assert [seed for _, seed in seen] == [1000] * 3 + [0] * 3 + [1] * 3 + [2] * 3
+    assert out["xllm_vmm_vmm_weights"]["runs"][0]["idle_server_paused"] is True  # both others
+    # the same order every round, and without the second server of ours
+    seen.clear()
+    out = sc.compare(cfg, args, str(venv), rounds=2, kv_space_gib=1, warmup_prompts=0,
+                     settle_s=0.0, vmm_weights_side=False, order="fixed")
+    assert "xllm_vmm_vmm_weights" not in out and "vs_vllm_tpot_ratio_vmm_weights" not in out
+    assert out["order"] == "fixed" and len(seen) == 4
+    assert [url for url, _ in seen][::2] == [seen[0][0]] * 2  # ours first in both rounds
+
+
+def test_round_order():
+    assert sc.round_order(sc.SIDES, 0, "alternate") == sc.SIDES
+    assert sc.round_order(sc.SIDES, 1, "alternate") == tuple(reversed(sc.SIDES))
+    assert sc.round_order(sc.SIDES, 1, "fixed") == sc.SIDES
+    assert sc.round_order(("a", "b"), 3, "alternate") == ("b", "a")
 
 
 def test_parse_env():
@@ -287,11 +312,12 @@ def test_compare_cli_keeps_our_side_when_vllm_fails(tmp_path, tiny_llama_dir):
         [sys.executable, "-m", "xllm_vmm.cli", "bench", "serve", "--model", str(tiny_llama_dir),
          "--vllm-venv", str(venv), "--rounds", "1", "--num-prompts", "4", "--request-rate",
          "inf", "--input-len", "12", "--output-len", "6", "--timeout", "120",
-         "--serve-arg=--device-memory=256MiB", "--format", "json"],
+         "--serve-arg=--device-memory=256MiB", "--no-vmm-weights-side", "--format", "json"],
         capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["xllm_vmm"]["runs"][0]["completed"] == 4
+    assert "xllm_vmm_vmm_weights" not in out  # --no-vmm-weights-side
     assert "Engine core initialization failed" in out["vllm"]["error"]
     assert out["vllm"]["runs"] == [] and out["vs_vllm_throughput_ratio"] is None
     assert out["vs_vllm_ttft_ratio_per_round"] == []
@@ -309,6 +335,8 @@ def test_compare_refuses_bad_options(tmp_path):
         sc.compare(cfg, ["--model", "/m"], str(tmp_path), warmup_prompts=-1)
     with pytest.raises(ValueError, match="--model"):
         sc.compare(cfg, [], str(tmp_path))
+    with pytest.raises(ValueError, match="--order"):
+        sc.compare(cfg, ["--model", "/m"], str(tmp_path), order="random")
 
 
 @pytest.mark.skipif(not os.environ.get("XLLM_VMM_TEST_VLLM_VENV"),

@@ -32,7 +32,14 @@ JSON-encoding the SSE chunks, timed without awaits), over wall seconds or per ou
 against vLLM's server, its own stages from its ``/metrics`` (``vllm_queue_ms_mean``,
 ``vllm_prefill_ms_mean``, ``vllm_steps``: :func:`vllm_stage_figures`);
 ``arrival_span_s`` / ``send_span_s`` (first to last request: planned by the gaps, and as this
-client sent them — well above the plan, the client fell behind);
+client sent them — well above the plan, the client fell behind; each request is sent at its
+planned time, so one late send does not delay the rest), ``send_lag_ms_*`` and
+``client_loop_lag_ms_*`` (median, p99, max: each send's lateness, the event loop's lateness
+waking from 5 ms sleeps); CPU seconds over the load (:class:`_CostClock`: ``client_cpu_s``,
+``server_cpu_s`` and ``server_cpu_ms_per_output_token`` for the server's process tree,
+``machine_cpu_s``, ``other_cpu_s``, ``machine_steal_s``, ``loadavg_start`` / ``_end``) and
+ours' ``engine_step_cpu_ms_mean`` / ``engine_step_cpu_over_wall`` (the process's CPU during
+its steps, ``xllm_vmm_engine_step_cpu_seconds``);
 ``rss_bytes_peak`` (when the server's process id is known: the most resident bytes of its
 process tree, every process's ``VmRSS`` summed, every ``sample_interval`` seconds — shared pages count
 once per process, as ``ps`` shows them). One warm-up request (not counted) precedes the load.
@@ -60,7 +67,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 READY_RE = re.compile(r"ready at (http://\S+)")
 
@@ -214,6 +221,39 @@ def tree_rss_bytes(pid: int) -> Optional[int]:
     return total if found else None
 
 
+def rss_of(pids: list[int]) -> Optional[int]:
+    """Resident bytes of the processes ``pids`` (``VmRSS`` of each that is still alive,
+    summed); None when none is."""
+    total, found = 0, False
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/status", "rb") as fh:
+                for line in fh:
+                    if line.startswith(b"VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+                        found = True
+                        break
+        except OSError:
+            continue
+    return total if found else None
+
+
+def run_load(coro):
+    """Run the load's coroutine on a new event loop: uvloop's when it is installed (its
+    C callbacks cut the client's per-event CPU; the same client drives every server), the
+    standard one otherwise or with ``XLLM_VMM_BENCH_LOOP=asyncio``."""
+    factory = None
+    if os.environ.get("XLLM_VMM_BENCH_LOOP", "").lower() != "asyncio":
+        try:
+            import uvloop
+
+            factory = uvloop.new_event_loop
+        except ImportError:
+            pass
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(coro)
+
+
 def parse_metric(text: str, name: str, labels: dict[str, str] | None = None) -> Optional[float]:
     """Sum of the samples of ``name`` whose labels include ``labels`` in Prometheus text."""
     total = None
@@ -288,20 +328,189 @@ def server_latency_figures(before: str, after: str) -> dict:
     return out
 
 
+def machine_cpu_seconds() -> Optional[tuple[float, float]]:
+    """``(busy, steal)`` CPU seconds of every CPU since boot from ``/proc/stat`` (busy: user,
+    nice, system, irq, softirq; steal: time the hypervisor ran something else); None when it
+    cannot be read (not Linux)."""
+    try:
+        with open("/proc/stat") as fh:
+            f = [int(x) for x in fh.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    tick = float(os.sysconf("SC_CLK_TCK"))
+    return (f[0] + f[1] + f[2] + f[5] + f[6]) / tick, f[7] / tick
+
+
+class _CostClock:
+    """CPU clocks at construction; :meth:`since` gives what each used meanwhile: this
+    process (``client_cpu_s``), the process tree of ``server_pid`` (``server_cpu_s``, None
+    without a pid), the machine (``machine_cpu_s``, ``machine_steal_s``) and the rest
+    (``other_cpu_s`` = machine - server - client), plus ``loadavg_start`` / ``_end``."""
+
+    def __init__(self, server_pid: Optional[int]):
+        self.pid = server_pid
+        self.client = time.process_time()
+        self.server = tree_cpu_seconds(server_pid) if server_pid is not None else None
+        self.machine = machine_cpu_seconds()
+        self.load = _loadavg()
+
+    def since(self) -> dict:
+        client = time.process_time() - self.client
+        server = (tree_cpu_seconds(self.pid) if self.server is not None else None)
+        server = server - self.server if server is not None and self.server is not None else None
+        m = machine_cpu_seconds()
+        busy = m[0] - self.machine[0] if m is not None and self.machine is not None else None
+        steal = m[1] - self.machine[1] if m is not None and self.machine is not None else None
+        other = (busy - client - server if busy is not None and server is not None else None)
+        return {"client_cpu_s": client, "server_cpu_s": server, "machine_cpu_s": busy,
+                "machine_steal_s": steal, "other_cpu_s": other,
+                "loadavg_start": self.load, "loadavg_end": _loadavg()}
+
+
+def _loadavg() -> Optional[float]:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+async def _loop_lag(done: asyncio.Event, out: list[float], period: float = 0.005) -> None:
+    """Until ``done``: how late the event loop wakes from ``period``-second sleeps
+    (seconds, appended to ``out``): the client's own lateness, which delays sends and the
+    reading of every stream."""
+    while not done.is_set():
+        t = time.perf_counter()
+        await asyncio.sleep(period)
+        out.append(max(0.0, time.perf_counter() - t - period))
+
+
 class _HTTPError(Exception):
     def __init__(self, status: int, body: bytes):
         super().__init__(f"HTTP {status}: {body[:200]!r}")
 
 
-async def sse_post(url: str, body: dict, headers: dict):
-    """POST ``body`` as JSON to ``url`` (``http://host:port/path``, one connection, closed after)
-    and yield the ``data:`` payload of every server-sent event as it arrives (``str``; the
-    transfer's chunked or length framing undone). A status other than 200 raises with the
-    start of the body. The load's client: httpx's streaming (h11 in Python, line decoding)
-    cost ~125 µs of CPU per streamed chunk, more than the server spent on it, and on a 2-core
-    machine that CPU is taken from the server being measured; this reads with asyncio's
-    stream buffer and one ``find`` per event (what ``vllm bench serve``'s aiohttp client costs
-    is of this order)."""
+class _SSEProtocol(asyncio.Protocol):
+    """One HTTP/1.1 response of server-sent events, parsed as the bytes arrive: the status
+    line, the headers, chunked or length framing (or to the end of the connection), then the
+    events; ``on_event(data, t)`` is called for each ``data:`` line's payload (``bytes``) with
+    the ``perf_counter`` time its bytes arrived, inside ``data_received`` — no task switch or
+    await per event, the client's whole per-event cost is this parse and the callback. ``done``
+    resolves when the response ended (``status`` and, for a status other than 200, ``error``
+    body), or raises the connection's error."""
+
+    def __init__(self, on_event: Callable[[bytes, float], None], done: asyncio.Future):
+        self.on_event = on_event
+        self.done = done
+        self.status: Optional[int] = None
+        self.head = bytearray()      # status line and headers, until the blank line
+        self.raw = bytearray()       # body bytes not yet de-framed
+        self.body = bytearray()      # de-framed body bytes not yet split into events
+        self.error_body = bytearray()
+        self.chunked = False
+        self.left: Optional[int] = None  # bytes of the length-framed body still to come
+        self.transport: Optional[asyncio.Transport] = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        now = time.perf_counter()
+        if self.status is None:
+            self.head += data
+            end = self.head.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            lines = bytes(self.head[:end]).decode("latin-1").split("\r\n")
+            data = bytes(self.head[end + 4:])
+            self.head.clear()
+            self.status = int(lines[0].split(" ", 2)[1])
+            for line in lines[1:]:
+                name, _, value = line.partition(":")
+                name, value = name.strip().lower(), value.strip().lower()
+                if name == "transfer-encoding" and "chunked" in value:
+                    self.chunked = True
+                elif name == "content-length":
+                    self.left = int(value)
+        if self.chunked:
+            self.raw += data
+            finished = self._dechunk()
+        elif self.left is not None:
+            data = data[: self.left]
+            self.left -= len(data)
+            self.body += data
+            finished = self.left == 0
+        else:
+            self.body += data
+            finished = False
+        self._events(now)
+        if finished:
+            self._finish()
+
+    def _dechunk(self) -> bool:
+        """Moves the complete chunks of ``raw`` into ``body``; True at the last chunk."""
+        raw = self.raw
+        pos = 0
+        while True:
+            eol = raw.find(b"\r\n", pos)
+            if eol < 0:
+                break
+            size = int(bytes(raw[pos:eol]).split(b";", 1)[0], 16)
+            if size == 0:
+                del raw[:]
+                return True
+            if len(raw) < eol + 2 + size + 2:
+                break
+            self.body += raw[eol + 2: eol + 2 + size]
+            pos = eol + 2 + size + 2
+        del raw[:pos]
+        return False
+
+    def _events(self, now: float) -> None:
+        if self.status != 200:
+            self.error_body += self.body
+            self.body.clear()
+            return
+        body = self.body
+        if b"\r" in body:
+            body[:] = body.replace(b"\r\n", b"\n")
+        start = 0
+        while (end := body.find(b"\n\n", start)) >= 0:
+            event = bytes(body[start:end])
+            start = end + 2
+            for ln in event.split(b"\n"):
+                if ln.startswith(b"data: "):
+                    self.on_event(ln[6:], now)
+        if start:
+            del body[:start]
+
+    def _finish(self) -> None:
+        if not self.done.done():
+            self.done.set_result(self.status)
+        if self.transport is not None:
+            self.transport.close()
+
+    def connection_lost(self, exc) -> None:
+        if self.done.done():
+            return
+        if exc is not None:
+            self.done.set_exception(exc)
+        elif self.status is None:
+            self.done.set_exception(ConnectionError("the server closed the connection before "
+                                                    "answering"))
+        else:  # a body framed by the connection's end
+            self._events(time.perf_counter())
+            self.done.set_result(self.status)
+
+
+async def sse_request(url: str, body: dict, headers: dict,
+                      on_event: Callable[[bytes, float], None]) -> None:
+    """POST ``body`` as JSON to ``url`` (``http://host:port/path``, one connection, closed
+    after) and call ``on_event(data, t)`` for the ``data:`` payload (``bytes``) of every
+    server-sent event as it arrives (:class:`_SSEProtocol`); returns when the response ended.
+    A status other than 200 raises with the start of the body. The load's client: httpx's
+    streaming (h11 in Python, line decoding) cost ~125 µs of CPU per streamed chunk and an
+    asyncio stream reader with one task wake-up per event ~35 µs; on a 2-core machine the
+    client's CPU is taken from the server being measured (both sides get the same client)."""
     from urllib.parse import urlsplit
 
     u = urlsplit(url)
@@ -310,48 +519,38 @@ async def sse_post(url: str, body: dict, headers: dict):
             "Content-Type: application/json", "Accept: text/event-stream",
             f"Content-Length: {len(payload)}", "Connection: close",
             *(f"{k}: {v}" for k, v in headers.items())]
-    reader, writer = await asyncio.open_connection(u.hostname, u.port or 80)
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+    transport, proto = await loop.create_connection(lambda: _SSEProtocol(on_event, done),
+                                                    u.hostname, u.port or 80)
     try:
-        writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + payload)
-        status = int((await reader.readline()).split(b" ", 2)[1])
-        chunked, length = False, None
-        while True:
-            line = await reader.readline()
-            if line in (b"\r\n", b"\n", b""):
-                break
-            name, _, value = line.decode("latin-1").partition(":")
-            name, value = name.strip().lower(), value.strip().lower()
-            if name == "transfer-encoding" and "chunked" in value:
-                chunked = True
-            elif name == "content-length":
-                length = int(value)
-
-        async def pieces():
-            if chunked:
-                while True:
-                    size = int((await reader.readline()).split(b";", 1)[0], 16)
-                    if size == 0:
-                        return
-                    data = await reader.readexactly(size + 2)
-                    yield data[:-2]
-            elif length is not None:
-                yield await reader.readexactly(length)
-            else:
-                while data := await reader.read(65536):
-                    yield data
-
+        transport.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + payload)
+        status = await done
         if status != 200:
-            raise _HTTPError(status, b"".join([p async for p in pieces()]))
-        buf = b""
-        async for piece in pieces():
-            buf += piece.replace(b"\r\n", b"\n") if b"\r" in piece else piece
-            while (end := buf.find(b"\n\n")) >= 0:
-                event, buf = buf[:end], buf[end + 2:]
-                for ln in event.split(b"\n"):
-                    if ln.startswith(b"data: "):
-                        yield ln[6:].decode("utf-8")
+            raise _HTTPError(status, bytes(proto.error_body))
     finally:
-        writer.close()
+        transport.close()
+
+
+async def sse_post(url: str, body: dict, headers: dict):
+    """:func:`sse_request` as an async generator of the events' ``data:`` payloads (``str``)."""
+    q: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def run():
+        try:
+            await sse_request(url, body, headers, lambda d, t: q.put_nowait(d.decode("utf-8")))
+        finally:
+            q.put_nowait(end)
+
+    task = asyncio.ensure_future(run())
+    try:
+        while (item := await q.get()) is not end:
+            yield item
+        await task  # raises the request's error
+    finally:
+        if not task.done():
+            task.cancel()
 
 
 async def _one(client, url: str, model: str, prompt: list[int], cfg: LoadConfig,
@@ -360,33 +559,38 @@ async def _one(client, url: str, model: str, prompt: list[int], cfg: LoadConfig,
     body = {"model": model, "prompt": prompt, "max_tokens": cfg.output_len, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.0}
     t0 = time.perf_counter()
-    last = None
+    last: list[Optional[float]] = [None]
+    itl = res.itl
+
+    def on_event(data: bytes, now: float) -> None:
+        if res.error or data == b"[DONE]":
+            return
+        # a token chunk (compact JSON with a choice: both servers write it so; the substring
+        # cannot occur inside a JSON string, whose quotes are escaped) needs no parse;
+        # anything else is parsed
+        if b'"choices":[{' not in data or data.startswith(b'{"error"'):
+            chunk = json.loads(data)
+            if "error" in chunk:
+                res.error = chunk["error"].get("message", "error event")
+                return
+            if chunk.get("usage") and not chunk.get("choices"):
+                res.output_tokens = int(chunk["usage"]["completion_tokens"])
+                return
+            if not chunk.get("choices"):
+                return
+        if last[0] is None:
+            res.ttft = now - t0
+        else:
+            itl.append(now - last[0])
+        last[0] = now
+
     try:
-        async for data in sse_post(f"{url}/v1/completions", body, headers):
-            if data == "[DONE]":
-                break
-            now = time.perf_counter()
-            # a token chunk (compact JSON with a choice: both servers write it so; the
-            # substring cannot occur inside a JSON string, whose quotes are escaped) needs
-            # no parse; anything else is parsed
-            if '"choices":[{' not in data or data.startswith('{"error"'):
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    res.error = chunk["error"].get("message", "error event")
-                    return res
-                if chunk.get("usage") and not chunk.get("choices"):
-                    res.output_tokens = int(chunk["usage"]["completion_tokens"])
-                    continue
-                if not chunk.get("choices"):
-                    continue
-            if last is None:
-                res.ttft = now - t0
-            else:
-                res.itl.append(now - last)
-            last = now
+        await sse_request(f"{url}/v1/completions", body, headers, on_event)
         res.e2e = time.perf_counter() - t0
-        res.ok = res.output_tokens == cfg.output_len and last is not None
-        if not res.ok and not res.error:
+        if res.error:
+            return res
+        res.ok = res.output_tokens == cfg.output_len and last[0] is not None
+        if not res.ok:
             res.error = f"{res.output_tokens} tokens instead of {cfg.output_len}"
     except Exception as exc:  # connection refused/reset, timeout: a failure, not a crash
         res.error = f"{type(exc).__name__}: {exc}"
@@ -461,11 +665,19 @@ async def drive(url: str, cfg: LoadConfig, *, rss_pid: Optional[int] = None) -> 
         rss_peak: list[Optional[int]] = [None]
         done = asyncio.Event()
 
+        # the tree's pids are listed again every 2 s only: listing scans every process of the
+        # machine, ~15 % of this client's CPU when it ran every sample
+        tree: dict = {"pids": [], "at": -math.inf}
+
         def sample_rss() -> None:
-            if rss_pid is not None:
-                v = tree_rss_bytes(rss_pid)
-                if v is not None:
-                    rss_peak[0] = max(rss_peak[0] or 0, v)
+            if rss_pid is None:
+                return
+            now = time.perf_counter()
+            if now - tree["at"] >= 2.0:
+                tree["pids"], tree["at"] = tree_pids(rss_pid), now
+            v = rss_of(tree["pids"])
+            if v is not None:
+                rss_peak[0] = max(rss_peak[0] or 0, v)
 
         async def sampler():
             last = -math.inf
@@ -482,11 +694,21 @@ async def drive(url: str, cfg: LoadConfig, *, rss_pid: Optional[int] = None) -> 
         workers: dict = {}  # a worker set (issue 14): per-rank peaks, all-reduce per step
         wtask = (asyncio.create_task(_sample_workers(client, url, cfg, done, workers))
                  if "xllm_vmm_worker_mapped_bytes" in reserved_text else None)
+        loop_lags: list[float] = []
+        ticker = asyncio.create_task(_loop_lag(done, loop_lags))
+        cost0 = _CostClock(rss_pid)
         t_start = time.perf_counter()
         tasks = []
+        send_lags: list[float] = []
+        due = 0.0
         for prompt, gap in zip(prompts, gaps):
-            if gap:
-                await asyncio.sleep(gap)
+            # on the planned arrival times (Poisson gaps summed from the start): a late send
+            # does not delay the ones after it, so every server gets the same arrivals
+            due += gap
+            wait = t_start + due - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            send_lags.append(time.perf_counter() - t_start - due)
             tasks.append(asyncio.create_task(_one(client, url, model, prompt, cfg, headers)))
         send_span = time.perf_counter() - t_start
         remaining = cfg.timeout - (time.perf_counter() - t_start)
@@ -494,9 +716,11 @@ async def drive(url: str, cfg: LoadConfig, *, rss_pid: Optional[int] = None) -> 
         for t in pending:
             t.cancel()
         wall = time.perf_counter() - t_start
+        costs = cost0.since()
         sample_rss()
         done.set()
         await sampler_task
+        await ticker
         if wtask is not None:
             await wtask
         results = [t.result() for t in finished if not t.cancelled()]
@@ -535,6 +759,22 @@ async def drive(url: str, cfg: LoadConfig, *, rss_pid: Optional[int] = None) -> 
         # the arrivals as planned (the Poisson gaps) and as sent: a send span well above the
         # plan means this client fell behind, not the server
         "arrival_span_s": sum(gaps), "send_span_s": send_span,
+        # how late this client sent each request against its planned time, and how late its
+        # event loop woke from a 5 ms sleep (its own load: parsing every stream's events)
+        "send_lag_ms_median": 1e3 * percentile(send_lags, 50),
+        "send_lag_ms_p99": 1e3 * percentile(send_lags, 99),
+        "send_lag_ms_max": 1e3 * max(send_lags) if send_lags else None,
+        "client_loop_lag_ms_median": 1e3 * percentile(loop_lags, 50) if loop_lags else None,
+        "client_loop_lag_ms_p99": 1e3 * percentile(loop_lags, 99) if loop_lags else None,
+        "client_loop_lag_ms_max": 1e3 * max(loop_lags) if loop_lags else None,
+        # CPU seconds during the load (first send to last answer): this client's process, the
+        # server's process tree, the whole machine (/proc/stat: every CPU's busy time) and
+        # the rest of it (machine - server - client: other processes, the kernel's own
+        # threads); the hypervisor's steal; the load average at the start and the end
+        **costs,
+        "server_cpu_ms_per_output_token": (1e3 * costs["server_cpu_s"] / out_tokens
+                                           if costs.get("server_cpu_s") is not None
+                                           and out_tokens else None),
         "output_throughput": out_tokens / wall if wall > 0 else 0.0,
         "request_throughput": len(ok) / wall if wall > 0 else 0.0,
         "total_output_tokens": out_tokens,
@@ -543,6 +783,13 @@ async def drive(url: str, cfg: LoadConfig, *, rss_pid: Optional[int] = None) -> 
         "kv_mapped_bytes_after": after, "kv_packed_floor_bytes_after": floor,
         "kv_live_blocks_after": live, "reserved_virtual_bytes": reserved,
         "engine_steps": int(steps), "engine_step_ms_mean": 1e3 * step_s / steps if steps else None,
+        # the server process's CPU during its steps (every thread): per step, and over the
+        # steps' wall time (below ~1 with 2 compute threads: the steps waited for the cores)
+        "engine_step_cpu_ms_mean": (1e3 * own["step_cpu_s"] / steps
+                                    if own["step_cpu_s"] is not None and steps else None),
+        "engine_step_cpu_over_wall": (own["step_cpu_s"] / step_s
+                                      if own["step_cpu_s"] is not None and step_s > 0
+                                      else None),
         "engine_busy_fraction": step_s / wall if wall > 0 else None,
         "rss_bytes_peak": rss_peak[0],
         "output_thread_busy_fraction": (own["output_s"] / wall
@@ -594,7 +841,8 @@ def _own_costs(text: str) -> dict:
     ``_stream_encode_seconds``; None where the server has none, e.g. vLLM's)."""
     return {"output_s": parse_metric(text, "xllm_vmm_output_thread_cpu_seconds_total"),
             "tokens": parse_metric(text, "xllm_vmm_output_tokens_total"),
-            "stream_s": parse_metric(text, "xllm_vmm_stream_encode_seconds_total")}
+            "stream_s": parse_metric(text, "xllm_vmm_stream_encode_seconds_total"),
+            "step_cpu_s": parse_metric(text, "xllm_vmm_engine_step_cpu_seconds_total")}
 
 
 async def _sample_workers(client, url: str, cfg: LoadConfig, done: asyncio.Event,
@@ -626,7 +874,13 @@ async def _sample_workers(client, url: str, cfg: LoadConfig, done: asyncio.Event
 
 class ServerProcess:
     """``xllm-vmm serve ARGS --port 0`` in a child process; ``url`` once its ready line came.
-    Stopped with SIGTERM (graceful), SIGKILL after ``grace`` seconds."""
+    Stopped with SIGTERM (graceful), SIGKILL after ``grace`` seconds.
+
+    It runs in its own session, as ``vllm serve`` does in the comparison: with the kernel's
+    autogroup scheduling (``/proc/sys/kernel/sched_autogroup_enabled``) every session shares
+    the CPU as one group, so a server in the load generator's session would split one share
+    with its client while vLLM's got a share of its own (on a loaded machine ours got ~0.45
+    of a core during its steps against vLLM's ~1)."""
 
     def __init__(self, serve_args: list[str], *, start_timeout: float = 600.0):
         self.args = [sys.executable, "-m", "xllm_vmm.cli", "serve", *serve_args]
@@ -640,7 +894,7 @@ class ServerProcess:
     def start(self) -> "ServerProcess":
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env)
+                                     text=True, env=env, start_new_session=True)
         deadline = time.monotonic() + self.start_timeout
         assert self.proc.stdout is not None
         while time.monotonic() < deadline:
@@ -688,21 +942,25 @@ def run(cfg: LoadConfig, *, serve_args: list[str] | None = None, url: str | None
     """Drive ``url``, or start ``xllm-vmm serve serve_args`` and drive it; figures + where."""
     cfg.check()
     if url is not None:
-        out = asyncio.run(drive(url.rstrip("/"), cfg))
+        out = run_load(drive(url.rstrip("/"), cfg))
         out["server"] = url
         return out
     with ServerProcess(list(serve_args or [])) as srv:
-        out = asyncio.run(drive(srv.url, cfg, rss_pid=srv.pid))
+        out = run_load(drive(srv.url, cfg, rss_pid=srv.pid))
         out["server"] = "xllm-vmm serve " + " ".join(serve_args or [])
         code = srv.stop()
     out["server_exit_code"] = code
     return out
 
 
-# What `bench serve` starts when not told otherwise: KV cache and weights in an elastic VMM pool
-# (mapped KV follows demand), 16-token blocks, an emulated 4 GiB device.
+# What `bench serve` starts when not told otherwise: what an operator gets from `xllm-vmm serve`
+# with the KV cache in an elastic VMM pool (mapped KV follows demand), 16-token blocks, an
+# emulated 4 GiB device. The weights stay serve's default (plain tensors, not in the pool:
+# `--enable_vmm_weights=false`): pool weights cannot be fused or oneDNN-packed, ~1.6x the
+# matmul CPU at decode sizes; `--serve-arg=--enable_vmm_weights=true` measures them, and
+# `--vllm-venv` runs that server too, beside the headline.
 DEFAULT_SERVE_FLAGS = ("--enable_vmm_kvcache=true", "--vmm_elastic=true",
-                       "--enable_vmm_weights=true", "--block_size=16", "--device-memory=4GiB")
+                       "--block_size=16", "--device-memory=4GiB")
 
 
 def serve_args(model: Optional[str], extra: list[str], input_len: int, range_ratio: float,

@@ -12,9 +12,13 @@ reported in ``vllm.env``.
 
 How (the order is what makes the figures stable on a small noisy machine):
 
-1. Both servers are started, one after the other (ours, then vLLM's while ours is idle), and
-   stay up for the whole comparison: neither pays its start-up or its first load inside a
-   measured run.
+1. The servers are started one after the other (ours, ours with the weights in the pool too
+   — ``vmm_weights_side``, side ``xllm_vmm_vmm_weights`` — then vLLM's while ours are idle)
+   and stay up for the whole comparison: none pays its start-up or its first load inside a
+   measured run. ``xllm_vmm`` is the headline: what ``xllm-vmm serve`` runs with the KV cache
+   in the elastic pool and its default weights (plain tensors, fused and oneDNN-packed);
+   pool weights are referenced in the pool, never copied (sleep, wakeup and fork rely on it),
+   so their projections run unfused and unpacked (~1.6x the matmul CPU at decode sizes).
 2. Both get the same **warm-up load** — the measured load's shape (lengths, rate, output
    budget) with ``warmup_prompts`` prompts of another seed — one after the other, not
    counted (``warmup`` in each side's figures): the first load after start-up pays one-time
@@ -23,7 +27,7 @@ How (the order is what makes the figures stable on a small noisy machine):
 3. ``rounds`` measured rounds; round *i* drives both with the load of seed ``seed + i`` (the
    same prompts for both sides within a round, new prompts every round, so that no prefix
    cache serves a repeat), ours first in even rounds and vLLM's first in odd ones (drift in
-   the machine's load cancels over pairs). One server is driven at a time; the other's whole
+   the machine's load cancels over pairs; ``order="fixed"`` keeps the even rounds' order). One server is driven at a time; the other's whole
    process tree is paused (SIGSTOP, SIGCONT after the run; ``pause_idle``, reported as
    ``idle_server_paused``): an idle ``vllm serve`` is not quiet — its worker's 12
    ``gloo_tcp_loop`` threads woke ~1,300 times a second here, and with it merely running our
@@ -68,7 +72,8 @@ from typing import Optional
 
 from dataclasses import replace
 
-from xllm_vmm.bench.serve import LoadConfig, ServerProcess, drive, signal_tree, tree_cpu_seconds
+from xllm_vmm.bench.serve import (LoadConfig, ServerProcess, drive, run_load, signal_tree,
+                                  tree_cpu_seconds)
 
 #: the warm-up load's seed is the measured seed plus this (prompts no measured round sends)
 WARMUP_SEED_OFFSET = 1000
@@ -245,7 +250,10 @@ def summarize(runs: list[dict]) -> dict:
                      "server_pickup_us_median", "server_queue_us_median",
                      "server_first_step_us_median", "server_ttft_us_median",
                      "vllm_queue_ms_mean", "vllm_prefill_ms_mean", "vllm_steps",
-                     "engine_steps", "engine_step_ms_mean")},
+                     "engine_steps", "engine_step_ms_mean", "engine_step_cpu_ms_mean",
+                     "engine_step_cpu_over_wall", "server_cpu_ms_per_output_token",
+                     "client_cpu_s", "other_cpu_s", "send_lag_ms_p99",
+                     "client_loop_lag_ms_p99")},
         "idle_server_cpu_s_max": _max([r.get("idle_server_cpu_s") for r in ok]),
         "failures": sum(r["failures"] for r in ok),
     }
@@ -273,15 +281,34 @@ def parse_env(items: list[str]) -> dict[str, str]:
     return env
 
 
+#: the sides of a comparison, in the order of an even round: ours as ``xllm-vmm serve`` runs it
+#: (the headline), ours with the weights in the pool too (``--enable_vmm_weights=true``), vLLM
+SIDES = ("xllm_vmm", "xllm_vmm_vmm_weights", "vllm")
+#: what the second side of ours adds to serve's arguments
+VMM_WEIGHTS_FLAG = "--enable_vmm_weights=true"
+ORDERS = ("alternate", "fixed")
+
+
+def round_order(sides: tuple[str, ...], i: int, order: str) -> tuple[str, ...]:
+    """The sides in the order round ``i`` drives them: ``alternate`` reverses every odd round
+    (ours first in even rounds, vLLM first in odd ones; a middle side stays in the middle),
+    ``fixed`` keeps the even rounds' order in every round."""
+    return tuple(reversed(sides)) if order == "alternate" and i % 2 else sides
+
+
 def compare(cfg: LoadConfig, serve_args: list[str], vllm_venv: str, *, rounds: int = 3,
             kv_space_gib: int = 2, vllm_start_timeout: float = 300.0,
             warmup_prompts: int = 32, vllm_env: Optional[dict[str, str]] = None,
-            settle_s: float = 1.0, pause_idle: bool = True) -> dict:
+            settle_s: float = 1.0, pause_idle: bool = True, vmm_weights_side: bool = True,
+            order: str = "alternate") -> dict:
     """Both servers up, the same warm-up, then ``rounds`` alternating rounds (module
     docstring). ``serve_args`` are ``xllm-vmm serve``'s (:func:`xllm_vmm.bench.serve.serve_args`:
-    they name the model, dtype and context vLLM gets too). A vLLM start that fails ends vLLM's
-    side with its ``error`` (the exact message and log tail), and so does a load that fails on
-    it; our rounds still run."""
+    they name the model, dtype and context vLLM gets too). ``vmm_weights_side``: a second
+    server of ours with :data:`VMM_WEIGHTS_FLAG` added runs beside them (side
+    ``xllm_vmm_vmm_weights``), unless ``serve_args`` already set ``enable_vmm_weights``.
+    ``order``: one of :data:`ORDERS` (:func:`round_order`). A vLLM start that fails ends
+    vLLM's side with its ``error`` (the exact message and log tail), and so does a load that
+    fails on it; our rounds still run."""
     if not 1 <= rounds <= 20:
         raise ValueError(f"--rounds must be in 1..20, got {rounds}")
     if kv_space_gib != int(kv_space_gib) or not 1 <= kv_space_gib <= 1024:
@@ -290,6 +317,8 @@ def compare(cfg: LoadConfig, serve_args: list[str], vllm_venv: str, *, rounds: i
                          f"{kv_space_gib}")
     if not 0 <= warmup_prompts <= 100_000:
         raise ValueError(f"--warmup-prompts must be in 0..100000, got {warmup_prompts}")
+    if order not in ORDERS:
+        raise ValueError(f"--order must be one of {', '.join(ORDERS)}, got {order!r}")
     cfg.check()
     model = _flag_value(serve_args, "model")
     if model is None:
@@ -303,56 +332,62 @@ def compare(cfg: LoadConfig, serve_args: list[str], vllm_venv: str, *, rounds: i
     loads = [replace(cfg, seed=cfg.seed + i) for i in range(rounds)]
     warm = (replace(cfg, seed=cfg.seed + WARMUP_SEED_OFFSET, num_prompts=warmup_prompts)
             if warmup_prompts else None)
-    runs: dict[str, list[dict]] = {"xllm_vmm": [], "vllm": []}
-    warmups: dict[str, Optional[dict]] = {"xllm_vmm": None, "vllm": None}
+    with_vw = vmm_weights_side and _flag_value(serve_args, "enable_vmm_weights") is None
+    sides = SIDES if with_vw else (SIDES[0], SIDES[2])
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
+    warmups: dict[str, Optional[dict]] = {side: None for side in sides}
     vllm_error: Optional[str] = None
     vs = VllmServer(vllm_venv, model, dtype=dtype,
                     max_model_len=int(max_len) if max_len else None,
                     kv_space_gib=kv_space_gib, start_timeout=vllm_start_timeout, env=vllm_env)
-    ours = ServerProcess(list(serve_args))
-    our_exit: Optional[int] = None
+    our_args = {"xllm_vmm": list(serve_args)}
+    if with_vw:
+        our_args["xllm_vmm_vmm_weights"] = [*serve_args, VMM_WEIGHTS_FLAG]
+    ours = {side: ServerProcess(list(a)) for side, a in our_args.items()}
+    our_exit: dict[str, Optional[int]] = {}
     try:
-        ours.start()
+        for srv in ours.values():  # one at a time, each idle while the next starts
+            srv.start()
         try:
             vs.start()
         except RuntimeError as exc:
             vllm_error = str(exc)
-        servers = {"xllm_vmm": (ours.url, ours.pid), "vllm": (vs.url, vs.pid)}
+        servers = {**{k: (v.url, v.pid) for k, v in ours.items()}, "vllm": (vs.url, vs.pid)}
 
         def run_one(side: str, load: LoadConfig, rss: bool) -> Optional[dict]:
             """One load on ``side``; None (and vLLM's error recorded) when vLLM failed."""
             nonlocal vllm_error
             url, pid = servers[side]
-            other = servers["vllm" if side == "xllm_vmm" else "xllm_vmm"][1]
-            idle0 = tree_cpu_seconds(other) if other is not None and vllm_error is None else None
-            paused = pause_idle and idle0 is not None and signal_tree(other, signal.SIGSTOP) > 0
+            idle = [p for k, (_, p) in servers.items() if k != side and p is not None
+                    and (k != "vllm" or vllm_error is None)]
+            idle0 = [tree_cpu_seconds(p) for p in idle]
+            paused = [p for p in idle if pause_idle and signal_tree(p, signal.SIGSTOP) > 0]
             try:
-                out = asyncio.run(drive(url, load, rss_pid=pid if rss else None))
+                out = run_load(drive(url, load, rss_pid=pid if rss else None))
             except Exception as exc:  # noqa: BLE001
-                if side == "xllm_vmm":
+                if side != "vllm":
                     raise
                 vllm_error = (f"the load failed on vllm serve: {type(exc).__name__}: {exc}\n"
                               f"{vs.log_tail(30)}")
                 vs.stop()
                 return None
             finally:
-                if paused:
-                    signal_tree(other, signal.SIGCONT)
-            idle1 = tree_cpu_seconds(other) if idle0 is not None else None
-            out["idle_server_cpu_s"] = (idle1 - idle0 if idle0 is not None
-                                        and idle1 is not None else None)
-            out["idle_server_paused"] = bool(paused)
+                for p in paused:
+                    signal_tree(p, signal.SIGCONT)
+            idle1 = [tree_cpu_seconds(p) for p in idle]
+            used = [b - a for a, b in zip(idle0, idle1) if a is not None and b is not None]
+            out["idle_server_cpu_s"] = sum(used) if idle else None
+            out["idle_server_paused"] = bool(idle) and len(paused) == len(idle)
             return out
 
         if warm is not None:
-            for side in ("xllm_vmm", "vllm"):
+            for side in sides:
                 if side == "vllm" and vllm_error is not None:
-                    break
+                    continue
                 warmups[side] = run_one(side, warm, rss=False)
                 time.sleep(settle_s)
         for i, load in enumerate(loads):
-            order = ("xllm_vmm", "vllm") if i % 2 == 0 else ("vllm", "xllm_vmm")
-            for side in order:
+            for side in round_order(sides, i, order):
                 if side == "vllm" and vllm_error is not None:
                     continue
                 out = run_one(side, load, rss=True)
@@ -362,36 +397,55 @@ def compare(cfg: LoadConfig, serve_args: list[str], vllm_venv: str, *, rounds: i
                 time.sleep(settle_s)
     finally:
         vs.stop()
-        our_exit = ours.stop()
-    a, b = summarize(runs["xllm_vmm"]), summarize(runs["vllm"])
-    a["warmup"], b["warmup"] = warmups["xllm_vmm"], warmups["vllm"]
-    a["server_exit_code"] = our_exit
+        for side, srv in ours.items():
+            our_exit[side] = srv.stop()
+    summary = {side: summarize(runs[side]) for side in sides}
+    for side in sides:
+        summary[side]["warmup"] = warmups[side]
+    b = summary["vllm"]
     b["server"] = " ".join(vs.args) if vs.url else None
     b["env"] = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(int(kv_space_gib)),
                 **(vllm_env or {})}
     b["kv_reserved_bytes"] = int(kv_space_gib) << 30
     if vllm_error is not None:
         b["error"] = vllm_error
-    a["server"] = "xllm-vmm serve " + " ".join(serve_args)
-    by_round = {r["round"]: r for r in runs["vllm"]}
-    pairs = [(x, by_round[x["round"]]) for x in runs["xllm_vmm"] if x["round"] in by_round]
+    for side, srv in ours.items():
+        summary[side]["server_exit_code"] = our_exit.get(side)
+        summary[side]["server"] = "xllm-vmm serve " + " ".join(our_args[side])
+    out = {
+        "num_prompts": cfg.num_prompts, "input_len": cfg.input_len,
+        "range_ratio": cfg.range_ratio, "output_len": cfg.output_len,
+        "request_rate": cfg.request_rate if cfg.request_rate != float("inf") else "inf",
+        "seed": cfg.seed, "rounds": rounds, "warmup_prompts": warmup_prompts, "order": order,
+        **summary,
+    }
+    for side, suffix in (("xllm_vmm", ""), ("xllm_vmm_vmm_weights", "_vmm_weights")):
+        if side in summary:
+            out.update(_ratios(summary[side], b, runs[side], runs["vllm"], suffix))
+    return out
+
+
+def _ratios(a: dict, b: dict, ours: list[dict], theirs: list[dict], suffix: str) -> dict:
+    """``vs_vllm_{throughput,ttft,tpot}_ratio{suffix}`` (medians over rounds: ours / vLLM's)
+    and the same per round (``..._per_round{suffix}``: the pairs of the same round), plus
+    ``vs_vllm_cpu_per_token_ratio{suffix}`` (the server's CPU per output token, medians)."""
+    by_round = {r["round"]: r for r in theirs}
+    pairs = [(x, by_round[x["round"]]) for x in ours if x["round"] in by_round]
 
     def per_round(key: str) -> list:
         return [_ratio(x.get(key), y.get(key)) for x, y in pairs]
 
     return {
-        "num_prompts": cfg.num_prompts, "input_len": cfg.input_len,
-        "range_ratio": cfg.range_ratio, "output_len": cfg.output_len,
-        "request_rate": cfg.request_rate if cfg.request_rate != float("inf") else "inf",
-        "seed": cfg.seed, "rounds": rounds, "warmup_prompts": warmup_prompts,
-        "xllm_vmm": a, "vllm": b,
-        "vs_vllm_throughput_ratio": _ratio(a["output_throughput_median"],
-                                           b["output_throughput_median"]),
-        "vs_vllm_ttft_ratio": _ratio(a["ttft_ms_median"], b["ttft_ms_median"]),
-        "vs_vllm_tpot_ratio": _ratio(a["tpot_ms_median"], b["tpot_ms_median"]),
-        "vs_vllm_throughput_ratio_per_round": per_round("output_throughput"),
-        "vs_vllm_ttft_ratio_per_round": per_round("ttft_ms_median"),
-        "vs_vllm_tpot_ratio_per_round": per_round("tpot_ms_median"),
+        f"vs_vllm_throughput_ratio{suffix}": _ratio(a["output_throughput_median"],
+                                                   b["output_throughput_median"]),
+        f"vs_vllm_ttft_ratio{suffix}": _ratio(a["ttft_ms_median"], b["ttft_ms_median"]),
+        f"vs_vllm_tpot_ratio{suffix}": _ratio(a["tpot_ms_median"], b["tpot_ms_median"]),
+        f"vs_vllm_cpu_per_token_ratio{suffix}": _ratio(
+            a["server_cpu_ms_per_output_token"],
+            b["server_cpu_ms_per_output_token"]),
+        f"vs_vllm_throughput_ratio_per_round{suffix}": per_round("output_throughput"),
+        f"vs_vllm_ttft_ratio_per_round{suffix}": per_round("ttft_ms_median"),
+        f"vs_vllm_tpot_ratio_per_round{suffix}": per_round("tpot_ms_median"),
     }
 
 

@@ -478,7 +478,8 @@ def bench_engine(
         '--output-len tokens each, ignore_eos) as a Poisson stream of --request-rate per second, '
         'and reports output tokens/s, TTFT/TPOT/ITL median and p99, failures, peak mapped KV '
         'bytes and mapped KV after the load. Default model: the 4-layer, hidden-512 bf16 Llama '
-        'of `bench engine`, served with KV and weights in an elastic VMM pool.'))
+        'of `bench engine`, served with the KV cache in an elastic VMM pool (weights: serve\'s '
+        'default; --serve-arg=--enable_vmm_weights=true puts them in the pool too).'))
 def bench_serve(
     model: Optional[str] = typer.Option(None, help="Model directory (default: the bench Llama)."),
     url: Optional[str] = typer.Option(None, help="Drive this running server instead of starting one."),
@@ -495,6 +496,8 @@ def bench_serve(
     warmup_prompts: int = typer.Option(32, "--warmup-prompts", help="With --vllm-venv: prompts of the same-shaped warm-up load each server gets before the rounds (not counted; 0: none)."),
     vllm_env: list[str] = typer.Option([], "--vllm-env", help="With --vllm-venv: KEY=VALUE added to vllm serve's environment (repeatable), e.g. --vllm-env VLLM_CPU_OMP_THREADS_BIND=0-1."),
     vllm_kv_space: int = typer.Option(2, "--vllm-kv-space", help="With --vllm-venv: VLLM_CPU_KVCACHE_SPACE, whole GiB of KV vLLM reserves up front."),
+    vmm_weights_side: bool = typer.Option(True, "--vmm-weights-side/--no-vmm-weights-side", help="With --vllm-venv: also run a server of ours with --enable_vmm_weights=true (the weights in the pool too) in every round, beside the headline (serve's default weights)."),
+    order: str = typer.Option("alternate", "--order", help="With --vllm-venv: alternate (ours first in even rounds, vLLM first in odd ones) or fixed (the even rounds' order every round)."),
     engine_only: bool = typer.Option(False, "--engine-only", help="Replay the same load straight on the engine in this process (no HTTP, no server threads): the server's share is the difference."),
     fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
 ) -> None:
@@ -530,7 +533,8 @@ def bench_serve(
             raise _fail(2, str(exc)) from None
         out = _run("bench serve", lambda: serve_compare.compare(
             cfg, args, vllm_venv, rounds=rounds, kv_space_gib=vllm_kv_space,
-            warmup_prompts=warmup_prompts, vllm_env=env))
+            warmup_prompts=warmup_prompts, vllm_env=env, vmm_weights_side=vmm_weights_side,
+            order=order))
         emit("bench serve: xllm-vmm vs vllm serve", out if fmt is OutputFormat.json
              else serve_compare.flat(out), fmt)
         return

@@ -175,6 +175,11 @@ class AsyncEngine:
         self.output_busy_s = 0.0
         self.output_tokens = 0
         self.stream_busy_s = 0.0
+        #: the process's CPU seconds (``time.process_time``: every thread, the engine's OpenMP
+        #: workers and the server's own threads meanwhile) summed over the engine steps
+        #: (``xllm_vmm_engine_step_cpu_seconds``): beside the steps' wall time it tells a step
+        #: that computed more from one that waited (another process had the cores)
+        self.step_cpu_s = 0.0
         self._kv_cache = getattr(getattr(engine, "kv_cache_manager", None), "cache", None)
         self.kv_mapped_peak_bytes: Optional[int] = 0 if self._kv_cache is not None else None
 
@@ -483,6 +488,7 @@ class AsyncEngine:
                 self._num_waiting = 0
                 self._num_running = 0
                 continue
+            c0 = time.process_time()
             t0 = time.perf_counter()
             try:
                 outs = eng.step()
@@ -491,6 +497,7 @@ class AsyncEngine:
                 self._fail_all(APIError(500, f"the engine failed: {type(exc).__name__}: {exc}"))
                 continue
             t1 = time.perf_counter()
+            self.step_cpu_s += time.process_time() - c0
             if outs:  # to the output thread first: the bookkeeping below is nobody's wait
                 end = time.monotonic()
                 self._outbox.put(("outs", end, outs, end - (t1 - t0)))

@@ -129,6 +129,9 @@ FRONT_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("stream_busy_seconds", "xllm_vmm_stream_encode_seconds",
      "Seconds the event loop spent building and JSON-encoding streamed chunks (wall time of "
      "a section without awaits)."),
+    ("step_cpu_seconds", "xllm_vmm_engine_step_cpu_seconds",
+     "CPU seconds of the whole process (every thread) during engine steps; beside "
+     "xllm_vmm_engine_step_seconds_sum: below it, the step waited for the cores."),
 )
 
 
