@@ -57,7 +57,7 @@ spec = json.load(open(sys.argv[-1]))
 print("not json: log noise", flush=True)
 # echo what the bench asked for, as the real runner reads it back from vLLM's config
 print(json.dumps({"ready": True, "enable_prefix_caching": spec["enable_prefix_caching"],
-                  "max_num_batched_tokens": 4096}), flush=True)
+                  "max_num_batched_tokens": 4096, "max_num_seqs": 256}), flush=True)
 for line in sys.stdin:
     if line.strip() == "quit":
         break
@@ -97,6 +97,7 @@ def test_bench_engine_vllm_side_by_side_protocol(tmp_path, monkeypatch):
     # both sides without prefix caching (the trace repeats), both budgets printed
     assert doc["prefix_caching"] is False and doc["vllm_prefix_caching"] is False
     assert doc["max_tokens_per_batch"] == 2048 and doc["vllm_max_num_batched_tokens"] == 4096
+    assert doc["max_seqs_per_batch"] == 256 and doc["vllm_max_num_seqs"] == 256
     # vLLM's process was stopped while ours and HF ran, and resumed for each of its runs
     assert doc["vllm_paused_while_others_ran"] is True
     r = CliRunner().invoke(app, _small(["--vllm-venv", str(tmp_path / "nowhere")]))

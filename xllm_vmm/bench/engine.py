@@ -34,8 +34,11 @@ in one run, on the same checkpoint and prompts.
   cannot run, ``vllm_error`` holds its exact error and the ratio is None. Both sides run
   without prefix caching (the trace repeats: a cache would serve the second repeat's prompts):
   ``prefix_caching`` (ours) and ``vllm_prefix_caching`` (read back from vLLM's config) say so;
-  the per-step token budgets are ``max_tokens_per_batch`` (ours, ``--max-tokens-per-batch``)
-  and ``vllm_max_num_batched_tokens`` (vLLM's CPU default, 4,096). vLLM's process tree is
+  the per-step token budgets are ``max_tokens_per_batch`` (ours, ``--max-tokens-per-batch``;
+  2,048 by default: a 4,096 budget measured the same CPU for our prefill, ``docs/engine.md``)
+  and ``vllm_max_num_batched_tokens`` (vLLM's CPU default, 4,096), the per-step sequence
+  limits ``max_seqs_per_batch`` (ours, 256) and ``vllm_max_num_seqs`` (read back from vLLM's
+  config). vLLM's process tree is
   stopped (SIGSTOP) while our engine and HF run and resumed for its own runs
   (``vllm_paused_while_others_ran``): idle, its gloo threads woke ~1,300 times a second, each
   wake-up stalling one of the other engine's two OpenMP threads.
@@ -67,6 +70,10 @@ import statistics
 import time
 from pathlib import Path
 from typing import Any, Sequence
+
+
+MAX_SEQS_PER_BATCH = 256
+"""Our engine's per-step sequence limit in the bench (every prompt of the trace fits in one)."""
 
 
 def bench_model_dir(layers: int, hidden: int, dtype: str, vocab: int = 2048) -> Path:
@@ -200,7 +207,7 @@ def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
     longest = max(max_prompt, equal_prompt) + new_tokens
     flags: dict[str, Any] = dict(
         block_size=block_size, enable_vmm_kvcache=True, vmm_elastic=elastic,
-        enable_prefix_cache=False, max_seqs_per_batch=256,
+        enable_prefix_cache=False, max_seqs_per_batch=MAX_SEQS_PER_BATCH,
         max_tokens_per_batch=max_tokens_per_batch,
         device_memory=device_memory, max_model_len=longest + 1, dtype=dtype)
     out: dict[str, Any] = {
@@ -211,7 +218,8 @@ def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
         "hf_batch": hf_batch, "repeats": repeats, "mode": "elastic" if elastic else "fixed",
         "omp_wait_policy": policy,
         "layer_ops": _layer_ops_path(),
-        "max_tokens_per_batch": max_tokens_per_batch, "prefix_caching": False,
+        "max_tokens_per_batch": max_tokens_per_batch, "max_seqs_per_batch": MAX_SEQS_PER_BATCH,
+        "prefix_caching": False,
         "host_malloc_tuned": None,
     }
     vllm = None
@@ -222,6 +230,7 @@ def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
         out["vllm_startup_s"] = time.perf_counter() - t0
         out["vllm_prefix_caching"] = vllm.settings.get("enable_prefix_caching")
         out["vllm_max_num_batched_tokens"] = vllm.settings.get("max_num_batched_tokens")
+        out["vllm_max_num_seqs"] = vllm.settings.get("max_num_seqs")
         if vllm.error:
             out["vllm_error"] = vllm.error
             vllm = None
@@ -353,7 +362,7 @@ class VllmRunner:
             self.close()
         else:
             self.settings = {k: got.get(k) for k in ("enable_prefix_caching",
-                                                     "max_num_batched_tokens")}
+                                                     "max_num_batched_tokens", "max_num_seqs")}
 
     @staticmethod
     def _pump(stream: Any, lines: Any) -> None:

@@ -6,7 +6,7 @@ Protocol (one JSON object per line): argv[1] is a JSON file ``{"model", "dtype",
 (``enable_prefix_caching`` false when absent: the bench runs our engine without its prefix
 cache, and the trace's repeats would otherwise hit vLLM's); the runner builds ``LLM`` once,
 warms it up, prints ``{"ready": true, "enable_prefix_caching": b, "max_num_batched_tokens":
-n}`` (the settings vLLM runs with, read back from its config; null when unreadable); then for every line ``run`` read on stdin it generates
+n, "max_num_seqs": s}`` (the settings vLLM runs with, read back from its config; null when unreadable); then for every line ``run`` read on stdin it generates
 every prompt (token ids, greedy, ``ignore_eos``, ``max_tokens=new_tokens``) and prints
 ``{"seconds": s, "output_tokens": n, "outputs": [[ids]]}``; ``quit`` (or EOF) ends it. Errors
 print ``{"error": "..."}`` and exit 1.
@@ -25,13 +25,15 @@ import time  # noqa: E402
 
 
 def _settings(llm) -> dict:
-    """What vLLM actually runs with: prefix caching and its per-step token budget."""
-    out = {"enable_prefix_caching": None, "max_num_batched_tokens": None}
+    """What vLLM actually runs with: prefix caching, its per-step token budget and its
+    per-step sequence limit."""
+    out = {"enable_prefix_caching": None, "max_num_batched_tokens": None, "max_num_seqs": None}
     cfg = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
     if cfg is not None:
         out["enable_prefix_caching"] = getattr(cfg.cache_config, "enable_prefix_caching", None)
         out["max_num_batched_tokens"] = getattr(cfg.scheduler_config, "max_num_batched_tokens",
                                                 None)
+        out["max_num_seqs"] = getattr(cfg.scheduler_config, "max_num_seqs", None)
     return out
 
 
