@@ -251,6 +251,45 @@ static void AVX512 rms_row_v(void *out, const void *x, void *res, const void *w,
     else rms_row_v_t(out, x, res, w, H, eps, 0);
 }
 
+/* bfloat16 rows of H <= RMS_BUF elements: rms_row_v_t's arithmetic, with the weight widened to
+ * float32 once per call of a thread (wf) and each row's source values kept in float32 (buf)
+ * between the sum and the scaling pass instead of being loaded and widened again. */
+#define RMS_BUF 8192
+
+static void AVX512 rms_rows_bf16_v(void *out, int64_t out_s, const void *x, int64_t x_s,
+                                   void *res, int64_t res_s, const void *w, int64_t H,
+                                   float eps, int64_t r0, int64_t r1) {
+    float wf[RMS_BUF], buf[RMS_BUF];
+    for (int64_t i = 0; i < H; i += 16) {
+        __mmask16 m = tail_mask(H - i);
+        _mm512_mask_storeu_ps(wf + i, m, vld(w, i, m, 1));
+    }
+    for (int64_t r = r0; r < r1; r++) {
+        const uint16_t *xr = (const uint16_t *)x + r * x_s;
+        uint16_t *rr = res ? (uint16_t *)res + r * res_s : NULL;
+        uint16_t *orow = (uint16_t *)out + r * out_s;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < H; i += 16) {
+            __mmask16 m = tail_mask(H - i);
+            __m512 v = vld(xr, i, m, 1);
+            if (rr) {
+                v = vrnd(_mm512_add_ps(vld(rr, i, m, 1), v), 1);
+                vst(rr, i, v, m, 1);
+            }
+            _mm512_mask_storeu_ps(buf + i, m, v);
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+        }
+        float lanes[16];
+        _mm512_storeu_ps(lanes, acc);
+        __m512 inv = _mm512_set1_ps(1.0f / __builtin_sqrtf(reduce16(lanes) / (float)H + eps));
+        for (int64_t i = 0; i < H; i += 16) {
+            __mmask16 m = tail_mask(H - i);
+            __m512 h = vrnd(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, buf + i), inv), 1);
+            vst(orow, i, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, wf + i), h), m, 1);
+        }
+    }
+}
+
 static inline void AVX512 AINL silu_row_v_t(void *out, const void *g, const void *u, int64_t n, int dt) {
     const __m512 one = _mm512_set1_ps(1.0f);
     for (int64_t i = 0; i < n; i += 16) {
@@ -344,6 +383,13 @@ typedef struct {
 static void run_rows(const job_t *j, int64_t r0, int64_t r1) {
     const int dt = j->dt;
     const size_t el = dt ? 2 : 4;
+#ifdef XLO_X86
+    if (j->op == 0 && j->isa && dt && j->n <= RMS_BUF) {
+        rms_rows_bf16_v(j->out, j->out_s, j->x, j->x_s, j->res, j->res_s, j->w, j->n, j->eps,
+                        r0, r1);
+        return;
+    }
+#endif
     for (int64_t r = r0; r < r1; r++) {
         if (j->op == 0) {
             void *out = (char *)j->out + (size_t)(r * j->out_s) * el;
