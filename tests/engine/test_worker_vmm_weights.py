@@ -49,3 +49,29 @@ def test_weights_in_the_arena_sleep_and_wake(qwen3):
         del q, w
     finally:
         s.close()
+
+
+def test_pool_weights_fuse_qkv_with_bias_as_views_token_for_token(tmp_path):
+    """Qwen2 (q/k/v biases, no q/k norm) over pool weights: weights and biases each one view of
+    the arena, q rotated out of the product into a contiguous tensor; greedy tokens equal
+    transformers' before and after a sleep / wakeup. (Hidden 128, 4 KV heads of 32: every
+    part's bytes a multiple of the image's 512-byte alignment, which adjacency needs.)"""
+    d = C.qwen2_checkpoint(tmp_path / "q2", hidden_size=128, num_key_value_heads=4)
+    hf = C.load_hf_model(d)
+    s = PagedStack(d, block_size=16, vmm_weights=True)
+    try:
+        lo, hi = s.pool.arena_va, s.pool.arena_va + s.pool.arena_pages * s.pool.page_bytes
+        attn = s.worker.model.layers[0].attn
+        assert attn.qkv is not None and attn.qkv.bias is not None
+        assert attn.qkv.weight.data_ptr() == attn.q_proj.weight.data_ptr()
+        assert attn.qkv.bias.data_ptr() == attn.q_proj.bias.data_ptr()
+        assert lo <= attn.qkv.weight.data_ptr() < hi and lo <= attn.qkv.bias.data_ptr() < hi
+        del attn
+        ids = list(range(3, 40))
+        want = C.hf_greedy(hf, ids, 6)
+        assert s.greedy({"a": ids}, 6)["a"] == want
+        s.worker.weights.sleep(1)
+        s.worker.weights.wake_up()
+        assert s.greedy({"b": ids}, 6)["b"] == want
+    finally:
+        s.close()
