@@ -16,8 +16,9 @@ its G query heads against blocks of 64 keys with an online softmax (the 16 queri
 vector lanes: q packed once per tile, each key's element pair broadcast from the arena row,
 ``vdpbf16ps`` for q·K and, on bf16 probabilities against V packed as key pairs, for P·V;
 float32 FMA in the float32 form); elsewhere, or with ``XLLM_VMM_NATIVE_PREFILL=portable``, the
-portable C (exact two-pass softmax per query). Work items (chunk, tile, KV head) go to the
-library's persistent thread pool, the GIL released.
+portable C (exact two-pass softmax per query). Work items (chunk, tile, KV head; in the AMX
+form a group of up to 4 tiles sharing each key block's packed K^T and V) go to the library's
+persistent thread pool, the GIL released.
 
 When the torch backend uses it (``ENV``, :func:`default_route`): by default for every chunk
 where the AMX form (bfloat16; from head_dim 128 only chunks of at most 512 queries ending
