@@ -101,6 +101,40 @@ def test_ready_pages_are_kept_and_counted(driver_factory):
         assert pool.held_bytes == 8 * MiB and pool.map_pages(r, [3]) is False
 
 
+def test_fill_ready_creates_ahead_within_the_budget_and_map_takes_them(driver_factory):
+    d = driver_factory(64 * MiB)
+    with VmmPool(d, elastic(quota=10 * MiB), 16 * MiB, ready_pages=3) as pool:
+        r = pool.add_tenant("kv", 16 * MiB)
+        assert pool.map_pages(r, [0])
+        left = pool.budget_left_bytes()
+        assert pool.fill_ready(2) == 2  # at most max_new per call
+        assert pool.fill_ready(5) == 1  # up to ready_pages in all
+        assert pool.fill_ready(5) == 0
+        s = pool.stats()
+        assert (s.held_bytes, s.ready_bytes, s.mapped_bytes) == (8 * MiB, 6 * MiB, 2 * MiB)
+        assert pool.budget_left_bytes() == left  # ready handles are budget already held
+        committed = 64 * MiB - d.mem_info().free
+        assert committed == 8 * MiB
+        assert pool.map_pages(r, [1, 2, 3, 4])  # three ready, one created
+        assert 64 * MiB - d.mem_info().free == committed + PAGE
+        assert pool.stats().ready_bytes == 0 and pool.held_bytes == 10 * MiB
+        assert pool.fill_ready(3) == 0  # the quota is reached: nothing is created past it
+        pool.unmap_pages(r, [1, 2])  # freed pages refill the ready set first
+        assert pool.stats().ready_bytes == 4 * MiB
+        assert pool.drain_ready() == 2
+        s = pool.stats()
+        assert (s.held_bytes, s.ready_bytes, s.mapped_bytes) == (6 * MiB, 0, 6 * MiB)
+        assert 64 * MiB - d.mem_info().free == 6 * MiB  # the drained handles are freed
+
+
+def test_fill_ready_is_a_no_op_outside_elastic_pools(driver_factory):
+    d = driver_factory(64 * MiB)
+    cfg = BudgetConfig(mode="fixed", max_memory_utilization=0.5, execution_peak_bytes=0)
+    with VmmPool(d, cfg, 8 * MiB, ready_pages=4) as pool:
+        pool.add_tenant("kv", 8 * MiB)
+        assert pool.ready_pages == 0 and pool.fill_ready(4) == 0 and pool.drain_ready() == 0
+
+
 def test_fixed_pool_maps_the_whole_region_at_start_and_never_returns_it(driver_factory):
     d = driver_factory(100 * MiB)
     cfg = BudgetConfig(mode="fixed", max_memory_utilization=0.5, execution_peak_bytes=10 * MiB)

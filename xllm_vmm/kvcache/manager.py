@@ -151,13 +151,23 @@ class KVCapacity:
         return min(self.total_blocks.values()) * self.block_size
 
 
-class _Request:
+class _RequestHot:
+    """The fields of :class:`_Request` that the per-token verbs read and write (``allocate``
+    of a decode token that fits, ``commit`` of one that completes no block), declared in a
+    base class so that CPython lays them out first, next to the object header (it sorts a
+    class's ``__slots__`` by name, base class slots first): at thousands of running
+    requests that is one cold cache line per request per step where the fields spread over
+    the whole object took three."""
+
+    __slots__ = ("cap", "num_computed", "publish_at", "restore", "tables")
+
+
+class _Request(_RequestHot):
     """The manager's state of one request (a plain slotted class: one is made per request on
     the hot path, so no generated ``__init__`` with default factories)."""
 
-    __slots__ = ("rid", "tables", "num_computed", "admitted", "hashes", "media", "extra",
-                 "published", "match", "held", "held_host", "restore", "restore_dev_blocks",
-                 "first", "cap", "publish_at", "trimmed")
+    __slots__ = ("rid", "admitted", "hashes", "media", "extra", "published", "match", "held",
+                 "held_host", "restore_dev_blocks", "first", "trimmed")
 
     def __init__(self, rid: str, tables: dict[str, list[int]]) -> None:
         self.rid = rid
@@ -190,6 +200,7 @@ _TUNING = {
     "compact": "bool: compact in step() when whole slots can be reclaimed (elastic pools)",
     "compact_min_slots": "int >= 1: reclaimable slots (any group) that make a compaction worth it",
     "compact_max_blocks": "int >= 1 or None: blocks moved by one step() at most (default 64)",
+    "ready_slots": "int >= 0: slots of pages step() creates ahead of demand (elastic; default 1)",
     "host_available_bytes": "int: host memory the host pool may take (HK-07; default MemAvailable)",
     "host_populate": "bool: commit the host pool's pages at start (HK-06; default True)",
 }
@@ -203,12 +214,23 @@ class KVCacheManager:
     them by keyword. CPython 3.11 does not specialise a call to a function with keyword-only
     parameters, and that costs about 40 ns per call (measured here), a large share of a
     per-token verb.
+
+    Slotted: CPython 3.11 keeps at most 30 attributes of an instance in its fast shared-key
+    layout; past that every ``self.x`` of the hot paths becomes a slower dict lookup.
     """
+
+    __slots__ = ("_cache", "block_size", "_bs_1", "group_names", "_g0", "_sole", "_windows",
+                 "prefix", "host", "_chain", "_alloc_group", "_free_group_lru",
+                 "_acquire_chain", "_pg", "_keep", "hash_seed", "_plain_seed", "_alloc",
+                 "_reqs", "_restoring", "_asleep", "_closed", "_compact", "_compact_min_slots",
+                 "_compact_max_blocks", "_elastic", "_ready_pages", "_ready_fill",
+                 "_pool_ready_pages", "compactions", "blocks_compacted",
+                 "bytes_compacted_released", "restore_failures")
 
     def __init__(self, cache: VirtualKVCache, *, prefix: PrefixCache | None = None,
                  host: HostTier | None = None, hash_seed: int = DEFAULT_SEED,
                  compact: bool = True, compact_min_slots: int = 2,
-                 compact_max_blocks: int | None = 64) -> None:
+                 compact_max_blocks: int | None = 64, ready_slots: int = 1) -> None:
         sizes = {geo.group.block_size for geo in cache.geometry.values()}
         if len(sizes) != 1:
             raise CacheLayoutError(f"the KV cache manager needs one block_size across cache "
@@ -217,6 +239,9 @@ class KVCacheManager:
             raise ValueError(f"compact_min_slots must be >= 1, got {compact_min_slots}")
         if compact_max_blocks is not None and compact_max_blocks < 1:
             raise ValueError(f"compact_max_blocks must be >= 1 or None, got {compact_max_blocks}")
+        if not isinstance(ready_slots, int) or ready_slots < 0:
+            raise ValueError(f"ready_slots must be an int >= 0 (slots of pages created ahead of "
+                             f"demand), got {ready_slots!r}")
         self._cache = cache
         self.block_size: int = sizes.pop()
         self._bs_1 = self.block_size - 1
@@ -250,6 +275,15 @@ class KVCacheManager:
         self._compact_min_slots = compact_min_slots
         self._compact_max_blocks = compact_max_blocks
         self._elastic = cache.pool.mode.value == "elastic"
+        # growth headroom (elastic): up to ready_slots slots of the widest group's pages are
+        # created ahead of demand by step(), _ready_fill a step, and freed when idle
+        pool = cache.pool
+        self._ready_pages = (ready_slots * max(g.num_tensors for g in cache.geometry.values())
+                             if self._elastic else 0)
+        self._ready_fill = -(-self._ready_pages // 8)
+        self._pool_ready_pages = pool.ready_pages  # restored by close()
+        if self._ready_pages > pool.ready_pages:
+            pool.ready_pages = self._ready_pages
         self.compactions = 0
         self.blocks_compacted = 0
         self.bytes_compacted_released = 0
@@ -779,6 +813,8 @@ class KVCacheManager:
             first = req.first
             if first:
                 self._free_group_lru(self._g0, first[::-1], self._pg.lru)  # type: ignore
+            if not self._reqs and self._ready_pages:
+                self._cache.pool.drain_ready()  # idle: no growth headroom held
             return
         if req.match is not None or req.held is not None or req.held_host:
             self._release_hold(req)
@@ -786,17 +822,18 @@ class KVCacheManager:
             req.restore.cancel()
             req.restore = None
             self._restoring.pop(request_id, None)
-        if not req.admitted:
-            return
-        tables = req.tables
-        if req.trimmed:  # sliding-window groups: their leading null entries hold nothing
-            tables = {g: t[req.trimmed.get(g, 0):] for g, t in tables.items()}
-        if self.prefix is not None:
-            cached = self.prefix.release(tables)
-            if cached and self.host is not None:  # write-through (see _offload)
-                self.host.offload(cached)
-        elif tables[self.group_names[0]]:
-            self._alloc.free(tables)
+        if req.admitted:
+            tables = req.tables
+            if req.trimmed:  # sliding-window groups: their leading null entries hold nothing
+                tables = {g: t[req.trimmed.get(g, 0):] for g, t in tables.items()}
+            if self.prefix is not None:
+                cached = self.prefix.release(tables)
+                if cached and self.host is not None:  # write-through (see _offload)
+                    self.host.offload(cached)
+            elif tables[self.group_names[0]]:
+                self._alloc.free(tables)
+        if not self._reqs and self._ready_pages:
+            self._cache.pool.drain_ready()  # idle: no growth headroom held
 
     def _offload(self, hashes: list) -> None:
         """Write-through: hashes whose blocks just became cached go to the host tier."""
@@ -848,13 +885,23 @@ class KVCacheManager:
         """Once per engine iteration, between model steps: host-tier copies progress (finished
         copies release their pins, queued offloads are submitted as one batch), finished
         restores are applied, and the cache is compacted when whole slots of idle backing can
-        be reclaimed (elastic pools; at most ``compact_max_blocks`` blocks moved)."""
+        be reclaimed (elastic pools; at most ``compact_max_blocks`` blocks moved).
+
+        Growth headroom (elastic pools, ``ready_slots`` ≥ 1): while requests run, up to
+        ``ready_slots`` slots' worth of pages (the widest group's tensors per slot) are kept
+        created but unmapped in the pool's ready set, at most an eighth of them created per
+        call, so the step that activates a slot (many sequences crossing a block boundary
+        together) maps ready pages instead of creating them all at once. Freed slots refill
+        the ready set first. With no request left the ready set is freed (see :meth:`free`)."""
         if self.host is not None:
             self.host.step()
             for req in [q for q in self._restoring.values() if q.restore.finished]:  # type: ignore[union-attr]
                 self._finish_restore(req, req.restore)  # type: ignore[arg-type]
-        if self._compact and self._elastic and not self._asleep:
-            self._maybe_compact()
+        if self._elastic and not self._asleep:
+            if self._compact:
+                self._maybe_compact()
+            if self._ready_pages and self._reqs:
+                self._cache.pool.fill_ready(self._ready_fill)
 
     def _maybe_compact(self) -> None:
         a = self._alloc
@@ -1007,6 +1054,7 @@ class KVCacheManager:
             host.wait_all()
         if self.prefix is not None:
             self.prefix.reset()
+        self._cache.pool.drain_ready()  # growth headroom too (its pages are held memory)
         self._asleep = True
         return max(0, before - self._cache.pool.mapped_bytes)
 
@@ -1026,6 +1074,10 @@ class KVCacheManager:
             self.free(rid)
         if self.host is not None:
             self.host.close()
+        pool = self._cache.pool
+        if self._ready_pages:  # the headroom was this manager's (a closed pool holds none)
+            pool.ready_pages = self._pool_ready_pages
+            pool.drain_ready()
         self._closed = True
 
     def check_invariants(self) -> None:
@@ -1096,8 +1148,8 @@ def build_kv_cache_manager(pool: Any, layout: Any, *, enable_prefix_cache: bool,
             f"the pool leaves room for no KV token (budget {pool.static_capacity_bytes()} "
             f"bytes, arena {pool.arena_bytes_left()} bytes left); raise "
             "max_memory_utilization / max_cache_size or pass max_tokens")
-    kw = {k: tuning[k] for k in ("compact", "compact_min_slots", "compact_max_blocks")
-          if k in tuning}
+    kw = {k: tuning[k] for k in ("compact", "compact_min_slots", "compact_max_blocks",
+                                 "ready_slots") if k in tuning}
     had_kv = pool.has_tenant("kv")
     cache = hpool = host = None
     try:

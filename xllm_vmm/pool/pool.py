@@ -11,7 +11,9 @@ Memory model (units: bytes; a *page* is ``driver.granularity`` bytes, 2 MiB on d
 - Elastic mode: a page is backed only while mapped. :meth:`map_pages` creates handles (or takes
   them from a ready set of at most ``ready_pages`` created-but-unmapped handles, counted in the
   budget) and maps them in one batched driver call; :meth:`unmap_pages` unmaps in one batched
-  call and frees the handles at once (EL-01) beyond the ready set.
+  call and frees the handles at once (EL-01) beyond the ready set. :meth:`fill_ready` creates
+  ready handles ahead of demand (the KV cache manager, between engine steps, a few at a
+  time) and :meth:`drain_ready` frees them (idle, sleep).
 - Fixed mode: a tenant's region is created and mapped whole when it is added and never
   returned; ``map_pages``/``unmap_pages`` only mark pages in use.
 - Physical mode: a tenant's region is one plain resident allocation (one handle, one map).
@@ -397,6 +399,43 @@ class VmmPool:
         for p, h in zip(pages, handles + created):
             self._mapped[region.first_page + p] = h
         return True
+
+    def fill_ready(self, max_new: int) -> int:
+        """Create up to ``max_new`` handles ahead of demand into the ready set (elastic pools),
+        up to ``ready_pages`` ready in all and within the growth budget (invariant 3: ready
+        handles are held memory, counted in the budget). :meth:`map_pages` takes ready
+        handles before it creates any, so a step that needs new pages maps them without
+        waiting for their creation (a handle's creation commits and zeroes its page: ~1 ms
+        on the host driver, the costly part of growth). A create that fails stops the fill
+        quietly (the next :meth:`map_pages` creates on demand and reports "not now" itself).
+        Returns the handles created."""
+        want = min(max_new, self.ready_pages - len(self._ready))
+        if want <= 0 or self._closed or self.mode is not BudgetMode.ELASTIC:
+            return 0
+        want = min(want, self.growth_left_bytes() // self.page_bytes)
+        made = 0
+        d = self.driver
+        for _ in range(want):
+            try:
+                h = d.create_handle(self.page_bytes)
+            except VmmInvalidArgument:
+                raise
+            except VmmError:
+                break
+            self._ready.append(h)
+            self._held += self.page_bytes
+            made += 1
+        return made
+
+    def drain_ready(self) -> int:
+        """Free every ready handle now (idle, sleep: the held memory comes back down to what
+        is mapped). ``ready_pages`` is unchanged. Returns the handles freed."""
+        n = len(self._ready)
+        for h in self._ready:
+            self.driver.free_handle(h)
+        self._ready.clear()
+        self._held -= n * self.page_bytes
+        return n
 
     def _undo_handles(self, ready: list[int], created: list[int]) -> None:
         self._ready.extend(ready)
