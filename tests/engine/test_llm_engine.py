@@ -185,6 +185,26 @@ def test_parallel_samples_share_the_prompt_blocks(llama):
         assert o.num_cached_tokens == 3 * BS  # a sibling ran on the shared prompt blocks
 
 
+def test_step_outputs_name_their_parent_and_sample_index(llama):
+    d, _ = llama
+    with make(d) as llm:
+        eng = llm.llm_engine
+        eng.add_request("p", prompt(BS + 3, 4), SamplingParams(n=2, temperature=1.0, seed=5,
+                                                                 max_tokens=3, ignore_eos=True))
+        eng.add_request("q", prompt(5, 6), SamplingParams(temperature=0, max_tokens=2,
+                                                           ignore_eos=True))
+        seen: dict[str, list] = {}
+        while eng.has_unfinished_requests():
+            for r in eng.step():
+                seen.setdefault(r.request_id, []).append((r.parent_request_id, r.index,
+                                                          r.finished))
+        assert sorted(seen) == ["p#0", "p#1", "q"]
+        assert {x[:2] for x in seen["p#0"]} == {("p", 0)} and {x[:2] for x in seen["p#1"]} == {("p", 1)}
+        assert {x[:2] for x in seen["q"]} == {("q", 0)}
+        assert all(v[-1][2] and not any(x[2] for x in v[:-1]) for v in seen.values())
+        assert not eng._children and not eng._parent  # finished: the engine forgot them
+
+
 def test_stop_strings_and_stop_token_ids(llama, refs):
     d, _ = llama
     with make(d) as llm:

@@ -115,6 +115,22 @@ def test_engine_finish_reasons_and_logprobs_pass_through(tok):
     assert res.to_abort == [] and c.token_ids == [t]
 
 
+def test_token_ids_only_requests_skip_text_and_keep_the_finish(tok):
+    proc = OutputProcessor(tok)
+    proc.add_request("a", SamplingParams(detokenize=False, stop=["x"]), [1])
+    t = tok.encode("x", add_special_tokens=False)[0]
+    res = proc.process([EngineOutput("a", [t, t], False, parent_request_id="a")])
+    u = res.updates[0]
+    assert (u.delta_text, u.delta_token_ids, u.finished, res.to_abort) == ("", [t, t], False, [])
+    res = proc.process([EngineOutput("a", [t], True, "stop", 7, num_prompt_tokens=1,
+                                     num_cached_tokens=0)])
+    u = res.updates[0]
+    assert (u.finished, u.finish_reason, u.stop_reason, u.num_prompt_tokens) == (True, "stop", 7, 1)
+    ro = proc.pop("a")
+    c = ro.outputs[0]
+    assert (c.text, c.token_ids, c.finish_reason, c.logprobs) == ("", [t, t, t], "stop", None)
+
+
 def test_parallel_samples_tracked_under_child_ids(tok):
     proc = OutputProcessor(tok)
     sts = proc.add_request("p", SamplingParams(n=2, seed=3), [1])

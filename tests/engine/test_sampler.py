@@ -210,7 +210,10 @@ def test_plain_greedy_batch_equals_the_general_path():
     logits2 = logits.clone()
     logits2[0, 3] = 1000.0  # EOS would win
     held = [req(SamplingParams(temperature=0, min_tokens=2), rid="m")] + plain[1:]
-    assert Sampler(0).sample(logits2, held).token_ids[0] != 3
+    sampler = Sampler(0)
+    assert sampler.sample(logits2, held).token_ids[0] != 3
+    held[0].output_token_ids = [5, 6]  # min_tokens reached: the raw argmax again (EOS)
+    assert sampler.sample(logits2, held).token_ids[0] == 3
 
 
 def test_argmax_rows_picks_torch_argmax_first_index_ties_and_nans_included():

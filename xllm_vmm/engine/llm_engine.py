@@ -254,6 +254,8 @@ class LLMEngine:
                 f"runs in one step of at most max_tokens_per_batch={budget} tokens: shorten "
                 "the prompt, raise max_tokens_per_batch or enable chunked prefill"))
         PromptLogprobs.check(params, self.worker, bool(self.config["enable_prefix_cache"]))
+        if getattr(params, "prompt_logprobs", None) is not None:
+            self._prompt_lps_asked = True
         n = params.n
         kids = [child_request_id(request_id, i, n) for i in range(n)]
         taken = [k for k in (request_id, *kids) if k in self._children or k in self.scheduler.requests]
@@ -269,7 +271,7 @@ class LLMEngine:
             self.scheduler.add_request(Request(kid, list(ids), p, arrival_time=t,
                                                eos_token_ids=self._eos,
                                                parent_id=request_id if n > 1 else None,
-                                               cache_salt=cache_salt))
+                                               sample_index=i, cache_salt=cache_salt))
 
     def abort_request(self, request_id: str | list[str], *, finish_reason: str = "abort") -> None:
         """Abort requests (a parent id aborts its parallel samples); frees everything they hold
@@ -309,7 +311,8 @@ class LLMEngine:
             spec.propose(out, so)
             self.num_steps += 1
         else:
-            self._prompt_lps.prepare(out, self.worker)
+            if self._prompt_lps_asked:  # else no chunk can want them: skip the pass over chunks
+                self._prompt_lps.prepare(out, self.worker)
             so = self.worker.execute(out.step)
             self._prompt_lps.collect(out, so)
             rows = out.sampled
@@ -321,16 +324,13 @@ class LLMEngine:
             results = sched.update(out, toks, lps, int(so.execution_peak_bytes or 0))
             self._prompt_lps.attach(out, results, sched.requests)
             self.num_steps += 1
-        now = time.monotonic()
+        # update() filled each output's parent id, sample index and the request's first token
+        # time; what is left here is the bookkeeping of finished requests
         for r in results:
-            parent, index = self._parent.get(r.request_id, (r.request_id, 0))
-            r.parent_request_id, r.index = parent, index
-            req = sched.requests.get(r.request_id)
-            if req is not None and req.first_token_time is None and r.new_token_ids:
-                req.first_token_time = now
             if r.finished:
                 self._count_finish(r.finish_reason or "stop")
                 self._parent.pop(r.request_id, None)
+                parent = r.parent_request_id
                 kids = self._children.get(parent)
                 if kids is not None and r.request_id in kids:
                     kids.remove(r.request_id)
@@ -487,6 +487,9 @@ class LLMEngine:
 
     _opts: dict[str, Any] = {}
     _heap_frozen = False
+    _prompt_lps_asked = False
+    """Some request ever asked for prompt log-probabilities (then every step runs
+    ``PromptLogprobs.prepare``)."""
 
     def shutdown(self) -> None:
         """Abort everything and release the worker, the cache, the weights, the pool and the

@@ -30,7 +30,7 @@ class Logprob:
     decoded_token: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineOutput:
     """One request's progress in one ``LLMEngine.step()``."""
 
@@ -83,7 +83,7 @@ class RequestOutput:
     ``prompt_logprobs`` most likely), None for position 0; None when not asked for."""
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestUpdate:
     """What one ``OutputProcessor.process`` call changed for one request."""
 
@@ -127,6 +127,9 @@ class RequestState:
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self.text = ""
         self._emitted = 0
+        self._ids_only = self._detok is None and self.logprobs is None
+        """No text and no logprobs to fold in: :meth:`apply` only extends the token ids
+        (``detokenize=False``, the benches' and token-id clients' case)."""
 
     @property
     def finished(self) -> bool:
@@ -139,6 +142,15 @@ class RequestState:
     def apply(self, out: EngineOutput) -> tuple[RequestUpdate, bool]:
         """Fold one engine output in; returns the update and whether a stop string ended it
         (the caller must then abort the request in the engine)."""
+        if self._ids_only and out.prompt_logprobs is None:  # no text, no logprobs: ids only
+            ids = out.new_token_ids
+            self.token_ids.extend(ids)
+            self.num_cached_tokens = out.num_cached_tokens
+            if out.finished and self.finish_reason is None:
+                self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+            return RequestUpdate(self.request_id, "", ids, None, self.finished,
+                                 self.finish_reason, self.stop_reason, len(self.prompt_token_ids),
+                                 self.num_cached_tokens, self.parent_id, self.index), False
         ids = list(out.new_token_ids)
         self.token_ids.extend(ids)
         self.num_cached_tokens = out.num_cached_tokens

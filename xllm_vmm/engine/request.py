@@ -70,6 +70,9 @@ class Request:
     parent_id: str | None = None
     """For a parallel sample (n > 1): the id the caller gave; siblings are
     :func:`child_request_id` of it. None for a plain request."""
+    sample_index: int = 0
+    """Which parallel sample of ``parent_id`` this is (0 .. n-1; 0 for a plain request):
+    ``EngineOutput.index``."""
     cache_salt: str | None = None
     """vLLM's ``cache_salt``: an extra key of the request's first block hash (passed to the KV
     cache manager's ``lookup``), so requests with different salts never share a cached block;
@@ -90,6 +93,10 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     """Speculative decoding (issue 15): the draft's proposals for the positions after the last
     token, verified by the target in the request's next decode step (empty: plain decode)."""
+    plain_greedy_from: int = -1
+    """Outputs from which this request's next token is the raw argmax (greedy, no logprobs, no
+    penalties: ``min_tokens``; never: ``sys.maxsize``); -1 until the sampler first sees it
+    (``Sampler._plain_from``)."""
     spec_draft_probs: Any = None
     """The draft distributions ``(len(spec_token_ids), vocab)`` the proposals were sampled
     from (None for a greedy request): the rejection rule's ``q``."""
@@ -141,17 +148,18 @@ class Request:
         the id; max_tokens or max_model_len reached → length.
         """
         p = self.params
-        n_out = self.num_output_tokens
+        n_out = len(self.output_token_ids)  # runs for every sampled token: no properties
         if n_out >= p.min_tokens:
             if not p.ignore_eos and token_id in self.eos_token_ids:
                 self.stop_reason = None
                 return RequestStatus.FINISHED_STOPPED
-            if token_id in (p.stop_token_ids or ()):
+            stop_ids = p.stop_token_ids
+            if stop_ids and token_id in stop_ids:
                 self.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
         if p.max_tokens is not None and n_out >= p.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if self.num_tokens >= max_model_len:
+        if len(self.prompt_token_ids) + n_out >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -26,11 +26,21 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def execution_peak_estimate(model: CausalLM, backend: AttentionBackend, meta: Any,
-                            num_tokens: int, num_sampled: int) -> int:
-    """Upper bound, in bytes, of one step's transient memory (see the module docstring)."""
+                            num_tokens: int, num_sampled: int,
+                            terms: tuple[int, int, int] | None = None) -> int:
+    """Upper bound, in bytes, of one step's transient memory (see the module docstring).
+    ``terms``: :func:`peak_terms` of ``model`` when the caller keeps them (they depend on the
+    model only)."""
+    per_token, per_sampled, elem = terms if terms is not None else peak_terms(model)
+    return (num_tokens * per_token + backend.workspace_bytes(meta, elem)
+            + num_sampled * per_sampled)
+
+
+def peak_terms(model: CausalLM) -> tuple[int, int, int]:
+    """The model's terms of :func:`execution_peak_estimate`: bytes per computed token, bytes
+    per sampled row, and the element size (bytes) of its activations."""
     cfg = model.config
     elem = model.dtype.itemsize
-    t = num_tokens
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     sparse = [getattr(model, "sparse", False) and cfg.is_sparse_layer(i)
               for i in range(cfg.num_layers)]
@@ -38,8 +48,7 @@ def execution_peak_estimate(model: CausalLM, backend: AttentionBackend, meta: An
     if any(sparse):  # the routed experts' intermediates of every token (top-k of them)
         inter = max(inter, cfg.moe_intermediate_size * cfg.num_experts_per_tok)
     per_token = (2 * cfg.hidden_size + qkv + cfg.num_heads * cfg.head_dim + 3 * inter) * elem
-    return (t * per_token + backend.workspace_bytes(meta, elem)
-            + num_sampled * (cfg.vocab_size * 4 + cfg.hidden_size * elem))
+    return per_token, cfg.vocab_size * 4 + cfg.hidden_size * elem, elem
 
 
 class _ReadOnlyKV:
@@ -67,6 +76,8 @@ class ModelRunner:
         self.device = device
         self._check_loaded = check_loaded
         self.last_execution_peak = 0
+        self._dev: Any = None  # torch.device(device), made on the first step
+        self._peak_terms: tuple[int, int, int] | None = None  # peak_terms(model), likewise
 
     def execute(self, step: StepInput) -> StepOutput:
         import torch
@@ -78,7 +89,9 @@ class ModelRunner:
                              f"{self.kv.geometry.block_size}")
         if self._check_loaded is not None:
             self._check_loaded()  # weights asleep: a typed error, never garbage
-        dev = torch.device(self.device)
+        dev = self._dev
+        if dev is None:
+            dev = self._dev = torch.device(self.device)
         cuda = dev.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(dev)
@@ -94,7 +107,8 @@ class ModelRunner:
                                      "0 on the standard decoder only")
                 backend = _ReadOnlyKV(backend)
             hidden = self.model.forward(ids, pos, self.kv.layers, backend, meta)
-            if step.num_sampled == step.num_tokens:  # every row, in order (a decode step): no gather
+            num_tokens, num_sampled = step.num_tokens, step.num_sampled
+            if num_sampled == num_tokens:  # every row, in order (a decode step): no gather
                 normed = self.model.final_hidden(hidden)
             else:
                 normed = self.model.final_hidden(hidden[step.sample_indices.to(dev)])
@@ -105,8 +119,10 @@ class ModelRunner:
             peak = int(torch.cuda.max_memory_allocated(dev) - base)
         else:
             extra = sum(len(c.token_ids) for c in lp_chunks)
-            peak = execution_peak_estimate(self.model, self.backend, meta, step.num_tokens,
-                                           step.num_sampled + 2 * extra)
+            if self._peak_terms is None:
+                self._peak_terms = peak_terms(self.model)
+            peak = execution_peak_estimate(self.model, self.backend, meta, num_tokens,
+                                           num_sampled + 2 * extra, self._peak_terms)
         self.last_execution_peak = peak
         return StepOutput(logits=logits, hidden_states=normed, execution_peak_bytes=peak,
                           prompt_logprobs=prompt_lps)

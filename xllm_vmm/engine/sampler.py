@@ -52,9 +52,9 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(requests)} requests")
         logits = logits.float()
         n, vocab = logits.shape
-        plain = self._plain_greedy
-        if all(plain(r) for r in requests):  # the common batch: one argmax, no copies
-            return SamplerOutput(argmax_rows(logits), [None] * n)
+        if all(len(r.output_token_ids) >= (r.plain_greedy_from if r.plain_greedy_from >= 0
+                                           else self._plain_from(r)) for r in requests):
+            return SamplerOutput(argmax_rows(logits), [None] * n)  # one argmax, no copies
         want_lp = [r.params.logprobs is not None for r in requests]
         raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
         x = logits
@@ -113,9 +113,19 @@ class Sampler:
     @staticmethod
     def _plain_greedy(r: Request) -> bool:
         """Greedy, no logprobs, no penalties, past ``min_tokens``: the token is the raw argmax."""
+        return r.num_output_tokens >= Sampler._plain_from(r)
+
+    @staticmethod
+    def _plain_from(r: Request) -> int:
+        """From how many output tokens on ``r``'s row is the raw argmax (greedy, no logprobs,
+        no penalties: ``min_tokens``; otherwise never, ``sys.maxsize``); kept on the request
+        (``Request.plain_greedy_from``: its sampling parameters do not change)."""
+        import sys
+
         p = r.params
-        return (p.temperature < SAMPLING_EPS and p.logprobs is None and not p.has_penalties
-                and r.num_output_tokens >= p.min_tokens)
+        r.plain_greedy_from = (p.min_tokens if p.temperature < SAMPLING_EPS
+                               and p.logprobs is None and not p.has_penalties else sys.maxsize)
+        return r.plain_greedy_from
 
     @staticmethod
     def _min_tokens_ids(r: Request) -> set[int]:

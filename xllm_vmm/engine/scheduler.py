@@ -67,7 +67,7 @@ COPY_WAIT_S = 0.0002
 """Pause of a step that scheduled nothing because host-tier copies pin the blocks it needs."""
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     request: Request
     start_pos: int
@@ -183,13 +183,13 @@ class Scheduler:
         mgr = self.mgr
         token_budget = self.max_tokens_per_batch
         chunks: list[ScheduledChunk] = []
-        tables: dict[str, dict[str, list[int]]] = {}
+        seqs: list[SeqChunk] = []  # the step's chunks, built in the same pass (chunk order)
         preempted: list[str] = []
         finished: list[Request] = []
-        scheduled_ids: set[str] = set()
 
         # the pass over running requests runs for every sequence of every step: the manager's
-        # verbs and the budgets are locals, the request's counts read without properties
+        # verbs and the budgets are locals, the request's counts read without properties, and
+        # each chunk's two records (ScheduledChunk, SeqChunk) are made here, in one pass
         running = self.running
         max_seqs = self.max_seqs_per_batch
         ready, computed_of, allocate = mgr.ready, mgr.num_computed_tokens, mgr.allocate
@@ -230,16 +230,18 @@ class Scheduler:
                         preempted.append(rid)
                     self_preempted = True
                     break
-                if victim.request_id in scheduled_ids:  # never: victims come from the tail
+                if any(c.request is victim for c in chunks):  # never: victims come from the tail
                     raise AssertionError("preemption victim already scheduled")
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 got = mgr.allocate(rid, n)
             if self_preempted:
                 break
-            tables[rid] = got
-            chunks.append(ScheduledChunk(req, computed, n, n == uncomputed, spec))
-            scheduled_ids.add(rid)
+            sample = n == uncomputed
+            chunks.append(ScheduledChunk(req, computed, n, sample, spec))
+            toks = req.all_token_ids
+            ids = [toks[computed]] if n == 1 else toks[computed:computed + n]
+            seqs.append(SeqChunk(rid, ids + spec if spec else ids, computed, got, sample))
             token_budget -= n + len(spec)
             i += 1
 
@@ -282,11 +284,12 @@ class Scheduler:
                 req.num_computed_tokens = computed
                 if not mgr.ready(rid):  # host-tier restore in flight: computes once it lands
                     continue
-                req.num_computed_tokens = mgr.num_computed_tokens(rid)
+                computed = req.num_computed_tokens = mgr.num_computed_tokens(rid)
                 n = min(req.num_uncomputed_tokens, n)
-                tables[rid] = got
-                chunks.append(ScheduledChunk(req, req.num_computed_tokens, n,
-                                             req.num_computed_tokens + n == req.num_tokens))
+                sample = computed + n == req.num_tokens
+                chunks.append(ScheduledChunk(req, computed, n, sample))
+                seqs.append(SeqChunk(rid, req.all_token_ids[computed:computed + n], computed,
+                                     got, sample))
                 token_budget -= n
             for req in reversed(deferred):
                 self.waiting.appendleft(req)
@@ -295,15 +298,6 @@ class Scheduler:
         if not chunks and self.has_unfinished() and self._copies_in_flight():
             time.sleep(COPY_WAIT_S)  # what waits needs copies to end: do not spin on them
         if chunks:
-            seqs = []
-            for c in chunks:
-                r = c.request
-                start, n = c.start_pos, c.num_tokens
-                toks = r.all_token_ids
-                ids = [toks[start]] if n == 1 else toks[start:start + n]
-                if c.spec_token_ids:
-                    ids = ids + c.spec_token_ids
-                seqs.append(SeqChunk(r.request_id, ids, start, tables[r.request_id], c.sample))
             step = StepInput.build(seqs, self.block_size)
         return SchedulerOutput(chunks, step, preempted, admitted, finished)
 
@@ -364,14 +358,15 @@ class Scheduler:
             self.execution_peak_bytes = max(self.execution_peak_bytes, execution_peak_bytes)
             if self.pool is not None:
                 self.pool.observe_execution_peak(execution_peak_bytes)
-        sampled = out.sampled
-        if len(token_ids) != len(sampled):
-            raise ValueError(f"{len(token_ids)} sampled tokens for {len(sampled)} sampled chunks")
+        num_sampled = sum(1 for c in out.chunks if c.sample)
+        if len(token_ids) != num_sampled:
+            raise ValueError(f"{len(token_ids)} sampled tokens for {num_sampled} sampled chunks")
         results: list[EngineOutput] = []
-        mgr = self.mgr
-        commit = mgr.commit
+        add = results.append
+        commit = self.mgr.commit
         max_len = self.max_model_len
         running = RequestStatus.RUNNING
+        now = time.monotonic()
         generated = 0
         j = -1  # row of token_ids: sampled chunks in chunk order
         for c in out.chunks:
@@ -380,9 +375,10 @@ class Scheduler:
                 j += 1
             if req.status is not running:  # aborted meanwhile
                 continue
+            rid = req.request_id
             if not c.sample:
                 req.num_computed_tokens = c.start_pos + c.num_tokens
-                commit(req.request_id, req.num_computed_tokens, req.all_token_ids)
+                commit(rid, req.num_computed_tokens, req.all_token_ids)
                 continue
             got, lp_got = token_ids[j], logprobs[j] if logprobs is not None else None
             if not c.spec_token_ids:  # one token: the common case, no per-token loop
@@ -393,7 +389,7 @@ class Scheduler:
                     req.output_logprobs.append(lp_got)
                     new_lps = [lp_got]
                 else:
-                    new_lps = []
+                    new_lps = None
                 generated += 1
                 status = req.check_stop(tok, max_len)
             else:
@@ -412,25 +408,31 @@ class Scheduler:
                     status = req.check_stop(tok, max_len)
                     if status is not None:
                         break
+                new_lps = new_lps or None
             # the chunk's tokens and the accepted drafts before the last new token hold KV
             req.num_computed_tokens = c.start_pos + c.num_tokens + len(new) - 1
-            commit(req.request_id, req.num_computed_tokens, req.all_token_ids)
+            commit(rid, req.num_computed_tokens, req.all_token_ids)
             if req.spec_token_ids or req.spec_draft_probs is not None:
                 req.spec_token_ids, req.spec_draft_probs = [], None
-            if status is not None:
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if status is None:
+                if c.spec_token_ids:
+                    self._truncate(rid, req.num_computed_tokens)
+                add(EngineOutput(rid, new, False, None, None, new_lps, len(req.prompt_token_ids),
+                                 max(req.num_cached_tokens, 0), req.parent_id or rid,
+                                 req.sample_index))
+            else:
                 self._finish(req, status)
-            elif c.spec_token_ids:
-                self._truncate(req.request_id, req.num_computed_tokens)
-            results.append(EngineOutput(
-                req.request_id, new, status is not None,
-                status.finish_reason if status is not None else None,
-                req.stop_reason if status is not None else None,
-                new_lps or None, len(req.prompt_token_ids),
-                max(req.num_cached_tokens, 0)))
+                add(EngineOutput(rid, new, True, status.finish_reason, req.stop_reason, new_lps,
+                                 len(req.prompt_token_ids), max(req.num_cached_tokens, 0),
+                                 req.parent_id or rid, req.sample_index))
         self.generation_tokens += generated
         for req in out.finished:
-            results.append(EngineOutput(req.request_id, [], True, req.finish_reason, None, None,
-                                        req.num_prompt_tokens, max(req.num_cached_tokens, 0)))
+            rid = req.request_id
+            add(EngineOutput(rid, [], True, req.finish_reason, None, None, req.num_prompt_tokens,
+                             max(req.num_cached_tokens, 0), req.parent_id or rid,
+                             req.sample_index))
         return results
 
 

@@ -133,7 +133,12 @@ class StepInput:
 
     @classmethod
     def build(cls, chunks: Sequence[SeqChunk], block_size: int) -> StepInput:
-        """Derive the flat tensors of a step from its chunks (checks the module's invariants)."""
+        """Derive the flat tensors of a step from its chunks (checks the module's invariants).
+
+        This runs for every step: the per-chunk reads are list comprehensions (one pass each,
+        no per-chunk helper calls) and every check and formula over them is numpy's."""
+        import numpy as np
+
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1 (got {block_size})")
         chunks = list(chunks)
@@ -143,59 +148,50 @@ class StepInput:
         groups: tuple[str, ...] = tuple(first)
         if not groups:
             raise ValueError(f"chunk {chunks[0].request_id!r}: block_table has no groups")
+        toks = [c.token_ids for c in chunks]
+        ns = [len(t) for t in toks]
+        starts = [c.start_pos for c in chunks]
+        if min(ns) < 1:
+            raise ValueError(f"chunk {chunks[ns.index(min(ns))].request_id!r}: token_ids is "
+                             "empty (a chunk computes >= 1 token)")
+        if min(starts) < 0:
+            c = chunks[starts.index(min(starts))]
+            raise ValueError(f"chunk {c.request_id!r}: start_pos {c.start_pos} < 0")
+        tabs = [c.block_table for c in chunks]
         keys = first.keys()
-        ids: list[int] = []
-        ns: list[int] = []
-        starts: list[int] = []
-        samples: list[bool] = []
-        rows: dict[str, list[list[int]]] = {g: [] for g in groups}
-        one = groups[0] if len(groups) == 1 else None  # the common single-group layout
-        one_rows = rows[groups[0]]
-        # one pass, no per-chunk helper calls: this runs for every sequence of every step
-        for c in chunks:
-            tok = c.token_ids
-            n = len(tok)
-            start = c.start_pos
-            if n < 1:
-                raise ValueError(f"chunk {c.request_id!r}: token_ids is empty (a chunk computes "
-                                 ">= 1 token)")
-            if start < 0:
-                raise ValueError(f"chunk {c.request_id!r}: start_pos {start} < 0")
-            bt_all = c.block_table
-            if bt_all.keys() != keys:
-                raise ValueError(
-                    f"chunk {c.request_id!r}: block_table groups {sorted(bt_all)} differ from "
-                    f"the step's {sorted(groups)}"
-                )
-            seq_len = start + n
-            need = -(-seq_len // block_size)
-            if one is not None:
-                bt = bt_all[one]
-                lb = len(bt)
-                if lb < need:
-                    cls._short_table(c, one, lb, need, seq_len, block_size)
-                one_rows.append(bt if lb == need else bt[:need])
-            else:
-                for g in groups:
-                    bt = bt_all[g]
-                    lb = len(bt)
-                    if lb < need:
-                        cls._short_table(c, g, lb, need, seq_len, block_size)
-                    rows[g].append(bt if lb == need else bt[:need])
-            if n == 1:
-                ids.append(tok[0])
-            else:
-                ids.extend(tok)
-            ns.append(n)
-            starts.append(start)
-            samples.append(c.sample)
+        rows: dict[str, list[list[int]]] = {}
+        if len(groups) == 1:  # the common layout: one dict read per chunk
+            g0 = groups[0]
+            bad = set(map(len, tabs)) != {1}
+            if not bad:
+                try:
+                    rows[g0] = [bt[g0] for bt in tabs]
+                except KeyError:  # one group each, another name
+                    bad = True
+        else:
+            bad = any(bt.keys() != keys for bt in tabs)
+            if not bad:
+                rows = {g: [bt[g] for bt in tabs] for g in groups}
+        if bad:
+            c = next(c for c in chunks if c.block_table.keys() != keys)
+            raise ValueError(f"chunk {c.request_id!r}: block_table groups {sorted(c.block_table)} "
+                             f"differ from the step's {sorted(groups)}")
         if len({c.request_id for c in chunks}) != len(chunks):
             seen: set[str] = set()
             for c in chunks:
                 if c.request_id in seen:
                     raise ValueError(f"request {c.request_id!r} appears twice in one step")
                 seen.add(c.request_id)
-        return cls._from_arrays(chunks, block_size, groups, ids, ns, starts, samples, rows)
+        b = len(chunks)
+        t = sum(ns)
+        if t == b:  # a pure decode step: one token per chunk
+            ids = np.array([tk[0] for tk in toks], dtype=np.int64)
+        else:
+            import itertools
+
+            ids = np.fromiter(itertools.chain.from_iterable(toks), dtype=np.int64, count=t)
+        return cls._from_arrays(chunks, block_size, groups, ids, ns, starts,
+                                [c.sample for c in chunks], rows)
 
     @staticmethod
     def _short_table(c: SeqChunk, g: str, have: int, need: int, seq_len: int,
@@ -205,15 +201,16 @@ class StepInput:
 
     @classmethod
     def _from_arrays(cls, chunks: list[SeqChunk], block_size: int, groups: tuple[str, ...],
-                     ids: list[int], ns: list[int], starts: list[int], samples: list[bool],
+                     ids: Any, ns: list[int], starts: list[int], samples: list[bool],
                      rows: dict[str, list[list[int]]]) -> StepInput:
-        """The flat tensors, vectorised (numpy): no Python work per token."""
+        """The flat tensors, vectorised (numpy): no Python work per token. ``rows[g][i]``:
+        chunk i's block ids in group g (at least the covering ones; checked here)."""
         import itertools
 
         import numpy as np
 
         b = len(ns)
-        t = len(ids)
+        t = int(ids.shape[0])
         start = np.array(starts, dtype=np.int64)
         if t == b:  # a pure decode step: one token per chunk, at its start_pos
             n = np.ones(b, dtype=np.int64)
@@ -231,14 +228,25 @@ class StepInput:
             tok_chunk = np.repeat(np.arange(b), n)
         need = (seq_lens + block_size - 1) // block_size
         max_blocks = int(need.max())
+        total = int(need.sum())
         tok_block = positions // block_size
         tok_off = positions - tok_block * block_size
         covered = np.arange(max_blocks)[None, :] < need[:, None]  # row-major = concatenation order
         tables: dict[str, Tensor] = {}
         slots: dict[str, Tensor] = {}
         for g in groups:
-            flat = np.fromiter(itertools.chain.from_iterable(rows[g]), dtype=np.int64,
-                               count=int(need.sum()))
+            rg = rows[g]
+            have = np.fromiter(map(len, rg), dtype=np.int64, count=b)
+            if (have != need).any():
+                short = np.flatnonzero(have < need)
+                if short.size:
+                    i = int(short[0])
+                    cls._short_table(chunks[i], g, int(have[i]), int(need[i]), int(seq_lens[i]),
+                                     block_size)
+                # lookahead blocks beyond the covering ones are left out
+                rg = [bt if h == k else bt[:k] for bt, h, k in zip(rg, have.tolist(),
+                                                                  need.tolist())]
+            flat = np.fromiter(itertools.chain.from_iterable(rg), dtype=np.int64, count=total)
             if flat.size and int(flat.min()) < 0:
                 bad = int(np.repeat(np.arange(b), need)[np.flatnonzero(flat < 0)[0]])
                 raise ValueError(f"chunk {chunks[bad].request_id!r}: group {g!r} block "
@@ -251,7 +259,7 @@ class StepInput:
         return cls(
             chunks=chunks,
             block_size=block_size,
-            input_ids=torch.from_numpy(np.array(ids, dtype=np.int64)),  # 1/3 of torch.tensor(list)
+            input_ids=torch.from_numpy(ids),  # from numpy: 1/3 of torch.tensor(list)
             positions=torch.from_numpy(positions),
             slot_mapping=slots,
             query_start_loc=torch.from_numpy(qsl.astype(np.int32)),
