@@ -627,6 +627,8 @@ class KVCacheManager:
         ends: success — the restored blocks are published and the hit stands; failure —
         :meth:`num_computed_tokens` drops back to the device hit and the engine computes the
         rest into the same blocks."""
+        if not self._restoring and request_id in self._reqs:
+            return True  # no restore in flight at all (the engine asks for every request)
         req = self._req(request_id)
         r = req.restore
         if r is None:
@@ -661,7 +663,10 @@ class KVCacheManager:
 
     def num_computed_tokens(self, request_id: str) -> int:
         """Tokens of the request whose KV is in its blocks (hit, restored or committed)."""
-        return self._req(request_id).num_computed
+        try:  # one frame (the engine asks for every running request every step)
+            return self._reqs[request_id].num_computed
+        except KeyError:
+            return self._req(request_id).num_computed  # raises, naming the request
 
     def commit(self, request_id: str, num_computed_tokens: int,
                token_ids: Sequence[int],
