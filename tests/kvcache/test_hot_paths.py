@@ -221,3 +221,46 @@ def test_free_group_fast_pass_and_one_pass_take_equal_the_general_passes(monkeyp
             assert _ordered_state(fast) == _ordered_state(general)
             fast.check_invariants()
         assert fast.backing.calls == general.backing.calls
+
+
+def test_per_token_verbs_touch_only_the_hot_fields_of_a_request(env):
+    """A decode token that fits (``allocate``), its ``commit`` (no block completes), ``ready``
+    and ``num_computed_tokens`` read and write only ``_RequestHot``'s fields (laid out next
+    to the object header), whatever else the request holds."""
+    from xllm_vmm.kvcache import manager as mgr_mod
+
+    seen: list[str] = []
+
+    class Tracking(mgr_mod._Request):
+        __slots__ = ()
+
+        def __getattribute__(self, name):
+            seen.append(name)
+            return object.__getattribute__(self, name)
+
+        def __setattr__(self, name, value):
+            seen.append(name)
+            object.__setattr__(self, name, value)
+
+    e = env()
+    m = e.mgr
+    tokens = toks(1, 2, tail=1)  # 9 tokens: 3 blocks of 4, the last one with room
+    hit = m.lookup("a", tokens)
+    m.allocate("a", len(tokens) - hit.num_tokens, hit=hit)
+    m.commit("a", len(tokens), tokens)
+    req = m._reqs["a"]
+    req.__class__ = Tracking
+    tokens.append(8)
+    assert m.ready("a") and m.num_computed_tokens("a") == 9
+    assert m.allocate("a", 1) == m.block_tables("a")
+    m.commit("a", 10, tokens)
+    assert seen and set(seen) <= set(mgr_mod._RequestHot.__slots__), sorted(set(seen))
+    req.__class__ = mgr_mod._Request
+    seen.clear()
+    tokens += [9, 10]
+    m.allocate("a", 2)  # 12 tokens: the third block fills, and commit publishes it
+    req.__class__ = Tracking
+    m.commit("a", 12, tokens)
+    assert set(seen) - set(mgr_mod._RequestHot.__slots__)  # the cold path (hashes, first)
+    req.__class__ = mgr_mod._Request
+    m.check_invariants()
