@@ -78,6 +78,21 @@ def feed(proc, rid, tok, text, finish_at_end=True, reason="length"):
     return ups, aborted
 
 
+def test_text_without_stop_strings_streams_what_the_general_path_does(tok):
+    # the no-stop-string path (each delta = the detokenizer's) against the held-back one
+    text = "a ✓ 漢字 é 🙂 end, and more"
+    plain, held = OutputProcessor(tok), OutputProcessor(tok)
+    plain.add_request("a", SamplingParams(), [1, 2])
+    held.add_request("a", SamplingParams(stop=["\u2603never"]), [1, 2])  # never matches
+    ups_p, _ = feed(plain, "a", tok, text)
+    ups_h, _ = feed(held, "a", tok, text)
+    assert "".join(u.delta_text for u in ups_p) == "".join(u.delta_text for u in ups_h) == text
+    assert all("\ufffd" not in u.delta_text for u in ups_p)
+    assert [u.delta_token_ids for u in ups_p] == [u.delta_token_ids for u in ups_h]
+    assert (ups_p[-1].finished, ups_p[-1].finish_reason) == (True, "length")
+    assert plain.pop("a").outputs[0].text == text
+
+
 def test_stop_string_truncates_and_asks_for_abort(tok):
     proc = OutputProcessor(tok)
     proc.add_request("a", SamplingParams(stop=["STOP", "zz"]), [1, 2])

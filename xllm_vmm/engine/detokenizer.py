@@ -42,10 +42,16 @@ class IncrementalDetokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=self._skip) if ids else ""
 
     def add(self, token_ids: Sequence[int]) -> str:
-        """Append output tokens; return the text they complete (possibly "")."""
-        self._ids.extend(token_ids)
-        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        full = self._decode(self._ids[self._prefix_offset:])
+        """Append output tokens; return the text they complete (possibly "").
+
+        Runs for every request of every step: the two decodes are called on the slices
+        directly (fresh lists already), without :meth:`_decode`'s extra copy."""
+        ids = self._ids
+        ids.extend(token_ids)
+        decode, skip, start = self._tok.decode, self._skip, self._prefix_offset
+        prefix = decode(ids[start:self._read_offset], skip_special_tokens=skip) \
+            if self._read_offset > start else ""
+        full = decode(ids[start:], skip_special_tokens=skip) if len(ids) > start else ""
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             delta = full[len(prefix):]
             self._prefix_offset = self._read_offset

@@ -130,6 +130,10 @@ class RequestState:
         self._ids_only = self._detok is None and self.logprobs is None
         """No text and no logprobs to fold in: :meth:`apply` only extends the token ids
         (``detokenize=False``, the benches' and token-id clients' case)."""
+        self._text_only = (self._detok is not None and self.logprobs is None
+                           and not self._stops)
+        """Text without stop strings or logprobs (``generate``'s default): nothing is held
+        back, so each update's delta is exactly what the detokenizer emitted."""
 
     @property
     def finished(self) -> bool:
@@ -149,6 +153,21 @@ class RequestState:
             if out.finished and self.finish_reason is None:
                 self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
             return RequestUpdate(self.request_id, "", ids, None, self.finished,
+                                 self.finish_reason, self.stop_reason, len(self.prompt_token_ids),
+                                 self.num_cached_tokens, self.parent_id, self.index), False
+        if self._text_only and out.prompt_logprobs is None:  # no stops, no logprobs
+            ids = out.new_token_ids
+            self.token_ids.extend(ids)
+            self.num_cached_tokens = out.num_cached_tokens
+            d = self._detok
+            delta = d.add(ids)
+            if out.finished:
+                delta += d.flush()
+                if self.finish_reason is None:
+                    self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+            self.text = d.text
+            self._emitted = len(self.text)
+            return RequestUpdate(self.request_id, delta, ids, None, self.finished,
                                  self.finish_reason, self.stop_reason, len(self.prompt_token_ids),
                                  self.num_cached_tokens, self.parent_id, self.index), False
         ids = list(out.new_token_ids)
