@@ -1368,6 +1368,7 @@ TGTA static void pitem_amx(const pjob_t *j, int64_t c, int64_t grp, int64_t g, c
             if (tkt > 3) _tile_stored(3, S + 48, 256);
             /* online softmax per query row (visible keys: j <= base + q, j < kend) */
             float *Mh = M + hh * 16, *Lh = Lsum + hh * 16, *Ah = AL + hh * 16;
+            float mo16[16] __attribute__((aligned(64))), z16[16] __attribute__((aligned(64)));
             for (int q = 0; q < 16; q++) {
                 int64_t vis = base + q - kb0 + 1;
                 if (vis > knt) vis = knt;
@@ -1393,10 +1394,17 @@ TGTA static void pitem_amx(const pjob_t *j, int64_t c, int64_t grp, int64_t g, c
                 _mm512_storeu_si512(P + q * 64, (__m512i)_mm512_cvtne2ps_pbh(pv[1], pv[0]));
                 if (tkc > 1)
                     _mm512_storeu_si512(P + q * 64 + 32, (__m512i)_mm512_cvtne2ps_pbh(pv[3], pv[2]));
-                const float a = mo == -INFINITY ? 0.f : exp2f(mo - mn);
-                Lh[q] = Lh[q] * a + _mm512_reduce_add_ps(z);
+                mo16[q] = mo;
+                z16[q] = _mm512_reduce_add_ps(z);
                 Mh[q] = mn;
-                Ah[q] = a;
+            }
+            { /* the 16 rows' rescale factors at once: alpha = 2^(m_old - m_new), 0 at first */
+                const __m512 mo = _mm512_loadu_ps(mo16), mn = _mm512_loadu_ps(Mh);
+                const __mmask16 first = _mm512_cmp_ps_mask(mo, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
+                const __m512 a = _mm512_mask_blend_ps(first, exp2_ps(_mm512_sub_ps(mo, mn)),
+                                                      _mm512_setzero_ps());
+                _mm512_storeu_ps(Ah, a);
+                _mm512_storeu_ps(Lh, _mm512_fmadd_ps(_mm512_loadu_ps(Lh), a, _mm512_loadu_ps(z16)));
             }
             /* O = O * alpha + P V */
             float *Oh = O + hh * 16 * D;
