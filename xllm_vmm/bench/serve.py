@@ -36,6 +36,7 @@ client sent them — well above the plan, the client fell behind; each request i
 planned time, so one late send does not delay the rest), ``send_lag_ms_*`` and
 ``client_loop_lag_ms_*`` (median, p99, max: each send's lateness, the event loop's lateness
 waking from 5 ms sleeps); CPU seconds over the load (:class:`_CostClock`: ``client_cpu_s``,
+``client_wakeups`` (times this client blocked: each wake-up takes a core from the server),
 ``server_cpu_s`` and ``server_cpu_ms_per_output_token`` for the server's process tree,
 ``machine_cpu_s``, ``other_cpu_s``, ``machine_steal_s``, ``loadavg_start`` / ``_end``) and
 ours' ``engine_step_cpu_ms_mean`` / ``engine_step_cpu_over_wall`` (the process's CPU during
@@ -67,7 +68,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 READY_RE = re.compile(r"ready at (http://\S+)")
 
@@ -239,17 +240,19 @@ def rss_of(pids: list[int]) -> Optional[int]:
 
 
 def run_load(coro):
-    """Run the load's coroutine on a new event loop: uvloop's when it is installed (its
-    C callbacks cut the client's per-event CPU; the same client drives every server), the
-    standard one otherwise or with ``XLLM_VMM_BENCH_LOOP=asyncio``."""
+    """Run the load's coroutine on a new event loop: the standard one, or uvloop's with
+    ``XLLM_VMM_BENCH_LOOP=uvloop``. Not uvloop by default: a client parsing each stream in
+    callbacks on uvloop used a quarter less CPU, yet in 7 of 8 interleaved loaded pairs the
+    server it drove made fewer tokens/s (889-1,433 against 992-1,301) and got less of a core
+    during its steps; a cheaper client can wake more often (one pair: 9,474 blocks against
+    2,594; the count also moves with the machine's load, ``client_wakeups``), and on a 2-core
+    machine each wake-up takes a core from the server's compute threads. The stream reader
+    client of :func:`sse_post` is the one earlier figures were measured with."""
     factory = None
-    if os.environ.get("XLLM_VMM_BENCH_LOOP", "").lower() != "asyncio":
-        try:
-            import uvloop
+    if os.environ.get("XLLM_VMM_BENCH_LOOP", "").lower() == "uvloop":
+        import uvloop
 
-            factory = uvloop.new_event_loop
-        except ImportError:
-            pass
+        factory = uvloop.new_event_loop
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(coro)
 
@@ -350,6 +353,7 @@ class _CostClock:
     def __init__(self, server_pid: Optional[int]):
         self.pid = server_pid
         self.client = time.process_time()
+        self.wakeups = _voluntary_switches()
         self.server = tree_cpu_seconds(server_pid) if server_pid is not None else None
         self.machine = machine_cpu_seconds()
         self.load = _loadavg()
@@ -362,9 +366,24 @@ class _CostClock:
         busy = m[0] - self.machine[0] if m is not None and self.machine is not None else None
         steal = m[1] - self.machine[1] if m is not None and self.machine is not None else None
         other = (busy - client - server if busy is not None and server is not None else None)
-        return {"client_cpu_s": client, "server_cpu_s": server, "machine_cpu_s": busy,
+        w = _voluntary_switches()
+        return {"client_cpu_s": client, "client_wakeups": (w - self.wakeups if w is not None
+                                                          and self.wakeups is not None
+                                                          else None),
+                "server_cpu_s": server, "machine_cpu_s": busy,
                 "machine_steal_s": steal, "other_cpu_s": other,
                 "loadavg_start": self.load, "loadavg_end": _loadavg()}
+
+
+def _voluntary_switches() -> Optional[int]:
+    """Times this process blocked so far (``getrusage``: voluntary context switches, every
+    thread), None where it cannot be read."""
+    try:
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw)
+    except (ImportError, OSError):
+        return None
 
 
 def _loadavg() -> Optional[float]:
@@ -389,128 +408,15 @@ class _HTTPError(Exception):
         super().__init__(f"HTTP {status}: {body[:200]!r}")
 
 
-class _SSEProtocol(asyncio.Protocol):
-    """One HTTP/1.1 response of server-sent events, parsed as the bytes arrive: the status
-    line, the headers, chunked or length framing (or to the end of the connection), then the
-    events; ``on_event(data, t)`` is called for each ``data:`` line's payload (``bytes``) with
-    the ``perf_counter`` time its bytes arrived, inside ``data_received`` — no task switch or
-    await per event, the client's whole per-event cost is this parse and the callback. ``done``
-    resolves when the response ended (``status`` and, for a status other than 200, ``error``
-    body), or raises the connection's error."""
-
-    def __init__(self, on_event: Callable[[bytes, float], None], done: asyncio.Future):
-        self.on_event = on_event
-        self.done = done
-        self.status: Optional[int] = None
-        self.head = bytearray()      # status line and headers, until the blank line
-        self.raw = bytearray()       # body bytes not yet de-framed
-        self.body = bytearray()      # de-framed body bytes not yet split into events
-        self.error_body = bytearray()
-        self.chunked = False
-        self.left: Optional[int] = None  # bytes of the length-framed body still to come
-        self.transport: Optional[asyncio.Transport] = None
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        now = time.perf_counter()
-        if self.status is None:
-            self.head += data
-            end = self.head.find(b"\r\n\r\n")
-            if end < 0:
-                return
-            lines = bytes(self.head[:end]).decode("latin-1").split("\r\n")
-            data = bytes(self.head[end + 4:])
-            self.head.clear()
-            self.status = int(lines[0].split(" ", 2)[1])
-            for line in lines[1:]:
-                name, _, value = line.partition(":")
-                name, value = name.strip().lower(), value.strip().lower()
-                if name == "transfer-encoding" and "chunked" in value:
-                    self.chunked = True
-                elif name == "content-length":
-                    self.left = int(value)
-        if self.chunked:
-            self.raw += data
-            finished = self._dechunk()
-        elif self.left is not None:
-            data = data[: self.left]
-            self.left -= len(data)
-            self.body += data
-            finished = self.left == 0
-        else:
-            self.body += data
-            finished = False
-        self._events(now)
-        if finished:
-            self._finish()
-
-    def _dechunk(self) -> bool:
-        """Moves the complete chunks of ``raw`` into ``body``; True at the last chunk."""
-        raw = self.raw
-        pos = 0
-        while True:
-            eol = raw.find(b"\r\n", pos)
-            if eol < 0:
-                break
-            size = int(bytes(raw[pos:eol]).split(b";", 1)[0], 16)
-            if size == 0:
-                del raw[:]
-                return True
-            if len(raw) < eol + 2 + size + 2:
-                break
-            self.body += raw[eol + 2: eol + 2 + size]
-            pos = eol + 2 + size + 2
-        del raw[:pos]
-        return False
-
-    def _events(self, now: float) -> None:
-        if self.status != 200:
-            self.error_body += self.body
-            self.body.clear()
-            return
-        body = self.body
-        if b"\r" in body:
-            body[:] = body.replace(b"\r\n", b"\n")
-        start = 0
-        while (end := body.find(b"\n\n", start)) >= 0:
-            event = bytes(body[start:end])
-            start = end + 2
-            for ln in event.split(b"\n"):
-                if ln.startswith(b"data: "):
-                    self.on_event(ln[6:], now)
-        if start:
-            del body[:start]
-
-    def _finish(self) -> None:
-        if not self.done.done():
-            self.done.set_result(self.status)
-        if self.transport is not None:
-            self.transport.close()
-
-    def connection_lost(self, exc) -> None:
-        if self.done.done():
-            return
-        if exc is not None:
-            self.done.set_exception(exc)
-        elif self.status is None:
-            self.done.set_exception(ConnectionError("the server closed the connection before "
-                                                    "answering"))
-        else:  # a body framed by the connection's end
-            self._events(time.perf_counter())
-            self.done.set_result(self.status)
-
-
-async def sse_request(url: str, body: dict, headers: dict,
-                      on_event: Callable[[bytes, float], None]) -> None:
-    """POST ``body`` as JSON to ``url`` (``http://host:port/path``, one connection, closed
-    after) and call ``on_event(data, t)`` for the ``data:`` payload (``bytes``) of every
-    server-sent event as it arrives (:class:`_SSEProtocol`); returns when the response ended.
-    A status other than 200 raises with the start of the body. The load's client: httpx's
-    streaming (h11 in Python, line decoding) cost ~125 µs of CPU per streamed chunk and an
-    asyncio stream reader with one task wake-up per event ~35 µs; on a 2-core machine the
-    client's CPU is taken from the server being measured (both sides get the same client)."""
+async def sse_post(url: str, body: dict, headers: dict):
+    """POST ``body`` as JSON to ``url`` (``http://host:port/path``, one connection, closed after)
+    and yield the ``data:`` payload of every server-sent event as it arrives (``str``; the
+    transfer's chunked or length framing undone). A status other than 200 raises with the
+    start of the body. The load's client: httpx's streaming (h11 in Python, line decoding)
+    cost ~125 µs of CPU per streamed chunk, more than the server spent on it, and on a 2-core
+    machine that CPU is taken from the server being measured; this reads with asyncio's
+    stream buffer and one ``find`` per event (what ``vllm bench serve``'s aiohttp client costs
+    is of this order)."""
     from urllib.parse import urlsplit
 
     u = urlsplit(url)
@@ -519,38 +425,48 @@ async def sse_request(url: str, body: dict, headers: dict,
             "Content-Type: application/json", "Accept: text/event-stream",
             f"Content-Length: {len(payload)}", "Connection: close",
             *(f"{k}: {v}" for k, v in headers.items())]
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future = loop.create_future()
-    transport, proto = await loop.create_connection(lambda: _SSEProtocol(on_event, done),
-                                                    u.hostname, u.port or 80)
+    reader, writer = await asyncio.open_connection(u.hostname, u.port or 80)
     try:
-        transport.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + payload)
-        status = await done
+        writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + payload)
+        status = int((await reader.readline()).split(b" ", 2)[1])
+        chunked, length = False, None
+        while True:
+            line = await reader.readline()
+            if line in (b"\r\n", b"\n", b""):
+                break
+            name, _, value = line.decode("latin-1").partition(":")
+            name, value = name.strip().lower(), value.strip().lower()
+            if name == "transfer-encoding" and "chunked" in value:
+                chunked = True
+            elif name == "content-length":
+                length = int(value)
+
+        async def pieces():
+            if chunked:
+                while True:
+                    size = int((await reader.readline()).split(b";", 1)[0], 16)
+                    if size == 0:
+                        return
+                    data = await reader.readexactly(size + 2)
+                    yield data[:-2]
+            elif length is not None:
+                yield await reader.readexactly(length)
+            else:
+                while data := await reader.read(65536):
+                    yield data
+
         if status != 200:
-            raise _HTTPError(status, bytes(proto.error_body))
+            raise _HTTPError(status, b"".join([p async for p in pieces()]))
+        buf = b""
+        async for piece in pieces():
+            buf += piece.replace(b"\r\n", b"\n") if b"\r" in piece else piece
+            while (end := buf.find(b"\n\n")) >= 0:
+                event, buf = buf[:end], buf[end + 2:]
+                for ln in event.split(b"\n"):
+                    if ln.startswith(b"data: "):
+                        yield ln[6:].decode("utf-8")
     finally:
-        transport.close()
-
-
-async def sse_post(url: str, body: dict, headers: dict):
-    """:func:`sse_request` as an async generator of the events' ``data:`` payloads (``str``)."""
-    q: asyncio.Queue = asyncio.Queue()
-    end = object()
-
-    async def run():
-        try:
-            await sse_request(url, body, headers, lambda d, t: q.put_nowait(d.decode("utf-8")))
-        finally:
-            q.put_nowait(end)
-
-    task = asyncio.ensure_future(run())
-    try:
-        while (item := await q.get()) is not end:
-            yield item
-        await task  # raises the request's error
-    finally:
-        if not task.done():
-            task.cancel()
+        writer.close()
 
 
 async def _one(client, url: str, model: str, prompt: list[int], cfg: LoadConfig,
@@ -559,38 +475,33 @@ async def _one(client, url: str, model: str, prompt: list[int], cfg: LoadConfig,
     body = {"model": model, "prompt": prompt, "max_tokens": cfg.output_len, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.0}
     t0 = time.perf_counter()
-    last: list[Optional[float]] = [None]
-    itl = res.itl
-
-    def on_event(data: bytes, now: float) -> None:
-        if res.error or data == b"[DONE]":
-            return
-        # a token chunk (compact JSON with a choice: both servers write it so; the substring
-        # cannot occur inside a JSON string, whose quotes are escaped) needs no parse;
-        # anything else is parsed
-        if b'"choices":[{' not in data or data.startswith(b'{"error"'):
-            chunk = json.loads(data)
-            if "error" in chunk:
-                res.error = chunk["error"].get("message", "error event")
-                return
-            if chunk.get("usage") and not chunk.get("choices"):
-                res.output_tokens = int(chunk["usage"]["completion_tokens"])
-                return
-            if not chunk.get("choices"):
-                return
-        if last[0] is None:
-            res.ttft = now - t0
-        else:
-            itl.append(now - last[0])
-        last[0] = now
-
+    last = None
     try:
-        await sse_request(f"{url}/v1/completions", body, headers, on_event)
+        async for data in sse_post(f"{url}/v1/completions", body, headers):
+            if data == "[DONE]":
+                break
+            now = time.perf_counter()
+            # a token chunk (compact JSON with a choice: both servers write it so; the
+            # substring cannot occur inside a JSON string, whose quotes are escaped) needs
+            # no parse; anything else is parsed
+            if '"choices":[{' not in data or data.startswith('{"error"'):
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    res.error = chunk["error"].get("message", "error event")
+                    return res
+                if chunk.get("usage") and not chunk.get("choices"):
+                    res.output_tokens = int(chunk["usage"]["completion_tokens"])
+                    continue
+                if not chunk.get("choices"):
+                    continue
+            if last is None:
+                res.ttft = now - t0
+            else:
+                res.itl.append(now - last)
+            last = now
         res.e2e = time.perf_counter() - t0
-        if res.error:
-            return res
-        res.ok = res.output_tokens == cfg.output_len and last[0] is not None
-        if not res.ok:
+        res.ok = res.output_tokens == cfg.output_len and last is not None
+        if not res.ok and not res.error:
             res.error = f"{res.output_tokens} tokens instead of {cfg.output_len}"
     except Exception as exc:  # connection refused/reset, timeout: a failure, not a crash
         res.error = f"{type(exc).__name__}: {exc}"
