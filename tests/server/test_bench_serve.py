@@ -55,6 +55,7 @@ def test_drive_counts_every_request(tokenizer):
     # CPU during the load: this process ran the client and the in-process server, so the
     # machine's busy time covers at least this process's; no server pid, no server CPU
     assert out["client_cpu_s"] > 0 and out["server_cpu_s"] is None
+    assert out["client_wakeups"] > 0  # it blocked at least between the sends
     assert out["machine_cpu_s"] >= out["client_cpu_s"] - 0.05
     assert out["other_cpu_s"] is None and out["loadavg_end"] >= 0
     # the server process's CPU during its steps, per step and over the steps' wall time
