@@ -34,7 +34,7 @@ def test_weights_in_the_arena_sleep_and_wake(qwen3):
         assert lo <= mlp.gate_up.weight.data_ptr() < hi
         assert attn.qkv is not None and attn.qkv.weight.data_ptr() == q.data_ptr()
         assert attn.qkv.weight.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
-        assert attn.qkv.packed is None  # pool weights are never packed (a packed copy is not the pool's)
+        assert attn.qkv.packed is None  # pool weights are never packed (a copy is not the pool's)
         del mlp, attn
         ids = list(range(10, 40))
         before = s.greedy({"a": ids}, 6)["a"]

@@ -6,7 +6,8 @@ Protocol (one JSON object per line): argv[1] is a JSON file ``{"model", "dtype",
 (``enable_prefix_caching`` false when absent: the bench runs our engine without its prefix
 cache, and the trace's repeats would otherwise hit vLLM's); the runner builds ``LLM`` once,
 warms it up, prints ``{"ready": true, "enable_prefix_caching": b, "max_num_batched_tokens":
-n, "max_num_seqs": s}`` (the settings vLLM runs with, read back from its config; null when unreadable); then for every line ``run`` read on stdin it generates
+n, "max_num_seqs": s}`` (the settings vLLM runs with, read back from its config; null when
+unreadable); then for every line ``run`` read on stdin it generates
 every prompt (token ids, greedy, ``ignore_eos``, ``max_tokens=new_tokens``) and prints
 ``{"seconds": s, "output_tokens": n, "outputs": [[ids]]}``; ``quit`` (or EOF) ends it. Errors
 print ``{"error": "..."}`` and exit 1.

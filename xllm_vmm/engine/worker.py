@@ -22,8 +22,8 @@ section 3):
   back (:func:`xllm_vmm.engine.layers.fusion.colocate_projections`: the same tensor objects,
   values and byte counts) and run as one product each; pool weights are never moved: the
   pool's image already places each group back to back
-  (:func:`xllm_vmm.weights.image.placement_order`), and they fuse as views; on the CPU in bfloat16 the
-  dense decoder's projections of plain weights are replaced by oneDNN-packed copies
+  (:func:`xllm_vmm.weights.image.placement_order`), and they fuse as views; on the CPU in
+  bfloat16 the dense decoder's projections of plain weights are replaced by oneDNN-packed copies
   (:func:`xllm_vmm.engine.layers.packed.pack_model`; ``XLLM_VMM_PACKED_LINEAR=0`` keeps them).
 
 Tensor parallelism (issue 14): ``tp`` (:class:`~xllm_vmm.engine.layers.parallel.TensorParallel`)
