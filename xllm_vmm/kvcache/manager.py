@@ -1140,7 +1140,7 @@ def build_kv_cache_manager(pool: Any, layout: Any, *, enable_prefix_cache: bool,
     adds the host tier (HK-01; sized HK-06, refused HK-05 / HK-07 with the reason); a factor
     without prefix caching keeps no host copy (HK-02). ``driver``: the driver for host copies
     (default the pool's). ``tuning``: see ``_TUNING`` (``compact``, ``compact_min_slots``,
-    ``compact_max_blocks``, ``host_available_bytes``, ``host_populate``)."""
+    ``compact_max_blocks``, ``ready_slots``, ``host_available_bytes``, ``host_populate``)."""
     unknown = sorted(set(tuning) - set(_TUNING))
     if unknown:
         raise TypeError(f"build_kv_cache_manager: unknown tuning parameter(s) "
