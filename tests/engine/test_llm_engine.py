@@ -199,7 +199,8 @@ def test_step_outputs_name_their_parent_and_sample_index(llama):
                 seen.setdefault(r.request_id, []).append((r.parent_request_id, r.index,
                                                           r.finished))
         assert sorted(seen) == ["p#0", "p#1", "q"]
-        assert {x[:2] for x in seen["p#0"]} == {("p", 0)} and {x[:2] for x in seen["p#1"]} == {("p", 1)}
+        assert {x[:2] for x in seen["p#0"]} == {("p", 0)}
+        assert {x[:2] for x in seen["p#1"]} == {("p", 1)}
         assert {x[:2] for x in seen["q"]} == {("q", 0)}
         assert all(v[-1][2] and not any(x[2] for x in v[:-1]) for v in seen.values())
         assert not eng._children and not eng._parent  # finished: the engine forgot them
