@@ -12,8 +12,8 @@ reported in ``vllm.env``.
 
 How (the order is what makes the figures stable on a small noisy machine):
 
-1. The servers are started one after the other (ours, ours with the weights in the pool too
-   — ``vmm_weights_side``, side ``xllm_vmm_vmm_weights`` — then vLLM's while ours are idle)
+1. The servers are started one after the other (ours; with ``vmm_weights_side``, ours with
+   the weights in the pool too, side ``xllm_vmm_vmm_weights``; then vLLM's while ours are idle)
    and stay up for the whole comparison: none pays its start-up or its first load inside a
    measured run. ``xllm_vmm`` is the headline: what ``xllm-vmm serve`` runs with the KV cache
    in the elastic pool and its default weights (plain tensors, fused and oneDNN-packed);
@@ -299,13 +299,15 @@ def round_order(sides: tuple[str, ...], i: int, order: str) -> tuple[str, ...]:
 def compare(cfg: LoadConfig, serve_args: list[str], vllm_venv: str, *, rounds: int = 3,
             kv_space_gib: int = 2, vllm_start_timeout: float = 300.0,
             warmup_prompts: int = 32, vllm_env: Optional[dict[str, str]] = None,
-            settle_s: float = 1.0, pause_idle: bool = True, vmm_weights_side: bool = True,
+            settle_s: float = 1.0, pause_idle: bool = True, vmm_weights_side: bool = False,
             order: str = "alternate") -> dict:
     """Both servers up, the same warm-up, then ``rounds`` alternating rounds (module
     docstring). ``serve_args`` are ``xllm-vmm serve``'s (:func:`xllm_vmm.bench.serve.serve_args`:
-    they name the model, dtype and context vLLM gets too). ``vmm_weights_side``: a second
-    server of ours with :data:`VMM_WEIGHTS_FLAG` added runs beside them (side
-    ``xllm_vmm_vmm_weights``), unless ``serve_args`` already set ``enable_vmm_weights``.
+    they name the model, dtype and context vLLM gets too). ``vmm_weights_side`` (off by
+    default): a second server of ours with :data:`VMM_WEIGHTS_FLAG` added runs beside them
+    (side ``xllm_vmm_vmm_weights``), unless ``serve_args`` already set ``enable_vmm_weights``.
+    Off by default because a third server, though paused while the headline runs, measured
+    the headline worse in later rounds (``docs/benchmarks.md``, session 5).
     ``order``: one of :data:`ORDERS` (:func:`round_order`). A vLLM start that fails ends
     vLLM's side with its ``error`` (the exact message and log tail), and so does a load that
     fails on it; our rounds still run."""

@@ -496,7 +496,7 @@ def bench_serve(
     warmup_prompts: int = typer.Option(32, "--warmup-prompts", help="With --vllm-venv: prompts of the same-shaped warm-up load each server gets before the rounds (not counted; 0: none)."),
     vllm_env: list[str] = typer.Option([], "--vllm-env", help="With --vllm-venv: KEY=VALUE added to vllm serve's environment (repeatable), e.g. --vllm-env VLLM_CPU_OMP_THREADS_BIND=0-1."),
     vllm_kv_space: int = typer.Option(2, "--vllm-kv-space", help="With --vllm-venv: VLLM_CPU_KVCACHE_SPACE, whole GiB of KV vLLM reserves up front."),
-    vmm_weights_side: bool = typer.Option(True, "--vmm-weights-side/--no-vmm-weights-side", help="With --vllm-venv: also run a server of ours with --enable_vmm_weights=true (the weights in the pool too) in every round, beside the headline (serve's default weights)."),
+    vmm_weights_side: bool = typer.Option(False, "--vmm-weights-side/--no-vmm-weights-side", help="With --vllm-venv: also run a server of ours with --enable_vmm_weights=true (the weights in the pool too) in every round, beside the headline (serve's default weights). Off by default: a third server, though paused, measured the headline worse in later rounds (docs/benchmarks.md)."),
     order: str = typer.Option("alternate", "--order", help="With --vllm-venv: alternate (ours first in even rounds, vLLM first in odd ones) or fixed (the even rounds' order every round)."),
     engine_only: bool = typer.Option(False, "--engine-only", help="Replay the same load straight on the engine in this process (no HTTP, no server threads): the server's share is the difference."),
     fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
