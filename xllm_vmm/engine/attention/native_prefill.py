@@ -61,12 +61,8 @@ def mode_by_env() -> str:
     return "auto"
 
 
-IMPLS = {0: "portable", 1: "avx512-f32", 2: "avx512-bf16", 3: "amx-bf16"}
-PORTABLE, NO_AMX = 1, 2  # the library's flags
-
-
-def _flags(portable: bool, amx: bool) -> int:
-    return (PORTABLE if portable else 0) | (0 if amx else NO_AMX)
+IMPLS = nd.IMPLS  # one library, one set of implementation codes and flags
+_flags = nd._flags
 
 
 def implementation(q_dtype: Any, kv_dtype: Any, head_dim: int, *, portable: bool = False,
