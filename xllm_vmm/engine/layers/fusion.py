@@ -27,6 +27,9 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Mapping, Sequence
 
+# The grouping's one home is the weights image, which places the same groups together.
+from xllm_vmm.weights.image import projection_groups
+
 if TYPE_CHECKING:  # pragma: no cover
     from torch import Tensor
 
@@ -57,15 +60,6 @@ def adjacent_rows(parts: Sequence[Tensor]) -> Tensor | None:
         ptr += p.numel() * p.element_size()
     rows = sum(p.shape[0] for p in parts)
     return first.as_strided((rows, *first.shape[1:]), first.stride())
-
-
-def projection_groups(names: Sequence[str]) -> list[list[str]]:
-    """The names of each fusable group present in full, in product order (q, k, v; gate, up):
-    :func:`xllm_vmm.weights.image.projection_groups`, the one home of the grouping (the pool's
-    image places the same groups together)."""
-    from xllm_vmm.weights.image import projection_groups as groups
-
-    return groups(names)
 
 
 def colocate_projections(weights: Mapping[str, Tensor]) -> int:
