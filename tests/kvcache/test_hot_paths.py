@@ -264,3 +264,37 @@ def test_per_token_verbs_touch_only_the_hot_fields_of_a_request(env):
     assert set(seen) - set(mgr_mod._RequestHot.__slots__)  # the cold path (hashes, first)
     req.__class__ = mgr_mod._Request
     m.check_invariants()
+
+
+def test_a_running_request_holds_one_gc_tracked_object_besides_its_record(env):
+    """The record of a running request (one group, prefix caching) is its tables mapping;
+    once its blocks are published it keeps no hash list (only the chain's parent), so the one
+    GC-tracked object it references is its block list: less for its free and the cyclic GC
+    to touch at thousands of running requests. The chain still continues from the parent
+    (the next blocks publish under the hashes a fresh lookup of the same tokens finds)."""
+    import gc
+
+    from xllm_vmm.kvcache.hashing import block_hashes
+
+    e = env()
+    m = e.mgr
+    tokens = toks(1, 2, tail=1)  # 9 tokens: 3 blocks of 4
+    hit = m.lookup("a", tokens)
+    assert m.allocate("a", len(tokens) - hit.num_tokens, hit=hit) is m.block_tables("a")
+    m.commit("a", len(tokens), tokens)
+    for t in (8, 9, 10, 11, 12):  # block 2 completes at 12 tokens, block 3 starts
+        tokens.append(t)
+        assert m.allocate("a", 1) is not None
+        m.commit("a", len(tokens), tokens)
+    from xllm_vmm.kvcache import manager as mgr_mod
+
+    req = m._reqs["a"]
+    shared = {id(type(req)), id(mgr_mod._NO_HASHES), id(mgr_mod._NO_HOST)}  # not per request
+    tracked = {id(o): o for o in gc.get_referents(req)
+               if gc.is_tracked(o) and id(o) not in shared}
+    assert list(tracked.values()) == [req["attn"]], tracked
+    assert req.hashes == [] and req.hash_base == 3
+    assert req.parent == block_hashes(tokens[:12], 4)[-1]
+    assert m.lookup("b", tokens).num_tokens == 12  # blocks 0..2 published, the chain intact
+    m.drop("b")
+    m.check_invariants()

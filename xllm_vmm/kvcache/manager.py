@@ -151,30 +151,43 @@ class KVCapacity:
         return min(self.total_blocks.values()) * self.block_size
 
 
-class _RequestHot:
-    """The fields of :class:`_Request` that the per-token verbs read and write (``allocate``
-    of a decode token that fits, ``commit`` of one that completes no block), declared in a
-    base class so that CPython lays them out first, next to the object header (it sorts a
-    class's ``__slots__`` by name, base class slots first): at thousands of running
-    requests that is one cold cache line per request per step where the fields spread over
-    the whole object took three."""
+class _RequestHot(dict):
+    """A request's block tables (the mapping group → list of block ids that :meth:`allocate`
+    and :meth:`block_tables` return) with the fields the per-token verbs read and write
+    (``allocate`` of a decode token that fits, ``commit`` of one that completes no block).
 
-    __slots__ = ("cap", "num_computed", "publish_at", "restore", "tables")
+    The record *is* the tables mapping (a slotted ``dict`` subclass) so that the decode
+    token's ``allocate``, which returns the tables, touches one object per request instead of
+    two: at thousands of running requests each request's first touch in a step misses the
+    cache, one line per object (the object header: its reference count). The hot fields are
+    declared in this base class so that CPython lays them out first, right after the dict's
+    own fields (it sorts a class's ``__slots__`` by name, base class slots first). One object
+    fewer per request is also one fewer for the cyclic GC to track."""
+
+    __slots__ = ("cap", "num_computed", "publish_at", "restore")
 
 
 class _Request(_RequestHot):
-    """The manager's state of one request (a plain slotted class: one is made per request on
-    the hot path, so no generated ``__init__`` with default factories)."""
+    """The manager's state of one request and its block tables (its ``dict`` items: group →
+    list of block ids; see :class:`_RequestHot`). A plain slotted class: one is made per
+    request on the hot path, so no generated ``__init__`` with default factories."""
 
-    __slots__ = ("rid", "admitted", "hashes", "media", "extra", "published", "match", "held",
-                 "held_host", "restore_dev_blocks", "first", "trimmed")
+    __slots__ = ("rid", "admitted", "hashes", "hash_base", "parent", "media", "extra",
+                 "published", "match", "held", "held_host", "restore_dev_blocks", "first",
+                 "trimmed")
 
-    def __init__(self, rid: str, tables: dict[str, list[int]]) -> None:
+    def __init__(self, rid: str, groups: tuple[str, ...]) -> None:
+        for g in groups:
+            self[g] = []
         self.rid = rid
-        self.tables = tables
         self.num_computed = 0  # tokens whose KV is written (or restored / hit)
         self.admitted = False  # allocate() succeeded once
-        self.hashes: list[BlockHash] = []  # complete blocks hashed so far
+        # hashes of the complete blocks [hash_base, hash_base + len(hashes)) hashed so far:
+        # all of them (hash_base 0) until a one-group commit drops the published ones (see
+        # commit); parent: the hash of block hash_base - 1 (None while hash_base is 0)
+        self.hashes: list[BlockHash] = _NO_HASHES
+        self.hash_base = 0
+        self.parent: BlockHash | None = None
         self.media: tuple[MediaSpan, ...] = ()
         self.extra: tuple[str, ...] = ()  # extra hash keys of block 0 (adapter, cache salt)
         self.published = 0  # request blocks [0, published) are in the index (or hit)
@@ -185,7 +198,7 @@ class _Request(_RequestHot):
         # a restore in flight (allocate → ready)
         self.restore: Restore | None = None
         self.restore_dev_blocks = 0
-        self.first: list[int] = _NO_HOST  # tables[first group] (the same list) once admitted
+        self.first: list[int] = _NO_HOST  # self[first group] (the same list) once admitted
         self.cap = -1  # tokens its blocks cover (len(first) × block_size); -1 until admitted
         self.publish_at = 1 << 62  # committing this many tokens completes the next block
         # sliding-window groups: leading table entries given back (NULL_BLOCK), per group
@@ -193,6 +206,7 @@ class _Request(_RequestHot):
 
 
 _NO_HOST: list[int] = []  # shared empty default (never mutated)
+_NO_HASHES: list[BlockHash] = []  # shared empty default (never mutated: commit replaces it)
 _new_match = tuple.__new__  # PrefixMatch without its Python-level __new__ (hot path)
 
 
@@ -316,9 +330,7 @@ class KVCacheManager:
                                       "allocate() it first (or it was freed)") from None
 
     def _new(self, request_id: str) -> _Request:
-        if self._sole:
-            return _Request(request_id, {self._g0: []})
-        return _Request(request_id, {g: [] for g in self.group_names})
+        return _Request(request_id, self.group_names)
 
     # -- lookup --------------------------------------------------------------------------
     def lookup(self, request_id: str, token_ids: Sequence[int],
@@ -341,8 +353,7 @@ class KVCacheManager:
             raise KVCacheManagerError(f"lookup of request {request_id!r}, which is already "
                                       "allocated; free() it first")
         if req is None:
-            req = self._reqs[request_id] = (_Request(request_id, {self._g0: []}) if self._sole
-                                            else self._new(request_id))
+            req = self._reqs[request_id] = _Request(request_id, self.group_names)
         else:
             self._release_hold(req)
         media = mm_hashes if type(mm_hashes) is tuple else tuple(mm_hashes)
@@ -433,7 +444,7 @@ class KVCacheManager:
                 self._trim(req)  # blocks that left the window first: growth reuses them
             tokens = req.num_computed + num_new_tokens + lookahead
             if tokens <= req.cap:
-                return req.tables
+                return req
             if req.admitted:
                 first = req.first
                 need = (tokens + self._bs_1) // self.block_size - len(first)
@@ -442,8 +453,8 @@ class KVCacheManager:
                     if new1 is not None:
                         first += new1
                         req.cap = len(first) * self.block_size
-                        return req.tables
-                return self._grow(req, req.tables, first, need)
+                        return req
+                return self._grow(req, first, need)
         elif (self._chain and req is not None and hit is not None and req.match is hit
               and num_prompt_tokens is None and num_new_tokens >= 0 <= lookahead
               and not self._asleep):
@@ -458,7 +469,7 @@ class KVCacheManager:
                 if new0 is None:  # eviction first: the general path (nothing changed yet)
                     return self._admit(request_id, req, num_new_tokens, hit, lookahead, None)
                 first += new0
-            req.tables[self._g0] = first
+            req[self._g0] = first
             req.first = first
             req.cap = len(first) * bs
             req.held = req.match = None
@@ -466,7 +477,7 @@ class KVCacheManager:
             req.num_computed = n_dev * bs
             req.published = n_dev
             req.publish_at = (n_dev + 1) * bs
-            return req.tables
+            return req
         if self._asleep:
             raise KVCacheManagerError("allocate while the KV cache is asleep: wake_up() first")
         if num_new_tokens < 0 or lookahead < 0:
@@ -478,8 +489,7 @@ class KVCacheManager:
                                       "allocation only")
         return self._admit(request_id, req, num_new_tokens, hit, lookahead, num_prompt_tokens)
 
-    def _grow(self, req: _Request, tables: dict[str, list[int]], first: list[int], need: int
-              ) -> dict[str, list[int]] | None:
+    def _grow(self, req: _Request, first: list[int], need: int) -> dict[str, list[int]] | None:
         """``need`` more blocks in every group, next to the request's last ones."""
         if self._sole:
             new1 = self._alloc.allocate_group(self._g0, need, first[-1] if first else -1)
@@ -492,8 +502,8 @@ class KVCacheManager:
                 new1 = new[g]
             first.extend(new1)
             req.cap = len(first) * self.block_size
-            return tables
-        near = {g: t[-1] for g, t in tables.items()} if first else None
+            return req
+        near = {g: t[-1] for g, t in req.items()} if first else None
         counts = {g: need for g in self.group_names}
         new = self._alloc.allocate(counts, near)
         if new is None:
@@ -501,9 +511,9 @@ class KVCacheManager:
             if new is None:
                 return None
         for g, ids in new.items():
-            tables[g].extend(ids)
+            req[g].extend(ids)
         req.cap = len(first) * self.block_size
-        return tables
+        return req
 
     def _admit(self, request_id: str, req: _Request | None, num_new_tokens: int,
                hit: PrefixMatch | None, lookahead: int, num_prompt_tokens: int | None
@@ -543,7 +553,7 @@ class KVCacheManager:
                 first = new0
             else:
                 first = req.held[g0] + new0 if req.held else new0
-            req.tables = {g0: first}
+            req[g0] = first
             new = {g0: new0}
         else:
             if need > 0:
@@ -562,8 +572,9 @@ class KVCacheManager:
                 held = {g: [] for g in groups}
             else:
                 held = req.held or {g: [] for g in groups}
-            req.tables = {g: held[g] + new[g] for g in groups}
-            first = req.tables[self._g0]
+            for g in groups:
+                req[g] = held[g] + new[g]
+            first = req[self._g0]
         req.first = first
         req.cap = len(req.first) * bs
         req.held = None
@@ -577,7 +588,7 @@ class KVCacheManager:
             assert host is not None
             r = host.restore(req.hashes[n_dev:n_dev + n_host], n_dev,
                              {g: new[g][:n_host] for g in groups})
-            r.update(req.tables)  # positions that joined another restore in flight
+            r.update(req)  # positions that joined another restore in flight
             req.restore = r
             self._restoring[request_id] = req
             req.restore_dev_blocks = n_dev
@@ -588,7 +599,7 @@ class KVCacheManager:
             req.held_host = _NO_HOST
         if self._windows:
             self._trim(req)  # a long hit's blocks outside the window go back at once
-        return req.tables
+        return req
 
     def _trim(self, req: _Request) -> int:
         """Sliding-window groups: give back the blocks wholly outside the window of the next
@@ -608,7 +619,7 @@ class KVCacheManager:
             start = done.get(g, 0) if done is not None else 0
             if k <= start:
                 continue
-            t = req.tables[g]
+            t = req[g]
             blocks = t[start:k]
             t[start:k] = [NULL_BLOCK] * (k - start)
             if done is None:
@@ -690,16 +701,21 @@ class KVCacheManager:
         bs = self.block_size
         full = num_computed_tokens // bs
         hashes = req.hashes
-        have = len(hashes)
+        base = req.hash_base  # hashes[0] is block base's (0 unless trimmed below)
+        have = base + len(hashes)
         if have < full:
+            parent = hashes[-1] if hashes else req.parent  # None for block 0
             if have and not req.media and self._plain_seed:  # extra keys are in block 0 only
-                hashes.extend(block_hashes(token_ids[have * bs:full * bs], bs,
-                                           parent=hashes[-1], first_block=have))
+                more = block_hashes(token_ids[have * bs:full * bs], bs, parent=parent,
+                                    first_block=have)
             else:
-                hashes.extend(block_hashes(
+                more = block_hashes(
                     token_ids[have * bs:full * bs], bs, seed=self.hash_seed, media=req.media,
-                    extra_keys=req.extra, parent=hashes[-1] if have else None,
-                    first_block=have))
+                    extra_keys=req.extra, parent=parent, first_block=have)
+            if hashes:
+                hashes.extend(more)
+            else:  # the shared empty list is never extended
+                req.hashes = hashes = more
         first = req.published
         if self._chain and not checkpoints:
             # PrefixCache.publish of request blocks [first, full) for the one-group cache
@@ -716,7 +732,7 @@ class KVCacheManager:
             fresh: list[int] = []
             dup = 0
             for i in range(first, full):
-                h = hashes[i]
+                h = hashes[i - base]
                 b = ids[i]
                 e = get(h)
                 if e is None:
@@ -724,8 +740,8 @@ class KVCacheManager:
                         for fb in fresh:
                             del h2b[b2h.pop(fb)]
                             keep[fb] = 0  # type: ignore[index]
-                        prefix.publish({self._g0: ids}, hashes[first:full],  # type: ignore
-                                       first_block=first)
+                        prefix.publish({self._g0: ids},  # type: ignore
+                                       hashes[first - base:full - base], first_block=first)
                         raise AssertionError("unreachable: publish refuses the conflict")
                     h2b[h] = b
                     b2h[b] = h
@@ -740,9 +756,19 @@ class KVCacheManager:
                 n = len(fresh)
                 st.published_blocks += n
                 st.indexed_hashes += n
+            # without a host tier or checkpoints nothing reads a published block's hash
+            # from the request again: keep the chain's parent (block full - 1's hash) and
+            # the hashes beyond it (a chunked prompt's blocks not committed yet), drop the
+            # rest now, while they are in cache, rather than when the request is freed: a
+            # decoding request then holds no hash list at all (one object fewer per request
+            # for its free and the cyclic GC to touch)
+            k = full - base
+            req.parent = hashes[k - 1]
+            req.hashes = hashes[k:] if k < len(hashes) else _NO_HASHES
+            req.hash_base = full
         else:
-            prefix.publish(req.tables, hashes[first:full], first_block=first,  # type: ignore
-                           checkpoints=checkpoints)
+            prefix.publish(req, hashes[first - base:full - base],  # type: ignore
+                           first_block=first, checkpoints=checkpoints)
         req.published = full
         req.publish_at = (full + 1) * bs
 
@@ -754,7 +780,7 @@ class KVCacheManager:
         if req.restore is not None:
             raise KVCacheManagerError(f"commit({request_id!r}) while its host restore is in "
                                       "flight: wait until ready() is True")
-        covered = len(req.tables[self._g0]) * self.block_size
+        covered = len(req[self._g0]) * self.block_size
         raise ValueError(f"commit({request_id!r}): num_computed_tokens={num_computed_tokens} "
                          f"must be within 0..min(tokens in its blocks {covered}, "
                          f"len(token_ids) {len(token_ids)})")
@@ -791,9 +817,8 @@ class KVCacheManager:
         n = len(first) - keep
         if n <= 0:
             return 0
-        tables = req.tables
-        tail = {g: t[keep:] for g, t in tables.items()}
-        for t in tables.values():
+        tail = {g: t[keep:] for g, t in req.items()}
+        for t in req.values():
             del t[keep:]
         req.cap = keep * bs
         if self.prefix is not None:
@@ -828,7 +853,7 @@ class KVCacheManager:
             req.restore = None
             self._restoring.pop(request_id, None)
         if req.admitted:
-            tables = req.tables
+            tables: Mapping[str, list[int]] = req
             if req.trimmed:  # sliding-window groups: their leading null entries hold nothing
                 tables = {g: t[req.trimmed.get(g, 0):] for g, t in tables.items()}
             if self.prefix is not None:
@@ -932,7 +957,7 @@ class KVCacheManager:
                 self.prefix.on_move(g, moves)
             get = moves.get
             for req in self._reqs.values():
-                t = req.tables[g]
+                t = req[g]
                 for i, b in enumerate(t):
                     nb = get(b)
                     if nb is not None:
@@ -953,7 +978,7 @@ class KVCacheManager:
         """The request's block tables (the manager's lists, updated in place by compaction
         and restores; read them, do not modify them). A sliding-window group's table starts
         with :data:`NULL_BLOCK` entries for the blocks given back (outside the window)."""
-        return self._req(request_id).tables
+        return self._req(request_id)
 
     def capacity(self) -> KVCapacity:
         """Live capacity (see :class:`KVCapacity`)."""
@@ -1090,7 +1115,7 @@ class KVCacheManager:
         self._alloc.check_invariants()
         refs: dict[tuple[str, int], int] = {}
         for req in self._reqs.values():
-            for g, t in req.tables.items():
+            for g, t in req.items():
                 k = req.trimmed.get(g, 0) if req.trimmed else 0
                 assert all(b == NULL_BLOCK for b in t[:k]), \
                     f"request {req.rid!r}: trimmed entries of {g!r} are not null"
@@ -1110,7 +1135,7 @@ class KVCacheManager:
             "requests with a restore in flight and the manager's record of them differ"
         n0 = None
         for req in self._reqs.values():
-            lens = {len(t) for t in req.tables.values()}
+            lens = {len(t) for t in req.values()}
             assert len(lens) == 1, f"request {req.rid!r}: tables of unequal length {lens}"
             n0 = lens.pop()
             if req.admitted:
