@@ -151,8 +151,10 @@ def output_for(q: Tensor, out: Tensor | None) -> Tensor:
     it otherwise)."""
     import torch
 
-    if out is None:
-        return torch.empty_like(q)
+    if out is None:  # padded rows for the o product (row_buckets)
+        from xllm_vmm.engine.row_buckets import empty_rows_like
+
+        return empty_rows_like(q)
     if (out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous()
             or out.device.type != "cpu"):
         raise ValueError(f"out must be a contiguous CPU {q.dtype} tensor of q's shape "

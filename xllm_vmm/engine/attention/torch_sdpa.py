@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from xllm_vmm.engine.attention.base import AttentionBackend
+from xllm_vmm.engine.row_buckets import empty_rows_like
 
 
 def torch_device_type(device: Any) -> str:
@@ -465,12 +466,12 @@ class TorchSDPABackend(AttentionBackend):
             out = paged_decode(q, kv.k_slots, kv.v_slots, meta.decode_table, meta.decode_lens,
                                block_size=geo.block_size, blocks_per_slot=geo.blocks_per_slot,
                                scale=self.scale, rows=None if meta.decode_all else meta.decode_rows,
-                               out=torch.empty_like(q), portable=self.native_portable,
+                               out=empty_rows_like(q), portable=self.native_portable,
                                amx=self.native_amx)
             if meta.decode_all:
                 return out
         else:
-            out = torch.empty_like(q)
+            out = empty_rows_like(q)
             if batched:
                 for b in meta.decode_buckets:
                     out[b.rows] = self._decode_batched(q[b.rows], kv, b)

@@ -78,4 +78,6 @@ class LMHead:
             from xllm_vmm.engine.layers.packed import linear
 
             return linear(hidden, self.packed, None)
-        return F.linear(hidden, self.weight)
+        from xllm_vmm.engine.row_buckets import on_padded_rows
+
+        return on_padded_rows(F.linear, hidden, self.weight)

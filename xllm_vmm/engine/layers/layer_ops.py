@@ -23,6 +23,8 @@ import ctypes
 import os
 from typing import TYPE_CHECKING, Any
 
+from xllm_vmm.engine.row_buckets import empty_rows, empty_rows_like
+
 if TYPE_CHECKING:  # pragma: no cover
     from torch import Tensor
 
@@ -173,7 +175,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
                          f"{None if residual is None else tuple(residual.shape)} do not match "
                          f"x {tuple(x.shape)}")
     n, xs = _rows(x)
-    out = torch.empty(x.shape, dtype=x.dtype)
+    out = empty_rows_like(x)  # padded rows for the product it feeds (row_buckets)
     if n == 0 or h == 0:
         return out
     rp, rs = (None, 0) if residual is None else (residual.data_ptr(), _rows(residual)[1])
@@ -191,8 +193,8 @@ def silu_and_mul(gate: Tensor, up: Tensor, out: Tensor | None = None, *,
     one of them, or a new contiguous tensor of their dtype (the MLP's hot path)."""
     import torch
 
-    if out is None:
-        out = torch.empty(gate.shape, dtype=gate.dtype)
+    if out is None:  # padded rows for the down product (row_buckets)
+        out = empty_rows(gate.shape[0], tuple(gate.shape[1:]), gate.dtype)
     if checked:
         dt = 1 if gate.dtype is torch.bfloat16 else 0
     else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from xllm_vmm.engine.layers.parallel import SINGLE, TensorParallel
+from xllm_vmm.engine.row_buckets import on_padded_rows
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import Tensor
@@ -33,7 +34,7 @@ class ReplicatedLinear:
             from xllm_vmm.engine.layers.packed import linear
 
             return linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return on_padded_rows(F.linear, x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(ReplicatedLinear):
@@ -122,4 +123,4 @@ class MergedColumnLinear:
             from xllm_vmm.engine.layers.packed import linear
 
             return linear(x, self.packed, self.bias).split(self.sizes, dim=-1)
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return on_padded_rows(F.linear, x, self.weight, self.bias).split(self.sizes, dim=-1)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Sequence
 from xllm_vmm.engine.layers.linear import ReplicatedLinear
 from xllm_vmm.engine.layers.mlp import GatedMLP
 from xllm_vmm.engine.layers.parallel import SINGLE, TensorParallel
+from xllm_vmm.engine.row_buckets import empty_rows
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import Tensor
@@ -69,7 +70,9 @@ class SparseMoE:
                 start += n
                 continue
             rows = tokens[start:start + n]
-            y = self.experts[e](x[rows]) * w[start:start + n, None]
+            xe = torch.index_select(x, 0, rows, out=empty_rows(n, tuple(x.shape[1:]), x.dtype,
+                                                               x.device))
+            y = self.experts[e](xe) * w[start:start + n, None]
             out.index_add_(0, rows, y)
             start += n
         return self.tp.all_reduce(out)
