@@ -293,7 +293,7 @@ def test_a_running_request_holds_one_gc_tracked_object_besides_its_record(env):
     tracked = {id(o): o for o in gc.get_referents(req)
                if gc.is_tracked(o) and id(o) not in shared}
     assert list(tracked.values()) == [req["attn"]], tracked
-    assert req.hashes == [] and req.hash_base == 3
+    assert req.hashes == [] and req.published == 3
     assert req.parent == block_hashes(tokens[:12], 4)[-1]
     assert m.lookup("b", tokens).num_tokens == 12  # blocks 0..2 published, the chain intact
     m.drop("b")

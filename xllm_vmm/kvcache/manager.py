@@ -172,21 +172,22 @@ class _Request(_RequestHot):
     list of block ids; see :class:`_RequestHot`). A plain slotted class: one is made per
     request on the hot path, so no generated ``__init__`` with default factories."""
 
-    __slots__ = ("rid", "admitted", "hashes", "hash_base", "parent", "media", "extra",
-                 "published", "match", "held", "held_host", "restore_dev_blocks", "first",
-                 "trimmed")
+    __slots__ = ("rid", "admitted", "hashes", "parent", "media", "extra", "published", "match",
+                 "held", "held_host", "first", "trimmed")
 
     def __init__(self, rid: str, groups: tuple[str, ...]) -> None:
-        for g in groups:
-            self[g] = []
+        if len(groups) == 1:  # most models (no loop to set up)
+            self[groups[0]] = []
+        else:
+            for g in groups:
+                self[g] = []
         self.rid = rid
         self.num_computed = 0  # tokens whose KV is written (or restored / hit)
         self.admitted = False  # allocate() succeeded once
-        # hashes of the complete blocks [hash_base, hash_base + len(hashes)) hashed so far:
-        # all of them (hash_base 0) until a one-group commit drops the published ones (see
-        # commit); parent: the hash of block hash_base - 1 (None while hash_base is 0)
+        # the hashes of the complete blocks hashed so far: all of them from block 0 while
+        # parent is None; once a one-group commit dropped the published ones (see commit),
+        # those from block `published` on, and parent is the hash of block published - 1
         self.hashes: list[BlockHash] = _NO_HASHES
-        self.hash_base = 0
         self.parent: BlockHash | None = None
         self.media: tuple[MediaSpan, ...] = ()
         self.extra: tuple[str, ...] = ()  # extra hash keys of block 0 (adapter, cache salt)
@@ -196,8 +197,7 @@ class _Request(_RequestHot):
         self.held: dict[str, list[int]] | None = None
         self.held_host: list[int] = _NO_HOST  # replaced (never appended to) when it holds some
         # a restore in flight (allocate → ready)
-        self.restore: Restore | None = None
-        self.restore_dev_blocks = 0
+        self.restore: Restore | None = None  # its first_block: the device hit's blocks
         self.first: list[int] = _NO_HOST  # self[first group] (the same list) once admitted
         self.cap = -1  # tokens its blocks cover (len(first) × block_size); -1 until admitted
         self.publish_at = 1 << 62  # committing this many tokens completes the next block
@@ -591,7 +591,6 @@ class KVCacheManager:
             r.update(req)  # positions that joined another restore in flight
             req.restore = r
             self._restoring[request_id] = req
-            req.restore_dev_blocks = n_dev
         if req.held_host:  # the restore pinned what it reads; the lookup's hold ends
             pool = self.host.pool  # type: ignore[union-attr]
             for hb in req.held_host:
@@ -668,8 +667,8 @@ class KVCacheManager:
             req.publish_at = (req.published + 1) * self.block_size
         else:
             self.restore_failures += 1
-            req.num_computed = req.restore_dev_blocks * self.block_size
-            req.published = min(req.published, req.restore_dev_blocks)
+            req.num_computed = r.first_block * self.block_size  # the device hit
+            req.published = min(req.published, r.first_block)
             req.publish_at = (req.published + 1) * self.block_size
 
     def num_computed_tokens(self, request_id: str) -> int:
@@ -701,7 +700,8 @@ class KVCacheManager:
         bs = self.block_size
         full = num_computed_tokens // bs
         hashes = req.hashes
-        base = req.hash_base  # hashes[0] is block base's (0 unless trimmed below)
+        first = req.published
+        base = first if req.parent is not None else 0  # hashes[0] is block base's
         have = base + len(hashes)
         if have < full:
             parent = hashes[-1] if hashes else req.parent  # None for block 0
@@ -716,7 +716,6 @@ class KVCacheManager:
                 hashes.extend(more)
             else:  # the shared empty list is never extended
                 req.hashes = hashes = more
-        first = req.published
         if self._chain and not checkpoints:
             # PrefixCache.publish of request blocks [first, full) for the one-group cache
             # without checkpoints, written flat (the index, the allocator's retained flags,
@@ -756,19 +755,19 @@ class KVCacheManager:
                 n = len(fresh)
                 st.published_blocks += n
                 st.indexed_hashes += n
-            # without a host tier or checkpoints nothing reads a published block's hash
-            # from the request again: keep the chain's parent (block full - 1's hash) and
-            # the hashes beyond it (a chunked prompt's blocks not committed yet), drop the
-            # rest now, while they are in cache, rather than when the request is freed: a
-            # decoding request then holds no hash list at all (one object fewer per request
-            # for its free and the cyclic GC to touch)
-            k = full - base
-            req.parent = hashes[k - 1]
-            req.hashes = hashes[k:] if k < len(hashes) else _NO_HASHES
-            req.hash_base = full
         else:
             prefix.publish(req, hashes[first - base:full - base],  # type: ignore
                            first_block=first, checkpoints=checkpoints)
+        if self._chain:
+            # one group without a host tier: nothing reads a published block's hash from
+            # the request again. Keep the chain's parent (block full - 1's hash) and the
+            # hashes beyond it (a chunked prompt's blocks not committed yet), drop the rest
+            # now, while they are in cache, rather than when the request is freed: a decoding
+            # request then holds no hash list at all (one object fewer per request for its
+            # free and the cyclic GC to touch)
+            k = full - base
+            req.parent = hashes[k - 1]
+            req.hashes = hashes[k:] if k < len(hashes) else _NO_HASHES
         req.published = full
         req.publish_at = (full + 1) * bs
 
