@@ -701,9 +701,8 @@ class BlockAllocator:
                 r, bad = -1, -1
             if r < 0:
                 self._refuse_free(g, blocks, bad, False)
-            if r:  # a loop: OrderedDict.update is the generic Python-level one (~2x slower)
-                for b in g._out[:r]:  # type: ignore[attr-defined]
-                    lru[b] = None
+            if r:
+                lru.update(dict.fromkeys(g.kept(r)))  # type: ignore[attr-defined]
             if g.ctr[4]:  # type: ignore[attr-defined]
                 self.backing.deactivate({group: g.released()})  # type: ignore[attr-defined]
             return g.pinned_out()  # type: ignore[attr-defined]
