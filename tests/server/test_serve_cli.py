@@ -43,6 +43,13 @@ def test_config_errors_are_check_configs_findings(flags):
     assert _finding_lines(err)
 
 
+def test_malformed_warmup_budget_is_an_error_before_loading():
+    out, err = io.StringIO(), io.StringIO()
+    code = run([], out=out, err=err, env={"XLLM_VMM_WARMUP_SECONDS": "soon"})
+    assert code == 1 and "XLLM_VMM_WARMUP_SECONDS='soon'" in err.getvalue()
+    assert "(environment)" in err.getvalue() and "loading" not in err.getvalue()
+
+
 def test_missing_model_is_an_error_before_loading(tmp_path):
     code, out, err = _serve([f"--model={tmp_path / 'nope'}"])
     assert code == 1 and "CFG-MODEL" in err and "loading" not in err
@@ -104,6 +111,7 @@ def test_serve_starts_serves_and_stops_cleanly(tiny_llama_dir, sig):
         text = "".join(lines)
         assert "sizing" in text and "bytes/token" in text and "arena" in text
         assert "accepted without effect in this engine (1): --num_threads" in text
+        assert "warm-up: skipped (float32: no per-shape compilation)" in text
         assert url.startswith("http://127.0.0.1:")
         h = {"Authorization": "Bearer k"}
         assert httpx.get(f"{url}/health").status_code == 200

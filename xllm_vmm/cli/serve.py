@@ -305,6 +305,13 @@ def run(argv: list[str], out: Optional[TextIO] = None, err: Optional[TextIO] = N
         err.write(f"error: the engine cannot be imported ({exc}); install the CPU extras: "
                   "pip install 'xllm-vmm[cpu,server]'\n")
         return 1
+    from xllm_vmm.engine.warmup import budget_from_env
+
+    try:
+        warm_budget = budget_from_env(environ)
+    except ValueError as exc:  # XLLM_VMM_WARMUP_SECONDS malformed: said before anything loads
+        err.write(f"error: {exc} (environment)\n")
+        return 1
     label = f"loading {model or 'the embedded demo model'}"
     weights = getattr(spec, "served_weight_bytes", None) if spec is not None else None
     reports = "progress" in getattr(_le, "ENGINE_OPTIONS", ())
@@ -341,6 +348,8 @@ def run(argv: list[str], out: Optional[TextIO] = None, err: Optional[TextIO] = N
     if ignored:
         out.write(f"accepted without effect in this engine ({len(ignored)}): "
                   f"{', '.join('--' + n for n in ignored)}\n")
+    out.flush()
+    out.write(engine.warm_up(warm_budget).line() + "\n")  # the row buckets' CPU products
     out.flush()
 
     # 3. The HTTP server.

@@ -414,6 +414,21 @@ class LLMEngine:
                if self.speculator is not None else {}),
         }
 
+    def warm_up(self, budget_s: float | None = None) -> Any:
+        """Compile the model's CPU products for every row bucket up to ``max_tokens_per_batch``
+        within ``budget_s`` seconds (default: ``XLLM_VMM_WARMUP_SECONDS`` or 10), so the first
+        requests do not pay for it (:mod:`xllm_vmm.engine.warmup`); returns the
+        :class:`~xllm_vmm.engine.warmup.WarmupReport`. Call before serving; no request may
+        be running (it runs on the calling thread and touches no KV or request state). A draft
+        model's products are not warmed."""
+        from xllm_vmm.engine.warmup import WarmupReport, budget_from_env, warm_products
+
+        budget = budget_from_env() if budget_s is None else float(budget_s)
+        model = getattr(self.worker, "model", None)
+        if model is None:
+            return WarmupReport(0, 0, 0, 0.0, False, "the model runs in worker processes")
+        return warm_products(model, self.scheduler.max_tokens_per_batch, budget)
+
     # -- sleep / wake / fork -------------------------------------------------------------
     def _controller(self) -> Any:
         if self._sleeper is None:
