@@ -217,6 +217,14 @@ static inline __m512 AVX512 AINL vexp(__m512 x) {
     return _mm512_scalef_ps(y, fx); /* y * 2^fx: the portable path's exact power-of-two product */
 }
 
+/* 1 / sqrt(mean of squares + eps) in every lane, from the 16 partial sums of squares of a row
+ * of H elements (reduce16's fixed order: the portable rows' sum) */
+static inline __m512 AVX512 AINL rms_scale_v(__m512 acc, int64_t H, float eps) {
+    float lanes[16];
+    _mm512_storeu_ps(lanes, acc);
+    return _mm512_set1_ps(1.0f / __builtin_sqrtf(reduce16(lanes) / (float)H + eps));
+}
+
 static inline void AVX512 AINL rms_row_v_t(void *out, const void *x, void *res, const void *w, int64_t H,
                              float eps, int dt) {
     const void *src = x;
@@ -235,9 +243,7 @@ static inline void AVX512 AINL rms_row_v_t(void *out, const void *x, void *res, 
             acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
         }
     }
-    float lanes[16];
-    _mm512_storeu_ps(lanes, acc);
-    __m512 inv = _mm512_set1_ps(1.0f / __builtin_sqrtf(reduce16(lanes) / (float)H + eps));
+    __m512 inv = rms_scale_v(acc, H, eps);
     for (int64_t i = 0; i < H; i += 16) {
         __mmask16 m = tail_mask(H - i);
         __m512 h = vrnd(_mm512_mul_ps(vld(src, i, m, dt), inv), dt);
@@ -279,9 +285,7 @@ static void AVX512 rms_rows_bf16_v(void *out, int64_t out_s, const void *x, int6
             _mm512_mask_storeu_ps(buf + i, m, v);
             acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
         }
-        float lanes[16];
-        _mm512_storeu_ps(lanes, acc);
-        __m512 inv = _mm512_set1_ps(1.0f / __builtin_sqrtf(reduce16(lanes) / (float)H + eps));
+        __m512 inv = rms_scale_v(acc, H, eps);
         for (int64_t i = 0; i < H; i += 16) {
             __mmask16 m = tail_mask(H - i);
             __m512 h = vrnd(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, buf + i), inv), 1);

@@ -42,6 +42,7 @@ EXACT_UP_TO = 16
 PER_OCTAVE = 8
 """Sizes per doubling above :data:`EXACT_UP_TO`: a padded count is at most ``1/8`` larger."""
 
+_OCTAVE_BITS = PER_OCTAVE.bit_length() - 1  # log2(PER_OCTAVE)
 _ON = os.environ.get(ENV, "").strip().lower() not in ("0", "false", "off", "no")
 _PADDED_DTYPES: tuple[Any, ...] | None = None
 
@@ -64,7 +65,7 @@ def padded_rows(n: int) -> int:
     (8 sizes per octave; ``padded_rows(n) - n < n / 8``). Monotone and idempotent."""
     if n <= EXACT_UP_TO:
         return n
-    step = 1 << ((n - 1).bit_length() - 4)  # (n - 1).bit_length() = k + 1
+    step = 1 << ((n - 1).bit_length() - 1 - _OCTAVE_BITS)  # (n - 1).bit_length() = k + 1
     return -(-n // step) * step
 
 

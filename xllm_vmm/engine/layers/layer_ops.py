@@ -23,7 +23,7 @@ import ctypes
 import os
 from typing import TYPE_CHECKING, Any
 
-from xllm_vmm.engine.row_buckets import empty_rows, empty_rows_like
+from xllm_vmm.engine.row_buckets import empty_rows_like
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import Tensor
@@ -194,7 +194,7 @@ def silu_and_mul(gate: Tensor, up: Tensor, out: Tensor | None = None, *,
     import torch
 
     if out is None:  # padded rows for the down product (row_buckets)
-        out = empty_rows(gate.shape[0], tuple(gate.shape[1:]), gate.dtype)
+        out = empty_rows_like(gate)
     if checked:
         dt = 1 if gate.dtype is torch.bfloat16 else 0
     else:

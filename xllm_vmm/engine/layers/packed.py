@@ -71,14 +71,16 @@ def pack(w: Tensor) -> Tensor:
 def linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
     """``x @ W^T + bias`` over a :func:`pack`\\ed ``W`` (``x`` ``(T, in)``; a new tensor, or the
     first ``T`` rows of one over ``x``'s padded rows: :mod:`xllm_vmm.engine.row_buckets`)."""
+    from xllm_vmm.engine.row_buckets import on_padded_rows
+
+    # over the producer's padded rows: one primitive per row bucket
+    return on_padded_rows(_pointwise, x if x.is_contiguous() else x.contiguous(), packed, bias)
+
+
+def _pointwise(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
     import torch
 
-    from xllm_vmm.engine.row_buckets import widen
-
-    xc = x if x.is_contiguous() else x.contiguous()
-    xp = widen(xc)  # over the producer's padded rows: one primitive per row bucket
-    y = torch.ops.mkldnn._linear_pointwise(xp, packed, bias, "none", [], "")
-    return y if xp is xc else y[: x.shape[0]]
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 @dataclass(frozen=True)
