@@ -266,6 +266,49 @@ def test_per_token_verbs_touch_only_the_hot_fields_of_a_request(env):
     m.check_invariants()
 
 
+def test_a_commit_that_completes_no_block_reads_nothing_but_the_record(env):
+    """``upto`` (the record's second hot field) says at once that a commit completes no
+    block: the token list is not read then (not even its length); a commit that completes a
+    block reads it and refuses one shorter than ``num_computed_tokens``. ``upto`` follows
+    growth, publishing and truncation (``check_invariants`` recomputes it), and the record
+    keeps its cache-line size (192 bytes with the GC header: the hot fields in one line)."""
+    from xllm_vmm.kvcache import manager as mgr_mod
+
+    class Unreadable(list):
+        def __len__(self):
+            raise AssertionError("token_ids read")
+
+        def __getitem__(self, i):
+            raise AssertionError("token_ids read")
+
+    assert (mgr_mod._Request.__basicsize__ + 16) % 64 == 0
+    assert len(mgr_mod._RequestHot.__slots__) == 2
+    e = env()
+    m = e.mgr
+    tokens = toks(1, 2, tail=1)  # 9 tokens: 3 blocks of 4
+    hit = m.lookup("a", tokens)
+    m.allocate("a", len(tokens) - hit.num_tokens, hit=hit)
+    m.commit("a", len(tokens), tokens)
+    req = m._reqs["a"]
+    assert req.upto == 11  # block 2 completes at 12 tokens
+    assert m.allocate("a", 2) is req
+    m.commit("a", 11, Unreadable())
+    assert m.num_computed_tokens("a") == 11
+    m.check_invariants()
+    with pytest.raises(ValueError, match="len"):
+        m.commit("a", 12, tokens[:11])  # completes block 2: the list is read and too short
+    assert m.num_computed_tokens("a") == 11 and req.upto == 11
+    m.commit("a", 12, tokens + [5, 6, 7])
+    assert req.upto == 12 and req.published == 3  # no room beyond 12 until it grows
+    assert m.allocate("a", 3) is req and req.upto == 15
+    assert m.truncate("a", 13) == 0 and req.upto == 15
+    m.commit("a", 14, Unreadable())
+    m.check_invariants()
+    with pytest.raises(ValueError, match="num_computed_tokens"):
+        m.commit("a", 17, tokens)  # beyond its blocks: refused
+    m.check_invariants()
+
+
 def test_a_running_request_holds_one_gc_tracked_object_besides_its_record(env):
     """The record of a running request (one group, prefix caching) is its tables mapping;
     once its blocks are published it keeps no hash list (only the chain's parent), so the one

@@ -153,18 +153,29 @@ class KVCapacity:
 
 class _RequestHot(dict):
     """A request's block tables (the mapping group → list of block ids that :meth:`allocate`
-    and :meth:`block_tables` return) with the fields the per-token verbs read and write
-    (``allocate`` of a decode token that fits, ``commit`` of one that completes no block).
+    and :meth:`block_tables` return) with the two fields the per-token verbs read and write
+    (``allocate`` of a decode token that fits, ``commit`` of one that completes no block):
+    ``num_computed`` and ``upto``.
+
+    ``upto`` (tokens) is the most tokens a :meth:`~KVCacheManager.commit` may record with no
+    other effect: ``min(cap, publish_at - 1)`` while no host restore is in flight, ``-1``
+    otherwise (and until the request is admitted: ``cap`` is -1). So ``n <= upto`` says at
+    once that ``n`` tokens lie within the request's blocks, complete no block and may be
+    committed; and since ``upto <= cap``, an ``allocate`` whose tokens fit under ``upto``
+    needs no block. Every change of ``cap``, ``publish_at`` or ``restore`` recomputes it
+    (:func:`_set_upto`; ``check_invariants`` checks it).
 
     The record *is* the tables mapping (a slotted ``dict`` subclass) so that the decode
     token's ``allocate``, which returns the tables, touches one object per request instead of
     two: at thousands of running requests each request's first touch in a step misses the
-    cache, one line per object (the object header: its reference count). The hot fields are
-    declared in this base class so that CPython lays them out first, right after the dict's
-    own fields (it sorts a class's ``__slots__`` by name, base class slots first). One object
-    fewer per request is also one fewer for the cyclic GC to track."""
+    cache, one line per object (the object header: its reference count). The record starts
+    on a cache line (its 16 slots make it 192 bytes with the GC header, a multiple of 64), and
+    the two hot fields are declared in this base class so that CPython lays them out first,
+    right after the dict's own 48 bytes (it sorts a class's ``__slots__`` by name, base class
+    slots first): a decode token's ``allocate`` and ``commit`` touch that one line of the
+    record. One object fewer per request is also one fewer for the cyclic GC to track."""
 
-    __slots__ = ("cap", "num_computed", "publish_at", "restore")
+    __slots__ = ("num_computed", "upto")
 
 
 class _Request(_RequestHot):
@@ -172,8 +183,8 @@ class _Request(_RequestHot):
     list of block ids; see :class:`_RequestHot`). A plain slotted class: one is made per
     request on the hot path, so no generated ``__init__`` with default factories."""
 
-    __slots__ = ("rid", "admitted", "hashes", "parent", "media", "extra", "published", "match",
-                 "held", "held_host", "first", "trimmed")
+    __slots__ = ("rid", "cap", "publish_at", "restore", "hashes", "parent", "media", "extra",
+                 "published", "match", "held", "held_host", "first", "trimmed")
 
     def __init__(self, rid: str, groups: tuple[str, ...]) -> None:
         if len(groups) == 1:  # most models (no loop to set up)
@@ -183,7 +194,7 @@ class _Request(_RequestHot):
                 self[g] = []
         self.rid = rid
         self.num_computed = 0  # tokens whose KV is written (or restored / hit)
-        self.admitted = False  # allocate() succeeded once
+        self.upto = -1  # see _RequestHot
         # the hashes of the complete blocks hashed so far: all of them from block 0 while
         # parent is None; once a one-group commit dropped the published ones (see commit),
         # those from block `published` on, and parent is the hash of block published - 1
@@ -199,10 +210,22 @@ class _Request(_RequestHot):
         # a restore in flight (allocate → ready)
         self.restore: Restore | None = None  # its first_block: the device hit's blocks
         self.first: list[int] = _NO_HOST  # self[first group] (the same list) once admitted
-        self.cap = -1  # tokens its blocks cover (len(first) × block_size); -1 until admitted
+        # tokens its blocks cover (len(first) × block_size); -1 until admitted (allocate()
+        # succeeded once): ``cap >= 0`` is "admitted"
+        self.cap = -1
         self.publish_at = 1 << 62  # committing this many tokens completes the next block
         # sliding-window groups: leading table entries given back (NULL_BLOCK), per group
         self.trimmed: dict[str, int] | None = None
+
+
+def _set_upto(req: _RequestHot) -> None:
+    """Recompute ``req.upto`` after ``cap``, ``publish_at`` or ``restore`` changed (see
+    :class:`_RequestHot`)."""
+    if req.restore is not None:  # type: ignore[attr-defined]
+        req.upto = -1
+    else:
+        cap, pa = req.cap, req.publish_at  # type: ignore[attr-defined]
+        req.upto = cap if cap < pa else pa - 1
 
 
 _NO_HOST: list[int] = []  # shared empty default (never mutated)
@@ -349,7 +372,7 @@ class KVCacheManager:
         publishes chains over them, so requests that differ in either never share a block,
         on the device or on the host tier."""
         req = self._reqs.get(request_id)
-        if req is not None and req.admitted:
+        if req is not None and req.cap >= 0:  # admitted
             raise KVCacheManagerError(f"lookup of request {request_id!r}, which is already "
                                       "allocated; free() it first")
         if req is None:
@@ -439,20 +462,25 @@ class KVCacheManager:
             req = None
         if req is not None and hit is None and num_new_tokens >= 0 <= lookahead:
             # a running request (decode growth): the hot path (never asleep: sleep needs no
-            # request to hold blocks); ``cap`` is -1 until the request is admitted
-            if self._windows and req.admitted:
+            # request to hold blocks); ``cap`` (and ``upto``) is -1 until it is admitted
+            if self._windows and req.cap >= 0:
                 self._trim(req)  # blocks that left the window first: growth reuses them
             tokens = req.num_computed + num_new_tokens + lookahead
+            if tokens <= req.upto:  # upto <= cap: the record's first line only
+                return req
             if tokens <= req.cap:
                 return req
-            if req.admitted:
+            if req.cap >= 0:  # admitted
                 first = req.first
                 need = (tokens + self._bs_1) // self.block_size - len(first)
                 if self._sole:  # one group: next to its last block, no dicts
                     new1 = self._alloc_group(self._g0, need, first[-1] if first else -1)
                     if new1 is not None:
                         first += new1
-                        req.cap = len(first) * self.block_size
+                        cap = req.cap = len(first) * self.block_size
+                        if req.restore is None:  # _set_upto, inline
+                            pa = req.publish_at
+                            req.upto = cap if cap < pa else pa - 1
                         return req
                 return self._grow(req, first, need)
         elif (self._chain and req is not None and hit is not None and req.match is hit
@@ -471,19 +499,19 @@ class KVCacheManager:
                 first += new0
             req[self._g0] = first
             req.first = first
-            req.cap = len(first) * bs
+            cap = req.cap = len(first) * bs  # admitted
             req.held = req.match = None
-            req.admitted = True
             req.num_computed = n_dev * bs
             req.published = n_dev
-            req.publish_at = (n_dev + 1) * bs
+            pa = req.publish_at = (n_dev + 1) * bs
+            req.upto = cap if cap < pa else pa - 1  # _set_upto (no restore: no host tier)
             return req
         if self._asleep:
             raise KVCacheManagerError("allocate while the KV cache is asleep: wake_up() first")
         if num_new_tokens < 0 or lookahead < 0:
             raise ValueError(f"allocate({request_id!r}): num_new_tokens={num_new_tokens} and "
                              f"lookahead={lookahead} must be >= 0 tokens")
-        if req is not None and req.admitted:
+        if req is not None and req.cap >= 0:  # admitted
             raise KVCacheManagerError(f"allocate({request_id!r}, hit=...): the request is "
                                       "already running; a hit applies to its first "
                                       "allocation only")
@@ -502,6 +530,7 @@ class KVCacheManager:
                 new1 = new[g]
             first.extend(new1)
             req.cap = len(first) * self.block_size
+            _set_upto(req)
             return req
         near = {g: t[-1] for g, t in req.items()} if first else None
         counts = {g: need for g in self.group_names}
@@ -513,6 +542,7 @@ class KVCacheManager:
         for g, ids in new.items():
             req[g].extend(ids)
         req.cap = len(first) * self.block_size
+        _set_upto(req)
         return req
 
     def _admit(self, request_id: str, req: _Request | None, num_new_tokens: int,
@@ -576,10 +606,9 @@ class KVCacheManager:
                 req[g] = held[g] + new[g]
             first = req[self._g0]
         req.first = first
-        req.cap = len(req.first) * bs
+        req.cap = len(req.first) * bs  # admitted
         req.held = None
         req.match = None
-        req.admitted = True
         req.num_computed = computed
         req.published = n_dev
         req.publish_at = (n_dev + 1) * bs if self.prefix is not None else 1 << 62
@@ -591,6 +620,7 @@ class KVCacheManager:
             r.update(req)  # positions that joined another restore in flight
             req.restore = r
             self._restoring[request_id] = req
+        _set_upto(req)
         if req.held_host:  # the restore pinned what it reads; the lookup's hold ends
             pool = self.host.pool  # type: ignore[union-attr]
             for hb in req.held_host:
@@ -670,6 +700,7 @@ class KVCacheManager:
             req.num_computed = r.first_block * self.block_size  # the device hit
             req.published = min(req.published, r.first_block)
             req.publish_at = (req.published + 1) * self.block_size
+        _set_upto(req)
 
     def num_computed_tokens(self, request_id: str) -> int:
         """Tokens of the request whose KV is in its blocks (hit, restored or committed)."""
@@ -685,11 +716,21 @@ class KVCacheManager:
         then output) now hold KV: publish every block that became complete (PC-01), hashing
         only the new complete blocks (the chain continues from the last hash).
         ``checkpoints`` (hybrid models, PC-02): request block index -> ``(state, nbytes)``, the
-        linear-state checkpoint at the end of that block, published with it."""
+        linear-state checkpoint at the end of that block, published with it.
+
+        Refused (nothing changes): an unknown or not yet allocated request, one whose host
+        restore is in flight, ``num_computed_tokens`` outside ``0..`` the tokens its blocks
+        cover. ``token_ids`` is read only when a block completes, and its length is checked
+        then (``num_computed_tokens <= len(token_ids)``): a commit that completes no block
+        (most decode tokens) touches nothing but the request's record."""
         try:  # a subscript, not dict.get (see allocate)
             req = self._reqs[request_id]
         except KeyError:
             req = None
+        else:
+            if 0 <= num_computed_tokens <= req.upto:  # completes no block (see _RequestHot)
+                req.num_computed = num_computed_tokens
+                return
         if (req is None or req.restore is not None or not 0 <= num_computed_tokens <= req.cap
                 or num_computed_tokens > len(token_ids)):  # cap is -1 until admitted
             self._refuse_commit(request_id, num_computed_tokens, token_ids)
@@ -769,12 +810,14 @@ class KVCacheManager:
             req.parent = hashes[k - 1]
             req.hashes = hashes[k:] if k < len(hashes) else _NO_HASHES
         req.published = full
-        req.publish_at = (full + 1) * bs
+        pa = req.publish_at = (full + 1) * bs
+        cap = req.cap  # _set_upto, inline (no restore: refused above)
+        req.upto = cap if cap < pa else pa - 1
 
     def _refuse_commit(self, request_id: str, num_computed_tokens: int,
                        token_ids: Sequence[int]) -> None:
         req = self._req(request_id)
-        if not req.admitted:
+        if req.cap < 0:
             raise KVCacheManagerError(f"commit({request_id!r}) before allocate()")
         if req.restore is not None:
             raise KVCacheManagerError(f"commit({request_id!r}) while its host restore is in "
@@ -802,7 +845,7 @@ class KVCacheManager:
         current). Returns the number of blocks released per group (the same in every group:
         tables have equal length)."""
         req = self._req(request_id)
-        if not req.admitted:
+        if req.cap < 0:
             raise KVCacheManagerError(f"truncate({request_id!r}) before allocate()")
         bs = self.block_size
         first = req.first
@@ -820,6 +863,7 @@ class KVCacheManager:
         for t in req.values():
             del t[keep:]
         req.cap = keep * bs
+        _set_upto(req)
         if self.prefix is not None:
             cached = self.prefix.release(tail)  # unpublished: nothing becomes cached
             if cached and self.host is not None:
@@ -835,7 +879,7 @@ class KVCacheManager:
         req = self._reqs.pop(request_id, None)
         if req is None:
             return
-        if self._chain and req.admitted:
+        if self._chain and req.cap >= 0:  # admitted
             # PrefixCache.release's one-group path, flat: no host tier (no restore, no host
             # pins) and an admitted request holds no hit; tail first, retained blocks join
             # the LRU in that order
@@ -851,7 +895,7 @@ class KVCacheManager:
             req.restore.cancel()
             req.restore = None
             self._restoring.pop(request_id, None)
-        if req.admitted:
+        if req.cap >= 0:  # admitted
             tables: Mapping[str, list[int]] = req
             if req.trimmed:  # sliding-window groups: their leading null entries hold nothing
                 tables = {g: t[req.trimmed.get(g, 0):] for g, t in tables.items()}
@@ -1128,8 +1172,10 @@ class KVCacheManager:
             rc = self._alloc.ref_count(g, b)
             assert rc >= n, f"block {b} of group {g!r}: {n} table entries, ref count {rc}"
         for r in self._reqs.values():
-            assert r.cap == (len(r.first) * self.block_size if r.admitted else -1), \
+            assert r.cap == -1 or r.cap == len(r.first) * self.block_size, \
                 f"request {r.rid!r}: cap {r.cap} for {len(r.first)} blocks"
+            want = -1 if r.restore is not None else min(r.cap, r.publish_at - 1)
+            assert r.upto == want, f"request {r.rid!r}: upto {r.upto}, expected {want}"
         assert set(self._restoring) == {r.rid for r in self._reqs.values() if r.restore}, \
             "requests with a restore in flight and the manager's record of them differ"
         n0 = None
@@ -1137,7 +1183,7 @@ class KVCacheManager:
             lens = {len(t) for t in req.values()}
             assert len(lens) == 1, f"request {req.rid!r}: tables of unequal length {lens}"
             n0 = lens.pop()
-            if req.admitted:
+            if req.cap >= 0:
                 assert req.num_computed <= n0 * self.block_size
 
 
