@@ -510,7 +510,9 @@ def _measure_cycles(traces: Sequence[list[tuple]], block_size: int, min_seconds:
                     repeats: int) -> list[dict[str, Any]]:
     """Interleaved repeats of the manager and the baseline on each trace of ``traces``: each
     repeat runs every trace once, manager then baseline, so that a change of load on a shared
-    machine moves every figure alike (the cost-growth ratio compares two traces). Before the
+    machine moves every figure alike (the cost-growth ratio compares two traces); every other
+    repeat runs them in the reverse order (traces and sides: ABBA), so that a load that
+    changes during a repeat does not favour what runs first. Before the
     repeats, untimed replays of each trace and side (:func:`_loops_for`) set how many times
     each measurement of that side replays it (``loops``, ``baseline_loops``), so that every
     measurement, the first one and the faster side's included, lasts at least
@@ -527,9 +529,13 @@ def _measure_cycles(traces: Sequence[list[tuple]], block_size: int, min_seconds:
                         lambda: _replay_cycles_baseline(
                             events, FreeListPrefixPool(nb, block_size))[0], min_seconds),
                     "ops_per_replay": sum(_VERBS_PER_EVENT.get(e[0], 0) for e in events)})
-    for _ in range(repeats):
-        for events, nb, res in zip(traces, nblocks, out):
-            for kind in ("manager", "baseline"):
+    runs = list(zip(traces, nblocks, out))
+    for r in range(repeats):
+        # ABBA order: every other repeat runs the traces, and the two sides of each, in the
+        # reverse order, so that a load that rises or falls during a repeat does not favour
+        # the trace (or the side) measured first
+        for events, nb, res in (runs if r % 2 == 0 else runs[::-1]):
+            for kind in (("manager", "baseline") if r % 2 == 0 else ("baseline", "manager")):
                 total = 0.0
                 nops = 0
                 for _ in range(res["loops" if kind == "manager" else "baseline_loops"]):
