@@ -686,21 +686,24 @@ class BlockAllocator:
 
     def free_group_lru(self, group: str, blocks: Sequence[int], lru: dict[int, None]
                        ) -> list[int] | None:
-        """:meth:`free_group` for the prefix cache's one-group release, in one pass: a block
-        reaching ref 0 that is retained and not pinned becomes cached and is appended to
-        ``lru`` (the caller's ordered dict of evictable blocks, oldest first) — the caller
-        owns that order, the allocator only appends; one that is pinned becomes cached and
-        is returned (``None`` when none); any other is freed as :meth:`free_group` frees it
-        (its slot released when it empties). A block without a reference, or not a block of
-        the group, raises ``ValueError`` and nothing changes (``lru`` included)."""
+        """:meth:`free_group` for the prefix cache's one-group release of a request's blocks,
+        in one pass, *tail first*: ``blocks[-1]`` first, ``blocks[0]`` last (the order a
+        request's release wants for the LRU; passing the request's own table needs no
+        reversed copy). A block reaching ref 0 that is retained and not pinned becomes cached
+        and is appended to ``lru`` (the caller's ordered dict of evictable blocks, oldest
+        first) — the caller owns that order, the allocator only appends; one that is pinned
+        becomes cached and is returned (``None`` when none); any other is freed as
+        :meth:`free_group` frees it (its slot released when it empties). A block without a
+        reference, or not a block of the group, raises ``ValueError`` and nothing changes
+        (``lru`` included)."""
         g = self._groups.get(group) or self._g(group)
         if g.native:
             try:
-                r, bad = g.free(blocks, 1)  # type: ignore[attr-defined]
+                r, bad = g.free(blocks, 1, True)  # type: ignore[attr-defined]
             except (TypeError, OverflowError):  # an entry that is no int64
                 r, bad = -1, -1
             if r < 0:
-                self._refuse_free(g, blocks, bad, False)
+                self._refuse_free(g, blocks[::-1], bad, False)
             if r:
                 # appended one by one from the output buffer: no list and no dict of them
                 # (dict.update(dict.fromkeys(...)) of a few blocks costs ~2x more, measured)
@@ -717,6 +720,7 @@ class BlockAllocator:
         gone: list[int] | None = None
         pinned: list[int] | None = None
         n_lru = 0
+        blocks = blocks[::-1]  # tail first
         it = iter(blocks)
         try:
             for b in it:

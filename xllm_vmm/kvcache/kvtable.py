@@ -291,14 +291,19 @@ class NativeGroup:
         r = self._take(self.p, n, hint, len(new_slots))
         return self._out[:r].tolist()
 
-    def free(self, blocks: Any, lru: int) -> tuple[int, int]:
-        """The C free of ``blocks`` (see kvt_free): returns (count in ``out``, -1) or, refused
-        (nothing changed), (-1, index of the refused entry). Raises ``TypeError`` /
-        ``OverflowError`` for an entry that is not an int64 (nothing changed)."""
+    def free(self, blocks: Any, lru: int, reverse: bool = False) -> tuple[int, int]:
+        """The C free of ``blocks`` (see kvt_free), or of ``blocks[::-1]`` with ``reverse``
+        (written into the input buffer backwards: no reversed copy): returns (count in
+        ``out``, -1) or, refused (nothing changed), (-1, index of the refused entry in the
+        order freed). Raises ``TypeError`` / ``OverflowError`` for an entry that is not an
+        int64 (nothing changed)."""
         n = len(blocks)
         if n > self._in_cap:
             self._set_input(2 * n)
-        self.inp[:n] = blocks
+        if reverse and n:
+            self.inp[n - 1::-1] = blocks
+        else:
+            self.inp[:n] = blocks
         r = self._free(self.p, n, lru)
         if r >= 0:
             return r, -1

@@ -885,7 +885,7 @@ class KVCacheManager:
             # the LRU in that order
             first = req.first
             if first:
-                self._free_group_lru(self._g0, first[::-1], self._pg.lru)  # type: ignore
+                self._free_group_lru(self._g0, first, self._pg.lru)  # type: ignore
             if not self._reqs and self._ready_pages:
                 self._cache.pool.drain_ready()  # idle: no growth headroom held
             return
