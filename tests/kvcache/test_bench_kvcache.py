@@ -223,3 +223,25 @@ def test_cycle_ops_per_replay_counts_the_verb_calls_both_replays_make():
     ev = make_serving_trace(8, 40, 16, seed=1)
     _, n = _replay_cycles_baseline(ev, FreeListPrefixPool(_trace_blocks(ev, 16), 16))
     assert _measure_cycles([ev], 16, 0.0, 1)[0]["ops_per_replay"] == n
+
+
+def test_bench_kvcache_freezes_its_traces_and_leaves_a_frozen_heap_alone(monkeypatch):
+    """The run freezes the heap (its prepared traces) while it measures, as the engine's
+    start-up does, and thaws it after; a heap someone else froze is neither frozen again nor
+    thawed."""
+    import gc
+
+    from xllm_vmm.bench.kvcache import run_kvcache_bench
+
+    calls: list[str] = []
+    monkeypatch.setattr(gc, "freeze", lambda: calls.append("freeze"))
+    monkeypatch.setattr(gc, "unfreeze", lambda: calls.append("unfreeze"))
+    cfg = KvBenchConfig(sequences=8, layers=2, repeats=1, min_seconds=0, cycle_requests=16,
+                        growth_requests=16)
+    monkeypatch.setattr(gc, "get_freeze_count", lambda: 0)
+    run_kvcache_bench(cfg)
+    assert calls == ["freeze", "unfreeze"]
+    calls.clear()
+    monkeypatch.setattr(gc, "get_freeze_count", lambda: 123)  # an engine froze its heap
+    run_kvcache_bench(cfg)
+    assert calls == []
