@@ -351,6 +351,17 @@ static int detect_isa(void) {
     return 0;
 }
 
+/* Run the row splits on this OpenMP runtime (threadpool.h, xt_pool_use_omp_); returns 1 when it
+   is in use, 0 when the library's own pool is (any argument NULL) or there is no pool. */
+int xllm_layer_ops_use_omp(void *parallel, void *thread_num, void *num_threads) {
+#ifdef XLO_HAVE_POOL
+    return xt_pool_use_omp_(parallel, thread_num, num_threads);
+#else
+    (void)parallel; (void)thread_num; (void)num_threads;
+    return 0;
+#endif
+}
+
 /* The path in use: 1 AVX-512, 0 portable. */
 int xllm_layer_ops_isa(void) {
     if (g_isa < 0) g_isa = detect_isa();

@@ -772,6 +772,12 @@ static void run_items(void *ctx, int tid, int n) {
 /* Bit 0: the AVX-512 float32 path can run here; bit 1: the AVX-512 bfloat16 path can. */
 int xllm_paged_attn_isa(void) { return isa_bits(); }
 
+/* Run the kernels' threads on this OpenMP runtime (threadpool.h, xt_pool_use_omp_); returns 1
+   when it is in use, 0 when the library's own pool is (any argument NULL). */
+int xllm_paged_attn_use_omp(void *parallel, void *thread_num, void *num_threads) {
+    return xt_pool_use_omp_(parallel, thread_num, num_threads);
+}
+
 #ifndef DECODE_AMX
 #define DECODE_AMX 1 /* 0: the AVX-512 scores even where AMX runs (A/B builds) */
 #endif

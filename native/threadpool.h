@@ -22,6 +22,16 @@
  * - after fork() the child starts with an empty pool (pthread_atfork), created again on use.
  *
  * Callers reach it through ctypes, which releases the GIL for the whole native call.
+ *
+ * OpenMP instead of the pool's own workers: after xt_pool_use_omp_(parallel, thread_num,
+ * num_threads) is given libgomp's GOMP_parallel, omp_get_thread_num and omp_get_num_threads
+ * (those of the OpenMP runtime the process already runs: torch's, so that the kernels run on
+ * the same worker threads as torch's products, which are already awake between them, instead
+ * of a second set of threads spinning beside them on the same cores), xt_pool_run runs
+ * fn(ctx, tid, n) for every tid on an OpenMP team of n threads (the caller is thread 0; a team
+ * smaller than n, e.g. a call made inside a parallel region, runs the remaining tids on its
+ * threads in turn). The same guarantees hold. xt_pool_use_omp_(NULL, NULL, NULL) goes back to
+ * the pool's own workers.
  */
 #ifndef XLLM_VMM_THREADPOOL_H
 #define XLLM_VMM_THREADPOOL_H
@@ -79,6 +89,11 @@ static inline void xt_pause_(void) {
 #endif
 }
 
+typedef void (*xt_gomp_parallel_t)(void (*)(void *), void *, unsigned, unsigned);
+typedef int (*xt_omp_int_t)(void);
+static xt_gomp_parallel_t xt_gomp_parallel_;
+static xt_omp_int_t xt_omp_thread_num_, xt_omp_num_threads_;
+
 static void *xt_worker_(void *arg) {
     xt_pool_t *p = &xt_pool_;
     int tid = (int)(intptr_t)arg;
@@ -113,8 +128,11 @@ static void *xt_worker_(void *arg) {
 }
 
 static void xt_atfork_child_(void) {
-    /* the child has only the forking thread: no workers, every lock free */
+    /* the child has only the forking thread: no workers, every lock free; and an OpenMP
+       runtime whose team threads are gone (libgomp would wait for them), so the child goes
+       back to the pool's own workers */
     xt_pool_t *p = &xt_pool_;
+    __atomic_store_n(&xt_gomp_parallel_, (xt_gomp_parallel_t)NULL, __ATOMIC_RELEASE);
     pthread_mutex_init(&p->run_lock, NULL);
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);
@@ -148,10 +166,49 @@ static int xt_grow_(xt_pool_t *p, int want) {
     return p->nworkers;
 }
 
+
+/* Use the OpenMP runtime whose entry points these are (all three, or NULL for none). */
+static inline int xt_pool_use_omp_(void *parallel, void *thread_num, void *num_threads) {
+    xt_pool_t *p = &xt_pool_;
+    pthread_mutex_lock(&p->run_lock);
+    if (!p->atfork_done) { /* a forked child must not use the parent's OpenMP team */
+        pthread_atfork(NULL, NULL, xt_atfork_child_);
+        p->atfork_done = 1;
+    }
+    pthread_mutex_unlock(&p->run_lock);
+    if (!parallel || !thread_num || !num_threads) {
+        __atomic_store_n(&xt_gomp_parallel_, (xt_gomp_parallel_t)NULL, __ATOMIC_RELEASE);
+        return 0;
+    }
+    xt_omp_thread_num_ = (xt_omp_int_t)thread_num;
+    xt_omp_num_threads_ = (xt_omp_int_t)num_threads;
+    __atomic_store_n(&xt_gomp_parallel_, (xt_gomp_parallel_t)parallel, __ATOMIC_RELEASE);
+    return 1;
+}
+
+typedef struct {
+    xt_fn fn;
+    void *ctx;
+    int n;
+} xt_omp_job_t;
+
+static void xt_omp_body_(void *arg) {
+    const xt_omp_job_t *j = (const xt_omp_job_t *)arg;
+    int step = xt_omp_num_threads_();
+    if (step < 1) step = 1;
+    for (int t = xt_omp_thread_num_(); t < j->n; t += step) j->fn(j->ctx, t, j->n);
+}
+
 static inline void xt_pool_run(int n, xt_fn fn, void *ctx) {
     xt_pool_t *p = &xt_pool_;
     if (n < 1) n = 1;
     if (n > XT_POOL_MAX) n = XT_POOL_MAX;
+    xt_gomp_parallel_t par = __atomic_load_n(&xt_gomp_parallel_, __ATOMIC_ACQUIRE);
+    if (n > 1 && par) {
+        xt_omp_job_t j = {fn, ctx, n};
+        par(xt_omp_body_, &j, (unsigned)n, 0);
+        return;
+    }
     if (n == 1 || pthread_mutex_trylock(&p->run_lock) != 0) {
         for (int t = 0; t < n; t++) fn(ctx, t, n);
         return;

@@ -60,6 +60,10 @@ def test_drive_counts_every_request(tokenizer):
     assert out["other_cpu_s"] is None and out["loadavg_end"] >= 0
     # the server process's CPU during its steps, per step and over the steps' wall time
     assert out["engine_step_cpu_ms_mean"] > 0 and out["engine_step_cpu_over_wall"] > 0
+    # the engine thread alone: a share of the whole process's CPU during the steps (its
+    # window lies inside the process's; a fake engine's steps are microseconds, so the clock
+    # reads themselves show and the ratio may pass 1 here, unlike a real engine's)
+    assert 0 < out["engine_thread_cpu_over_wall"] <= out["engine_step_cpu_over_wall"]
     for k in ("ttft_ms_median", "ttft_ms_p99", "tpot_ms_median", "itl_ms_median", "itl_ms_p99"):
         assert out[k] >= 0 and math.isfinite(out[k]), k
     assert out["ttft_ms_p99"] >= out["ttft_ms_median"]

@@ -50,6 +50,13 @@ def test_malformed_warmup_budget_is_an_error_before_loading():
     assert "(environment)" in err.getvalue() and "loading" not in err.getvalue()
 
 
+def test_malformed_native_threads_setting_is_an_error_before_loading():
+    out, err = io.StringIO(), io.StringIO()
+    code = run([], out=out, err=err, env={"XLLM_VMM_NATIVE_THREADS": "many"})
+    assert code == 1 and "XLLM_VMM_NATIVE_THREADS='many' (environment)" in err.getvalue()
+    assert "omp, pool" in err.getvalue() and "loading" not in err.getvalue()
+
+
 def test_missing_model_is_an_error_before_loading(tmp_path):
     code, out, err = _serve([f"--model={tmp_path / 'nope'}"])
     assert code == 1 and "CFG-MODEL" in err and "loading" not in err

@@ -701,6 +701,10 @@ async def drive(url: str, cfg: LoadConfig, *, rss_pid: Optional[int] = None) -> 
         "engine_step_cpu_over_wall": (own["step_cpu_s"] / step_s
                                       if own["step_cpu_s"] is not None and step_s > 0
                                       else None),
+        # the engine thread's own CPU over the steps' wall time (1 = it never waited)
+        "engine_thread_cpu_over_wall": (own["step_thread_cpu_s"] / step_s
+                                        if own.get("step_thread_cpu_s") is not None
+                                        and step_s > 0 else None),
         "engine_busy_fraction": step_s / wall if wall > 0 else None,
         "rss_bytes_peak": rss_peak[0],
         "output_thread_busy_fraction": (own["output_s"] / wall
@@ -753,7 +757,9 @@ def _own_costs(text: str) -> dict:
     return {"output_s": parse_metric(text, "xllm_vmm_output_thread_cpu_seconds_total"),
             "tokens": parse_metric(text, "xllm_vmm_output_tokens_total"),
             "stream_s": parse_metric(text, "xllm_vmm_stream_encode_seconds_total"),
-            "step_cpu_s": parse_metric(text, "xllm_vmm_engine_step_cpu_seconds_total")}
+            "step_cpu_s": parse_metric(text, "xllm_vmm_engine_step_cpu_seconds_total"),
+            "step_thread_cpu_s": parse_metric(text,
+                                              "xllm_vmm_engine_thread_step_cpu_seconds_total")}
 
 
 async def _sample_workers(client, url: str, cfg: LoadConfig, done: asyncio.Event,

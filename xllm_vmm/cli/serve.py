@@ -307,10 +307,17 @@ def run(argv: list[str], out: Optional[TextIO] = None, err: Optional[TextIO] = N
         return 1
     from xllm_vmm.engine.warmup import budget_from_env
 
+    from xllm_vmm.engine import native_threads
+
     try:
         warm_budget = budget_from_env(environ)
     except ValueError as exc:  # XLLM_VMM_WARMUP_SECONDS malformed: said before anything loads
         err.write(f"error: {exc} (environment)\n")
+        return 1
+    try:
+        native_threads.wanted(environ)
+    except ValueError as exc:  # XLLM_VMM_NATIVE_THREADS malformed: the same, before loading
+        err.write(f"error: {exc}\n")
         return 1
     label = f"loading {model or 'the embedded demo model'}"
     weights = getattr(spec, "served_weight_bytes", None) if spec is not None else None

@@ -180,6 +180,7 @@ class AsyncEngine:
         #: (``xllm_vmm_engine_step_cpu_seconds``): beside the steps' wall time it tells a step
         #: that computed more from one that waited (another process had the cores)
         self.step_cpu_s = 0.0
+        self.step_thread_cpu_s = 0.0
         self._kv_cache = getattr(getattr(engine, "kv_cache_manager", None), "cache", None)
         self.kv_mapped_peak_bytes: Optional[int] = 0 if self._kv_cache is not None else None
 
@@ -489,6 +490,7 @@ class AsyncEngine:
                 self._num_running = 0
                 continue
             c0 = time.process_time()
+            e0 = time.thread_time()
             t0 = time.perf_counter()
             try:
                 outs = eng.step()
@@ -497,6 +499,7 @@ class AsyncEngine:
                 self._fail_all(APIError(500, f"the engine failed: {type(exc).__name__}: {exc}"))
                 continue
             t1 = time.perf_counter()
+            self.step_thread_cpu_s += time.thread_time() - e0
             self.step_cpu_s += time.process_time() - c0
             if outs:  # to the output thread first: the bookkeeping below is nobody's wait
                 end = time.monotonic()

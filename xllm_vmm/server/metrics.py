@@ -132,6 +132,10 @@ FRONT_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("step_cpu_seconds", "xllm_vmm_engine_step_cpu_seconds",
      "CPU seconds of the whole process (every thread) during engine steps; beside "
      "xllm_vmm_engine_step_seconds_sum: below it, the step waited for the cores."),
+    ("step_thread_cpu_seconds", "xllm_vmm_engine_thread_step_cpu_seconds",
+     "CPU seconds of the engine thread alone during engine steps; beside "
+     "xllm_vmm_engine_step_seconds_sum: the rest of the step's wall time the engine thread "
+     "waited (for its compute threads, the interpreter lock or a core)."),
 )
 
 

@@ -39,6 +39,8 @@ import ctypes
 import os
 from typing import TYPE_CHECKING, Any
 
+from xllm_vmm.engine.native_threads import prototype as _threads_prototype
+
 if TYPE_CHECKING:  # pragma: no cover
     from torch import Tensor
 
@@ -50,6 +52,7 @@ implementation; ``avx512`` keeps it on with its bf16 scores on AVX-512 where the
 run (A/B comparisons)."""
 
 _I64, _PTR, _I32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_ATTACHED: Any = None  # the library whose threads were handed to engine.native_threads
 _PROTOTYPES: dict[str, tuple[list, Any]] = {
     "xllm_paged_decode": ([_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64,
                            _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _I32, _I32, _I32,
@@ -58,6 +61,7 @@ _PROTOTYPES: dict[str, tuple[list, Any]] = {
     "xllm_write_kv": ([_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
                        _I64, _I64], _I32),
     "xllm_paged_attn_isa": ([], _I32),
+    "xllm_paged_attn_use_omp": _threads_prototype(),
     # the prefill kernel of the same library (wrapped by native_prefill)
     "xllm_paged_prefill": ([_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR,
                             _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _I32,
@@ -84,10 +88,19 @@ def amx_by_env() -> bool:
 
 
 def load() -> Any:
-    """The ctypes library, or None when it is not built (:func:`xllm_vmm.vmm.native.optional_library`)."""
+    """The ctypes library, or None when it is not built (:func:`xllm_vmm.vmm.native.optional_library`).
+    On first load its threads are handed to :mod:`xllm_vmm.engine.native_threads` (torch's
+    OpenMP team by default)."""
+    global _ATTACHED
     from xllm_vmm.vmm.native import optional_library
 
-    return optional_library(LIB_NAME, _PROTOTYPES)
+    lib = optional_library(LIB_NAME, _PROTOTYPES)
+    if lib is not None and _ATTACHED is not lib:
+        from xllm_vmm.engine import native_threads
+
+        native_threads.attach(lib.xllm_paged_attn_use_omp)
+        _ATTACHED = lib
+    return lib
 
 
 def _code(dtype: Any) -> int | None:

@@ -23,6 +23,7 @@ import ctypes
 import os
 from typing import TYPE_CHECKING, Any
 
+from xllm_vmm.engine.native_threads import prototype as _threads_prototype
 from xllm_vmm.engine.row_buckets import empty_rows_like
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -48,6 +49,7 @@ _PROTOTYPES: dict[str, tuple[list, Any]] = {
                        _I64, _PTR, _PTR, _I64, _I64, _I32, _I32, _I32], _I32),
     "xllm_layer_ops_isa": ([], _I32),
     "xllm_layer_ops_set_isa": ([_I32], _I32),
+    "xllm_layer_ops_use_omp": _threads_prototype(),
 }
 
 
@@ -60,6 +62,9 @@ def load() -> Any:
 
         lib = optional_library(LIB_NAME, _PROTOTYPES)
         if lib is not None and lib.xllm_layer_ops_abi() == ABI_VERSION:
+            from xllm_vmm.engine import native_threads
+
+            native_threads.attach(lib.xllm_layer_ops_use_omp)  # torch's OpenMP team by default
             _LIB = lib
     return _LIB
 

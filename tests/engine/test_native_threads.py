@@ -1,0 +1,106 @@
+"""The native kernels' threads (:mod:`xllm_vmm.engine.native_threads`): on torch's OpenMP team
+by default, each library's own pool with ``XLLM_VMM_NATIVE_THREADS=pool``. Both give the same
+results for every thread count (every tid runs once, also when the team is smaller than asked
+for), the OpenMP mode starts no thread of its own, a forked child falls back to its own pool, and
+a malformed setting is refused naming the variable."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from xllm_vmm.engine import native_threads as nt
+from xllm_vmm.engine.attention import native_decode as nd
+from xllm_vmm.engine.layers import layer_ops as lo
+
+from tests.engine.test_native_decode import _case, _check
+
+pytestmark = pytest.mark.skipif(nd.load() is None or lo.load() is None,
+                                reason="the native kernel libraries are not built "
+                                       "(python setup.py build_ext --inplace)")
+
+needs_omp = pytest.mark.skipif(nt.openmp_entry_points() is None,
+                               reason="torch's parallel backend here is not OpenMP")
+
+
+@pytest.fixture
+def restore_mode():
+    before = nt.mode()
+    yield
+    nt.set_mode(before)
+
+
+@needs_omp
+def test_default_mode_is_torchs_openmp_team(monkeypatch):
+    monkeypatch.delenv(nt.ENV, raising=False)
+    assert nt.wanted() == "omp"
+    assert nt.mode() == "omp"
+    # the entry points are those of the runtime torch loaded, not a second copy
+    maps = open("/proc/self/maps").read()
+    assert sum(1 for p in {ln.split()[-1] for ln in maps.splitlines() if ".so" in ln}
+               if os.path.basename(p).startswith(("libgomp", "libiomp5"))) == 1
+
+
+@pytest.mark.parametrize("mode", ["omp", "pool"])
+def test_decode_and_norms_are_the_same_on_both_thread_sources(mode, restore_mode):
+    if mode == "omp" and nt.openmp_entry_points() is None:
+        pytest.skip("torch's parallel backend here is not OpenMP")
+    assert nt.set_mode(mode) == mode
+    g = torch.Generator().manual_seed(5)
+    arena, q, rows, table, lens_t, exp = _case(g, lens=[70, 1, 17, 33, 5, 48], H=8, HKV=2,
+                                               D=64, dtype=torch.bfloat16, extra_rows=0)
+    kw = dict(block_size=16, blocks_per_slot=arena.bps, scale=0.125, rows=rows)
+    for n in (1, 2, 3, 5, 12):  # more tids than the team has threads: each still runs once
+        _check(nd.paged_decode(q, arena.k, arena.v, table, lens_t, num_threads=n, **kw),
+               exp, torch.bfloat16, ())
+    # a norm large enough to be split over the threads (layer_ops.PARALLEL_MIN_ELEMS)
+    x = torch.randn(700, 512, generator=g).to(torch.bfloat16)
+    w = torch.randn(512, generator=g).to(torch.bfloat16)
+    got = lo.rms_norm(x, w, 1e-6)
+    ref = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+           * w.float()).to(torch.bfloat16)
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=1e-2)
+
+
+_THREADS_SCRIPT = textwrap.dedent("""
+    import os, sys, torch
+    from xllm_vmm.engine import native_threads as nt
+    from xllm_vmm.engine.attention import native_decode as nd
+    from tests.engine.test_native_decode import _case
+    torch.set_num_threads(2)
+    a = torch.randn(512, 512)
+    for _ in range(3):
+        a @ a  # torch's team exists now
+    g = torch.Generator().manual_seed(3)
+    arena, q, rows, table, lens_t, exp = _case(g, lens=[300] * 16, H=8, HKV=4, D=64,
+                                               dtype=torch.bfloat16, extra_rows=0)
+    before = len(os.listdir("/proc/self/task"))
+    for _ in range(5):
+        nd.paged_decode(q, arena.k, arena.v, table, lens_t, block_size=16,
+                        blocks_per_slot=arena.bps, scale=0.125, rows=rows, num_threads=2)
+    print(nt.mode(), len(os.listdir("/proc/self/task")) - before)
+""")
+
+
+@needs_omp
+@pytest.mark.parametrize("mode,new_threads", [("omp", 0), ("pool", 1)])
+def test_openmp_mode_starts_no_threads_of_its_own(mode, new_threads):
+    env = dict(os.environ, **{nt.ENV: mode})
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT], env=env, cwd=root,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [mode, str(new_threads)]
+
+
+def test_a_malformed_setting_names_the_variable(monkeypatch):
+    monkeypatch.setenv(nt.ENV, "gomp")
+    with pytest.raises(ValueError, match=r"XLLM_VMM_NATIVE_THREADS='gomp' \(environment\)"):
+        nt.wanted()
+    with pytest.raises(ValueError, match="expected one of omp, pool"):
+        nt.set_mode("threads")

@@ -1,0 +1,132 @@
+"""Which threads run the native kernels' parallel parts: torch's OpenMP team, or each native
+library's own pool.
+
+The native kernels (``libxllm_paged_attn.so``'s attention, ``libxllm_layer_ops.so``'s norms and
+rotary embedding) split their work over ``torch.get_num_threads()`` threads
+(``native/threadpool.h``). Each library used to start its own persistent workers, which spin
+for a while and then sleep between calls, beside torch's OpenMP workers, which do the same
+between the matrix products. A decode step alternates the two (a product, a norm, a product,
+attention, ...), so on a machine with as many cores as threads the next pool's worker found
+the previous pool's worker spinning on the core it needed, and the caller waited at the end
+of the call for a worker the scheduler had not run yet. With ``omp`` (the default) the kernels
+run on torch's OpenMP team: the same threads, already awake from the product before, and no
+second set of threads to schedule.
+
+``XLLM_VMM_NATIVE_THREADS``: ``omp`` (default) or ``pool`` (each library's own workers, as
+before). ``omp`` falls back on ``pool`` (``mode()`` says which is in use) when torch's parallel
+backend is not OpenMP or its runtime's entry points cannot be found in the process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from typing import Any, Callable, Mapping
+
+ENV = "XLLM_VMM_NATIVE_THREADS"
+MODES = ("omp", "pool")
+
+_lock = threading.Lock()
+_setters: list[Callable[..., int]] = []
+_mode: str | None = None
+_entry: tuple[int, int, int] | None | bool = False  # False: not looked up yet
+
+
+def wanted(env: Mapping[str, str] | None = None) -> str:
+    """The mode ``XLLM_VMM_NATIVE_THREADS`` of ``env`` (default ``os.environ``) asks for
+    (``omp`` when unset); ValueError naming the variable for any other value."""
+    raw = (os.environ if env is None else env).get(ENV, "").strip().lower()
+    if not raw:
+        return "omp"
+    if raw not in MODES:
+        raise ValueError(f"{ENV}={raw!r} (environment): expected one of {', '.join(MODES)} "
+                         f"(omp: torch's OpenMP threads, the default; pool: the native "
+                         f"libraries' own)")
+    return raw
+
+
+def _openmp_library() -> str | None:
+    """The path of the OpenMP runtime torch loaded (``libgomp`` / ``libiomp5``), from the
+    process's mappings; None when torch's parallel backend is not OpenMP."""
+    import torch
+
+    if not getattr(torch._C, "has_openmp", False):
+        return None
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if ".so" in line}
+    except OSError:
+        return None
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    found = sorted((not p.startswith(torch_lib), p) for p in paths
+                   if os.path.basename(p).startswith(("libgomp", "libiomp5")))
+    return found[0][1] if found else None
+
+
+def openmp_entry_points() -> tuple[int, int, int] | None:
+    """Addresses of ``GOMP_parallel``, ``omp_get_thread_num`` and ``omp_get_num_threads`` of the
+    OpenMP runtime already loaded by torch (never a second copy: it is opened with
+    ``RTLD_NOLOAD``), or None. Looked up once per process."""
+    global _entry
+    if _entry is not False:
+        return _entry  # type: ignore[return-value]
+    entry = None
+    path = _openmp_library()
+    if path is not None:
+        try:
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            entry = tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0
+                          for name in ("GOMP_parallel", "omp_get_thread_num",
+                                       "omp_get_num_threads"))
+            if not all(entry):
+                entry = None
+        except (OSError, AttributeError):
+            entry = None
+    _entry = entry
+    return entry
+
+
+def _apply(setter: Callable[..., int], mode: str) -> str:
+    entry = openmp_entry_points() if mode == "omp" else None
+    if entry is None:
+        setter(None, None, None)
+        return "pool"
+    return "omp" if setter(*entry) == 1 else "pool"
+
+
+def attach(setter: Callable[..., int]) -> str:
+    """Register a native library's ``*_use_omp(parallel, thread_num, num_threads)`` setter
+    (ctypes function: three ``c_void_p``, returns ``c_int``) and apply the current mode to it;
+    returns the mode in use for it."""
+    global _mode
+    with _lock:
+        if _mode is None:
+            _mode = wanted()
+        _setters.append(setter)
+        return _apply(setter, _mode)
+
+
+def set_mode(mode: str) -> str:
+    """Switch every registered library to ``mode`` (``omp`` or ``pool``; for A/B measurements
+    and tests; never while a kernel runs). Returns the mode now in use."""
+    global _mode
+    if mode not in MODES:
+        raise ValueError(f"native threads mode {mode!r}: expected one of {', '.join(MODES)}")
+    with _lock:
+        _mode = mode
+        used = {_apply(s, mode) for s in _setters}
+    return mode if used == {mode} or not _setters else "pool"
+
+
+def mode() -> str:
+    """The mode in use: ``omp`` when torch's OpenMP runtime was found and is asked for, else
+    ``pool``."""
+    with _lock:
+        want = _mode if _mode is not None else wanted()
+    return "omp" if want == "omp" and openmp_entry_points() is not None else "pool"
+
+
+def prototype() -> tuple[list, Any]:
+    """The ctypes prototype of a library's ``*_use_omp`` setter."""
+    return ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int)
