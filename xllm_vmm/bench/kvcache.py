@@ -127,7 +127,7 @@ class KvBenchConfig:
     block_size: int = 128
     seed: int = 0
     driver: str = "sim"  # "sim" or "host"
-    repeats: int = 5  # interleaved repeats of every speed measurement (ABBA order)
+    repeats: int = 7  # interleaved repeats of every speed measurement (ABBA order)
     min_seconds: float = 0.2  # each speed measurement replays its trace at least this long
     # whole request cycles through the manager (serving trace, prefix caching on)
     cycle_block_size: int = 16

@@ -254,7 +254,7 @@ def bench_kvcache(
                                            "does not fit is refused, naming the largest "
                                            "--sequences that does)."),
     seed: int = typer.Option(0, help="Seed of the trace."),
-    repeats: int = typer.Option(5, help="Interleaved repeats of every speed measurement (min "
+    repeats: int = typer.Option(7, help="Interleaved repeats of every speed measurement (min "
                                         "and median reported; 1 to 100)."),
     min_seconds: float = typer.Option(0.2, help="Each speed measurement replays its trace at "
                                                 "least this long (seconds, 0 to 60)."),
