@@ -211,6 +211,19 @@ def test_cycle_measurements_interleave_every_trace():
         assert len(res["manager_s_per_op"]) == len(res["baseline_s_per_op"]) == 2
 
 
+def test_compared_traces_are_measured_with_the_same_replay_counts(monkeypatch):
+    """The cost-growth traces (``compared``) get, per side, the largest of their calibrated
+    replay counts; a trace outside them keeps its own."""
+    import xllm_vmm.bench.kvcache as kb
+
+    traces = [kb.make_serving_trace(4, 8, 16, seed=2), kb.make_serving_trace(8, 8, 16, seed=2),
+              kb.make_serving_trace(16, 8, 16, seed=2)]
+    counts = iter([3, 5, 1, 2, 2, 1])  # (manager, baseline) for each trace, in order
+    monkeypatch.setattr(kb, "_loops_for", lambda replay, min_seconds: next(counts))
+    out = kb._measure_cycles(traces, 16, 0.0, 1, compared=(1, 2))
+    assert [(r["loops"], r["baseline_loops"]) for r in out] == [(3, 5), (2, 2), (2, 2)]
+
+
 def test_cycle_ops_per_replay_counts_the_verb_calls_both_replays_make():
     from xllm_vmm.bench.kvcache import (
         FreeListPrefixPool,

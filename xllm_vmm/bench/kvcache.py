@@ -508,7 +508,7 @@ def _replay_on_fresh_manager(events: list[tuple], nblocks: int, block_size: int
 
 
 def _measure_cycles(traces: Sequence[list[tuple]], block_size: int, min_seconds: float,
-                    repeats: int) -> list[dict[str, Any]]:
+                    repeats: int, compared: Sequence[int] = ()) -> list[dict[str, Any]]:
     """Interleaved repeats of the manager and the baseline on each trace of ``traces``: each
     repeat runs every trace once, manager then baseline, so that a change of load on a shared
     machine moves every figure alike (the cost-growth ratio compares two traces); every other
@@ -517,8 +517,12 @@ def _measure_cycles(traces: Sequence[list[tuple]], block_size: int, min_seconds:
     repeats, untimed replays of each trace and side (:func:`_loops_for`) set how many times
     each measurement of that side replays it (``loops``, ``baseline_loops``), so that every
     measurement, the first one and the faster side's included, lasts at least
-    ``min_seconds``; ``shortest_s`` is the shortest one's CPU seconds. Per-op seconds, one
-    dict per trace."""
+    ``min_seconds``; ``shortest_s`` is the shortest one's CPU seconds. The traces whose
+    figures are compared with each other (``compared``: indices; the cost-growth traces) are
+    measured alike: each side replays every one of them the largest of their calibrated
+    counts, so that a ratio never sets a sum of two replays against a single one (the counts
+    sit near 1-2 at the default ``min_seconds``, and which one a trace gets varies from run
+    to run). Per-op seconds, one dict per trace."""
     nblocks = [_trace_blocks(ev, block_size) for ev in traces]
     out: list[dict[str, Any]] = []
     for events, nb in zip(traces, nblocks):  # calibration (untimed)
@@ -530,6 +534,11 @@ def _measure_cycles(traces: Sequence[list[tuple]], block_size: int, min_seconds:
                         lambda: _replay_cycles_baseline(
                             events, FreeListPrefixPool(nb, block_size))[0], min_seconds),
                     "ops_per_replay": sum(_VERBS_PER_EVENT.get(e[0], 0) for e in events)})
+    if compared:
+        for key in ("loops", "baseline_loops"):
+            most = max(out[i][key] for i in compared)
+            for i in compared:
+                out[i][key] = most
     runs = list(zip(traces, nblocks, out))
     for r in range(repeats):
         # ABBA order: every other repeat runs the traces, and the two sides of each, in the
@@ -791,7 +800,8 @@ def _run_measurements(cfg: KvBenchConfig, ops: list[_Op], layout: CacheLayout, b
     # whole request cycles through the manager against the free list + dict index: the cycle
     # trace and the two cost-growth traces, their repeats interleaved
     cyc, *grown = _measure_cycles([cyc_events] + growth_traces, cfg.cycle_block_size,
-                                  cfg.min_seconds, max(1, cfg.repeats))
+                                  cfg.min_seconds, max(1, cfg.repeats),
+                                  compared=range(1, 1 + len(growth_traces)))
     growth: dict[int, dict[str, Any]] = dict(zip(cfg.growth_concurrency, grown))
 
     frag = _fragmentation(ops, cfg, num_slots, generated)
