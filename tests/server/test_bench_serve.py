@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -64,6 +65,11 @@ def test_drive_counts_every_request(tokenizer):
     # window lies inside the process's; a fake engine's steps are microseconds, so the clock
     # reads themselves show and the ratio may pass 1 here, unlike a real engine's)
     assert 0 < out["engine_thread_cpu_over_wall"] <= out["engine_step_cpu_over_wall"]
+    # and the share of the steps it waited for a core (schedstat, where Linux keeps it)
+    if os.path.exists("/proc/thread-self/schedstat"):
+        assert 0 <= out["engine_thread_runqueue_over_wall"] < 1
+    else:
+        assert out["engine_thread_runqueue_over_wall"] is None
     for k in ("ttft_ms_median", "ttft_ms_p99", "tpot_ms_median", "itl_ms_median", "itl_ms_p99"):
         assert out[k] >= 0 and math.isfinite(out[k]), k
     assert out["ttft_ms_p99"] >= out["ttft_ms_median"]

@@ -40,7 +40,10 @@ waking from 5 ms sleeps); CPU seconds over the load (:class:`_CostClock`: ``clie
 ``server_cpu_s`` and ``server_cpu_ms_per_output_token`` for the server's process tree,
 ``machine_cpu_s``, ``other_cpu_s``, ``machine_steal_s``, ``loadavg_start`` / ``_end``) and
 ours' ``engine_step_cpu_ms_mean`` / ``engine_step_cpu_over_wall`` (the process's CPU during
-its steps, ``xllm_vmm_engine_step_cpu_seconds``);
+its steps, ``xllm_vmm_engine_step_cpu_seconds``), ``engine_thread_cpu_over_wall`` (the engine
+thread's own CPU over its steps' wall time) and ``engine_thread_runqueue_over_wall`` (the share
+it was runnable but waited for a core, from Linux schedstat; None elsewhere) — 1 minus both is
+the share it waited while not runnable (the interpreter lock, its compute threads);
 ``rss_bytes_peak`` (when the server's process id is known: the most resident bytes of its
 process tree, every process's ``VmRSS`` summed, every ``sample_interval`` seconds — shared pages count
 once per process, as ``ps`` shows them). One warm-up request (not counted) precedes the load.
@@ -705,6 +708,10 @@ async def drive(url: str, cfg: LoadConfig, *, rss_pid: Optional[int] = None) -> 
         "engine_thread_cpu_over_wall": (own["step_thread_cpu_s"] / step_s
                                         if own.get("step_thread_cpu_s") is not None
                                         and step_s > 0 else None),
+        # ... the share it was runnable but waited for a core (None without schedstat)
+        "engine_thread_runqueue_over_wall": (own["step_runqueue_s"] / step_s
+                                             if own.get("step_runqueue_s") is not None
+                                             and step_s > 0 else None),
         "engine_busy_fraction": step_s / wall if wall > 0 else None,
         "rss_bytes_peak": rss_peak[0],
         "output_thread_busy_fraction": (own["output_s"] / wall
@@ -759,7 +766,9 @@ def _own_costs(text: str) -> dict:
             "stream_s": parse_metric(text, "xllm_vmm_stream_encode_seconds_total"),
             "step_cpu_s": parse_metric(text, "xllm_vmm_engine_step_cpu_seconds_total"),
             "step_thread_cpu_s": parse_metric(text,
-                                              "xllm_vmm_engine_thread_step_cpu_seconds_total")}
+                                              "xllm_vmm_engine_thread_step_cpu_seconds_total"),
+            "step_runqueue_s": parse_metric(text,
+                                            "xllm_vmm_engine_thread_runqueue_seconds_total")}
 
 
 async def _sample_workers(client, url: str, cfg: LoadConfig, done: asyncio.Event,

@@ -252,6 +252,7 @@ def summarize(runs: list[dict]) -> dict:
                      "vllm_queue_ms_mean", "vllm_prefill_ms_mean", "vllm_steps",
                      "engine_steps", "engine_step_ms_mean", "engine_step_cpu_ms_mean",
                      "engine_step_cpu_over_wall", "engine_thread_cpu_over_wall",
+                     "engine_thread_runqueue_over_wall",
                      "server_cpu_ms_per_output_token",
                      "client_cpu_s", "other_cpu_s", "send_lag_ms_p99",
                      "client_loop_lag_ms_p99")},

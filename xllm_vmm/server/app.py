@@ -143,6 +143,7 @@ def build_app(front: AsyncEngine, settings: Optional[ServerSettings] = None,
                                          "stream_busy_seconds": f.stream_busy_s,
                                          "step_cpu_seconds": f.step_cpu_s,
                                          "step_thread_cpu_seconds": f.step_thread_cpu_s,
+                                         "step_runqueue_seconds": f.step_runqueue_s,
                                          "num_requests_running": f._num_running,
                                          "num_requests_waiting":
                                              f._num_waiting + f._pending_adds})

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional
 
 from xllm_vmm.server.errors import APIError
+from xllm_vmm.server.sched_clock import SchedClock
 
 log = logging.getLogger("xllm_vmm.server")
 
@@ -181,6 +182,7 @@ class AsyncEngine:
         #: that computed more from one that waited (another process had the cores)
         self.step_cpu_s = 0.0
         self.step_thread_cpu_s = 0.0
+        self.step_runqueue_s: float | None = None  # None: no schedstat here (sched_clock)
         self._kv_cache = getattr(getattr(engine, "kv_cache_manager", None), "cache", None)
         self.kv_mapped_peak_bytes: Optional[int] = 0 if self._kv_cache is not None else None
 
@@ -463,8 +465,17 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ engine thread
     def _engine_loop(self) -> None:
+        clock = SchedClock()  # this thread's schedstat
+        try:
+            self._engine_steps(clock)
+        finally:
+            clock.close()
+
+    def _engine_steps(self, clock: SchedClock) -> None:
         eng = self.engine
         inbox = self._inbox
+        if clock.read() is not None:
+            self.step_runqueue_s = 0.0
         while True:
             if self._engine_error is None and eng.has_unfinished_requests():
                 try:  # work to do: take what arrived, never wait
@@ -490,6 +501,7 @@ class AsyncEngine:
                 self._num_running = 0
                 continue
             c0 = time.process_time()
+            s0 = clock.read()
             e0 = time.thread_time()
             t0 = time.perf_counter()
             try:
@@ -500,6 +512,9 @@ class AsyncEngine:
                 continue
             t1 = time.perf_counter()
             self.step_thread_cpu_s += time.thread_time() - e0
+            s1 = clock.read()
+            if s0 is not None and s1 is not None and self.step_runqueue_s is not None:
+                self.step_runqueue_s += s1[1] - s0[1]
             self.step_cpu_s += time.process_time() - c0
             if outs:  # to the output thread first: the bookkeeping below is nobody's wait
                 end = time.monotonic()

@@ -136,6 +136,10 @@ FRONT_COUNTERS: tuple[tuple[str, str, str], ...] = (
      "CPU seconds of the engine thread alone during engine steps; beside "
      "xllm_vmm_engine_step_seconds_sum: the rest of the step's wall time the engine thread "
      "waited (for its compute threads, the interpreter lock or a core)."),
+    ("step_runqueue_seconds", "xllm_vmm_engine_thread_runqueue_seconds",
+     "Seconds the engine thread was runnable but waited for a core during engine steps "
+     "(Linux schedstat: CPU contention); the steps' wall time less this and the engine "
+     "thread's CPU it waited while not runnable (the interpreter lock, its compute threads)."),
 )
 
 
