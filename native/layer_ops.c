@@ -454,10 +454,13 @@ static void pool_fn(void *ctx, int tid, int n) {
 }
 #endif
 
-/* Elements below which one thread does the whole call: a decode step's rows (T = 128 of 512:
- * ~10-30 us) stay on the caller, since a hand-off costs microseconds and the pool's workers then
- * spin for up to XT_POOL_SPIN_NS beside torch's threads; prefill-sized calls are split. */
-#define PARALLEL_MIN_ELEMS 262144
+/* Elements below which one thread does the whole call: a decode step's rows (T = 40 of 512:
+ * a few microseconds) stay on the caller, since a hand-off costs about a microsecond even to a
+ * team that is awake; larger calls are split. With the kernels on torch's OpenMP team
+ * (engine/native_threads.py), the team is awake from the product before, so the split pays
+ * from here: at 128 rows of 512 (an RMS norm) 21 against 30 us, SiLU-and-mul at 128 of 1,536
+ * 73 against 122 us (bf16, 2 threads; it was 262,144 with the libraries' own pools). */
+#define PARALLEL_MIN_ELEMS 32768
 
 static void run(job_t *j, int64_t elems, int nthreads) {
     j->isa = xllm_layer_ops_isa();
