@@ -29,15 +29,20 @@ needs_omp = pytest.mark.skipif(nt.openmp_entry_points() is None,
 
 
 @pytest.fixture
-def restore_mode():
+def restore_mode(monkeypatch):
     before = nt.mode()
+    for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):  # a spinning runtime, as serve runs it
+        monkeypatch.delenv(var, raising=False)
     yield
+    monkeypatch.undo()
     nt.set_mode(before)
 
 
 @needs_omp
 def test_default_mode_is_torchs_openmp_team(monkeypatch):
     monkeypatch.delenv(nt.ENV, raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     assert nt.wanted() == "omp"
     assert nt.mode() == "omp"
     # the entry points are those of the runtime torch loaded, not a second copy
@@ -90,7 +95,8 @@ _THREADS_SCRIPT = textwrap.dedent("""
 @needs_omp
 @pytest.mark.parametrize("mode,new_threads", [("omp", 0), ("pool", 1)])
 def test_openmp_mode_starts_no_threads_of_its_own(mode, new_threads):
-    env = dict(os.environ, **{nt.ENV: mode})
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env[nt.ENV] = mode
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT], env=env, cwd=root,
                        capture_output=True, text=True, timeout=120)
@@ -104,3 +110,22 @@ def test_a_malformed_setting_names_the_variable(monkeypatch):
         nt.wanted()
     with pytest.raises(ValueError, match="expected one of omp, pool"):
         nt.set_mode("threads")
+
+
+@needs_omp
+@pytest.mark.parametrize("var,value", [("OMP_WAIT_POLICY", "PASSIVE"), ("GOMP_SPINCOUNT", "0")])
+def test_a_passive_openmp_runtime_keeps_the_libraries_own_pools(var, value, restore_mode,
+                                                                monkeypatch):
+    """Told not to spin, the team sleeps after every region: each kernel would pay a wake-up,
+    so the kernels keep their own pool (and the results do not change)."""
+    monkeypatch.setenv(var, value)
+    assert nt.openmp_passive()
+    assert nt.set_mode("omp") == "pool" and nt.mode() == "pool"
+    g = torch.Generator().manual_seed(9)
+    arena, q, rows, table, lens_t, exp = _case(g, lens=[40, 9], H=4, HKV=2, D=64,
+                                               dtype=torch.bfloat16, extra_rows=0)
+    _check(nd.paged_decode(q, arena.k, arena.v, table, lens_t, block_size=16,
+                           blocks_per_slot=arena.bps, scale=0.125, rows=rows, num_threads=2),
+           exp, torch.bfloat16, ())
+    monkeypatch.delenv(var)
+    assert not nt.openmp_passive() and nt.set_mode("omp") == "omp"

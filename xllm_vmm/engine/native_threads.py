@@ -14,7 +14,11 @@ second set of threads to schedule.
 
 ``XLLM_VMM_NATIVE_THREADS``: ``omp`` (default) or ``pool`` (each library's own workers, as
 before). ``omp`` falls back on ``pool`` (``mode()`` says which is in use) when torch's parallel
-backend is not OpenMP or its runtime's entry points cannot be found in the process.
+backend is not OpenMP, its runtime's entry points cannot be found in the process, or the
+runtime was told not to spin (``OMP_WAIT_POLICY=passive``, ``GOMP_SPINCOUNT=0``: its threads
+then sleep after every region, and a kernel handed to them pays a wake-up each time — measured,
+``bench engine`` (which runs passive) fell from 1.06 to 0.84-1.0 of vLLM's speed; the pool's
+own 50 µs spin keeps those hand-offs cheap).
 """
 
 from __future__ import annotations
@@ -87,8 +91,17 @@ def openmp_entry_points() -> tuple[int, int, int] | None:
     return entry
 
 
+def openmp_passive(env: Mapping[str, str] | None = None) -> bool:
+    """The OpenMP runtime was told not to spin (``OMP_WAIT_POLICY=passive`` or
+    ``GOMP_SPINCOUNT=0``): its threads sleep after every parallel region, so each kernel handed
+    to them would pay a wake-up (``bench engine`` and ``bench attention`` run this way)."""
+    e = os.environ if env is None else env
+    return (e.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
+            or e.get("GOMP_SPINCOUNT", "").strip() == "0")
+
+
 def _apply(setter: Callable[..., int], mode: str) -> str:
-    entry = openmp_entry_points() if mode == "omp" else None
+    entry = openmp_entry_points() if mode == "omp" and not openmp_passive() else None
     if entry is None:
         setter(None, None, None)
         return "pool"
@@ -120,11 +133,12 @@ def set_mode(mode: str) -> str:
 
 
 def mode() -> str:
-    """The mode in use: ``omp`` when torch's OpenMP runtime was found and is asked for, else
-    ``pool``."""
+    """The mode in use: ``omp`` when it is asked for, torch's OpenMP runtime was found and it
+    spins between regions (:func:`openmp_passive` is false), else ``pool``."""
     with _lock:
         want = _mode if _mode is not None else wanted()
-    return "omp" if want == "omp" and openmp_entry_points() is not None else "pool"
+    return ("omp" if want == "omp" and not openmp_passive()
+            and openmp_entry_points() is not None else "pool")
 
 
 def prototype() -> tuple[list, Any]:
