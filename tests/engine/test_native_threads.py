@@ -129,3 +129,39 @@ def test_a_passive_openmp_runtime_keeps_the_libraries_own_pools(var, value, rest
            exp, torch.bfloat16, ())
     monkeypatch.delenv(var)
     assert not nt.openmp_passive() and nt.set_mode("omp") == "omp"
+
+
+_RELEASE_SCRIPT = textwrap.dedent("""
+    import os, threading, torch
+    from xllm_vmm.engine import native_threads as nt
+    torch.set_num_threads(2)
+    a = torch.randn(1024, 1024)
+    ref = a @ a  # the main thread's OpenMP team exists now
+    tasks = lambda: len(os.listdir("/proc/self/task"))
+    with_team = tasks()
+    released = nt.release_team()
+    after = tasks()
+    got = {}
+    def other():  # another thread's team: the process's only one now
+        got["y"] = a @ a
+        got["tasks"] = tasks()
+    t = threading.Thread(target=other); t.start(); t.join()
+    again = a @ a  # the main thread can still compute (a new team)
+    print(released, with_team - after, bool(torch.equal(got["y"], ref)),
+          bool(torch.equal(again, ref)), got["tasks"] - after)
+""")
+
+
+@needs_omp
+def test_release_team_ends_the_calling_threads_workers_and_torch_still_computes():
+    """serve ends its main thread's team after loading: its idle worker exits (one thread
+    fewer), another thread's products then run on that thread's own team (the caller plus one
+    worker), with the same results, and the main thread can still compute afterwards."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
+                                                            "OMP_NUM_THREADS")}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", _RELEASE_SCRIPT], env=env, cwd=root,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    # released; one worker fewer; same products; the other thread's team: itself + 1 worker
+    assert r.stdout.split() == ["True", "1", "True", "True", "2"]

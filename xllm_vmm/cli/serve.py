@@ -358,6 +358,10 @@ def run(argv: list[str], out: Optional[TextIO] = None, err: Optional[TextIO] = N
     out.flush()
     out.write(engine.warm_up(warm_budget).line() + "\n")  # the row buckets' CPU products
     out.flush()
+    # Done with torch on this thread: end its OpenMP team, so that the engine thread's is the
+    # process's only one and libgomp keeps its workers spinning between a step's products
+    # (engine.native_threads.release_team).
+    native_threads.release_team()
 
     # 3. The HTTP server.
     import asyncio
