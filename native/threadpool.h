@@ -142,11 +142,16 @@ static void xt_atfork_child_(void) {
 }
 
 /* start workers up to tids 1 .. want-1 (run_lock held); returns how many are running */
-static int xt_grow_(xt_pool_t *p, int want) {
+/* register the fork handler once (run_lock held) */
+static void xt_atfork_once_(xt_pool_t *p) {
     if (!p->atfork_done) {
         pthread_atfork(NULL, NULL, xt_atfork_child_);
         p->atfork_done = 1;
     }
+}
+
+static int xt_grow_(xt_pool_t *p, int want) {
+    xt_atfork_once_(p);
     if (!p->spin_init) {
         const char *s = getenv("XT_POOL_SPIN_US");
         p->spin_ns = s && *s ? (int64_t)atol(s) * 1000 : XT_POOL_SPIN_NS;
@@ -166,15 +171,11 @@ static int xt_grow_(xt_pool_t *p, int want) {
     return p->nworkers;
 }
 
-
 /* Use the OpenMP runtime whose entry points these are (all three, or NULL for none). */
 static inline int xt_pool_use_omp_(void *parallel, void *thread_num, void *num_threads) {
     xt_pool_t *p = &xt_pool_;
     pthread_mutex_lock(&p->run_lock);
-    if (!p->atfork_done) { /* a forked child must not use the parent's OpenMP team */
-        pthread_atfork(NULL, NULL, xt_atfork_child_);
-        p->atfork_done = 1;
-    }
+    xt_atfork_once_(p); /* a forked child must not use the parent's OpenMP team */
     pthread_mutex_unlock(&p->run_lock);
     if (!parallel || !thread_num || !num_threads) {
         __atomic_store_n(&xt_gomp_parallel_, (xt_gomp_parallel_t)NULL, __ATOMIC_RELEASE);

@@ -305,9 +305,8 @@ def run(argv: list[str], out: Optional[TextIO] = None, err: Optional[TextIO] = N
         err.write(f"error: the engine cannot be imported ({exc}); install the CPU extras: "
                   "pip install 'xllm-vmm[cpu,server]'\n")
         return 1
-    from xllm_vmm.engine.warmup import budget_from_env
-
     from xllm_vmm.engine import native_threads
+    from xllm_vmm.engine.warmup import budget_from_env
 
     try:
         warm_budget = budget_from_env(environ)

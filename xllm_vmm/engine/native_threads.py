@@ -35,6 +35,7 @@ _lock = threading.Lock()
 _setters: list[Callable[..., int]] = []
 _mode: str | None = None
 _entry: tuple[int, int, int] | None | bool = False  # False: not looked up yet
+_runtime: Any = False  # the runtime's CDLL, None, or False: not looked up yet
 
 
 def wanted(env: Mapping[str, str] | None = None) -> str:
@@ -68,24 +69,37 @@ def _openmp_library() -> str | None:
     return found[0][1] if found else None
 
 
+def _openmp() -> ctypes.CDLL | None:
+    """The OpenMP runtime torch loaded, opened with ``RTLD_NOLOAD`` (never a second copy), or
+    None. Looked up once per process."""
+    global _runtime
+    if _runtime is False:
+        path = _openmp_library()
+        try:
+            _runtime = (None if path is None
+                        else ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY))
+        except OSError:
+            _runtime = None
+    return _runtime  # type: ignore[return-value]
+
+
 def openmp_entry_points() -> tuple[int, int, int] | None:
     """Addresses of ``GOMP_parallel``, ``omp_get_thread_num`` and ``omp_get_num_threads`` of the
-    OpenMP runtime already loaded by torch (never a second copy: it is opened with
-    ``RTLD_NOLOAD``), or None. Looked up once per process."""
+    OpenMP runtime already loaded by torch (:func:`_openmp`), or None. Looked up once per
+    process."""
     global _entry
     if _entry is not False:
         return _entry  # type: ignore[return-value]
     entry = None
-    path = _openmp_library()
-    if path is not None:
+    lib = _openmp()
+    if lib is not None:
         try:
-            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
             entry = tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0
                           for name in ("GOMP_parallel", "omp_get_thread_num",
                                        "omp_get_num_threads"))
             if not all(entry):
                 entry = None
-        except (OSError, AttributeError):
+        except AttributeError:
             entry = None
     _entry = entry
     return entry
@@ -128,13 +142,18 @@ def set_mode(mode: str) -> str:
         raise ValueError(f"native threads mode {mode!r}: expected one of {', '.join(MODES)}")
     with _lock:
         _mode = mode
-        used = {_apply(s, mode) for s in _setters}
-    return mode if used == {mode} or not _setters else "pool"
+        for setter in _setters:
+            _apply(setter, mode)
+    return _in_use()
 
 
 def mode() -> str:
     """The mode in use: ``omp`` when it is asked for, torch's OpenMP runtime was found and it
     spins between regions (:func:`openmp_passive` is false), else ``pool``."""
+    return _in_use()
+
+
+def _in_use() -> str:
     with _lock:
         want = _mode if _mode is not None else wanted()
     return ("omp" if want == "omp" and not openmp_passive()
@@ -153,13 +172,12 @@ def release_team() -> bool:
     main thread's team once it is done with torch leaves the engine thread's as the only one.
     Measured (``bench serve``'s load on the engine in a second thread, interleaved, quiet): TPOT
     median 12.5-12.9 against 18.5-19.5 ms, output 3,184-3,261 against 2,840-2,954 tok/s."""
-    path = _openmp_library()
-    if path is None:
+    lib = _openmp()
+    if lib is None:
         return False
     try:
-        lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
         pause = lib.omp_pause_resource_all
-    except (OSError, AttributeError):
+    except AttributeError:
         return False
     pause.argtypes = [ctypes.c_int]
     pause.restype = ctypes.c_int
