@@ -98,8 +98,19 @@ def test_bench_engine_vllm_side_by_side_protocol(tmp_path, monkeypatch):
     assert doc["prefix_caching"] is False and doc["vllm_prefix_caching"] is False
     assert doc["max_tokens_per_batch"] == 2048 and doc["vllm_max_num_batched_tokens"] == 4096
     assert doc["max_seqs_per_batch"] == 256 and doc["vllm_max_num_seqs"] == 256
-    # vLLM's process was stopped while ours and HF ran, and resumed for each of its runs
+    # exclusive (the default): vLLM's runner started for each of its runs, after ours and
+    # HF's, so never resident while they ran
+    assert doc["residency"] == "exclusive" and doc["vllm_startups"] == 2
+    assert "vllm_paused_while_others_ran" not in doc and doc["vllm_startup_s"] > 0
+    # shared: started once, its process stopped while ours and HF ran, resumed for its runs
+    r = CliRunner().invoke(app, _small(["--vllm-venv", str(venv), "--residency", "shared"]))
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["residency"] == "shared" and doc["vllm_startups"] == 1
     assert doc["vllm_paused_while_others_ran"] is True
+    assert doc["vllm_tokens_per_s_median"] == 2 * 2 / 0.5 and "vllm_error" not in doc
+    r = CliRunner().invoke(app, _small(["--vllm-venv", str(venv), "--residency", "both"]))
+    assert r.exit_code == 2 and "--residency must be one of exclusive, shared" in r.stderr
     r = CliRunner().invoke(app, _small(["--vllm-venv", str(tmp_path / "nowhere")]))
     assert r.exit_code == 0, r.stderr
     doc = json.loads(r.stdout)

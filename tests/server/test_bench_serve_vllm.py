@@ -142,9 +142,10 @@ def test_compare_warms_both_then_alternates_rounds(tmp_path, tiny_llama_dir):
     t0 = time.time()
     out = sc.compare(cfg, args, str(venv), rounds=3, kv_space_gib=1, warmup_prompts=4,
                      vllm_env={"VLLM_CPU_OMP_THREADS_BIND": "0"}, settle_s=0.0,
-                     vmm_weights_side=True)
+                     vmm_weights_side=True, residency="shared")
     starts = [json.loads(line) for line in record.read_text().splitlines()]
     assert len(starts) == 1 and starts[0]["t"] > t0  # one vLLM start for all rounds
+    assert out["residency"] == "shared"
     r = starts[0]
     assert r["env"] == {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
                         "VLLM_CPU_OMP_THREADS_BIND": "0"}  # --vllm-env reaches it
@@ -173,6 +174,8 @@ def test_compare_warms_both_then_alternates_rounds(tmp_path, tiny_llama_dir):
         assert all(x["idle_server_cpu_s"] is not None and x["idle_server_cpu_s"] < 1.0
                    for x in s["runs"])
         assert all(x["idle_server_paused"] is True for x in s["runs"])  # stopped, then resumed
+        assert all(x["resident_servers"] == 3 for x in s["runs"])
+        assert s["startups"] == 1 and s["startup_s_median"] > 0
         # every side's tree from /proc (clock ticks: a fake server's few tokens may read 0)
         assert s["server_cpu_ms_per_output_token"] is not None
         assert s["server_cpu_ms_per_output_token"] >= 0
@@ -213,7 +216,7 @@ def test_compare_alternates_which_server_goes_first(tmp_path, tiny_llama_dir, mo
                         timeout=120)
     args = bs.serve_args(str(tiny_llama_dir), ["--device-memory=256MiB"], 12, 0.5, 4)
     out = sc.compare(cfg, args, str(venv), rounds=3, kv_space_gib=1, warmup_prompts=2,
-                     settle_s=0.0, vmm_weights_side=True)
+                     settle_s=0.0, vmm_weights_side=True, residency="shared")
     names = dict(zip([url for url, _ in seen[:3]], ("ours", "ours_vw", "vllm")))
     assert [names[url] for url, _ in seen] == [
         "ours", "ours_vw", "vllm",                                # warm-up, each alone
@@ -223,10 +226,58 @@ def test_compare_alternates_which_server_goes_first(tmp_path, tiny_llama_dir, mo
     # the same order every round, and without the second server of ours
     seen.clear()
     out = sc.compare(cfg, args, str(venv), rounds=2, kv_space_gib=1, warmup_prompts=0,
-                     settle_s=0.0, vmm_weights_side=False, order="fixed")
+                     settle_s=0.0, vmm_weights_side=False, order="fixed", residency="shared")
     assert "xllm_vmm_vmm_weights" not in out and "vs_vllm_tpot_ratio_vmm_weights" not in out
     assert out["order"] == "fixed" and len(seen) == 4
     assert [url for url, _ in seen][::2] == [seen[0][0]] * 2  # ours first in both rounds
+
+
+def test_compare_exclusive_runs_one_server_on_the_machine_at_a_time(tmp_path, tiny_llama_dir,
+                                                                     monkeypatch):
+    """The default residency: every run starts its side's server, warms it up, measures it
+    and stops it, so that no other server's memory is resident while one is measured (an
+    idle vLLM's slowed our elastic KV cache's page commits: docs/benchmarks.md)."""
+    venv, record = _venv(tmp_path)
+    seen: list[tuple[str, int, list[int]]] = []
+    real = sc.drive
+
+    async def spy(url, load, **kw):
+        children = (bs._children() or {}).get(os.getpid(), [])
+        live = [c for c in children if bs.tree_rss_bytes(c) is not None]
+        seen.append((url, load.seed, live))
+        return await real(url, load, **kw)
+
+    monkeypatch.setattr(sc, "drive", spy)
+    cfg = bs.LoadConfig(num_prompts=3, request_rate=float("inf"), input_len=12, output_len=4,
+                        timeout=120, seed=7)
+    args = bs.serve_args(str(tiny_llama_dir), ["--device-memory=256MiB"], 12, 0.5, 4)
+    out = sc.compare(cfg, args, str(venv), rounds=2, kv_space_gib=1, warmup_prompts=2,
+                     settle_s=0.0)
+    assert out["residency"] == "exclusive"
+    starts = [json.loads(line) for line in record.read_text().splitlines()]
+    assert len(starts) == 2  # vLLM started for each of its runs...
+    assert all(bs.tree_rss_bytes(r["pid"]) is None for r in starts)  # ...and stopped after
+    vllm_urls = {f"http://127.0.0.1:{r['argv'][r['argv'].index('--port') + 1]}" for r in starts}
+    side = ["vllm" if url in vllm_urls else "ours" for url, _, _ in seen]
+    # each start: its warm-up, then its measured run; ours first in round 0, vLLM in round 1
+    assert side == ["ours", "ours", "vllm", "vllm", "vllm", "vllm", "ours", "ours"]
+    assert [seed for _, seed, _ in seen] == [1007, 7, 1007, 7, 1007, 8, 1007, 8]
+    assert len({url for url, _, _ in seen}) == 4  # a new server (and port) every run
+    assert all(len(live) == 1 for _, _, live in seen)  # only the driven server is up
+    for s in (out["xllm_vmm"], out["vllm"]):
+        assert [x["round"] for x in s["runs"]] == [0, 1] and s["failures"] == 0
+        assert s["startups"] == 2 and s["startup_s_median"] > 0
+        assert s["warmup"]["completed"] == 2
+        for x in s["runs"]:
+            assert x["completed"] == 3 and x["resident_servers"] == 1
+            assert x["idle_server_cpu_s"] is None and x["idle_server_paused"] is False
+            assert x["host_memory_used_bytes_start"] > 0
+    assert out["xllm_vmm"]["server_exit_code"] == 0
+    assert out["vs_vllm_tpot_ratio_per_round"] == [
+        pytest.approx(a["tpot_ms_median"] / b["tpot_ms_median"])
+        for a, b in zip(out["xllm_vmm"]["runs"], out["vllm"]["runs"])]
+    assert [p for p in (bs._children() or {}).get(os.getpid(), [])
+            if bs.tree_rss_bytes(p) is not None] == []  # nothing left behind
 
 
 def test_round_order():
@@ -344,6 +395,8 @@ def test_compare_refuses_bad_options(tmp_path):
         sc.compare(cfg, [], str(tmp_path))
     with pytest.raises(ValueError, match="--order"):
         sc.compare(cfg, ["--model", "/m"], str(tmp_path), order="random")
+    with pytest.raises(ValueError, match="--residency must be one of exclusive, shared"):
+        sc.compare(cfg, ["--model", "/m"], str(tmp_path), residency="both")
 
 
 @pytest.mark.skipif(not os.environ.get("XLLM_VMM_TEST_VLLM_VENV"),

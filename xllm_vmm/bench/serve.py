@@ -347,6 +347,18 @@ def machine_cpu_seconds() -> Optional[tuple[float, float]]:
     return (f[0] + f[1] + f[2] + f[5] + f[6]) / tick, f[7] / tick
 
 
+def host_memory_used_bytes() -> Optional[int]:
+    """The machine's memory in use (``MemTotal - MemAvailable`` of ``/proc/meminfo``), None
+    where it cannot be read (not Linux)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            kb = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in fh)
+                  if k in ("MemTotal", "MemAvailable")}
+        return (kb["MemTotal"] - kb["MemAvailable"]) << 10
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 class _CostClock:
     """CPU clocks at construction; :meth:`since` gives what each used meanwhile: this
     process (``client_cpu_s``), the process tree of ``server_pid`` (``server_cpu_s``, None

@@ -12,32 +12,45 @@ reported in ``vllm.env``.
 
 How (the order is what makes the figures stable on a small noisy machine):
 
-1. The servers are started one after the other (ours; with ``vmm_weights_side``, ours with
-   the weights in the pool too, side ``xllm_vmm_vmm_weights``; then vLLM's while ours are idle)
-   and stay up for the whole comparison: none pays its start-up or its first load inside a
-   measured run. ``xllm_vmm`` is the headline: what ``xllm-vmm serve`` runs with the KV cache
-   in the elastic pool and its default weights (plain tensors, fused and oneDNN-packed);
-   pool weights are referenced in the pool, never copied (sleep, wakeup and fork rely on it),
-   so their projections run unfused and unpacked (~1.6x the matmul CPU at decode sizes).
-2. Both get the same **warm-up load** — the measured load's shape (lengths, rate, output
-   budget) with ``warmup_prompts`` prompts of another seed — one after the other, not
-   counted (``warmup`` in each side's figures): the first load after start-up pays one-time
-   costs on both sides (allocator growth, oneDNN primitives per shape, lazy imports; vLLM's
-   first load ran 2-4x its later TTFT here).
-3. ``rounds`` measured rounds; round *i* drives both with the load of seed ``seed + i`` (the
-   same prompts for both sides within a round, new prompts every round, so that no prefix
-   cache serves a repeat), ours first in even rounds and vLLM's first in odd ones (drift in
-   the machine's load cancels over pairs; ``order="fixed"`` keeps the even rounds' order). One server is driven at a time; the other's whole
-   process tree is paused (SIGSTOP, SIGCONT after the run; ``pause_idle``, reported as
-   ``idle_server_paused``): an idle ``vllm serve`` is not quiet — its worker's 12
-   ``gloo_tcp_loop`` threads woke ~1,300 times a second here, and with it merely running our
-   server's steps took 50-57 ms instead of 22-32 ms (each wake-up stalls one of the two
-   OpenMP threads every parallel region waits for). ``idle_server_cpu_s`` (the CPU seconds
-   the idle tree used during the run, from ``/proc``) shows it stayed idle. ``settle_s``
-   seconds pass between runs.
+1. **One server on the machine at a time** (``residency="exclusive"``, the default): every
+   run starts its side's server (not timed into the figures; ``startup_s_median``), gives it
+   the warm-up load below, measures it and stops it (its whole process tree: nothing of it
+   is left in memory) before the next side starts. The sides are ``xllm_vmm``, the headline
+   (what ``xllm-vmm serve`` runs with the KV cache in the elastic pool and its default
+   weights: plain tensors, fused and oneDNN-packed); with ``vmm_weights_side``,
+   ``xllm_vmm_vmm_weights`` (ours with the weights in the pool too: referenced in the pool,
+   never copied — sleep, wakeup and fork rely on it — so their projections run unfused and
+   unpacked, ~1.6x the matmul CPU at decode sizes); and ``vllm``. Why not keep every server
+   up: a resident server's memory slows the one being measured when it is an elastic one. On
+   this virtual machine the host backs guest memory lazily: with ~4 GB more of it in use
+   (an idle ``vllm serve``'s 4.5 GB of processes and 2 GiB of KV, even paused), writing a
+   page for the first time cost 16-56 us instead of 2, and every page our KV cache maps
+   while it grows is one (``docs/benchmarks.md``, session 8: with vLLM paused beside it our
+   TPOT was 38-44 ms, and 12-16 ms without it; with the KV cache mapped up front
+   (``--vmm_elastic=false``) a paused 7 GB process changed nothing, so it is the page
+   commits). vLLM, which commits its KV space at start-up, does not feel it.
+   ``residency="shared"`` keeps the old procedure: every server is started once, one after
+   the other, and stays up; the idle ones are paused during each run (SIGSTOP, SIGCONT after
+   it; ``pause_idle``, reported as ``idle_server_paused``: an idle ``vllm serve`` is not
+   quiet — its worker's 12 ``gloo_tcp_loop`` threads woke ~1,300 times a second here) and
+   ``idle_server_cpu_s`` (the CPU seconds the idle trees used during the run, from
+   ``/proc``) shows they stayed idle. Each run reports ``resident_servers`` (servers up
+   during it) and ``host_memory_used_bytes_start`` (the machine's memory in use as it
+   began).
+2. Every server gets the same **warm-up load** after its start — the measured load's shape
+   (lengths, rate, output budget) with ``warmup_prompts`` prompts of another seed — not
+   counted (``warmup`` in each side's figures: its first one): the first load after
+   start-up pays one-time costs on both sides (allocator growth, oneDNN primitives per
+   shape, lazy imports; vLLM's first load ran 2-4x its later TTFT here).
+3. ``rounds`` measured rounds; round *i* drives every side with the load of seed
+   ``seed + i`` (the same prompts for every side within a round, new prompts every round, so
+   that no prefix cache serves a repeat), ours first in even rounds and vLLM's first in odd
+   ones (drift in the machine's load cancels over pairs; ``order="fixed"`` keeps the even
+   rounds' order). One server is driven at a time; ``settle_s`` seconds pass between runs.
 
 Figures (:func:`compare`): per side, ``runs`` (each run's ``drive`` figures, with ``round``,
-``seed`` and ``idle_server_cpu_s``), ``warmup``, and over the runs ``output_throughput_min`` /
+``seed``, ``resident_servers``, ``host_memory_used_bytes_start`` and ``idle_server_cpu_s``),
+``warmup``, ``startups`` and ``startup_s_median``, and over the runs ``output_throughput_min`` /
 ``_median``, ``ttft_ms_min`` / ``_median``, ``tpot_ms_min`` / ``_median``, ``itl_ms_median``
 (min and median over runs of each run's median), ``rss_bytes_peak_median``, the server's own
 latency (``server_*_us_*``, medians over runs; None for vLLM) and vLLM's own stages
@@ -72,8 +85,9 @@ from typing import Optional
 
 from dataclasses import replace
 
-from xllm_vmm.bench.serve import (LoadConfig, ServerProcess, drive, run_load, signal_tree,
-                                  tree_cpu_seconds)
+from xllm_vmm.bench.residency import RESIDENCIES
+from xllm_vmm.bench.serve import (LoadConfig, ServerProcess, drive, host_memory_used_bytes,
+                                  run_load, signal_tree, tree_cpu_seconds)
 
 #: the warm-up load's seed is the measured seed plus this (prompts no measured round sends)
 WARMUP_SEED_OFFSET = 1000
@@ -302,12 +316,14 @@ def compare(cfg: LoadConfig, serve_args: list[str], vllm_venv: str, *, rounds: i
             kv_space_gib: int = 2, vllm_start_timeout: float = 300.0,
             warmup_prompts: int = 32, vllm_env: Optional[dict[str, str]] = None,
             settle_s: float = 1.0, pause_idle: bool = True, vmm_weights_side: bool = False,
-            order: str = "alternate") -> dict:
-    """Both servers up, the same warm-up, then ``rounds`` alternating rounds (module
-    docstring). ``serve_args`` are ``xllm-vmm serve``'s (:func:`xllm_vmm.bench.serve.serve_args`:
-    they name the model, dtype and context vLLM gets too). ``vmm_weights_side`` (off by
-    default): a second server of ours with :data:`VMM_WEIGHTS_FLAG` added runs beside them
-    (side ``xllm_vmm_vmm_weights``), unless ``serve_args`` already set ``enable_vmm_weights``.
+            order: str = "alternate", residency: str = "exclusive") -> dict:
+    """The same warm-up, then ``rounds`` alternating rounds (module docstring), with one
+    server up at a time (``residency="exclusive"``: each run starts its server, warms it up,
+    measures it and stops it) or all of them up and the idle ones paused (``"shared"``).
+    ``serve_args`` are ``xllm-vmm serve``'s (:func:`xllm_vmm.bench.serve.serve_args`: they
+    name the model, dtype and context vLLM gets too). ``vmm_weights_side`` (off by default):
+    a second server of ours with :data:`VMM_WEIGHTS_FLAG` added runs beside them (side
+    ``xllm_vmm_vmm_weights``), unless ``serve_args`` already set ``enable_vmm_weights``.
     Off by default because a third server, though paused while the headline runs, measured
     the headline worse in later rounds (``docs/benchmarks.md``, session 5).
     ``order``: one of :data:`ORDERS` (:func:`round_order`). A vLLM start that fails ends
@@ -323,6 +339,9 @@ def compare(cfg: LoadConfig, serve_args: list[str], vllm_venv: str, *, rounds: i
         raise ValueError(f"--warmup-prompts must be in 0..100000, got {warmup_prompts}")
     if order not in ORDERS:
         raise ValueError(f"--order must be one of {', '.join(ORDERS)}, got {order!r}")
+    if residency not in RESIDENCIES:
+        raise ValueError(f"--residency must be one of {', '.join(RESIDENCIES)}, got "
+                         f"{residency!r}")
     cfg.check()
     model = _flag_value(serve_args, "model")
     if model is None:
@@ -339,73 +358,122 @@ def compare(cfg: LoadConfig, serve_args: list[str], vllm_venv: str, *, rounds: i
     with_vw = vmm_weights_side and _flag_value(serve_args, "enable_vmm_weights") is None
     sides = SIDES if with_vw else (SIDES[0], SIDES[2])
     runs: dict[str, list[dict]] = {side: [] for side in sides}
-    warmups: dict[str, Optional[dict]] = {side: None for side in sides}
+    warmups: dict[str, list[dict]] = {side: [] for side in sides}
+    startups: dict[str, list[float]] = {side: [] for side in sides}
     vllm_error: Optional[str] = None
-    vs = VllmServer(vllm_venv, model, dtype=dtype,
-                    max_model_len=int(max_len) if max_len else None,
-                    kv_space_gib=kv_space_gib, start_timeout=vllm_start_timeout, env=vllm_env)
     our_args = {"xllm_vmm": list(serve_args)}
     if with_vw:
         our_args["xllm_vmm_vmm_weights"] = [*serve_args, VMM_WEIGHTS_FLAG]
-    ours = {side: ServerProcess(list(a)) for side, a in our_args.items()}
+
+    def new_vllm() -> VllmServer:
+        return VllmServer(vllm_venv, model, dtype=dtype,
+                          max_model_len=int(max_len) if max_len else None,
+                          kv_space_gib=kv_space_gib, start_timeout=vllm_start_timeout,
+                          env=vllm_env)
+
+    vs = new_vllm()
+    up: dict[str, object] = {}  # side -> its running server (ServerProcess / VllmServer)
     our_exit: dict[str, Optional[int]] = {}
-    try:
-        for srv in ours.values():  # one at a time, each idle while the next starts
-            srv.start()
-        try:
-            vs.start()
-        except RuntimeError as exc:
-            vllm_error = str(exc)
-        servers = {**{k: (v.url, v.pid) for k, v in ours.items()}, "vllm": (vs.url, vs.pid)}
 
-        def run_one(side: str, load: LoadConfig, rss: bool) -> Optional[dict]:
-            """One load on ``side``; None (and vLLM's error recorded) when vLLM failed."""
-            nonlocal vllm_error
-            url, pid = servers[side]
-            idle = [p for k, (_, p) in servers.items() if k != side and p is not None
-                    and (k != "vllm" or vllm_error is None)]
-            idle0 = [tree_cpu_seconds(p) for p in idle]
-            paused = [p for p in idle if pause_idle and signal_tree(p, signal.SIGSTOP) > 0]
+    def start(side: str) -> bool:
+        """Start ``side``'s server (timed into ``startups``); False when vLLM's fails (its
+        error recorded). Ours failing raises: there is nothing to compare then."""
+        nonlocal vs, vllm_error
+        t0 = time.monotonic()
+        if side == "vllm":
+            vs = new_vllm() if vs.proc is not None else vs
             try:
-                out = run_load(drive(url, load, rss_pid=pid if rss else None))
-            except Exception as exc:  # noqa: BLE001
-                if side != "vllm":
-                    raise
-                vllm_error = (f"the load failed on vllm serve: {type(exc).__name__}: {exc}\n"
-                              f"{vs.log_tail(30)}")
-                vs.stop()
-                return None
-            finally:
-                for p in paused:
-                    signal_tree(p, signal.SIGCONT)
-            idle1 = [tree_cpu_seconds(p) for p in idle]
-            used = [b - a for a, b in zip(idle0, idle1) if a is not None and b is not None]
-            out["idle_server_cpu_s"] = sum(used) if idle else None
-            out["idle_server_paused"] = bool(idle) and len(paused) == len(idle)
-            return out
+                vs.start()
+            except RuntimeError as exc:
+                vllm_error = str(exc)
+                return False
+            up[side] = vs
+        else:
+            up[side] = ServerProcess(list(our_args[side])).start()
+        startups[side].append(time.monotonic() - t0)
+        return True
 
-        if warm is not None:
-            for side in sides:
-                if side == "vllm" and vllm_error is not None:
-                    continue
-                warmups[side] = run_one(side, warm, rss=False)
-                time.sleep(settle_s)
-        for i, load in enumerate(loads):
-            for side in round_order(sides, i, order):
-                if side == "vllm" and vllm_error is not None:
-                    continue
-                out = run_one(side, load, rss=True)
-                if out is not None:
-                    out["round"] = i
-                    runs[side].append(out)
-                time.sleep(settle_s)
+    def stop(side: str) -> None:
+        srv = up.pop(side, None)
+        if srv is None:
+            return
+        code = srv.stop()
+        if side != "vllm" and our_exit.get(side) in (None, 0):  # the first failing exit stays
+            our_exit[side] = code
+
+    def run_one(side: str, load: LoadConfig, rss: bool) -> Optional[dict]:
+        """One load on ``side``; None (and vLLM's error recorded) when vLLM failed."""
+        nonlocal vllm_error
+        srv = up[side]
+        idle = [v.pid for k, v in up.items() if k != side and v.pid is not None]
+        used_mem = host_memory_used_bytes()
+        idle0 = [tree_cpu_seconds(p) for p in idle]
+        paused = [p for p in idle if pause_idle and signal_tree(p, signal.SIGSTOP) > 0]
+        try:
+            out = run_load(drive(srv.url, load, rss_pid=srv.pid if rss else None))
+        except Exception as exc:  # noqa: BLE001
+            if side != "vllm":
+                raise
+            vllm_error = (f"the load failed on vllm serve: {type(exc).__name__}: {exc}\n"
+                          f"{vs.log_tail(30)}")
+            stop("vllm")
+            return None
+        finally:
+            for p in paused:
+                signal_tree(p, signal.SIGCONT)
+        idle1 = [tree_cpu_seconds(p) for p in idle]
+        used = [b - a for a, b in zip(idle0, idle1) if a is not None and b is not None]
+        out["resident_servers"] = 1 + len(idle)
+        out["host_memory_used_bytes_start"] = used_mem
+        out["idle_server_cpu_s"] = sum(used) if idle else None
+        out["idle_server_paused"] = bool(idle) and len(paused) == len(idle)
+        return out
+
+    def measure(side: str, i: int, load: LoadConfig) -> None:
+        out = run_one(side, load, rss=True)
+        if out is not None:
+            out["round"] = i
+            runs[side].append(out)
+
+    try:
+        if residency == "shared":
+            for side in sides:  # one at a time, each idle while the next starts
+                start(side)
+            if warm is not None:
+                for side in sides:
+                    if side in up:
+                        warmups[side].append(run_one(side, warm, rss=False))
+                        time.sleep(settle_s)
+            for i, load in enumerate(loads):
+                for side in round_order(sides, i, order):
+                    if side in up:
+                        measure(side, i, load)
+                        time.sleep(settle_s)
+        else:
+            for i, load in enumerate(loads):
+                for side in round_order(sides, i, order):
+                    if side == "vllm" and vllm_error is not None or not start(side):
+                        continue
+                    try:
+                        if warm is not None:
+                            w = run_one(side, warm, rss=False)
+                            if w is not None:
+                                warmups[side].append(w)
+                            time.sleep(settle_s)
+                        if side in up:
+                            measure(side, i, load)
+                    finally:
+                        stop(side)
+                    time.sleep(settle_s)
     finally:
+        for side in list(up):
+            stop(side)
         vs.stop()
-        for side, srv in ours.items():
-            our_exit[side] = srv.stop()
     summary = {side: summarize(runs[side]) for side in sides}
     for side in sides:
-        summary[side]["warmup"] = warmups[side]
+        summary[side]["warmup"] = warmups[side][0] if warmups[side] else None
+        summary[side]["startups"] = len(startups[side])
+        summary[side]["startup_s_median"] = _median(startups[side])
     b = summary["vllm"]
     b["server"] = " ".join(vs.args) if vs.url else None
     b["env"] = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(int(kv_space_gib)),
@@ -413,7 +481,7 @@ def compare(cfg: LoadConfig, serve_args: list[str], vllm_venv: str, *, rounds: i
     b["kv_reserved_bytes"] = int(kv_space_gib) << 30
     if vllm_error is not None:
         b["error"] = vllm_error
-    for side, srv in ours.items():
+    for side in our_args:
         summary[side]["server_exit_code"] = our_exit.get(side)
         summary[side]["server"] = "xllm-vmm serve " + " ".join(our_args[side])
     out = {
@@ -421,6 +489,7 @@ def compare(cfg: LoadConfig, serve_args: list[str], vllm_venv: str, *, rounds: i
         "range_ratio": cfg.range_ratio, "output_len": cfg.output_len,
         "request_rate": cfg.request_rate if cfg.request_rate != float("inf") else "inf",
         "seed": cfg.seed, "rounds": rounds, "warmup_prompts": warmup_prompts, "order": order,
+        "residency": residency,
         **summary,
     }
     for side, suffix in (("xllm_vmm", ""), ("xllm_vmm_vmm_weights", "_vmm_weights")):

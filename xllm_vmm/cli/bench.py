@@ -441,6 +441,7 @@ def bench_engine(
                                             "build: its LLM.generate runs side by side "
                                             "(vs_vllm_ratio)."),
     max_tokens_per_batch: int = typer.Option(2048, "--max-tokens-per-batch", help="The engine's per-step token budget (vLLM keeps its own; both are printed)."),
+    residency: str = typer.Option("exclusive", "--residency", help="With --vllm-venv: exclusive (vLLM started for each of its runs and stopped after it, never resident while the engine and HF run) or shared (started once, paused while the others run)."),
     fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
 ) -> None:
     from xllm_vmm.bench import engine as engine_bench
@@ -464,7 +465,7 @@ def bench_engine(
             equal_prompt=equal_prompt, repeats=repeats, layers=layers, hidden=hidden,
             dtype=dtype, seed=seed, elastic=elastic, block_size=block_size,
             device_memory=device_memory, threads=threads, vllm_venv=vllm_venv,
-            max_tokens_per_batch=max_tokens_per_batch))
+            max_tokens_per_batch=max_tokens_per_batch, residency=residency))
     except ConfigError as exc:
         raise _fail(2, f"bench engine: {exc}") from None
     emit("bench engine (output tokens/s)", results, fmt)
@@ -492,12 +493,13 @@ def bench_serve(
     timeout: float = typer.Option(600.0, help="Seconds the load may take in all."),
     serve_arg: list[str] = typer.Option([], "--serve-arg", help="Extra flag for serve (repeatable), e.g. --serve-arg=--vmm_elastic=false."),
     vllm_venv: Optional[str] = typer.Option(None, "--vllm-venv", help="A venv with vLLM's CPU build: run `vllm serve` of the same model side by side (interleaved rounds, same load) and report vs_vllm_throughput_ratio."),
-    rounds: int = typer.Option(3, help="With --vllm-venv: measured rounds, each driving both servers (kept up and warmed) one at a time with the same new prompts, alternating which goes first."),
+    rounds: int = typer.Option(3, help="With --vllm-venv: measured rounds, each driving every server (warmed up) one at a time with the same new prompts, alternating which goes first."),
     warmup_prompts: int = typer.Option(32, "--warmup-prompts", help="With --vllm-venv: prompts of the same-shaped warm-up load each server gets before the rounds (not counted; 0: none)."),
     vllm_env: list[str] = typer.Option([], "--vllm-env", help="With --vllm-venv: KEY=VALUE added to vllm serve's environment (repeatable), e.g. --vllm-env VLLM_CPU_OMP_THREADS_BIND=0-1."),
     vllm_kv_space: int = typer.Option(2, "--vllm-kv-space", help="With --vllm-venv: VLLM_CPU_KVCACHE_SPACE, whole GiB of KV vLLM reserves up front."),
     vmm_weights_side: bool = typer.Option(False, "--vmm-weights-side/--no-vmm-weights-side", help="With --vllm-venv: also run a server of ours with --enable_vmm_weights=true (the weights in the pool too) in every round, beside the headline (serve's default weights). Off by default: a third server, though paused, measured the headline worse in later rounds (docs/benchmarks.md)."),
     order: str = typer.Option("alternate", "--order", help="With --vllm-venv: alternate (ours first in even rounds, vLLM first in odd ones) or fixed (the even rounds' order every round)."),
+    residency: str = typer.Option("exclusive", "--residency", help="With --vllm-venv: exclusive (one server on the machine at a time: each run starts its server, warms it up, measures it and stops it) or shared (every server up for the whole comparison, the idle ones paused; a resident vLLM's memory slowed our elastic KV cache's page commits on this machine: docs/benchmarks.md)."),
     engine_only: bool = typer.Option(False, "--engine-only", help="Replay the same load straight on the engine in this process (no HTTP, no server threads): the server's share is the difference."),
     fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", help="table or json."),
 ) -> None:
@@ -534,7 +536,7 @@ def bench_serve(
         out = _run("bench serve", lambda: serve_compare.compare(
             cfg, args, vllm_venv, rounds=rounds, kv_space_gib=vllm_kv_space,
             warmup_prompts=warmup_prompts, vllm_env=env, vmm_weights_side=vmm_weights_side,
-            order=order))
+            order=order, residency=residency))
         emit("bench serve: xllm-vmm vs vllm serve", out if fmt is OutputFormat.json
              else serve_compare.flat(out), fmt)
         return
