@@ -324,8 +324,9 @@ def compare(cfg: LoadConfig, serve_args: list[str], vllm_venv: str, *, rounds: i
     name the model, dtype and context vLLM gets too). ``vmm_weights_side`` (off by default):
     a second server of ours with :data:`VMM_WEIGHTS_FLAG` added runs beside them (side
     ``xllm_vmm_vmm_weights``), unless ``serve_args`` already set ``enable_vmm_weights``.
-    Off by default because a third server, though paused while the headline runs, measured
-    the headline worse in later rounds (``docs/benchmarks.md``, session 5).
+    Off by default (its runs take time). With ``residency="shared"`` it is one more paused
+    server's memory beside the headline, which slowed the headline's page commits
+    (:mod:`xllm_vmm.bench.residency`; session 5 saw the headline fall behind in later rounds).
     ``order``: one of :data:`ORDERS` (:func:`round_order`). A vLLM start that fails ends
     vLLM's side with its ``error`` (the exact message and log tail), and so does a load that
     fails on it; our rounds still run."""
