@@ -161,7 +161,36 @@ def test_prompt_too_long_states_both_numbers(served, tokenizer):
     assert str(front.max_model_len) in msg and str(n) in msg
     r = HTTP.post(f"{srv.url}/v1/completions", json={"prompt": "hi", "max_tokens": 1000})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
-    assert "1000" in r.json()["error"]["message"]
+    msg = r.json()["error"]["message"]
+    assert "1000" in msg and str(front.max_model_len) in msg  # above the whole context
+
+
+def test_budget_past_the_context_is_cut_to_what_is_left(served, tokenizer):
+    """A budget that fits the context but not beside the prompt is served to the context's
+    end, as vLLM does (`vllm bench serve`'s random loads ask such budgets): finish_reason
+    length, the completion exactly what was left. A min_tokens above what is left is a 400."""
+    _, front, srv = served
+    limit = front.max_model_len
+    prompt = list(range(5, 5 + limit - 10))  # 10 tokens left
+    for key in ("max_tokens", "max_completion_tokens"):
+        r = HTTP.post(f"{srv.url}/v1/completions",
+                      json={"prompt": prompt, key: limit // 2, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        d = r.json()
+        assert d["usage"]["prompt_tokens"] == limit - 10
+        assert d["usage"]["completion_tokens"] == 10
+        assert d["choices"][0]["finish_reason"] == "length"
+    r = HTTP.post(f"{srv.url}/v1/completions",
+                  json={"prompt": prompt, "max_tokens": limit // 2, "min_tokens": 11})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+    assert "10" in r.json()["error"]["message"]
+    r = HTTP.post(f"{srv.url}/v1/chat/completions",
+                  json={"messages": [{"role": "user", "content": "hi"}],
+                        "max_completion_tokens": limit, "ignore_eos": True})
+    assert r.status_code == 200, r.text  # the whole context asked: cut to what is left
+    d = r.json()
+    assert d["usage"]["prompt_tokens"] + d["usage"]["completion_tokens"] == limit
+    assert d["choices"][0]["finish_reason"] == "length"
 
 
 def test_not_json_and_unknown_route(served):

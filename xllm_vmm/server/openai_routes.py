@@ -96,7 +96,12 @@ def _gather(deltas: list[Delta], n_choices: int
 
 def _budget(front: AsyncEngine, prompt_len: int, req, default: Optional[int],
             prompt_param: str) -> int:
-    """The completion's token budget, or a 400 stating both numbers when it does not fit."""
+    """The completion's token budget: what the request asks (``default`` when it asks
+    nothing; the rest of the context without a default), cut to what the context has left
+    beside the prompt — as vLLM does: ``vllm bench serve``'s random loads ask budgets that
+    overrun the context, and it serves them to the context's end (``finish_reason``
+    ``length``). A 400 stating both numbers when the prompt leaves no room, or when the budget
+    asked is above the whole context."""
     limit = front.max_model_len
     asked = req.requested_max_tokens()
     if prompt_len >= limit:
@@ -105,12 +110,12 @@ def _budget(front: AsyncEngine, prompt_len: int, req, default: Optional[int],
                             "for the completion). Shorten the prompt.", param=prompt_param)
     if asked is None:
         asked = default if default is not None else limit - prompt_len
-        asked = min(asked, limit - prompt_len)
-    if prompt_len + asked > limit:
-        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, "
-                            f"you requested {prompt_len + asked} tokens ({prompt_len} in the "
-                            f"prompt, {asked} for the completion). Reduce the prompt or "
-                            f"{req.max_tokens_param()}.", param=req.max_tokens_param())
+    elif asked > limit:
+        raise APIError(400, f"{req.max_tokens_param()}={asked} is more than this model's "
+                            f"maximum context length of {limit} tokens; with this prompt "
+                            f"({prompt_len} tokens) at most {limit - prompt_len} can be "
+                            f"generated. Request fewer.", param=req.max_tokens_param())
+    asked = min(asked, limit - prompt_len)
     if req.min_tokens > asked:
         raise APIError(400, f"min_tokens ({req.min_tokens}) must not exceed the completion's "
                             f"budget ({asked} tokens)", param="min_tokens")
