@@ -242,7 +242,7 @@ def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
         v = VllmRunner(vllm_venv, mdir, dtype, trace, new_tokens, longest + 1,
                        threads=torch.get_num_threads(), timeout_s=vllm_timeout_s)
         startups.append(time.perf_counter() - t0)
-        if not startups[1:]:
+        if len(startups) == 1:  # the settings vLLM runs with, read back once
             out["vllm_startup_s"] = startups[0]
             out["vllm_prefix_caching"] = v.settings.get("enable_prefix_caching")
             out["vllm_max_num_batched_tokens"] = v.settings.get("max_num_batched_tokens")

@@ -350,13 +350,12 @@ def machine_cpu_seconds() -> Optional[tuple[float, float]]:
 def host_memory_used_bytes() -> Optional[int]:
     """The machine's memory in use (``MemTotal - MemAvailable`` of ``/proc/meminfo``), None
     where it cannot be read (not Linux)."""
-    try:
-        with open("/proc/meminfo") as fh:
-            kb = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in fh)
-                  if k in ("MemTotal", "MemAvailable")}
-        return (kb["MemTotal"] - kb["MemAvailable"]) << 10
-    except (OSError, ValueError, KeyError):
+    from xllm_vmm.vmm.sysmem import meminfo
+
+    info = meminfo()
+    if "MemTotal" not in info or "MemAvailable" not in info:
         return None
+    return info["MemTotal"] - info["MemAvailable"]
 
 
 class _CostClock:

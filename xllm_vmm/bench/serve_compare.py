@@ -430,6 +430,15 @@ def compare(cfg: LoadConfig, serve_args: list[str], vllm_venv: str, *, rounds: i
         out["idle_server_paused"] = bool(idle) and len(paused) == len(idle)
         return out
 
+    def warm_up(side: str) -> None:
+        """The warm-up load on ``side`` (when there is one), then ``settle_s``."""
+        if warm is None:
+            return
+        w = run_one(side, warm, rss=False)
+        if w is not None:
+            warmups[side].append(w)
+        time.sleep(settle_s)
+
     def measure(side: str, i: int, load: LoadConfig) -> None:
         out = run_one(side, load, rss=True)
         if out is not None:
@@ -440,11 +449,9 @@ def compare(cfg: LoadConfig, serve_args: list[str], vllm_venv: str, *, rounds: i
         if residency == "shared":
             for side in sides:  # one at a time, each idle while the next starts
                 start(side)
-            if warm is not None:
-                for side in sides:
-                    if side in up:
-                        warmups[side].append(run_one(side, warm, rss=False))
-                        time.sleep(settle_s)
+            for side in sides:
+                if side in up:
+                    warm_up(side)
             for i, load in enumerate(loads):
                 for side in round_order(sides, i, order):
                     if side in up:
@@ -456,11 +463,7 @@ def compare(cfg: LoadConfig, serve_args: list[str], vllm_venv: str, *, rounds: i
                     if side == "vllm" and vllm_error is not None or not start(side):
                         continue
                     try:
-                        if warm is not None:
-                            w = run_one(side, warm, rss=False)
-                            if w is not None:
-                                warmups[side].append(w)
-                            time.sleep(settle_s)
+                        warm_up(side)
                         if side in up:
                             measure(side, i, load)
                     finally:
