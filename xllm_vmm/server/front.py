@@ -500,22 +500,25 @@ class AsyncEngine:
                 self._num_waiting = 0
                 self._num_running = 0
                 continue
+            # the CPU and schedstat windows lie inside the step's wall window [t0, t1]: a
+            # preemption between two of these reads is then counted in the wall time too, so
+            # the engine thread's CPU and run-queue shares of the steps stay within 1
+            t0 = time.perf_counter()
             c0 = time.process_time()
             s0 = clock.read()
             e0 = time.thread_time()
-            t0 = time.perf_counter()
             try:
                 outs = eng.step()
             except Exception as exc:  # the engine failed: fail every request, keep serving
                 log.exception("engine step failed")
                 self._fail_all(APIError(500, f"the engine failed: {type(exc).__name__}: {exc}"))
                 continue
-            t1 = time.perf_counter()
             self.step_thread_cpu_s += time.thread_time() - e0
             s1 = clock.read()
             if s0 is not None and s1 is not None and self.step_runqueue_s is not None:
                 self.step_runqueue_s += s1[1] - s0[1]
             self.step_cpu_s += time.process_time() - c0
+            t1 = time.perf_counter()
             if outs:  # to the output thread first: the bookkeeping below is nobody's wait
                 end = time.monotonic()
                 self._outbox.put(("outs", end, outs, end - (t1 - t0)))
