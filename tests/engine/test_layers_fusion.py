@@ -88,9 +88,11 @@ def test_merged_linear_equals_separate_products(bias, dtype):
     x = torch.randn(5, 16, dtype=dtype)
     for got, p in zip(m(x), parts):
         ref = p(x)
-        # one product over the concatenated rows: each output element is the same dot product
-        torch.testing.assert_close(got, ref, atol=0 if dtype is torch.float32 else 1e-2,
-                                   rtol=1e-6 if dtype is torch.float32 else 1e-2)
+        # one product over the concatenated rows: each output element is the same dot product,
+        # summed in an order the BLAS kernel picks by the product's shape (fp32: within a few
+        # units in the last place of the terms' magnitude, not always the same bits)
+        torch.testing.assert_close(got, ref, atol=1e-6 if dtype is torch.float32 else 1e-2,
+                                   rtol=1e-5 if dtype is torch.float32 else 1e-2)
 
 
 def test_merged_linear_refuses_what_it_cannot_view(monkeypatch):

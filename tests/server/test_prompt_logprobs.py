@@ -186,7 +186,16 @@ def test_chat_prompt_logprobs_with_the_openai_client(served, client, chat_ids, h
     # the engine's own computation of the same prompt (completions over the token ids)
     same = client.completions.create(model="tiny-llama", prompt=chat_ids, max_tokens=1,
                                      extra_body={"prompt_logprobs": 2})
-    assert same.choices[0].model_extra["prompt_logprobs"] == plps
+    # equal up to the float32 products' summation order: the second request hits the prefix
+    # cache, so its rows come from a read-only recompute and a shorter chunk, products of other
+    # shapes whose kernels may sum in another order on some CPUs
+    again = same.choices[0].model_extra["prompt_logprobs"]
+    assert len(again) == len(plps) and again[0] is None
+    for a, b in zip(again[1:], plps[1:]):
+        assert set(a) == set(b)
+        for t in a:
+            assert a[t]["rank"] == b[t]["rank"] and a[t]["decoded_token"] == b[t]["decoded_token"]
+            assert a[t]["logprob"] == pytest.approx(b[t]["logprob"], abs=1e-5)
     # and the reply is the reply without prompt_logprobs
     plain = client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=2,
                                            temperature=0.0)
