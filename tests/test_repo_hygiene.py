@@ -52,6 +52,23 @@ def _lines(path: Path):
     yield from enumerate(text.splitlines(), 1)
 
 
+# The same words broken across a line (a wrapped docstring or paragraph).
+WRAPPED = re.compile(r"(?i:session\s*\n\s*(?:#\s*)?[0-9]|this\s*\n\s*(?:#\s*)?sessio[n]|issue\s*\n\s*(?:#\s*)?[0-9])")
+
+
+def test_no_work_log_narration_across_lines():
+    hits = []
+    for path in _text_files():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        for m in WRAPPED.finditer(text):
+            n = text.count("\n", 0, m.start()) + 1
+            hits.append(f"{path.relative_to(ROOT)}:{n}: {m.group(0)!r}")
+    assert not hits, "work-log narration across a line break:\n" + "\n".join(hits)
+
+
 def test_no_work_log_narration():
     hits = []
     for path in _text_files():
