@@ -2,7 +2,7 @@
 """What this machine charges for memory written for the first time, with N GB of another,
 paused process resident beside it: what an elastic KV cache pays for every page it maps while
 it grows, and why ``bench serve --vllm-venv`` keeps one server on the machine at a time
-(``--residency exclusive``; ``docs/benchmarks.md``, session 8).
+(``--residency exclusive``; ``docs/benchmarks.md``, "Residency").
 
     python scripts/first_touch_probe.py 0 2 4 6      # GB held by the paused process per line
 

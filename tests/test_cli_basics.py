@@ -90,7 +90,7 @@ def test_a_full_output_is_one_line_and_exit_2(argv):
     ["check-config", "-f", "json", "tests/config/data/official/multi_machine_1.sh"],
 ], ids=["text", "json-script"])
 def test_check_config_start_up_imports_little(argv):
-    """check-config starts within a few times `python -c pass` (issue 9: 4x). Measured as
+    """check-config starts within a few times `python -c pass` (at most 4x). Measured as
     import work, not wall-clock time: the modules it imports beyond a bare interpreter stay few,
     and none of the heavy libraries (typer/click, pydantic, numpy, torch, safetensors, httpx)."""
     code = ("import sys\nbase = set(sys.modules)\n"

@@ -1,4 +1,4 @@
-"""Every rule id of RULES.md: a configuration that triggers it and the nearest one that does not."""
+"""Every configuration rule id (``check-config --explain``): a configuration that triggers it and the nearest one that does not."""
 
 import re
 from pathlib import Path

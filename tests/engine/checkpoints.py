@@ -96,7 +96,7 @@ def hf_greedy(model_dir_or_model, prompt_ids: list[int], max_new_tokens: int) ->
     return out[0, len(prompt_ids):].tolist()
 
 
-# --- issue 15: MLA and hybrid families (appended; helper F) ---------------------------------
+# --- MLA and hybrid families ------------------------------------------------------------------
 
 def qwen3_next_checkpoint(out_dir, **kw) -> Path:
     """Qwen3-Next, 4 layers (linear, full, linear, full): Gated DeltaNet with 2 key / 4 value

@@ -1,4 +1,4 @@
-"""A driver-side harness over the real pieces, for the MLA / hybrid / MTP model tests (issue 15):
+"""A driver-side harness over the real pieces, for the MLA / hybrid / MTP model tests:
 host driver -> VmmPool -> KVCacheManager (prefix cache optional) -> Scheduler -> Worker, greedy.
 
 ``vmm=True`` runs the elastic virtual pool (pages mapped on demand); ``vmm=False`` the physical

@@ -1,4 +1,4 @@
-"""MTP speculative decoding inside LLMEngine's continuous batching (issue 15): greedy output
+"""MTP speculative decoding inside LLMEngine's continuous batching: greedy output
 token for token identical to the engine without speculation (and to transformers) with batches,
 prefix hits, chunked prefill and preemption; rejected drafts' blocks returned at once; the
 ``spec_decode`` statistics; the hidden-state slots admission counts; sampling (temperature,

@@ -1,7 +1,7 @@
 """Property-based stateful test of the pool + virtual KV cache on the simulated driver.
 
 Random sequences of admit / allocate / append / free / touch cached blocks / budget changes /
-injected driver failures, with the invariants of DESIGN.md checked after every step:
+injected driver failures, with the manager's invariants (docs/architecture.md) checked after every step:
 
 1. every live or cached block has every page under it mapped;
 2. pages in use = pages of active slots (slots holding a live or cached block), and the driver

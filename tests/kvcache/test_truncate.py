@@ -1,4 +1,4 @@
-"""``KVCacheManager.truncate`` (contracts2 §1): shrinking a request's block tables after
+"""``KVCacheManager.truncate``: shrinking a request's block tables after
 rejected speculative tokens — exact block ids released and reused, a held prefix hit left alone,
 host-tier restores (pinned blocks) untouched, several groups (target + draft, MLA latent +
 index) shrunk together, and the refusals."""

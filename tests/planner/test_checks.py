@@ -198,7 +198,7 @@ def test_hk07_never_recommends_a_factor_that_turns_the_tier_off():
 
 
 def test_verdict_says_serve_refuses_a_host_pool_that_does_not_fit():
-    """HK-07 stays a warning in plan (RULES.md), but the verdict must not read as a plain
+    """HK-07 stays a warning in plan (``check-config --explain HK-07``), but the verdict must not read as a plain
     "fits": JSON lists it in serve_refuses and the table says serve refuses it."""
     base = ("--model=Qwen/Qwen3-8B", "--enable_vmm_kvcache", "--host_blocks_factor=2",
             "--device-memory=64GiB")

@@ -1,5 +1,5 @@
 """One home for each formula: the checker, the planner and serving call the same function, so
-their answers agree on every catalogue model (issue 9: they had drifted)."""
+their answers agree on every catalogue model (one source of truth, so they cannot drift)."""
 
 from __future__ import annotations
 

@@ -137,7 +137,7 @@ class RealPrefixMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 100), k=st.integers(1, 2 * BS + 1), accepted=st.integers(0, 100))
     def speculate(self, i, k, accepted):
         """One decode token plus ``k`` speculative ones: allocate with lookahead (None: not
-        now), write them all, commit the accepted ones, truncate the rest (contracts2 §1):
+        now), write them all, commit the accepted ones, truncate the rest:
         exactly the blocks beyond the kept tokens come back, free."""
         reqs = [r for r in self.running if id(r) in self.computed]
         req = reqs[i % len(reqs)]

@@ -1,4 +1,4 @@
-"""vLLM's ``cache_salt`` end to end (contracts3 section 2): two requests with the same prompt
+"""vLLM's ``cache_salt`` end to end: two requests with the same prompt
 and different salts never share prefix-cache blocks, the same salt (or none on both) does —
 through ``LLM.generate``'s dict prompts (block ids read from the engine while the requests
 run) and through the HTTP API (``usage.prompt_tokens_details.cached_tokens`` and

@@ -1,4 +1,4 @@
-"""The server's own latency (issue 13): the engine thread never waits while a request is
+"""The server's own latency: the engine thread never waits while a request is
 waiting (no poll, no timeout: counted, not timed), step outputs leave the engine thread before
 its bookkeeping, and ``xllm_vmm_server_latency_seconds{stage}`` is recorded for every stage and
 turned into medians and p99s by ``bench serve``. Nothing here depends on wall-clock speed."""

@@ -1,4 +1,4 @@
-"""``/metrics`` series read from engine statistics: speculative decoding (contracts2 section 2)
+"""``/metrics`` series read from engine statistics: speculative decoding
 rendered under vLLM's names only while the engine reports them."""
 
 from __future__ import annotations

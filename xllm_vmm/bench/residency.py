@@ -10,7 +10,7 @@ and its 2 GiB of KV, paused or not — writing a page for the first time cost 16
 2 us, and every page an elastic KV cache maps while it grows is one. Beside a paused vLLM our
 server's TPOT went from 12-16 ms to 38-44 ms; with the KV cache mapped up front
 (``--vmm_elastic=false``) a paused 7 GB process changed nothing. vLLM commits its KV space at
-start-up and does not feel it (``docs/benchmarks.md``, session 8).
+start-up and does not feel it (``docs/benchmarks.md``, "Residency").
 """
 
 from __future__ import annotations

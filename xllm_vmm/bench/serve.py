@@ -616,7 +616,7 @@ async def drive(url: str, cfg: LoadConfig, *, rss_pid: Optional[int] = None) -> 
                 await asyncio.sleep(cfg.sample_interval)
 
         sampler_task = asyncio.create_task(sampler())
-        workers: dict = {}  # a worker set (issue 14): per-rank peaks, all-reduce per step
+        workers: dict = {}  # a worker set: per-rank peaks, all-reduce per step
         wtask = (asyncio.create_task(_sample_workers(client, url, cfg, done, workers))
                  if "xllm_vmm_worker_mapped_bytes" in reserved_text else None)
         loop_lags: list[float] = []

@@ -25,11 +25,11 @@ How (the order is what makes the figures stable on a small noisy machine):
    this virtual machine the host backs guest memory lazily: with ~4 GB more of it in use
    (an idle ``vllm serve``'s 4.5 GB of processes and 2 GiB of KV, even paused), writing a
    page for the first time cost 16-56 us instead of 2, and every page our KV cache maps
-   while it grows is one (``docs/benchmarks.md``, session 8: with vLLM paused beside it our
+   while it grows is one (``docs/benchmarks.md``, "Residency": with vLLM paused beside it our
    TPOT was 38-44 ms, and 12-16 ms without it; with the KV cache mapped up front
    (``--vmm_elastic=false``) a paused 7 GB process changed nothing, so it is the page
    commits). vLLM, which commits its KV space at start-up, does not feel it.
-   ``residency="shared"`` keeps the old procedure: every server is started once, one after
+   ``residency="shared"``: every server is started once, one after
    the other, and stays up; the idle ones are paused during each run (SIGSTOP, SIGCONT after
    it; ``pause_idle``, reported as ``idle_server_paused``: an idle ``vllm serve`` is not
    quiet — its worker's 12 ``gloo_tcp_loop`` threads woke ~1,300 times a second here) and
@@ -326,7 +326,7 @@ def compare(cfg: LoadConfig, serve_args: list[str], vllm_venv: str, *, rounds: i
     ``xllm_vmm_vmm_weights``), unless ``serve_args`` already set ``enable_vmm_weights``.
     Off by default (its runs take time). With ``residency="shared"`` it is one more paused
     server's memory beside the headline, which slowed the headline's page commits
-    (:mod:`xllm_vmm.bench.residency`; session 5 saw the headline fall behind in later rounds).
+    (:mod:`xllm_vmm.bench.residency`: the headline falls behind in later rounds).
     ``order``: one of :data:`ORDERS` (:func:`round_order`). A vLLM start that fails ends
     vLLM's side with its ``error`` (the exact message and log tail), and so does a load that
     fails on it; our rounds still run."""

@@ -126,7 +126,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
-# MLA, hybrid linear-attention and sparse-attention families (issue 15)
+# MLA, hybrid linear-attention and sparse-attention families
 FAMILIES["deepseek_v3"] = dict(
     architectures=["DeepseekV3ForCausalLM"], rope_theta=10000.0, num_key_value_heads=4,
     q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,

@@ -133,7 +133,7 @@ def explain(rule_id: str, out: TextIO, err: TextIO | None = None) -> int:
                         "not checked, never an error" if key == "CFG-UNRESOLVED" else
                         "error, unreadable input: exit 2" if key in UNREADABLE_IDS else "error")
             out.write(f"{key} (input check, {severity}): {INPUT_IDS[key]}\n"
-                      "source: RULES.md \"General value checks\"\n")
+                      "source: docs/configuration.md \"Input findings\"\n")
             return 0
         import difflib
 
@@ -146,7 +146,7 @@ def explain(rule_id: str, out: TextIO, err: TextIO | None = None) -> int:
             f"error: no rule {rule_id!r}"
             + (f"; did you mean {', '.join(close)}?" if close else "") + "\nRule ids: "
             f"{', '.join(sorted(RULES))}; input checks: {', '.join(INPUT_IDS)} "
-            "(RULES.md; docs/configuration.md \"The rules\")\n")
+            "(docs/configuration.md \"The rules\")\n")
         return 2
     kind = {"model": " (model rule: needs the model's config.json)",
             "sizing": " (needs memory sizes)", "runtime": " (runtime rule: enforced while serving)",

@@ -337,7 +337,7 @@ def run(argv: list[str], out: Optional[TextIO] = None, err: Optional[TextIO] = N
         err.write("xllm-vmm serve: interrupted while loading; nothing served\n")
         return 130
     dist = getattr(engine, "distributed", None)
-    if dist is not None and dist.rank > 0:  # a worker set (issue 14): no HTTP on this rank
+    if dist is not None and dist.rank > 0:  # a worker set: no HTTP on this rank
         from xllm_vmm.engine.distributed.serving import run_worker_rank
 
         global _worker_rank_ended
@@ -382,7 +382,7 @@ def run(argv: list[str], out: Optional[TextIO] = None, err: Optional[TextIO] = N
         extra = " (admin routes on)" if opts["enable_admin"] else ""
         out.write(f"xllm-vmm serve: ready at {url} (model {front.name}){extra}\n")
         out.flush()
-        if dist is not None:  # a lost worker: /health 503 and a clean stop (issue 14)
+        if dist is not None:  # a lost worker: /health 503 and a clean stop
             from xllm_vmm.engine.distributed.serving import watch_workers
 
             loop = asyncio.get_running_loop()

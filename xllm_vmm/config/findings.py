@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 #: Provenance kinds, lowest precedence first ("derived" values are set by implied rules).
 KINDS = ("default", "toml", "env", "cli", "json", "derived")
 
-#: Finding ids for input problems (the "General value checks" of RULES.md).
+#: Finding ids for input problems (the general value checks; docs/configuration.md).
 INPUT_IDS = {
     "CFG-READ": "an input file cannot be read",
     "CFG-SYNTAX": "an input file is not valid TOML / JSON / shell",
@@ -96,7 +96,7 @@ class Source:
 class Finding:
     """One problem, or one note, about a configuration.
 
-    ``id`` is a rule id from RULES.md (``SD-04``) or an input id (:data:`INPUT_IDS`);
+    ``id`` is a rule id (``SD-04``; ``check-config --explain SD-04``) or an input id (:data:`INPUT_IDS`);
     ``severity`` is ``error`` or ``warning``; ``flags`` maps each flag involved to its value and
     ``sources`` to where that value came from; ``where`` locates an input problem; ``hint`` says
     what to change. ``input`` names the checked input (a file, ``--cmd #1``, ...).

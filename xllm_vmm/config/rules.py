@@ -1,4 +1,4 @@
-"""The configuration rules of ``shared/spec/RULES.md`` as code: one small function per rule id.
+"""The configuration rules as code (``xllm-vmm check-config --explain RULE-ID`` prints each): one small function per rule id.
 
 :func:`check` runs every rule on a :class:`~xllm_vmm.config.loader.ResolvedConfig` (and the
 model's :class:`~xllm_vmm.models.spec.ModelSpec` when it is known) and returns a :class:`Report`:
@@ -6,7 +6,7 @@ findings (errors and warnings), implied values (derived, with the rule id), and 
 could not be checked and why. It never guesses: a model rule without a model, or a sizing rule
 without the memory it needs, is listed in ``Report.not_checked``.
 
-Terms follow RULES.md: *KV VMM* ``enable_vmm_kvcache``; *weight VMM* ``enable_vmm_weights``;
+Terms: *KV VMM* ``enable_vmm_kvcache``; *weight VMM* ``enable_vmm_weights``;
 *elastic* ``vmm_elastic`` with a VMM pool; *speculative decoding* ``num_speculative_tokens>0``;
 *MTP* speculative decoding with ``speculative_algorithm=MTP`` and a ``draft_model``; *external
 draft* speculative decoding with another algorithm and a ``draft_model``; *embedded Eagle3 draft*
@@ -32,7 +32,7 @@ VMM_DEVICE_KINDS = ("npu", "cuda", "cpu")
 
 @dataclass(frozen=True)
 class Rule:
-    """One rule of RULES.md. ``kind``: ``config`` (decided from flags), ``model`` (needs the
+    """One configuration rule. ``kind``: ``config`` (decided from flags), ``model`` (needs the
     model's config.json), ``sizing`` (needs memory sizes), ``runtime`` (enforced while serving)."""
 
     id: str

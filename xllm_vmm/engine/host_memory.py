@@ -5,9 +5,8 @@ logits) through torch's CPU allocator, which is glibc ``malloc``. By default gli
 blocks above a *dynamic* mmap threshold (128 KiB at start, raised up to 32 MiB as large blocks
 are freed) with fresh ``mmap`` calls, ``munmap``\\s them on ``free``, and ``trim``\\s the heap's
 free top above ``M_TRIM_THRESHOLD`` back to the OS. The next step then page-faults the same
-memory back in, zeroed by the kernel: measured on the bench's bf16 Llama (contracts4, Finding
-1), the first layer's gate/up products took 4.4 ms instead of 1.3 ms and a 2,048-token prefill
-step 97-112 ms instead of 68-81 ms. vLLM's CPU docs recommend tcmalloc for the same reason.
+memory back in, zeroed by the kernel, which measured about 1.4x slower prefill steps on the
+bench's bf16 Llama (docs/benchmarks.md, "Measurements behind defaults"). vLLM's CPU docs recommend tcmalloc for the same reason.
 
 What :func:`configure_host_malloc` sets (once per process, process-wide: the server runs the
 engine in-process and its own allocations get the same behaviour):

@@ -22,7 +22,7 @@ engine use:
   stats).
 
 Single process: the worker's :class:`~xllm_vmm.engine.layers.linear_attention.LinearStateCache`
-is reached in place (``worker.runner.backend.state``); with several workers (issue 14) the
+is reached in place (``worker.runner.backend.state``); with several workers the
 snapshots and restores become messages of the same step description.
 """
 

@@ -65,9 +65,9 @@ HONOURED_FLAGS = frozenset({
     "enable_prefix_cache", "host_blocks_factor", "max_seqs_per_batch", "max_tokens_per_batch",
     "enable_chunked_prefill", "max_memory_utilization", "max_cache_size",
     "vmm_memory_reserve_bytes", "xxh3_128bits_seed", "random_seed", "devices", "model_id",
-    # several workers (engine.distributed, issue 14)
+    # several workers (engine.distributed)
     "nnodes", "node_rank", "master_node_addr", "tp_size",
-    # MTP speculative decoding (spec_decode.speculator, issue 15)
+    # MTP speculative decoding (spec_decode.speculator)
     "draft_model", "speculative_algorithm", "num_speculative_tokens"})
 """The engine flags this engine acts on (``serve`` lists every other explicitly set flag once
 as accepted without effect); the module docstring says what each does."""
@@ -129,13 +129,13 @@ class LLMEngine:
         from xllm_vmm.engine.scheduler import Scheduler
 
         # hybrid models: resident state slots (as many as plan reserved) + prefix checkpoints
-        # (issue 15); else unchanged
+        # (else unchanged)
         slots = getattr(plan.workers[0], "resident_slots", 0) if plan is not None else 0
         mgr, worker = attach_linear_state(
             mgr, worker, max_seqs=int(slots or config["max_seqs_per_batch"]))
         self.draft = draft
         self.speculator = None
-        if draft is not None:  # MTP speculative decoding (issue 15)
+        if draft is not None:  # MTP speculative decoding
             from xllm_vmm.engine.spec_decode.speculator import MtpSlotsKVManager, MtpSpeculator
             from xllm_vmm.kvcache.resident import SequenceSlots
 
@@ -408,9 +408,9 @@ class LLMEngine:
             "steps": self.num_steps,
             "sleeping": self.is_sleeping(),
             "kvcache": kv,
-            **({"distributed": self.distributed.stats()}  # several workers (issue 14)
+            **({"distributed": self.distributed.stats()}  # several workers
                if getattr(self, "distributed", None) is not None else {}),
-            **({"spec_decode": self.speculator.metrics()}  # MTP speculation (issue 15)
+            **({"spec_decode": self.speculator.metrics()}  # MTP speculation
                if self.speculator is not None else {}),
         }
 
@@ -455,7 +455,7 @@ class LLMEngine:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise SleepRefused(self.num_running + self.num_waiting)
                 self.step()
-        dist = getattr(self, "distributed", None)  # several workers: a barrier (issue 14)
+        dist = getattr(self, "distributed", None)  # several workers: a barrier
         before = dist.refresh() if dist is not None else None
         rep = ctl.sleep(level, busy=0)
         out = {"level": rep.level, "state": rep.state, "bytes_freed": rep.bytes_freed,
@@ -468,7 +468,7 @@ class LLMEngine:
         rep = self._controller().wake_up()
         out = {"state": rep.state, "source": rep.source, "bytes_mapped": rep.bytes_mapped,
                "seconds": rep.seconds}
-        dist = getattr(self, "distributed", None)  # several workers: a barrier (issue 14)
+        dist = getattr(self, "distributed", None)  # several workers: a barrier
         return out if dist is None else dist.wake_all(out)
 
     def is_sleeping(self) -> bool:
@@ -488,7 +488,7 @@ class LLMEngine:
 
         parent = require_weight_vmm(self.weights, "fork")
         dist = getattr(self, "distributed", None)  # several workers: every worker forks
-        view = dist.fork_view() if dist is not None else None  # (issue 14)
+        view = dist.fork_view() if dist is not None else None  # a worker set's view
         w = parent.fork()
         sized = _Sized(self.config, self.plan, self.max_model_len, self.warnings)
         try:
@@ -558,7 +558,7 @@ def _device_kind(cfg: Any) -> tuple[str, int]:
     parts = [p.strip() for p in text.split(",") if p.strip()]
     from xllm_vmm.engine.distributed.topology import spawns_per_device
 
-    several = len(parts) > 1 and spawns_per_device(cfg)  # rank 0 here, one worker each (issue 14)
+    several = len(parts) > 1 and spawns_per_device(cfg)  # rank 0 here, one worker each
     if (len(parts) != 1 and not several) or int(cfg["tp_size"]) != 1:
         raise ConfigError([Finding(
             "CFG-CONFLICT", "error", f"devices={cfg['devices']}: this engine runs one worker "
@@ -663,7 +663,7 @@ def _build(cls: type, sized: _Sized, model_dir: str, opts: dict[str, Any], is_de
     vmm_w = bool(cfg["enable_vmm_weights"])
     elastic = vmm_kv and bool(cfg["vmm_elastic"])
     kind, index = _device_kind(cfg)
-    from xllm_vmm.engine.distributed import runtime_for  # several workers (issue 14); else None
+    from xllm_vmm.engine.distributed import runtime_for  # several workers; else None
 
     if dist is None:
         dist = runtime_for(cfg, opts, model_dir=model_dir, kind=kind, index=index,

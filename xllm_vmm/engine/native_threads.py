@@ -3,7 +3,7 @@ library's own pool.
 
 The native kernels (``libxllm_paged_attn.so``'s attention, ``libxllm_layer_ops.so``'s norms and
 rotary embedding) split their work over ``torch.get_num_threads()`` threads
-(``native/threadpool.h``). Each library used to start its own persistent workers, which spin
+(``native/threadpool.h``). With ``pool`` each library starts its own persistent workers, which spin
 for a while and then sleep between calls, beside torch's OpenMP workers, which do the same
 between the matrix products. A decode step alternates the two (a product, a norm, a product,
 attention, ...), so on a machine with as many cores as threads the next pool's worker found
@@ -12,13 +12,13 @@ of the call for a worker the scheduler had not run yet. With ``omp`` (the defaul
 run on torch's OpenMP team: the same threads, already awake from the product before, and no
 second set of threads to schedule.
 
-``XLLM_VMM_NATIVE_THREADS``: ``omp`` (default) or ``pool`` (each library's own workers, as
-before). ``omp`` falls back on ``pool`` (``mode()`` says which is in use) when torch's parallel
+``XLLM_VMM_NATIVE_THREADS``: ``omp`` (default) or ``pool`` (each library's own
+workers). ``omp`` falls back on ``pool`` (``mode()`` says which is in use) when torch's parallel
 backend is not OpenMP, its runtime's entry points cannot be found in the process, or the
 runtime was told not to spin (``OMP_WAIT_POLICY=passive``, ``GOMP_SPINCOUNT=0``: its threads
-then sleep after every region, and a kernel handed to them pays a wake-up each time — measured,
-``bench engine`` (which runs passive) fell from 1.06 to 0.84-1.0 of vLLM's speed; the pool's
-own 50 µs spin keeps those hand-offs cheap).
+then sleep after every region, and a kernel handed to them pays a wake-up each time; measured
+slower in ``bench engine``, docs/benchmarks.md; the pool's own 50 µs spin keeps those hand-offs
+cheap).
 """
 
 from __future__ import annotations

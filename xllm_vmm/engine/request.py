@@ -91,7 +91,7 @@ class Request:
     admitted_order: int = -1
     """Monotonic admission counter: preemption takes the highest (newest) first."""
     spec_token_ids: list[int] = field(default_factory=list)
-    """Speculative decoding (issue 15): the draft's proposals for the positions after the last
+    """Speculative decoding: the draft's proposals for the positions after the last
     token, verified by the target in the request's next decode step (empty: plain decode)."""
     plain_greedy_from: int = -1
     """Outputs from which this request's next token is the raw argmax (greedy, no logprobs, no

@@ -3,8 +3,7 @@
 ``execute(step)`` moves the step's index tensors to the device, lets the attention backend
 derive its per-step metadata once, runs every layer (new K/V written into their blocks, then
 attention over each sequence's blocks), and returns float32 logits for the sampled rows only
-(chunk order), the final-normed hidden states of the same rows (an MTP draft's input, issue
-15), and the step's execution peak.
+(chunk order), the final-normed hidden states of the same rows (an MTP draft's input), and the step's execution peak.
 
 Execution peak (bytes of transient device memory beyond weights and KV, what
 ``VmmPool.observe_execution_peak`` wants): measured on CUDA (``torch.cuda.max_memory_allocated``

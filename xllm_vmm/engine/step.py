@@ -1,6 +1,6 @@
 """The step description: what the scheduler (driver side) hands a worker, and what comes back.
 
-Plain data, the seam between scheduling and compute (DESIGN.md, ``xllm_vmm.engine``): a worker
+Plain data, the seam between scheduling and compute (``xllm_vmm.engine``): a worker
 never sees requests, sampling parameters or the KV cache manager, only chunks of token ids with
 their positions and block tables. Tensor-parallel workers receive the same ``StepInput`` (the
 same block tables on every worker); an MTP draft later reads ``StepOutput.hidden_states``.
@@ -53,7 +53,7 @@ class SeqChunk:
     start_pos: int
     block_table: dict[str, list[int]]
     sample: bool
-    # Hybrid linear-attention models (issue 15; filled by engine.linear_state, else unused):
+    # Hybrid linear-attention models (filled by engine.linear_state, else unused):
     state_slot: int | None = None
     """The sequence's resident conv/recurrent state slot (HY-01)."""
     state_restore: Any = None

@@ -26,7 +26,7 @@ section 3):
   bfloat16 the dense decoder's projections of plain weights are replaced by oneDNN-packed copies
   (:func:`xllm_vmm.engine.layers.packed.pack_model`; ``XLLM_VMM_PACKED_LINEAR=0`` keeps them).
 
-Tensor parallelism (issue 14): ``tp`` (:class:`~xllm_vmm.engine.layers.parallel.TensorParallel`)
+Tensor parallelism: ``tp`` (:class:`~xllm_vmm.engine.layers.parallel.TensorParallel`)
 reaches every layer; only world size 1 runs today.
 """
 
@@ -153,7 +153,7 @@ class Worker:
             raise ValueError(f"the weights are {model.dtype}, the worker was asked for "
                              f"{compute_dtype}; load them with dtype={compute_dtype}")
         make_kv = getattr(model, "make_kv", None)
-        if make_kv is not None:  # families with their own cache groups (MLA, hybrid; issue 15)
+        if make_kv is not None:  # families with their own cache groups (MLA, hybrid)
             views, backend = make_kv(kv_cache, compute_dtype=compute_dtype,
                                      attention_backend=attention_backend, device=device)
         else:

@@ -107,7 +107,7 @@ class SlotBacking(Protocol):
     (one batched map) and returns ``False`` for "not now"; ``deactivate`` releases at once.
     Optional, for :meth:`BlockAllocator.compact`: ``move(moves) -> bool`` copies the contents
     of every ``(old, new)`` block pair per group (all or nothing; ``False`` = nothing moved).
-    One object of this shape per worker set (issue 14: a fan-out to several workers)."""
+    One object of this shape per worker set (a fan-out to several workers)."""
 
     def activate(self, slots: Mapping[str, Sequence[int]]) -> bool: ...
 

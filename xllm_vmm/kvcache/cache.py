@@ -18,7 +18,7 @@ Geometry (units: bytes unless named; ``P`` = page bytes)::
 - Conv / recurrent state of hybrid models (HY-01) is not here: it is resident, per sequence
   slot, reserved outside the page pool (see :mod:`xllm_vmm.kvcache.resident`).
 
-Invariant 1 of DESIGN.md: a block's memory is read or written only while its slot is active,
+Invariant 1 (docs/architecture.md): a block's memory is read or written only while its slot is active,
 and an active slot has every page under it mapped (:meth:`VirtualKVCache.check_mapped`).
 """
 

@@ -21,7 +21,7 @@ Lifecycle of a request (what the engine's scheduler does)::
     mgr.free(rid)                                 # blocks cached or freed (transfer pins kept)
     mgr.step()                                    # once per engine iteration
 
-Invariants (DESIGN.md; checked by ``tests/kvcache/test_manager.py`` and the state machine
+Invariants (checked by ``tests/kvcache/test_manager.py`` and the state machine
 over the manager, ``tests/prefix/test_stateful_real.py``):
 
 - Every block id in a request's table is referenced by that request (ref ≥ 1) until
@@ -44,7 +44,7 @@ over the manager, ``tests/prefix/test_stateful_real.py``):
   block once all its tokens are committed; PC-02: a hybrid model's hit is cut back to the last
   block with a linear-state checkpoint, so without checkpoints it never hits).
 
-Differences from ``contracts.md`` §1 (kept names; the nearest sound thing):
+Where the interface departs from vLLM's (kept names; the nearest sound thing):
 
 - ``mm_hashes`` is a sequence of :class:`~xllm_vmm.kvcache.hashing.MediaSpan` (offset and
   length in tokens, content hash): a bare hash cannot say which blocks it overlaps.
@@ -60,7 +60,7 @@ Differences from ``contracts.md`` §1 (kept names; the nearest sound thing):
 - ``compact`` (and ``wait_ready``, ``num_computed_tokens``, ``drop``) are additions; tuning
   keys are listed in ``_TUNING``.
 
-Multi-worker (issue 14): slot activation goes through :attr:`VirtualKVCache` as the
+Multi-worker (a worker set, ``xllm_vmm.engine.distributed``): slot activation goes through :attr:`VirtualKVCache` as the
 allocator's ``SlotBacking`` (``activate(slots)`` / ``deactivate(slots)`` / ``move(moves)``); a
 fan-out object implementing the same three calls for several workers replaces it there.
 

@@ -125,7 +125,7 @@ class WorkerPlan:
 
 
 SERVE_ERROR_RULES = frozenset({"HK-07", "CFG-SERVE"})  # CFG-SERVE: config.parallel
-"""Rules that are warnings in check-config and plan but refuse to serve (RULES.md)."""
+"""Rules that are warnings in check-config and plan but refuse to serve (``check-config --explain HK-07``)."""
 
 
 @dataclass
@@ -156,7 +156,7 @@ class Plan:
 
     @property
     def serve_refuses(self) -> list[str]:
-        """Rule ids that are warnings in ``plan`` but errors when serving (RULES.md: HK-07):
+        """Rule ids that are warnings in ``plan`` but errors when serving (``check-config --explain HK-07``):
         the memory fits the device, but ``serve`` would refuse to start."""
         return sorted({str(f.get("id")) for f in self.config_findings
                        if f.get("id") in SERVE_ERROR_RULES})

@@ -22,7 +22,7 @@ Memory model (units: bytes; a *page* is ``driver.granularity`` bytes, 2 MiB on d
   pages are backed only while mapped, and its growth is bounded by free − execution peak −
   reserve (``max_cache_size`` caps the physical KV cache, not it).
 
-Invariant 3 of DESIGN.md: the pool never holds more than the budget allows (elastic: free −
+Invariant 3 (docs/architecture.md): the pool never holds more than the budget allows (elastic: free −
 execution peak − reserve ≥ 0 after growth, and total ≤ ``max_cache_size`` when set). A
 failing create or map undoes everything that call did and :meth:`map_pages` returns ``False``
 ("not now"); only misuse (:class:`~xllm_vmm.vmm.driver.VmmInvalidArgument`, which is a bug
@@ -141,7 +141,7 @@ class VmmPool:
         self._closed = False
         self.peer_budget_left_bytes: int | None = None
         """The least budget left (bytes) among the other workers of a tensor-parallel worker
-        set, refreshed by ``xllm_vmm.engine.distributed`` after every step (issue 14, AD-02):
+        set, refreshed by ``xllm_vmm.engine.distributed`` after every step (AD-02):
         :meth:`mappable_pages` (what admission counts on) never exceeds it. None: one worker."""
 
     # -- tenants -------------------------------------------------------------------------

@@ -228,7 +228,7 @@ class AsyncEngine:
         return None
 
     def mark_failed(self, message: str) -> None:
-        """The engine cannot serve any more (a lost worker of a worker set, issue 14):
+        """The engine cannot serve any more (a lost worker of a worker set):
         ``/health`` and every new request get 503 with ``message``; the engine thread stops
         stepping. Thread-safe."""
         self._engine_error = message

@@ -362,7 +362,7 @@ class _Snapshot:
                 for pos, v in enumerate(_get(spec, key) or ()):
                     if _number(v) is not None:
                         add(name, help_, "counter", {**base, "position": str(pos)}, float(v))
-            dist = _get(stats, "distributed")  # a worker set (issue 14): per-rank figures
+            dist = _get(stats, "distributed")  # a worker set: per-rank figures
             if dist:
                 add("xllm_vmm_all_reduce_seconds_per_step", "Mean all-reduce time per step "
                     "on rank 0 (seconds).", "gauge", base,

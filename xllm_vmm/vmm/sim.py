@@ -14,7 +14,7 @@ Fault injection: :meth:`SimDriver.fail_nth` makes the n-th next ``create`` or ``
 (each element of a batch counts as one call); a failing ``map_batch`` undoes what it did first,
 like a real driver.
 
-Copies check that every device byte they touch is mapped (invariant 1 of DESIGN.md): a copy
+Copies check that every device byte they touch is mapped (invariant 1, docs/architecture.md): a copy
 that touches an unmapped page raises :class:`~xllm_vmm.vmm.driver.VmmNotMapped`.
 """
 

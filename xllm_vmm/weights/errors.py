@@ -2,7 +2,7 @@
 and what to do; the engine and the server map them to their answers (the server: 503 for
 :class:`WeightsNotLoaded`, 409 for :class:`SleepRefused`, 400 for :class:`WeightVmmRequired`).
 
-The runtime rules W-02 and W-06 of ``spec/RULES.md`` are enforced here, with the
+The runtime rules W-02 and W-06 (``check-config --explain W-02``) are enforced here, with the
 specification's own sentences (:data:`W02_SENTENCE`, :data:`W06_SENTENCE`). Their catalogue
 entries live in :mod:`xllm_vmm.config.rules` (``RULES["W-02"]``, ``RULES["W-06"]``); this package
 sits below the config package in the layer table and does not import it, so the sentences are
@@ -18,9 +18,9 @@ __all__ = [
     "ResidentPoolRequired", "W02_SENTENCE", "W06_SENTENCE",
 ]
 
-#: RULES.md W-02, the specification's sentence (000).
+#: Rule W-02, the specification's sentence (000).
 W02_SENTENCE = "Model sleep, wakeup and fork require enable_vmm_weights=true."
-#: RULES.md W-06, the specification's sentence (000).
+#: Rule W-06, the specification's sentence (000).
 W06_SENTENCE = ("PD KV transfer and remote weight transfer using Mooncake require a fully resident "
                 "pool; use vmm_elastic=false and a positive max_memory_utilization.")
 

@@ -14,7 +14,7 @@ without ``dtype`` they are the file's own bytes). ``progress(done_bytes, total_b
 called with ``(0, total)`` first, after every tensor, and with ``(total, total)`` once every
 byte is in place; the CLI turns it into a progress bar.
 
-Differences from the contract (contracts.md section 2): none in the signature; sleep also
+Beyond the plain load/sleep/wake interface: none in the signature; sleep also
 takes ``busy=`` (running requests, the engine's count) and returns a
 :class:`~xllm_vmm.weights.model_weights.SleepReport` with ``host_bytes_freed`` and ``level``
 beside ``bytes_freed`` and ``seconds``.

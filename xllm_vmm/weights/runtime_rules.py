@@ -1,4 +1,4 @@
-"""Runtime rules of ``spec/RULES.md`` that the weights code enforces, as functions the engine
+"""Runtime rules (``check-config --explain RULE-ID``) that the weights code enforces, as functions the engine
 and the server call before acting.
 
 - W-02 (sleep, wakeup or fork without weight VMM) is enforced by

@@ -17,7 +17,7 @@ not divide ``P``). Each tensor is therefore viewed, without a copy, as
 A flat slot of the step description (``block_id * block_size + pos % block_size``) maps to
 ``(flat // (Bps * block_size), flat % (Bps * block_size))`` of ``slots``.
 
-Invariant 1 of DESIGN.md is the caller's: only blocks the KV cache manager handed out (their
+Invariant 1 (docs/architecture.md) is the caller's: only blocks the KV cache manager handed out (their
 pages mapped) are read or written; the backends index nothing else (padding entries of a block
 table are replaced by a block of the same sequence before any gather).
 """

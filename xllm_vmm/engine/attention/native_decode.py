@@ -23,7 +23,7 @@ It is the torch backend's default for CPU decodes (``XLLM_VMM_NATIVE_DECODE=0`` 
 bucketed gather + SDPA path it replaces (``xllm-vmm bench attention``, loaded machine, CPU time
 of one layer call, H=8 over 4 KV heads, decodes of 64-640 keys, one thread): 2.5-3.6x less in
 every case, e.g. 128 decodes at D=64 5.3 against 12.9 ms in bf16, 10.1 against 31.3 in fp32;
-whole ``LLM.generate`` of the issue's trace (bf16, 2 threads, interleaved): 8.1-9.8 s of CPU
+whole ``LLM.generate`` of `bench engine`'s trace (bf16, 2 threads, interleaved): 8.1-9.8 s of CPU
 against 11.5-13.5 s with it off, and near-quiet 3,175-3,233 against 2,033-2,055 output
 tokens/s (``docs/engine.md``). In the engine it is bound by memory
 bandwidth (the K/V of the other layers evict a layer's between steps). The torch path

@@ -14,26 +14,19 @@ its blocks are scattered — only that sequence is copied):
 - a chunk with an offset (chunked prefill, prefix-cache hit) uses the mask
   ``key j <= start_pos + i``.
 
-Measured (bf16, 1 thread, 4 KV heads of 64): per-sequence SDPA over views against gathering
-every decode's blocks into one padded batch + one SDPA call: B64 with 64-520 tokens 8.4 against
-25 ms a layer, B32 with 900-1024 tokens 11.8 against 23.5, B256 with 32-160 tokens 29 against 28
-(the gather copies every key once more than attention reads it; memory bandwidth, not FLOPs,
-bounds CPU decode). The batched-gather indices (``decode_block_rows``, ``PrefillSeq.rows``) are
-derived per step for the batched decode path (``batch_decodes``, the default) and for backends
-that gather (MLA reuses them). Whole-engine runs on a quiet machine reversed the per-layer
-figures above: ``LLM.generate`` of 32 prompts, 64 new tokens each, 4 layers hidden 512, torch's
-2 threads, two interleaved rounds — equal 128-token prompts: batched 1,629–2,208 against
-per-sequence 1,209–1,478 tokens/s in fp32, 3,663–4,288 against 2,089–2,315 in bf16; mixed
-64–512-token prompts: 803–1,428 against 759–1,195 (fp32), 1,783–2,676 against 1,389–1,810 (bf16).
+The batched-gather indices (``decode_block_rows``, ``PrefillSeq.rows``) are derived per step
+for the batched decode path (``batch_decodes``, the default) and for backends that gather (MLA
+reuses them). Per layer, per-sequence SDPA over views is faster than gathering (the gather copies
+every key once more than attention reads it), but whole-engine runs are faster batched, in fp32
+and bf16, equal and mixed prompt lengths (docs/benchmarks.md, "Measurements behind defaults").
 So decodes are batched by default on every device; ``batch_decodes=False`` keeps the
 per-sequence views.
 
 The batched decodes are sorted by length and cut into up to ``MAX_DECODE_BUCKETS`` buckets
 (at least ``DECODE_BUCKET_MIN`` decodes each), each gathered and attended padded to its own
 longest, with an additive float mask built once per step (SDPA converts a boolean mask into one
-on every call): on 128 decodes of 64-640 keys (bf16, 4 layers hidden 512, one thread, CPU time
-of a whole decode step, together with the fused RMS norm and one RoPE lookup per step) 52-54
-against 78-93 ms before. On CPU the decodes go instead, by default, to the native kernel
+on every call); the buckets cut a decode step's CPU time by about a third (docs/benchmarks.md).
+On CPU the decodes go instead, by default, to the native kernel
 (:mod:`.native_decode`: blocks read in place, each output written straight into its row of the
 step's output; cheaper than these buckets, measured in its module docstring); the buckets stay
 for CUDA, for what the kernel does not take, and with ``native_decode=False`` /

@@ -1,4 +1,4 @@
-"""Serving across devices: one process per device over ``torch.distributed`` (issue 14).
+"""Serving across devices: one process per device over ``torch.distributed``.
 
 - :mod:`.topology` — who is who from the engine's flags (``nnodes``, ``node_rank``,
   ``master_node_addr``), what is refused (no torch);

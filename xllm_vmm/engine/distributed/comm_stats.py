@@ -1,4 +1,4 @@
-"""Time and bytes spent in collectives by this process (issue 14's benchmark fields).
+"""Time and bytes spent in collectives by this process (the fields ``bench serve`` reports per rank).
 
 ``COMM.add(kind, seconds, nbytes)`` is called around every collective of the model
 (``TensorParallel.all_reduce``, the vocabulary gather); :meth:`CommStats.snapshot` is what

@@ -1,5 +1,5 @@
 """Slot activation on every worker at once: the KV cache manager's ``SlotBacking`` for a
-worker set (issue 14).
+worker set.
 
 Block ids are the same on every worker, so a slot is one page offset across every tensor of
 its group *on every worker*. :class:`FanoutBacking` replaces rank 0's

@@ -1,4 +1,4 @@
-"""What ``xllm-vmm serve`` does differently in a worker set (issue 14).
+"""What ``xllm-vmm serve`` does differently in a worker set.
 
 As in the engine's multi-node launch: every process gets the same command line with its own
 ``--node_rank`` (and ``--devices``); rank 0 serves HTTP on ``--port`` and runs the scheduler;

@@ -4,7 +4,7 @@ tensors the caller owns; no ``torch.nn.Module``, no parameter copies).
 Every layer *references* the weight tensors it is given (they may view the VMM arena, so their
 addresses must stay valid across sleep / wakeup: nothing here copies or re-allocates a weight).
 
-- :mod:`.parallel` — :class:`TensorParallel` (rank, world size; the seam of issue 14);
+- :mod:`.parallel` — :class:`TensorParallel` (rank, world size; the seam of tensor parallelism);
 - :mod:`.linear` — :class:`ColumnParallelLinear`, :class:`RowParallelLinear`,
   :class:`ReplicatedLinear`;
 - :mod:`.norm` — :func:`rms_norm`, :class:`RMSNorm`;

@@ -1,6 +1,6 @@
 """Token embedding and the LM head over referenced weights ``(vocab, hidden)``.
 
-World size > 1 (issue 14): the vocabulary-parallel split of
+World size > 1: the vocabulary-parallel split of
 :mod:`xllm_vmm.engine.distributed.vocab` (``ceil(V / W)`` rows of the table per rank, the last
 rank's share shorter when ``W`` does not divide ``V``; masked lookup + all-reduce for the
 embedding; the head's padded logit slices gathered to rank 0 and cut to ``V``).
@@ -41,7 +41,7 @@ class VocabEmbedding:
     def __init__(self, weight: Tensor, *, tp: TensorParallel = SINGLE) -> None:
         self.tp = tp
         self.weight = weight  # as given (a tied head reads it): the full table or this rank's rows
-        if tp.world_size > 1:  # sharded path (issue 14)
+        if tp.world_size > 1:  # sharded path
             self.rows, self.vocab_start, _ = _vocab_rows(weight, tp)
 
     def __call__(self, ids: Tensor) -> Tensor:
@@ -64,7 +64,7 @@ class LMHead:
     def __init__(self, weight: Tensor, *, tp: TensorParallel = SINGLE) -> None:
         self.tp = tp
         self.weight = weight
-        if tp.world_size > 1:  # sharded path (issue 14)
+        if tp.world_size > 1:  # sharded path
             self.rows, _, self.vocab_size = _vocab_rows(weight, tp)
 
     def __call__(self, hidden: Tensor) -> Tensor:

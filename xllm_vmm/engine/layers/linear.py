@@ -1,7 +1,7 @@
 """Linear layers over referenced weights, column- and row-parallel (``y = x W^T + b``).
 
 A weight is ``(out_features, in_features)`` as Hugging Face stores it. Nothing is copied: a
-shard (world size > 1, issue 14) is a ``narrow`` view of the full tensor, which may view the
+shard (world size > 1) is a ``narrow`` view of the full tensor, which may view the
 VMM arena.
 """
 
@@ -47,7 +47,7 @@ class ColumnParallelLinear(ReplicatedLinear):
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None, *,
                  tp: TensorParallel = SINGLE, what: str = "output features") -> None:
-        if tp.world_size > 1 and tp.shard_hook is None:  # sharded path (issue 14): a view of this rank's rows
+        if tp.world_size > 1 and tp.shard_hook is None:  # sharded path: a view of this rank's rows
             start, size = tp.shard(weight.shape[0], what)
             weight = weight.narrow(0, start, size)
             bias = bias.narrow(0, start, size) if bias is not None else None
@@ -64,7 +64,7 @@ class RowParallelLinear(ReplicatedLinear):
                  reduce: bool = True) -> None:
         self.tp = tp
         self.reduce = reduce
-        if tp.world_size > 1 and tp.shard_hook is None:  # sharded path (issue 14): a (strided) view of this rank's columns
+        if tp.world_size > 1 and tp.shard_hook is None:  # sharded path: a (strided) view of this rank's columns
             start, size = tp.shard(weight.shape[1], what)
             weight = weight.narrow(1, start, size)
         super().__init__(weight, bias)

@@ -6,7 +6,7 @@ renormalised to sum 1 when ``norm_topk_prob``, cast to the activations' dtype; t
 once each over the tokens routed to them (gather, compute, ``index_add_``), never over the
 whole batch.
 
-Tensor parallel (issue 14): each expert's intermediate features split like a dense MLP; the
+Tensor parallel: each expert's intermediate features split like a dense MLP; the
 all-reduce is deferred to once per layer (not per expert). Expert parallel (``ep_size``): an
 expert this rank does not hold is None in ``experts`` (the router still scores every expert,
 replicated); its tokens are left to the rank that holds it, and the layer's one all-reduce

@@ -1,7 +1,7 @@
 """Tensor parallelism as the layers see it: a rank, a world size, and the collectives.
 
 World size 1 is the only configuration that runs today (every collective is the identity).
-The sharded path (issue 14) is marked where it lives: column-parallel layers take rows
+The sharded path is marked where it lives: column-parallel layers take rows
 ``[rank * n / world, (rank + 1) * n / world)`` of a weight as a *view* (no copy; the weight
 tensor may view the arena), row-parallel layers take the matching columns and all-reduce their
 output over ``group`` (``torch.distributed``: gloo on CPU, NCCL on CUDA, HCCL on NPU).
@@ -76,7 +76,7 @@ class TensorParallel:
         """Sum ``x`` over the ranks in place (identity at world size 1)."""
         if self.world_size == 1:
             return x
-        from xllm_vmm.engine.distributed import deadline  # sharded path (issue 14)
+        from xllm_vmm.engine.distributed import deadline  # sharded path
         from xllm_vmm.engine.distributed.comm_stats import COMM
 
         t0 = time.perf_counter()

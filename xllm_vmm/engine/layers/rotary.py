@@ -7,7 +7,7 @@
 - ``llama3``: wavelengths longer than ``original_max_position_embeddings / low_freq_factor`` are
   divided by ``factor``, shorter than ``... / high_freq_factor`` kept, and the band between is
   interpolated smoothly (Llama 3.1's formula, as transformers implements it);
-- ``yarn`` (DeepSeek-V3, issue 15): frequencies blended between ``inv_freq`` and
+- ``yarn`` (DeepSeek-V3): frequencies blended between ``inv_freq`` and
   ``inv_freq / factor`` by a linear ramp over the dimensions whose rotations at
   ``original_max_position_embeddings`` fall between ``beta_slow`` and ``beta_fast`` (bounds
   floored/ceiled unless ``truncate`` is false), and cos/sin multiplied by the attention factor

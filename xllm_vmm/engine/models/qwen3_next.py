@@ -162,7 +162,7 @@ class GatedAttention:
 
 
 class GatedDeltaNet:
-    """Tensor parallel (issue 14, weights sharded by the shard hook): this rank holds
+    """Tensor parallel (weights sharded by the shard hook): this rank holds
     ``nk / W`` key heads with their ``nv / W`` value heads — its rows of ``in_proj_qkvz`` /
     ``in_proj_ba`` (grouped per key head), its ``dt_bias`` / ``A_log``, its three channel ranges
     ``[q, k, v]`` of the (whole) conv weight, its state (the plan's per-worker

@@ -1,4 +1,4 @@
-"""Speculative decoding with an MTP draft (issue 15).
+"""Speculative decoding with an MTP draft.
 
 - :mod:`.mtp` — :class:`MtpDraft`, a DeepSeek-style multi-token-prediction module loaded from a
   draft directory in the format xllm's ``tools/export_mtp.py`` writes, over the ``"draft"``

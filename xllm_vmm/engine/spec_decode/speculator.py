@@ -44,7 +44,7 @@ Hidden-state ("embedding") slots (AD-03): every running request holds one of ``m
 slots (:class:`MtpSlotsKVManager`, taken at admission, given back at free), the per-sequence
 hidden vector an MTP draft reads from the target; with none left admission is "not now".
 
-Statistics (:attr:`stats`, contract section 2 of this session): drafts, draft tokens, accepted
+Statistics (:attr:`stats`): drafts, draft tokens, accepted
 tokens, accepted tokens per position (vLLM's ``vllm:spec_decode_*`` counters).
 
 Cost on this engine: the target's pass returns logits for every row of a step (the worker's
