@@ -121,7 +121,8 @@ def gguf_file(path: str | os.PathLike[str]) -> Path:
 @contextlib.contextmanager
 def open_gguf(path: str | os.PathLike[str]) -> Iterator[Any]:
     """A ``gguf.GGUFReader`` on ``path``; its memory map is closed when the block ends (also on
-    an error), so nothing of the file stays mapped."""
+    an error, whose traceback would otherwise keep it), so nothing of the file stays mapped.
+    Nothing that views the map may outlive the block: tensors are read as copies."""
     p = Path(path)
     try:
         from gguf import GGUFReader
@@ -137,13 +138,15 @@ def open_gguf(path: str | os.PathLike[str]) -> Iterator[Any]:
     if magic != b"GGUF":
         raise GgufError(f"not a GGUF file (magic {magic!r}, expected b'GGUF')", source=str(p),
                         hint="pass a .gguf checkpoint or a Hugging Face model directory")
+    why = None
     try:
         reader = GGUFReader(str(p), "r")
     except Exception as e:  # the reader raises ValueError / struct errors / IndexError on damage
+        why = f"{type(e).__name__}: {e}"
+    if why is not None:  # raised outside the handler: no traceback keeps the half-built map
         gc.collect()
-        raise GgufError(f"the GGUF header cannot be read ({type(e).__name__}: {e}); the file "
-                        "is truncated or damaged", source=str(p),
-                        hint="download the file again") from None
+        raise GgufError(f"the GGUF header cannot be read ({why}); the file is truncated or "
+                        "damaged", source=str(p), hint="download the file again")
     mm = getattr(reader.data, "_mmap", None)
     try:
         yield reader
@@ -202,8 +205,8 @@ def config_from_reader(reader: Any, path: str | os.PathLike[str], dtype: str | N
         "num_hidden_layers": int(need("block_count")), "num_attention_heads": heads,
         "num_key_value_heads": int(kv), "head_dim": head_dim, "hidden_act": "silu",
         "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
-        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "rms_norm_eps": _f32(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": _f32(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         "rope_scaling": None, "attention_bias": "blk.0.attn_q.bias" in names, "mlp_bias": False,
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": int(bos) if bos is not None else None,
@@ -225,6 +228,14 @@ def config_from_reader(reader: Any, path: str | os.PathLike[str], dtype: str | N
     if model_type == "qwen3":
         cfg["attention_bias"] = "blk.0.attn_q.bias" in names
     return cfg
+
+
+def _f32(v: Any) -> float:
+    """A float32 metadata value as the decimal it was written from (``1e-06``, not
+    ``9.99999997e-07``): the shortest text that rounds to the same float32."""
+    import numpy as np
+
+    return float(str(np.float32(v)))
 
 
 def eos_token_ids(reader: Any) -> list[int]:
@@ -395,8 +406,8 @@ def _dequantize(t: Any, shape: tuple[int, ...], path: str) -> Any:
     from gguf.quants import dequantize
 
     try:
-        if t.tensor_type == GGMLQuantizationType.F32:
-            a = np.asarray(t.data, dtype=np.float32)
+        if t.tensor_type == GGMLQuantizationType.F32:  # a copy: the map closes after reading
+            a = np.array(t.data, dtype=np.float32, copy=True)
         elif t.tensor_type == GGMLQuantizationType.F16:
             a = np.asarray(t.data).astype(np.float32)
         else:
