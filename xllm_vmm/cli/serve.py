@@ -319,7 +319,20 @@ def run(argv: list[str], out: Optional[TextIO] = None, err: Optional[TextIO] = N
     except ValueError as exc:  # XLLM_VMM_NATIVE_THREADS malformed: the same, before loading
         err.write(f"error: {exc}\n")
         return 1
-    label = f"loading {model or 'the default model'}"
+    # The default model is fetched and a GGUF converted (once; then cached) before the load
+    # display, with their own progress lines; a fetch that cannot happen falls back to the demo.
+    from xllm_vmm.models.default_model import resolve_model
+    from xllm_vmm.models.errors import ModelConfigError
+
+    try:
+        resolved, is_demo = resolve_model(model, dtype=opts["dtype"], log=err)
+    except ModelConfigError as exc:
+        err.write(f"error: {exc}\n")
+        return 1
+    model = "demo" if is_demo else str(resolved)
+    from xllm_vmm.models.gguf import served_name
+
+    label = f"loading {served_name(model) or model}"
     weights = getattr(spec, "served_weight_bytes", None) if spec is not None else None
     reports = "progress" in getattr(_le, "ENGINE_OPTIONS", ())
     engine = None
