@@ -219,6 +219,8 @@ class LLMEngine:
                             f"{', '.join(ENGINE_OPTIONS)}")
         from xllm_vmm.models.default_model import resolve_model
 
+        if model is None:  # flags that do not parse fail before anything is fetched
+            load(list(args), env=None, label="engine flags")
         model, is_demo = resolve_model(model, dtype=options.get("dtype"))
         model_dir = str(Path(model).expanduser())
         cfg = load([_flag_token("model", model_dir), *args], env=None, label="engine flags")
