@@ -263,3 +263,26 @@ def test_tensor_names_round_trip():
               "model.layers.3.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.bias",
               "model.layers.1.self_attn.q_norm.weight", "model.layers.2.mlp.down_proj.weight"):
         assert hf_name(gguf_name(n)) == n
+
+
+def test_plan_and_check_config_size_from_the_header_alone(llama_gguf, tmp_path, monkeypatch):
+    """``plan`` and ``check-config`` read the metadata: no tensor is dequantized (the reader
+    maps the file; its tensor pages are never touched)."""
+    from typer.testing import CliRunner
+
+    import xllm_vmm.models.gguf as g
+    from xllm_vmm.cli.app import app
+    from xllm_vmm.cli.check_config import run as check_config
+
+    def no_tensor_reads(*a, **k):
+        raise AssertionError("a tensor was read")
+
+    monkeypatch.setattr(g, "_dequantize", no_tensor_reads)
+    r = CliRunner().invoke(app, ["plan", f"--model={llama_gguf}", "--device-memory=1GiB"])
+    assert r.exit_code == 0, r.output
+    assert "2 layers" in r.stdout and "float32" in r.stdout
+    assert check_config([f"--model={llama_gguf}"]) == 0
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\xff" * 40)
+    assert check_config([f"--model={bad}"]) == 2
+    assert not _mapped(llama_gguf) and not _mapped(bad)
