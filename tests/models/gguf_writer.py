@@ -89,8 +89,32 @@ def write_gguf(src: Path, path: Path, qtype: str = "F32", *, arch: str | None = 
             w.add_tensor(gguf_name(name), q, raw_shape=q.shape, raw_dtype=qt)
         else:
             w.add_tensor(gguf_name(name), a)
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if scaling.get("rope_type") == "llama3":  # llama.cpp's converter: one factor per rotary pair
+        w.add_tensor("rope_freqs.weight", _llama3_factors(scaling, rope, cfg.get("head_dim") or
+                                                          cfg["hidden_size"] // heads))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _llama3_factors(s: dict, base: float, dim: int):
+    import math
+
+    import numpy as np
+
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old = s["original_max_position_embeddings"]
+    out = []
+    for f in 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)):
+        wavelen = 2 * math.pi / f
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)

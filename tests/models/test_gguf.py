@@ -13,7 +13,8 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from tests.engine.checkpoints import CORPUS, llama_checkpoint, qwen2_checkpoint, qwen3_checkpoint  # noqa: E402
+from tests.engine.checkpoints import (  # noqa: E402
+    CORPUS, llama3_checkpoint, llama_checkpoint, qwen2_checkpoint, qwen3_checkpoint)
 from tests.models.gguf_writer import gguf_name, write_gguf  # noqa: E402
 from xllm_vmm.models import load_model_spec  # noqa: E402
 from xllm_vmm.models.gguf import (  # noqa: E402
@@ -124,6 +125,14 @@ def test_k_quants_are_dequantized_by_the_gguf_package(tmp_path, qtype):
     np.testing.assert_array_equal(got, ref.reshape(rows, cols))
 
 
+def test_llama3_rope_scaling_comes_back_from_rope_freqs(tmp_path):
+    src = llama3_checkpoint(tmp_path / "src")
+    want = json.loads((src / "config.json").read_text())["rope_parameters"]
+    got = read_config(write_gguf(src, tmp_path / "m.gguf"))["rope_scaling"]
+    assert got == {k: want[k] for k in ("rope_type", "factor", "low_freq_factor",
+                                        "high_freq_factor", "original_max_position_embeddings")}
+
+
 def test_config_and_spec_come_from_the_header(llama, llama_gguf):
     cfg = read_config(llama_gguf)
     orig = json.loads((llama / "config.json").read_text())
@@ -153,12 +162,12 @@ def test_tokenizer_encodes_and_decodes_like_the_original(llama, llama_gguf, tmp_
     assert set(a.eos_token_ids) <= set(b.eos_token_ids)
 
 
-@pytest.mark.parametrize("family", ["llama", "llama-tied", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "llama-tied", "llama3", "qwen2", "qwen3"])
 def test_generates_the_same_tokens_as_the_safetensors_original(tmp_path, family):
     from xllm_vmm import LLM, SamplingParams
 
-    build = {"llama": llama_checkpoint, "llama-tied": llama_checkpoint, "qwen2": qwen2_checkpoint,
-             "qwen3": qwen3_checkpoint}[family]
+    build = {"llama": llama_checkpoint, "llama-tied": llama_checkpoint, "llama3": llama3_checkpoint,
+             "qwen2": qwen2_checkpoint, "qwen3": qwen3_checkpoint}[family]
     src = build(tmp_path / "src", **({"tie_word_embeddings": True} if family == "llama-tied" else {}))
     path = write_gguf(src, tmp_path / "m.gguf")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

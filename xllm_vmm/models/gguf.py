@@ -87,7 +87,8 @@ _LAYER_NAMES = {
 _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
 _SKIPPED = frozenset({"rope_freqs.weight"})
-"""Tensors the engine computes itself (llama.cpp stores the rotary frequencies of some files)."""
+"""Tensors the engine computes itself (llama.cpp stores Llama 3's rotary factors: they are
+read back as the config's ``rope_scaling``)."""
 
 CONVERTED_FILES = ("config.json", "generation_config.json", "tokenizer.json",
                    "tokenizer_config.json", "model.safetensors")
@@ -222,12 +223,51 @@ def config_from_reader(reader: Any, path: str | os.PathLike[str], dtype: str | N
     elif scaling not in (None, "none"):
         raise GgufError(f"rope scaling {scaling!r} is not supported", source=src,
                         hint="GGUF files with no rope scaling or linear scaling load")
+    if "rope_freqs.weight" in names:
+        cfg["rope_scaling"] = _llama3_rope_scaling(reader, src, cfg)
     if model_type == "qwen2":
         cfg["attention_bias"] = True
         cfg["use_sliding_window"] = False
     if model_type == "qwen3":
         cfg["attention_bias"] = "blk.0.attn_q.bias" in names
     return cfg
+
+
+def _llama3_rope_scaling(reader: Any, src: str, cfg: dict) -> dict:
+    """Llama 3's rope scaling from the ``rope_freqs`` tensor llama.cpp's converter writes (one
+    factor per rotary pair, computed from ``factor``, ``low_freq_factor``, ``high_freq_factor``
+    and ``original_max_position_embeddings``): the parameters whose factors are the tensor's,
+    searched over the values Llama 3 checkpoints use; refused when none matches."""
+    import math
+
+    import numpy as np
+
+    t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+    if t.tensor_type.name != "F32":
+        raise GgufError(f"tensor 'rope_freqs.weight' has type {t.tensor_type.name}", source=src,
+                        hint="llama.cpp writes rope_freqs as F32; convert the checkpoint again")
+    got = np.array(t.data, dtype=np.float64).reshape(-1)
+    dim, base = cfg["head_dim"], cfg["rope_theta"]
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32).astype(np.float64) / dim))
+    factor = float(got.max())
+    for old in (2 ** k for k in range(4, 21)):
+        for low, high in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0)):
+            want = []
+            for f in freqs:
+                wavelen = 2 * math.pi / f
+                if wavelen < old / high:
+                    want.append(1.0)
+                elif wavelen > old / low:
+                    want.append(factor)
+                else:
+                    smooth = (old / wavelen - low) / (high - low)
+                    want.append(1 / ((1 - smooth) / factor + smooth))
+            if len(want) == len(got) and np.allclose(got, want, rtol=1e-5, atol=1e-6):
+                return {"rope_type": "llama3", "factor": _f32(factor), "low_freq_factor": low,
+                        "high_freq_factor": high, "original_max_position_embeddings": old}
+    raise GgufError("tensor 'rope_freqs.weight' holds rotary factors that are not Llama 3's "
+                    "rope scaling", source=src,
+                    hint="GGUF files with no rope scaling, linear scaling or Llama 3's load")
 
 
 def _f32(v: Any) -> float:
