@@ -43,9 +43,21 @@ def test_text_from_stdin_with_chat(model):
 
 def test_demo_banner(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    code, out, err = run("Hello", "-n", "2", "--block_size=16", "--device-memory", "128MiB")
+    code, out, err = run("Hello", "-m", "demo", "-n", "2", "--block_size=16", "--device-memory",
+                         "128MiB")
     assert code == 0, err
     assert "demo model" in err
+
+
+def test_no_model_and_no_index_falls_back_to_the_demo_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("XLLM_VMM_DEFAULT_MODEL")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # the user's own pip settings: no index reachable
+    code, out, err = run("Hello", "-n", "2", "--block_size=16", "--device-memory", "128MiB")
+    assert code == 0, err
+    line = [ln for ln in err.splitlines() if "cannot fetch" in ln]
+    assert len(line) == 1 and "SmolLM2-135M-Instruct" in line[0] and "demo model" in line[0]
+    assert not (tmp_path / "xllm-vmm" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").exists()
 
 
 @pytest.mark.parametrize("args, text", [

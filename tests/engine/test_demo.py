@@ -64,12 +64,12 @@ def test_tokenizer_and_model_load_in_transformers(tmp_path):
     assert not model.config.tie_word_embeddings and model.config.vocab_size == 512
 
 
-def test_llm_without_a_model_serves_the_demo(tmp_path, monkeypatch):
+def test_llm_with_model_demo_serves_the_demo(tmp_path, monkeypatch):
     from tests.engine.checkpoints import hf_greedy
     from xllm_vmm import LLM, SamplingParams
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    with LLM(block_size=16, device_memory="128MiB") as llm:
+    with LLM("demo", block_size=16, device_memory="128MiB") as llm:
         eng = llm.llm_engine
         assert eng.is_demo and eng.model_name == DEMO_NAME
         out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]

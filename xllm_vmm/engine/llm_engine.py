@@ -58,7 +58,17 @@ from xllm_vmm.engine.sampling_params import SamplingParams
 
 GiB = 1 << 30
 DEFAULT_HOST_DEVICE_MEMORY = 1 * GiB
-"""Emulated device memory of the host (CPU) driver when ``device_memory`` is not given."""
+"""Emulated device memory of the host (CPU) driver when ``device_memory`` is not given (at
+least: a model whose weights need more gets :func:`host_device_memory`)."""
+
+
+def host_device_memory(spec: Any) -> int:
+    """The host driver's emulated device memory for ``spec`` without ``device_memory``:
+    :data:`DEFAULT_HOST_DEVICE_MEMORY`, or, for larger weights, twice their bytes plus 1 GiB
+    rounded up to whole GiB (room for the execution peak and a KV cache beside them)."""
+    w = getattr(spec, "weight_bytes", None) or getattr(spec, "estimated_weight_bytes", None) or 0
+    need = -(-(2 * int(w) + GiB) // GiB) * GiB
+    return max(DEFAULT_HOST_DEVICE_MEMORY, need) if w > 256 * 1024 * 1024 else DEFAULT_HOST_DEVICE_MEMORY
 
 HONOURED_FLAGS = frozenset({
     "block_size", "enable_vmm_kvcache", "vmm_elastic", "enable_vmm_weights",
@@ -182,8 +192,10 @@ class LLMEngine:
     # -- construction --------------------------------------------------------------------
     @classmethod
     def from_flags(cls, model: str | os.PathLike[str] | None = None, **flags: Any) -> LLMEngine:
-        """An engine for ``model`` (a local Hugging Face directory; None: the embedded demo
-        model) with the engine's flags (see the module docstring)."""
+        """An engine for ``model`` (a local Hugging Face directory, a ``.gguf`` file or a
+        directory holding one, ``"demo"`` for the embedded demo model; None: the default model,
+        fetched on first use, or the demo model when it cannot be) with the engine's flags (see
+        the module docstring)."""
         from xllm_vmm.config import ConfigError, Finding
 
         opts = {k: flags.pop(k) for k in ENGINE_OPTIONS if k in flags}
@@ -205,11 +217,11 @@ class LLMEngine:
         if unknown:
             raise TypeError(f"unknown engine option(s) {', '.join(unknown)}; known: "
                             f"{', '.join(ENGINE_OPTIONS)}")
-        is_demo = model is None
-        if is_demo:
-            from xllm_vmm.engine.demo import demo_model_dir
+        from xllm_vmm.models.default_model import resolve_model
 
-            model = demo_model_dir()
+        if model is None:  # flags that do not parse fail before anything is fetched
+            load(list(args), env=None, label="engine flags")
+        model, is_demo = resolve_model(model, dtype=options.get("dtype"))
         model_dir = str(Path(model).expanduser())
         cfg = load([_flag_token("model", model_dir), *args], env=None, label="engine flags")
         sized = _size(cfg, model_dir, options)
@@ -600,7 +612,7 @@ def _size(cfg: Any, model_dir: str, opts: dict[str, Any]) -> _Sized:
     if opts.get("device_memory") is not None:
         total = _parse_memory(opts["device_memory"])
     elif kind == "host":
-        total = DEFAULT_HOST_DEVICE_MEMORY
+        total = host_device_memory(spec)
     else:  # a real device: its total memory
         from xllm_vmm.vmm import open_driver
 
@@ -753,7 +765,10 @@ def _build(cls: type, sized: _Sized, model_dir: str, opts: dict[str, Any], is_de
     seed = opts.get("seed")
     if seed is None:
         seed = int(cfg["random_seed"])
-    name = str(cfg["model_id"] or "") or ("xllm-vmm-demo" if is_demo else Path(model_dir).name)
+    from xllm_vmm.models.gguf import served_name
+
+    name = str(cfg["model_id"] or "") or ("xllm-vmm-demo" if is_demo else
+                                          served_name(model_dir) or Path(model_dir).name)
     eng = cls(model_dir=model_dir, model_name=name, config=cfg, plan=plan, driver=driver,
               pool=pool, weights=weights, mgr=mgr, worker=worker, tokenizer=tok,
               max_model_len=sized.max_model_len, seed=None if seed < 0 else seed,

@@ -77,9 +77,20 @@ def load_from_directory(directory: Path, *, name: str | None = None,
     return spec
 
 
+def load_from_gguf(path: Path) -> ModelSpec:
+    """The spec of a GGUF file (or a directory holding one) from its metadata: the header is
+    parsed, no tensor is read; the weights are the architecture's estimate in the dtype the
+    file is served in by default."""
+    from xllm_vmm.models.gguf import gguf_file, read_config
+
+    f = gguf_file(path)
+    spec = spec_from_config(read_config(f), name=str(f), source=str(f))
+    return with_estimate(spec)
+
+
 def load_model_spec(ref: str, *, read_weights: bool = True) -> ModelSpec:
-    """The :class:`ModelSpec` of ``ref``: a local model directory (or its ``config.json``) or a
-    catalogue name (``Qwen/Qwen3-8B``; case-insensitive; ``Qwen__Qwen3-8B`` also works).
+    """The :class:`ModelSpec` of ``ref``: a local model directory (or its ``config.json``), a
+    GGUF file (or a directory holding one: sized from its metadata) or a catalogue name (``Qwen/Qwen3-8B``; case-insensitive; ``Qwen__Qwen3-8B`` also works).
 
     ``spec.weight_bytes`` is exact (sum of tensor bytes in the safetensors headers) when
     ``read_weights`` is true and the directory has readable ``*.safetensors`` files, else None;
@@ -93,6 +104,10 @@ def load_model_spec(ref: str, *, read_weights: bool = True) -> ModelSpec:
         raise ModelConfigError("no model given", hint="pass a model directory or a catalogue "
                                                       "name; " + _LIST_HINT)
     path = Path(ref).expanduser()
+    from xllm_vmm.models.gguf import is_gguf_path
+
+    if is_gguf_path(path):
+        return load_from_gguf(path)
     if path.is_dir():
         return load_from_directory(path, read_weights=read_weights)
     if path.is_file():

@@ -1,4 +1,5 @@
-"""The embedded demo model: what the engine serves when no ``--model`` is given.
+"""The embedded demo model: ``--model demo``, and what the engine serves without ``--model``
+when the default model cannot be fetched.
 
 A tiny Llama (fp32) with a byte-level BPE tokenizer and a ChatML chat template, built on first
 use from :data:`SEED` and the corpus text shipped beside this module (``corpus.md``), and cached
