@@ -126,6 +126,13 @@ PORTABLE, NO_AMX = 1, 2  # the library's flags
 
 
 def _flags(portable: bool, amx: bool) -> int:
+    """The library's flags; a capability hidden by ``XLLM_VMM_CPU_HIDE``
+    (:mod:`xllm_vmm.engine.cpu_caps`) forces its absence: ``avx512`` the portable C, ``amx``
+    the AVX-512 scores."""
+    from xllm_vmm.engine import cpu_caps
+
+    portable = portable or cpu_caps.hides("avx512")
+    amx = amx and not cpu_caps.hides("amx")
     return (PORTABLE if portable else 0) | (0 if amx else NO_AMX)
 
 
