@@ -9,7 +9,7 @@ Every CPU compute path that assumes an instruction set is chosen from :func:`cap
 - elsewhere a bfloat16 checkpoint keeps its bfloat16 weights (in the pool, or plain) and each
   product runs in float32 over upcast copies made per call (:func:`bf16_compute` ``"fp32"``):
   measured under torch's AVX2 dispatch, a bfloat16 product there runs at 27-48 GFLOP/s and the
-  per-call upcast at 86-178, about float32's own speed (``docs/engine.md``), and the weights'
+  per-call upcast at 97-178, about float32's own speed (``docs/engine.md``), and the weights'
   memory stays bfloat16's;
 - the native attention and layer kernels (``native/paged_attn.c``, ``native/layer_ops.c``)
   dispatch on the CPU themselves; a hidden ``avx512`` makes them take their portable C, a
@@ -207,7 +207,7 @@ def bf16_compute() -> tuple[str, str]:
     """``("bf16" | "fp32", why)``: how a CPU product of bfloat16 operands runs. ``bf16`` where
     torch's oneDNN bfloat16 kernels run (:attr:`CpuCaps.onednn_bf16`); ``fp32`` (float32 over
     per-call upcasts of the bfloat16 weights) elsewhere, where torch's portable bfloat16 gemm
-    measured 3-4.5x slower than that (module doc). :data:`BF16_ENV` overrides."""
+    measured 2.8-4.8x slower than that (module doc). :data:`BF16_ENV` overrides."""
     raw = os.environ.get(BF16_ENV, "").strip().lower()
     if raw in ("bf16", "bfloat16"):
         return "bf16", f"{BF16_ENV}={raw}"
