@@ -161,3 +161,26 @@ def test_a_bf16_checkpoint_serves_without_onednn_bf16(tmp_path, hidden):
         assert "run in float32" in warm.reason
         outs = llm.generate([_prompt(9), _prompt(BS + 3, 1)], GREEDY)
     assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_generate_runs_16_bit_dtypes_as_on_an_avx2_only_cpu(llama, dtype):
+    """``xllm-vmm generate`` in a fresh process with torch's kernels capped to AVX2 and AVX-512
+    hidden: it runs without any other switch and states the paths it took (float32 there:
+    :func:`test_fp32_engine_matches_transformers_on_the_portable_paths`)."""
+    import os
+    import subprocess
+    import sys
+
+    d = llama[0]
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2", **{cpu_caps.HIDE_ENV: "avx512"})
+    env.pop(cpu_caps.BF16_ENV, None)
+    p = subprocess.run([sys.executable, "-m", "xllm_vmm.cli", "generate", "--model", str(d),
+                        "--dtype", dtype, "--max-tokens", "4", "hello"], capture_output=True,
+                       text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    line = next(x for x in p.stderr.splitlines() if "compute paths: " in x)
+    paths = cpu_caps.parse_paths_line(line)
+    assert paths["torch_capability"] == "AVX2" and paths["layer_ops"] in ("portable", "off")
+    assert paths["packed_linear"].startswith("off (")
+    assert paths["bf16_compute"].startswith("fp32")
