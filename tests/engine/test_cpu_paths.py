@@ -92,6 +92,17 @@ def test_hidden_avx512_takes_every_portable_path(hidden):
     assert cpu_caps.parse_paths_line(cpu_caps.paths_line(paths)) == paths
 
 
+def test_hidden_avx512_bf16_keeps_avx512_for_fp32_only(hidden):
+    from xllm_vmm.engine.attention import native_decode as nd
+
+    c = hidden("avx512_bf16")
+    if nd.load() is None or not c.avx512:
+        pytest.skip("no native attention library or no AVX-512 here")
+    assert nd.implementation(torch.bfloat16, torch.bfloat16, 64) == "portable"
+    assert nd.implementation(torch.float32, torch.float32, 64) == "avx512-f32"
+    assert c.onednn_bf16  # torch's oneDNN bfloat16 needs AVX-512 BW/VL/DQ, not AVX512_BF16
+
+
 def test_hidden_amx_keeps_the_avx512_scores(hidden):
     from xllm_vmm.engine.attention import native_decode as nd
 
