@@ -299,6 +299,5 @@ def parse_paths_line(line: str) -> dict[str, str] | None:
 
 
 __all__ = ["BF16_ENV", "CpuCaps", "HIDEABLE", "HIDE_ENV", "bf16_as_fp32", "bf16_compute",
-           "caps", "compute_paths", "detect", "hides", "parse_hidden", "parse_paths_line", "paths_line",
-           "reset",
-           "set_bf16_as_fp32"]
+           "caps", "compute_paths", "detect", "hides", "parse_hidden", "parse_paths_line",
+           "paths_line", "reset", "set_bf16_as_fp32"]
