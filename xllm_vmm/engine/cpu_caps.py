@@ -255,6 +255,8 @@ def compute_paths(model: Any = None, backend: Any = None) -> dict[str, str]:
     if rep is not None and hasattr(rep, "linears"):
         out["packed_linear"] = (f"on ({rep.linears} linears)" if rep.linears
                                 else f"off ({rep.reason})")
+    elif model is not None:  # the worker packs only plain CPU weights
+        out["packed_linear"] = "off (weights in the pool, or not on the CPU)"
     mode, why = bf16_compute()
     out["bf16_compute"] = f"{mode} ({why})"
     out["row_buckets"] = "on" if row_buckets.enabled() else "off"
