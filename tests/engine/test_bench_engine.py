@@ -29,6 +29,9 @@ def test_bench_engine_smoke(tmp_path, monkeypatch):
     assert 5 <= doc["prompt_tokens_min"] <= doc["prompt_tokens_max"] <= 20
     assert 0 <= doc["greedy_match_fraction"] <= 1
     assert doc["layer_ops"] in ("avx512", "portable", "off")
+    assert doc["cpu_model"] and doc["compute_paths"]["cpu_model"] == doc["cpu_model"]
+    assert doc["compute_paths"]["packed_linear"].startswith(("on (", "off ("))
+    assert doc["compute_paths"]["bf16_compute"].startswith(("bf16 (", "fp32 ("))
     assert doc["host_malloc_tuned"] in (True, False)  # False only off glibc / switched off
     assert doc["max_tokens_per_batch"] == 2048 and doc["prefix_caching"] is False
     assert "vllm_prefix_caching" not in doc  # no vLLM side asked for

@@ -12,7 +12,8 @@ from tests.engine import checkpoints as C
 from tests.engine.paged_stack import PagedStack
 from xllm_vmm.engine.layers import packed
 
-pytestmark = pytest.mark.skipif(not packed.enabled(), reason="oneDNN linear ops unavailable")
+pytestmark = pytest.mark.skipif(not packed.enabled(),
+                                reason=f"packed linear off here: {packed.disabled_reason()}")
 
 
 @pytest.mark.parametrize("rows", [1, 7, 128])

@@ -21,9 +21,26 @@ from xllm_vmm.engine.layers import layer_ops, packed
 
 @pytest.fixture
 def padding_on():
+    """Padding on, and bfloat16 products in bfloat16 (where they run in float32 nothing is
+    padded: :func:`test_bf16_in_fp32_is_not_padded`)."""
+    from xllm_vmm.engine import cpu_caps
+
     old = rb.set_enabled(True)
+    old_fp32 = cpu_caps.set_bf16_as_fp32(False)
     yield
     rb.set_enabled(old)
+    cpu_caps.set_bf16_as_fp32(old_fp32)
+
+
+def test_bf16_in_fp32_is_not_padded(padding_on):
+    """Where bfloat16 products run in float32 (MKL ``sgemm``, no per-shape compilation) a
+    bfloat16 tensor keeps its exact rows; float16 is still padded."""
+    from xllm_vmm.engine import cpu_caps
+
+    cpu_caps.set_bf16_as_fp32(True)
+    x = rb.empty_rows(100, (8,), torch.bfloat16)
+    assert x.untyped_storage().nbytes() == 100 * 8 * 2 and rb.widen(x) is x
+    assert rb.empty_rows(100, (8,), torch.float16).untyped_storage().nbytes() == 104 * 8 * 2
 
 
 def test_padded_rows_is_bounded_monotone_and_at_most_an_eighth_more():
@@ -105,7 +122,8 @@ _COUNT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not packed.enabled(), reason="oneDNN linear ops unavailable")
+@pytest.mark.skipif(not packed.enabled(),
+                    reason=f"packed linear off here: {packed.disabled_reason()}")
 def test_sixty_step_sizes_compile_at_most_the_buckets_primitives():
     """What a server sees: 60 distinct step sizes through two products. Without buckets oneDNN
     JIT-compiles one primitive per size and product (120); with them one per bucket."""

@@ -24,7 +24,30 @@ def _llm(model_dir, dtype):
                dtype=dtype, max_tokens_per_batch=300)
 
 
-def test_bf16_engine_warms_every_bucket_of_its_budget(tmp_path):
+@pytest.fixture
+def bf16_compute():
+    """``bf16_compute(True)``: bfloat16 products run in bfloat16 for the test (False: in
+    float32, as where oneDNN has no bfloat16 kernels)."""
+    from xllm_vmm.engine import cpu_caps
+
+    old = cpu_caps.set_bf16_as_fp32(None)
+    yield lambda native: cpu_caps.set_bf16_as_fp32(not native)
+    cpu_caps.set_bf16_as_fp32(old)
+
+
+def test_bf16_in_fp32_skips_with_the_reason(tmp_path, bf16_compute):
+    bf16_compute(False)
+    llm = _llm(C.llama_checkpoint(tmp_path / "m"), "bfloat16")
+    try:
+        rep = llm.llm_engine.warm_up(60.0)
+    finally:
+        llm.llm_engine.shutdown()
+    assert rep.line() == ("warm-up: skipped (bfloat16 products run in float32 here: no "
+                          "per-shape compilation)")
+
+
+def test_bf16_engine_warms_every_bucket_of_its_budget(tmp_path, bf16_compute):
+    bf16_compute(True)
     llm = _llm(C.llama_checkpoint(tmp_path / "m"), "bfloat16")
     try:
         rep = llm.llm_engine.warm_up(60.0)
@@ -71,7 +94,8 @@ _AFTER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not packed.enabled(), reason="oneDNN linear ops unavailable")
+@pytest.mark.skipif(not packed.enabled(),
+                    reason=f"packed linear off here: {packed.disabled_reason()}")
 def test_after_the_warm_up_requests_compile_no_product(tmp_path):
     """What the warm-up is for: prompts of several lengths batched with decodes (step sizes the
     warm-up never saw as such) compile no oneDNN product once it ran; without it they do."""

@@ -22,26 +22,30 @@ import json, resource, sys
 import torch
 import torch.nn.functional as F
 from xllm_vmm.engine import host_memory as hm
+from xllm_vmm.engine.layers.linear import dense
 tuned = hm.configure_host_malloc() if sys.argv[1] == "engine" else None
-# a step's pattern: 4 layers of a 2,048-token gated MLP (bf16, intermediate 1,536)
+# a step's pattern: 4 layers of a 2,048-token gated MLP (bf16, intermediate 1,536), through
+# the engine's own product (in float32 over upcasts where this CPU has no oneDNN bfloat16:
+# torch's portable bfloat16 gemm there is ~6x slower and would outlast the timeout)
 x = torch.ones(2048, 512, dtype=torch.bfloat16)
 w1 = torch.full((3072, 512), 0.01, dtype=torch.bfloat16)
 w2 = torch.full((512, 1536), 0.01, dtype=torch.bfloat16)
+# before any free: glibc's default raises its mmap threshold to the largest chunk freed
+before = hm.mallinfo2()
+t = torch.empty(24 << 20, dtype=torch.uint8)  # below the tuned 32 MiB mmap threshold
+during = hm.mallinfo2()
+del t
 faults = []
 for r in range(10):
     f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     h = x
     for layer in range(4):
-        gu = F.linear(h, w1)
+        gu = dense(h, w1)
         g, u = gu.split(1536, -1)
-        h = F.linear(F.silu(g) * u, w2) + h
+        h = dense(F.silu(g) * u, w2) + h
         del gu, g, u
     del h
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
-before = hm.mallinfo2()
-t = torch.empty(24 << 20, dtype=torch.uint8)  # below the tuned 32 MiB mmap threshold
-during = hm.mallinfo2()
-del t
 print(json.dumps({"tuned": None if tuned is None else tuned.__dict__,
                   "again": None if tuned is None else hm.configure_host_malloc().__dict__,
                   "mmapped_during": None if before is None else during["hblkhd"] - before["hblkhd"],

@@ -117,6 +117,9 @@ def test_bench_serve_cli_json_on_a_real_server(tiny_llama_dir):
     assert out["other_cpu_s"] == pytest.approx(out["machine_cpu_s"] - out["server_cpu_s"]
                                                - out["client_cpu_s"])
     assert "--enable_vmm_weights=true" not in out["server"]  # serve's own default weights
+    # the CPU and the compute path each part took, from the server's start-up line
+    assert out["cpu_model"] and out["compute_paths"]["cpu_model"] == out["cpu_model"]
+    assert {"bf16_compute", "layer_ops", "attention_decode"} <= set(out["compute_paths"])
     # the server's own latency by stage (median <= p99, in µs; what the load added)
     for stage in ("overhead", "admit", "pickup", "add", "handoff", "emit"):
         med, p99 = out[f"server_{stage}_us_median"], out[f"server_{stage}_us_p99"]

@@ -257,10 +257,13 @@ def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
         if residency == "shared":
             vllm = start_vllm()
     with LLM(str(mdir), **flags) as llm:
+        from xllm_vmm.engine.cpu_caps import caps
         from xllm_vmm.engine.host_memory import host_malloc_tuning
 
         tuning = host_malloc_tuning()  # set by the engine's start (process-wide: HF's runs too)
         out["host_malloc_tuned"] = None if tuning is None else tuning.applied
+        out["cpu_model"] = caps().model
+        out["compute_paths"] = llm.llm_engine.compute_paths()  # what each part took here
         _engine_generate(llm, trace[:2], 2)  # warm-up (both sides)
         _hf_generate(hf, trace[:2], 2, 2)
         eng_tps, hf_tps, ratios = [], [], []

@@ -369,6 +369,9 @@ def run(argv: list[str], out: Optional[TextIO] = None, err: Optional[TextIO] = N
         out.write(f"accepted without effect in this engine ({len(ignored)}): "
                   f"{', '.join('--' + n for n in ignored)}\n")
     out.flush()
+    from xllm_vmm.engine.cpu_caps import paths_line
+
+    out.write(paths_line(engine.compute_paths()) + "\n")  # chosen from this CPU (cpu_caps)
     out.write(engine.warm_up(warm_budget).line() + "\n")  # the row buckets' CPU products
     out.flush()
     # Done with torch on this thread: end its OpenMP team, so that the engine thread's is the

@@ -183,6 +183,11 @@ class LLMEngine:
         self._eos = tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
         self._children: dict[str, list[str]] = {}
         self._parent: dict[str, tuple[str, int]] = {}
+        import logging
+
+        from xllm_vmm.engine.cpu_caps import paths_line
+
+        logging.getLogger("xllm_vmm.engine").info(paths_line(self.compute_paths()))
         self._sleeper = None
         self._closed = False
         self._forks: list[LLMEngine] = []
@@ -373,6 +378,17 @@ class LLMEngine:
         return int(self.kv_cache_manager.block_size)
 
     # -- introspection -------------------------------------------------------------------
+    def compute_paths(self) -> dict[str, str]:
+        """Which compute path each part of this engine takes on this CPU (packed linear,
+        bfloat16 compute, row buckets, native attention and layer ops:
+        :func:`xllm_vmm.engine.cpu_caps.compute_paths`); logged once at start-up, in bench
+        JSON."""
+        from xllm_vmm.engine import cpu_caps
+
+        model = getattr(self.worker, "model", None)
+        runner = getattr(self.worker, "runner", None)
+        return cpu_caps.compute_paths(model, getattr(runner, "backend", None))
+
     @property
     def sizing(self) -> dict[str, Any]:
         """The plan this engine was sized by (``plan``'s JSON) plus the running cache's

@@ -104,6 +104,12 @@ def _products(model: Any) -> list[tuple[tuple, Any]]:
     return list(found.items())
 
 
+def _bf16_as_fp32() -> bool:
+    from xllm_vmm.engine.cpu_caps import bf16_as_fp32
+
+    return bf16_as_fp32()
+
+
 def warm_products(model: Any, max_rows: int, budget_s: float) -> WarmupReport:
     """Run each distinct product of ``model`` once over every row bucket up to ``max_rows``,
     smallest first, until ``budget_s`` seconds are spent (module doc)."""
@@ -120,6 +126,8 @@ def warm_products(model: Any, max_rows: int, budget_s: float) -> WarmupReport:
         reason = f"row buckets off ({rb.ENV}=0)"
     elif dtype not in (torch.bfloat16, torch.float16):
         reason = f"{str(dtype).replace('torch.', '')}: no per-shape compilation"
+    elif dtype is torch.bfloat16 and _bf16_as_fp32():
+        reason = "bfloat16 products run in float32 here: no per-shape compilation"
     elif tp is not None and tp.world_size > 1:
         reason = "tensor parallel: exact row counts"
     else:

@@ -121,11 +121,23 @@ def supports(q_dtype: Any, kv_dtype: Any, device: Any, num_heads: int, num_kv_he
             and num_heads // num_kv_heads <= MAX_GROUP)
 
 
+def _bf16(q_dtype: Any, kv_dtype: Any) -> bool:
+    return 1 in (_code(q_dtype), _code(kv_dtype))
+
+
 IMPLS = {0: "portable", 1: "avx512-f32", 2: "avx512-bf16", 3: "amx-bf16"}
 PORTABLE, NO_AMX = 1, 2  # the library's flags
 
 
-def _flags(portable: bool, amx: bool) -> int:
+def _flags(portable: bool, amx: bool, bf16: bool = False) -> int:
+    """The library's flags; a capability hidden by ``XLLM_VMM_CPU_HIDE``
+    (:mod:`xllm_vmm.engine.cpu_caps`) forces its absence: ``avx512`` the portable C,
+    ``avx512_bf16`` the portable C for a call with bfloat16 operands (``bf16``), ``amx`` the
+    AVX-512 scores."""
+    from xllm_vmm.engine import cpu_caps
+
+    portable = portable or cpu_caps.hides("avx512") or bf16 and cpu_caps.hides("avx512_bf16")
+    amx = amx and not cpu_caps.hides("amx")
     return (PORTABLE if portable else 0) | (0 if amx else NO_AMX)
 
 
@@ -140,7 +152,7 @@ def implementation(q_dtype: Any, kv_dtype: Any, head_dim: int, *, portable: bool
     if lib is None:
         raise ValueError(_NOT_BUILT)
     code = lib.xllm_paged_decode_impl(head_dim, _code(q_dtype), _code(kv_dtype),
-                                      _flags(portable, amx))
+                                      _flags(portable, amx, _bf16(q_dtype, kv_dtype)))
     return IMPLS[code]
 
 
@@ -263,7 +275,8 @@ def paged_decode(q: Tensor, k_slots: Tensor, v_slots: Tensor, block_table: Tenso
         q.data_ptr(), out.data_ptr(), None if rows_t is None else rows_t.data_ptr(), t_rows,
         k_slots.data_ptr(), v_slots.data_ptr(), table.data_ptr(), table.shape[1], table.shape[1],
         lens.data_ptr(), b, h, hkv, d, block_size, blocks_per_slot, k_slots.stride(0),
-        s * blocks_per_slot, float(scale), qt, kt, int(n), _flags(bool(portable), amx))
+        s * blocks_per_slot, float(scale), qt, kt, int(n),
+        _flags(bool(portable), amx, 1 in (qt, kt)))
     if rc == -3:
         raise ValueError(f"block_table holds a block id outside [0, {s * blocks_per_slot}) of "
                          f"the views, or rows a row outside [0, {t_rows})")

@@ -74,7 +74,7 @@ def implementation(q_dtype: Any, kv_dtype: Any, head_dim: int, *, portable: bool
     if lib is None:
         raise ValueError(nd._NOT_BUILT)
     code = lib.xllm_paged_prefill_impl(head_dim, nd._code(q_dtype), nd._code(kv_dtype),
-                                       _flags(portable, amx))
+                                       _flags(portable, amx, nd._bf16(q_dtype, kv_dtype)))
     return IMPLS[code]
 
 
@@ -185,7 +185,7 @@ def paged_prefill(q: Tensor, k_slots: Tensor, v_slots: Tensor, block_table: Tens
         table.data_ptr(), table.shape[1], table.shape[1], starts.data_ptr(), ends.data_ptr(),
         lens.data_ptr(), c,
         h, hkv, d, block_size, blocks_per_slot, k_slots.stride(0), s * blocks_per_slot,
-        float(scale), qt, kt, int(n), _flags(bool(portable), amx))
+        float(scale), qt, kt, int(n), _flags(bool(portable), amx, 1 in (qt, kt)))
     if rc == -3:
         raise ValueError(f"block_table holds a block id outside [0, {s * blocks_per_slot}) of "
                          "the views")

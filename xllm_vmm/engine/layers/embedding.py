@@ -68,16 +68,16 @@ class LMHead:
             self.rows, _, self.vocab_size = _vocab_rows(weight, tp)
 
     def __call__(self, hidden: Tensor) -> Tensor:
-        import torch.nn.functional as F
+        from xllm_vmm.engine.layers.linear import dense
 
         if self.tp.world_size > 1:  # full logits on rank 0 only
             from xllm_vmm.engine.distributed.vocab import gather_logits
 
-            return gather_logits(F.linear(hidden, self.rows), self.tp, self.vocab_size)
+            return gather_logits(dense(hidden, self.rows), self.tp, self.vocab_size)
         if self.packed is not None:
             from xllm_vmm.engine.layers.packed import linear
 
             return linear(hidden, self.packed, None)
         from xllm_vmm.engine.row_buckets import on_padded_rows
 
-        return on_padded_rows(F.linear, hidden, self.weight)
+        return on_padded_rows(dense, hidden, self.weight)

@@ -66,6 +66,8 @@ def load() -> Any:
 
             native_threads.attach(lib.xllm_layer_ops_use_omp)  # torch's OpenMP team by default
             _LIB = lib
+            if _avx512_hidden():  # XLLM_VMM_CPU_HIDE=avx512: the portable C, as without it
+                lib.xllm_layer_ops_set_isa(0)
     return _LIB
 
 
@@ -92,12 +94,19 @@ def isa() -> str:
 
 
 def force_portable(on: bool) -> str:
-    """Force the library's portable C path (True) or go back to the CPU's best (False)."""
+    """Force the library's portable C path (True) or go back to the CPU's best (False; the
+    portable C still where ``XLLM_VMM_CPU_HIDE`` hides ``avx512``)."""
     lib = load()
     if lib is None:
         raise ValueError(f"{LIB_NAME} is not built (python setup.py build_ext --inplace)")
-    lib.xllm_layer_ops_set_isa(0 if on else 1)
+    lib.xllm_layer_ops_set_isa(0 if on or _avx512_hidden() else 1)
     return isa()
+
+
+def _avx512_hidden() -> bool:
+    from xllm_vmm.engine import cpu_caps
+
+    return cpu_caps.hides("avx512")
 
 
 def _code(dtype: Any) -> int | None:

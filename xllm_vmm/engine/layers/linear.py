@@ -3,6 +3,11 @@
 A weight is ``(out_features, in_features)`` as Hugging Face stores it. Nothing is copied: a
 shard (world size > 1) is a ``narrow`` view of the full tensor, which may view the
 VMM arena.
+
+Every dense product goes through :func:`dense`: ``F.linear``, except a CPU bfloat16 product where
+this CPU has no oneDNN bfloat16 kernels (:func:`~xllm_vmm.engine.cpu_caps.bf16_compute`):
+that one runs in float32 over upcast copies made per call and is rounded back to bfloat16, so
+the weights stay bfloat16 (in the pool or plain) and the product runs at float32's speed.
 """
 
 from __future__ import annotations
@@ -14,6 +19,24 @@ from xllm_vmm.engine.row_buckets import on_padded_rows
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import Tensor
+
+
+def dense(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x @ weight^T + bias``: ``F.linear``, or in float32 over per-call upcasts for a CPU
+    bfloat16 product where bfloat16 products run in float32 (module doc)."""
+    import torch
+    import torch.nn.functional as F
+
+    if x.dtype is torch.bfloat16 and x.device.type == "cpu" and _bf16_as_fp32():
+        return F.linear(x.float(), weight.float(),
+                        None if bias is None else bias.float()).to(torch.bfloat16)
+    return F.linear(x, weight, bias)
+
+
+def _bf16_as_fp32() -> bool:
+    from xllm_vmm.engine.cpu_caps import bf16_as_fp32
+
+    return bf16_as_fp32()
 
 
 class ReplicatedLinear:
@@ -28,13 +51,11 @@ class ReplicatedLinear:
         self.bias = bias
 
     def __call__(self, x: Tensor) -> Tensor:
-        import torch.nn.functional as F
-
         if self.packed is not None:
             from xllm_vmm.engine.layers.packed import linear
 
             return linear(x, self.packed, self.bias)
-        return on_padded_rows(F.linear, x, self.weight, self.bias)
+        return on_padded_rows(dense, x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(ReplicatedLinear):
@@ -70,11 +91,9 @@ class RowParallelLinear(ReplicatedLinear):
         super().__init__(weight, bias)
 
     def __call__(self, x: Tensor) -> Tensor:
-        import torch.nn.functional as F
-
         if self.tp.world_size == 1:
             return ReplicatedLinear.__call__(self, x)
-        y = F.linear(x, self.weight)
+        y = dense(x, self.weight)
         if self.reduce:
             y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y
@@ -117,10 +136,8 @@ class MergedColumnLinear:
         return cls(weight, bias, tuple(p.weight.shape[0] for p in parts))
 
     def __call__(self, x: Tensor) -> tuple[Tensor, ...]:
-        import torch.nn.functional as F
-
         if self.packed is not None:
             from xllm_vmm.engine.layers.packed import linear
 
             return linear(x, self.packed, self.bias).split(self.sizes, dim=-1)
-        return on_padded_rows(F.linear, x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return on_padded_rows(dense, x, self.weight, self.bias).split(self.sizes, dim=-1)

@@ -13,7 +13,9 @@ would move fp32's token-for-token equality with transformers.
 What is packed (:func:`pack_model`): the dense decoder's projections (q/k/v or their fused
 product, o, gate/up or fused, down; each MoE expert's), and an untied LM head, of a model on
 the CPU in bfloat16 at tensor-parallel world size 1, when oneDNN is available
-(``torch.backends.mkldnn.is_available()``) and ``XLLM_VMM_PACKED_LINEAR`` is not ``0``. Only
+and runs bfloat16 on this CPU (:func:`disabled_reason`: asked once of torch and a probe, never
+assumed; AVX2-only x86 has no oneDNN bfloat16 linear) and ``XLLM_VMM_PACKED_LINEAR`` is not
+``0``. Only
 plain weights: the caller (``Worker.create``) never packs pool weights (a packed copy is not
 the pool's memory; sleep / wakeup / fork refer to the pool's addresses).
 
@@ -39,18 +41,26 @@ ENV = "XLLM_VMM_PACKED_LINEAR"
 """``0``/``false``/``off``/``no``: no packing (``F.linear`` over the weights as loaded)."""
 
 
-def enabled() -> bool:
-    """oneDNN's linear ops exist in this torch and ``XLLM_VMM_PACKED_LINEAR`` allows them."""
+def disabled_reason() -> str:
+    """Why nothing is packed here (``""`` when packing runs): ``XLLM_VMM_PACKED_LINEAR=0``,
+    bfloat16 products computed in float32 (:func:`~xllm_vmm.engine.cpu_caps.bf16_compute`), or
+    oneDNN's bfloat16 linear not running on this CPU / torch build (torch's device check and a
+    one-shot probe of the ops: :func:`~xllm_vmm.engine.cpu_caps.caps`)."""
     if os.environ.get(ENV, "").strip().lower() in ("0", "false", "off", "no"):
-        return False
-    import torch
+        return f"{ENV}=0"
+    from xllm_vmm.engine import cpu_caps
 
-    try:
-        return bool(torch.backends.mkldnn.is_available()) and all(
-            hasattr(torch.ops.mkldnn, op) for op in ("_reorder_linear_weight",
-                                                     "_linear_pointwise"))
-    except (AttributeError, RuntimeError):
-        return False
+    c = cpu_caps.caps()
+    if not c.onednn_bf16:
+        return f"oneDNN bfloat16 linear unavailable: {c.onednn_bf16_reason}"
+    if cpu_caps.bf16_as_fp32():
+        return "bfloat16 products run in float32 (cpu_caps.bf16_compute)"
+    return ""
+
+
+def enabled() -> bool:
+    """oneDNN's bfloat16 linear runs here and ``XLLM_VMM_PACKED_LINEAR`` allows it."""
+    return not disabled_reason()
 
 
 def packable(w: Tensor | None) -> bool:
@@ -122,8 +132,9 @@ def pack_model(model: Any, weights: Mapping[str, Tensor]) -> PackReport:
     ``weights`` (the caller guarantees they are not the pool's), and release the originals."""
     import torch
 
-    if not enabled():
-        return PackReport(0, 0, f"oneDNN linear ops unavailable or {ENV}=0")
+    reason = disabled_reason()
+    if reason:
+        return PackReport(0, 0, reason)
     tp = getattr(model, "tp", None)
     if tp is not None and tp.world_size != 1:
         return PackReport(0, 0, "tensor parallel world size > 1: not packed")
@@ -172,4 +183,5 @@ def _parts_of(model: Any) -> list[Any]:
     return out
 
 
-__all__ = ["ENV", "PackReport", "enabled", "linear", "pack", "pack_model", "packable"]
+__all__ = ["ENV", "PackReport", "disabled_reason", "enabled", "linear", "pack", "pack_model",
+           "packable"]
