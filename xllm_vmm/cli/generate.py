@@ -118,14 +118,10 @@ def generate_command(
     try:
         if eng.is_demo:
             typer.echo("xllm-vmm generate: demo model (tiny and untrained: its text is word salad "
-<<<<<<< HEAD
                        "from its corpus's bigrams; pass --model DIR or FILE.gguf for a real model)", err=True)
-=======
-                       "from its corpus's bigrams; pass --model DIR for a real model)", err=True)
         from xllm_vmm.engine.cpu_caps import paths_line
 
         typer.echo(f"xllm-vmm generate: {paths_line(eng.compute_paths())}", err=True)
->>>>>>> i25
         _run(eng, prompt, params, chat, system, fmt)
     except RequestError as e:
         raise _fail(2, f"{e.param}: {e.message}") from None
