@@ -248,7 +248,7 @@ def test_host_tier_restore_into_new_blocks(env):
     m.step()  # write-through offload of both blocks
     m.host.wait_all()
     assert m.stats()["host_offloaded_blocks"] == 2
-    e.run("b", toks(8, 9, 10, tail=0))  # evicts a's blocks (one slot)
+    e.run("b", toks(8, 9, 10, 11, tail=0))  # the whole slot: evicts both of a's blocks
     m.free("b")
     hit = m.lookup("c", toks(1, 2, 3))
     assert (hit.num_device_tokens, hit.num_host_tokens) == (0, 8)
