@@ -29,6 +29,12 @@ measured in the same run (absolute times move from run to run on shared machines
   ``freelist_idle_footprint_ratio`` / ``freelist_peak_footprint_ratio`` are what mapping the
   slots a FIFO free list touches would hold on the same trace.
 - ``map_calls_per_1k_tokens``: batched map calls per 1,000 generated (decode) tokens.
+- The full-pool steady state (``--full-pool-requests N``, off by default: ``full_*`` fields,
+  :func:`run_full_pool`): the serving, multi-turn and no-reuse traces at 64 and 4,096 running
+  requests, blocks of 16 and 128 tokens, each on a pool pre-filled with cached prefixes, the
+  manager against the exact-LRU free-list baseline: per-op cost ratio, its growth from 64 to
+  4,096 running, and hit tokens request by request (``hit_losses``: requests whose hit is
+  shorter than exact LRU's).
 
 The throughput replays (``alloc_*``, ``manager_cycle_*``, ``cost_growth_*``) are timed with the
 thread's CPU time (:data:`_clock`), both sides alike; ``cache_vs_freelist_ratio`` and the
@@ -135,6 +141,9 @@ class KvBenchConfig:
     cycle_requests: int = 2048
     growth_concurrency: tuple[int, int] = (64, 4096)
     growth_requests: int = 8192
+    # the full-pool steady state (run_full_pool): requests per trace, 0 = not measured
+    full_pool_requests: int = 0
+    full_pool_block_sizes: tuple[int, ...] = (16, 128)
 
 
 @dataclass
@@ -764,8 +773,12 @@ def run_kvcache_bench(cfg: KvBenchConfig = KvBenchConfig()) -> dict[str, Any]:
     if freeze:
         gc.freeze()
     try:
-        return _run_measurements(cfg, ops, layout, bps, peak_live, num_slots, generated,
-                                 n_alloc, cyc_events, growth_traces)
+        out = _run_measurements(cfg, ops, layout, bps, peak_live, num_slots, generated,
+                                n_alloc, cyc_events, growth_traces)
+        if cfg.full_pool_requests > 0:
+            out.update(run_full_pool(cfg.full_pool_block_sizes, cfg.growth_concurrency,
+                                     cfg.full_pool_requests, max(1, cfg.repeats), cfg.seed))
+        return out
     finally:
         if freeze:
             gc.unfreeze()
@@ -879,13 +892,13 @@ def make_multi_turn_trace(concurrency: int, requests: int, block_size: int, seed
                           conversations: int | None = None, user_blocks: tuple[int, int] = (1, 2),
                           decode_tokens: tuple[int, int] = (8, 32)) -> list[tuple]:
     """Multi-turn chats at ``concurrency`` running requests: ``conversations`` (default
-    ``2 × concurrency``) histories, each turn's prompt the conversation's whole history (every
+    ``1.5 × concurrency``) histories, each turn's prompt the conversation's whole history (every
     earlier prompt and answer) plus a new user message; a finished turn's conversation goes to
     the back of the queue, so its history waits for others' turns before it is read again
     (what an LRU has to keep). Flat events, as :func:`make_serving_trace`."""
     rng = random.Random(seed)
     bs = block_size
-    n_conv = conversations or 2 * concurrency
+    n_conv = conversations or concurrency + concurrency // 2
     history: list[list[int]] = [[] for _ in range(n_conv)]
     queue = deque(range(n_conv))
     events: list[tuple] = []
