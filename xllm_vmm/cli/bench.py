@@ -286,7 +286,8 @@ def bench_kvcache(
     _check("--cycle-requests", cycle_requests, 1, 1 << 20)
     _check("--growth-requests", growth_requests, 1, 1 << 20)
     _check("--full-pool-requests", full_pool_requests, 0, 1 << 20)
-    cfg = KvBenchConfig(full_pool_requests=full_pool_requests, sequences=sequences, layers=layers, block_size=block_size,
+    cfg = KvBenchConfig(full_pool_requests=full_pool_requests,
+                        sequences=sequences, layers=layers, block_size=block_size,
                         long_fraction=long_fraction, driver=driver, seed=seed, repeats=repeats,
                         min_seconds=min_seconds, cycle_requests=cycle_requests,
                         growth_requests=growth_requests)

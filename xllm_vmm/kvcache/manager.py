@@ -924,7 +924,8 @@ class KVCacheManager:
         are what exact LRU would free: no hit is lost to page-awareness), then, while the
         shared budget still refuses, one slot's worth of every group at a time, page-aware
         within the LRU tail (:meth:`PrefixCache.evict_pages`). Copies that have finished are
-        reaped once when nothing is evictable (their pins end). ``None`` when nothing more can go."""
+        reaped once when nothing is evictable (their pins end). ``None`` when nothing more
+        can go."""
         prefix = self.prefix
         if prefix is None:
             return None

@@ -52,8 +52,9 @@ from xllm_vmm.kvcache.allocator import BlockAllocator
 from xllm_vmm.kvcache.hashing import BlockHash
 
 
-#: the page-aware window of :meth:`PrefixCache.evict`: ``WINDOW_FACTOR × (n + blocks per slot)``
-#: least recently released blocks (a constant: eviction's cost does not grow with the cache)
+#: the page-aware window of :meth:`PrefixCache.evict_pages`: the
+#: ``WINDOW_FACTOR × (n + blocks per slot)`` least recently released blocks (a constant:
+#: eviction's cost does not grow with the cache)
 WINDOW_FACTOR = 8
 
 
@@ -67,7 +68,8 @@ class PrefixCacheStats:
 
     ``queries``: lookups; ``query_tokens``: tokens those lookups asked about (complete blocks);
     ``hits``: lookups that reused at least one block; ``hit_blocks``/``hit_tokens``: what they
-    reused; ``evictions``: blocks given up under memory pressure; ``cached_blocks``: blocks with
+    reused; ``evictions``: blocks given up under memory pressure; ``evicted_slots_emptied``:
+    slots those evictions emptied (released at once); ``cached_blocks``: blocks with
     ref 0 kept now; ``cached_bytes``: their bytes (every tensor of their group);
     ``indexed_hashes``: usable hashes now; ``checkpoint_bytes``: hybrid linear-state
     checkpoints held (PC-02).
