@@ -251,6 +251,10 @@ class Scheduler:
         admitted: list[str] = []
         if not preempted:
             deferred: list[Request] = []
+            # the prefills under way (admitted ones join below): what a waiting request's
+            # next block may be computed by (one pass per step, not one per admission)
+            prefilling = ([r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+                          if self.waiting and getattr(mgr, "prefix", None) is not None else [])
             while (self.waiting and token_budget > 0
                    and len(self.running) < self.max_seqs_per_batch):
                 req = self.waiting[0]
@@ -261,7 +265,7 @@ class Scheduler:
                 tokens = req.all_token_ids
                 hit = mgr.lookup(rid, tokens, cache_salt=req.cache_salt)
                 computed = hit.num_tokens
-                if self._prefix_being_filled(req, computed):
+                if prefilling and self._prefix_being_filled(req, computed, prefilling):
                     mgr.drop(rid)  # its next block is computed now: share it once published
                     deferred.append(self.waiting.popleft())
                     continue
@@ -288,6 +292,8 @@ class Scheduler:
                     self.prompt_tokens += req.num_prompt_tokens
                 self.running.append(req)
                 admitted.append(rid)
+                if computed < req.num_prompt_tokens and getattr(mgr, "prefix", None) is not None:
+                    prefilling.append(req)
                 req.num_computed_tokens = computed
                 if not mgr.ready(rid):  # host-tier restore in flight: computes once it lands
                     continue
@@ -340,23 +346,23 @@ class Scheduler:
     _stalls = 0
     _stall_id: str | None = None
 
-    def _prefix_being_filled(self, req: Request, computed: int) -> bool:
+    def _prefix_being_filled(self, req: Request, computed: int,
+                             prefilling: Sequence[Request]) -> bool:
         """Whether a running request's prefill (scheduled this step or still under way) is
         computing the block that would extend ``req``'s prefix hit (``computed`` tokens, block
         aligned): the same first ``computed + block_size`` tokens under the same salt, not yet
         computed by it. ``req`` then waits until that request commits the block and the
         prefix cache publishes it, and is admitted on it instead of prefilling the same
         tokens a second time. Only a block ``req`` could hit counts (complete, and not its
-        prompt's last token), and only with a prefix cache."""
-        if getattr(self.mgr, "prefix", None) is None:
-            return False
+        prompt's last token), and only with a prefix cache. ``prefilling``: the running
+        requests whose prompt is not computed yet."""
         bs = self.block_size
         end = computed + bs
         tokens = req.all_token_ids
         if end > (len(tokens) - 1) // bs * bs:
             return False
         head = None
-        for r in self.running:
+        for r in prefilling:
             if (r.num_computed_tokens < end <= r.num_prompt_tokens
                     and r.cache_salt == req.cache_salt):
                 if head is None:
