@@ -185,6 +185,37 @@ def test_parallel_samples_share_the_prompt_blocks(llama):
         assert o.num_cached_tokens == 3 * BS  # a sibling ran on the shared prompt blocks
 
 
+@pytest.mark.parametrize("tokens_per_batch", [512, 24])
+def test_prompts_on_one_prefix_submitted_together_share_it(llama, refs, tokens_per_batch):
+    """Prompts that share two blocks arrive together: the later ones wait for the first's
+    prefill of those blocks and are admitted on them (with chunked prefill too); the greedy
+    outputs equal Hugging Face's, token for token."""
+    d, _ = llama
+    head = prompt(2 * BS + 3, 4)
+    prompts = [head + prompt(5 + i, 20 + i) for i in range(3)]
+    with make(d, max_tokens_per_batch=tokens_per_batch) as llm:
+        outs = llm.generate(prompts, GREEDY)
+        for p, o in zip(prompts, outs):
+            assert o.outputs[0].token_ids == refs(p)
+        assert outs[0].num_cached_tokens == 0
+        assert [o.num_cached_tokens for o in outs[1:]] == [2 * BS, 2 * BS]
+        assert llm.llm_engine.kv_cache_manager.stats()["live_blocks"] == 0
+
+
+def test_prompts_on_one_prefix_with_preemption_and_the_host_tier_keep_outputs_exact(wide):
+    d, ref = wide
+    with make(d, enable_vmm_kvcache=True, vmm_elastic=True, max_cache_size=ONE_SLOT,
+              enable_prefix_cache=True, host_blocks_factor=2.0) as llm:
+        head = prompt(2 * BS + 1, 3)
+        prompts = [head + prompt(30, s) for s in range(6)]  # 6 x (63 + 30) tokens > 256
+        sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        outs = llm.generate(prompts, sp)
+        for p, o in zip(prompts, outs):
+            assert o.outputs[0].token_ids == ref(p, 30)
+        assert any(o.num_cached_tokens >= 2 * BS for o in outs[1:])
+        assert llm.llm_engine.kv_cache_manager.stats()["live_blocks"] == 0
+
+
 def test_step_outputs_name_their_parent_and_sample_index(llama):
     d, _ = llama
     with make(d) as llm:

@@ -257,3 +257,38 @@ def test_update_keeps_rows_aligned_when_a_sampled_request_was_aborted_meanwhile(
     assert [(r.request_id, r.new_token_ids) for r in res] == [("b", [22]), ("c", [33])]
     assert e.s.requests["b"].output_token_ids == [TOK, 22]
     assert e.s.generation_tokens == 3 + 2
+
+
+def test_a_prefix_being_prefilled_is_shared_not_prefilled_twice(env):
+    """Two prompts with the same first 8 tokens arrive together: the second waits while the
+    first prefills them, then is admitted on the two published blocks (8 hit tokens) and
+    prefills only its own tail; a third, unrelated prompt behind it is not held up."""
+    e = env(budget_slots=4, prefix=True)
+    e.add("a", 9, max_tokens=3)
+    b = e.add("b", 11, max_tokens=2)  # tokens 0..10: shares a's first two blocks
+    e.add("c", 5, max_tokens=2, base=100)
+    plan, _, _ = e.step()
+    assert plan == [("a", 0, 9, True), ("c", 0, 5, True)]
+    assert [r.request_id for r in e.s.waiting] == ["b"]
+    plan, _, _ = e.step()
+    assert plan == [("a", 9, 1, True), ("c", 5, 1, True), ("b", 8, 3, True)]
+    assert b.num_cached_tokens == 8
+    assert e.mgr.block_tables("b")["attn"][:2] == e.mgr.block_tables("a")["attn"][:2]
+
+
+def test_a_chunked_prefill_holds_back_a_request_on_its_prefix_until_it_is_published(env):
+    e = env(budget_slots=4, prefix=True, tokens=6)
+    e.add("a", 13, max_tokens=1)
+    b = e.add("b", 13, max_tokens=1)  # the same prompt
+    assert e.step()[0] == [("a", 0, 6, False)]  # b waits: a computes its first block now
+    assert e.step()[0] == [("a", 6, 6, False)]  # a's block 0 is published; b's next one is not
+    plan, _, _ = e.step()
+    assert plan == [("a", 12, 1, True), ("b", 12, 1, True)]  # b hits a's three blocks
+    assert b.num_cached_tokens == 12
+
+
+def test_no_prefix_cache_no_waiting_on_a_shared_prefix(env):
+    e = env(budget_slots=4, prefix=False)
+    e.add("a", 9, max_tokens=1)
+    e.add("b", 9, max_tokens=1)
+    assert e.step()[0] == [("a", 0, 9, True), ("b", 0, 9, True)]

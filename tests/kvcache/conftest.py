@@ -121,14 +121,14 @@ class KeepAll:
         return len(out)
 
     def allocate(self, counts, near=None):
-        """``allocator.allocate``; on "not now" evict (the short groups' shortfall, then one
-        slot of every group at a time) and retry, as the manager does."""
+        """``allocator.allocate``; on "not now" evict (the short groups' shortfall by exact
+        LRU, then one slot of every group at a time) and retry, as the manager does."""
         a = self.allocator
         got = a.allocate(counts, near)
         if got is not None:
             return self.allocated(got)
-        n = sum(self.evict(g, c - a.num_free_blocks(g)) for g, c in counts.items()
-                if c > a.num_free_blocks(g))
+        n = sum(self.evict(g, c - a.num_free_blocks(g), prefer_slot_emptying=False)
+                for g, c in counts.items() if c > a.num_free_blocks(g))
         while True:
             if n:
                 got = a.allocate(counts, near)

@@ -184,7 +184,7 @@ def test_allocation_never_evicts_it_says_not_now_and_changes_nothing():
     a.check_invariants()
 
 
-def test_shortage_evicts_whole_slots_first_then_retries():
+def test_shortage_evicts_the_lru_shortfall_then_retries():
     b = FakeBacking(budget_slots=2)
     p = KeepAll()
     a = make(b, slots=4, bps=4, policy=p)
@@ -192,10 +192,13 @@ def test_shortage_evicts_whole_slots_first_then_retries():
     s1 = p.allocate({"attn": 4})["attn"]  # slot 1
     p.free({"attn": s1})  # slot 1: all cached, first in LRU
     p.free({"attn": s0[:2]})  # slot 0: two cached, two live
-    # 3 blocks: no free block, budget full -> evict(attn, 3): slot 1 goes whole
+    # 3 blocks: no free block, budget full -> evict(attn, 3) by exact LRU: three of slot 1's
+    # blocks, reused in place (slot 1 stays mapped, its fourth block cached)
     got = p.allocate({"attn": 3})
-    assert p.calls[0] == ("evict", "attn", 3, True)
-    assert got == {"attn": [4, 5, 6]}  # slot 1 released, then mapped again, lowest ids first
+    assert p.calls[0] == ("evict", "attn", 3, False)
+    assert got == {"attn": [6, 5, 4]}  # the most recently freed block first
+    assert list(p.lru) == [("attn", 7), ("attn", 0), ("attn", 1)]
+    assert a.is_cached("attn", 7) and b.active == {("attn", 0), ("attn", 1)}
     assert [a.is_cached("attn", x) for x in (0, 1)] == [True, True]
     a.check_invariants()
 

@@ -258,3 +258,38 @@ def test_bench_kvcache_freezes_its_traces_and_leaves_a_frozen_heap_alone(monkeyp
     monkeypatch.setattr(gc, "get_freeze_count", lambda: 123)  # an engine froze its heap
     run_kvcache_bench(cfg)
     assert calls == []
+
+
+def test_bench_kvcache_full_pool_keeps_every_exact_lru_hit():
+    """The full-pool steady state: every case reported, and no request's hit shorter than the
+    exact-LRU baseline's (the manager evicts a block shortfall by exact LRU)."""
+    r = CliRunner().invoke(app, ["bench", "kvcache", "--sequences", "12", "--layers", "2",
+                                 "--repeats", "1", "--min-seconds", "0", "--cycle-requests",
+                                 "64", "--growth-requests", "96", "--full-pool-requests", "96",
+                                 "--format", "json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    for trace in ("serving", "multi_turn", "no_reuse"):
+        for bs in (16, 128):
+            for conc in (64, 4096):
+                key = f"full_{trace}_b{bs}_c{conc}"
+                assert out[f"{key}_vs_freelist_ratio"] > 0, key
+                assert out[f"{key}_hit_losses"] == 0, key
+                assert out[f"{key}_hit_tokens"] >= out[f"{key}_freelist_hit_tokens"], key
+            assert out[f"full_{trace}_b{bs}_growth_4096_vs_64"] > 0
+    assert out["full_serving_b16_c64_hit_tokens"] > 0  # shared system prompts hit
+    assert out["full_no_reuse_b16_c64_hit_tokens"] == 0
+
+
+def test_full_pool_side_starts_full_of_cached_prefixes():
+    from xllm_vmm.bench.kvcache import (_full_pool_side, _prefill_events, full_pool_blocks,
+                                        make_full_pool_trace)
+
+    events = make_full_pool_trace("multi_turn", 8, 64, 16)
+    nb = full_pool_blocks(events, 16)
+    mgr, close = _full_pool_side("manager", nb, 16, _prefill_events(nb, 16, 0))
+    try:
+        # every block cached but the few the last pre-fill requests' partial blocks left free
+        assert nb - 9 <= mgr.prefix.num_evictable("attn") <= nb
+    finally:
+        close()

@@ -78,9 +78,11 @@ def test_salt_separates_host_tier_hits(env):
     m.step()
     m.host.wait_all()
     assert m.stats()["host_offloaded_blocks"] == 2
-    _run(m, "b", toks(8, 9, 10, tail=0))  # evicts a's blocks from the device (one slot)
+    # b's shortfall goes by exact LRU: a's tail block (released first) leaves the device,
+    # its first block stays
+    _run(m, "b", toks(8, 9, 10, tail=0))
     m.free("b")
-    for salt, want in ((None, (0, 0)), ("t", (0, 0)), ("s", (0, 8))):
+    for salt, want in ((None, (0, 0)), ("t", (0, 0)), ("s", (4, 4))):
         hit = m.lookup("c", toks(1, 2, 3), cache_salt=salt)
         assert (hit.num_device_tokens, hit.num_host_tokens) == want, salt
         m.drop("c")

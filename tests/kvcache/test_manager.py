@@ -145,6 +145,24 @@ def test_eviction_order_lru_tail_first_whole_slots(env):
     m.check_invariants()
 
 
+def test_a_shortfall_is_evicted_by_exact_lru_and_a_fresh_history_survives(env):
+    """The shortfall goes by exact LRU: a history released last stays a hit even when it
+    shares a slot with the oldest cached block (giving that slot up whole would free a page
+    but lose the history, which exact LRU keeps)."""
+    e = env(budget_slots=2)
+    m = e.mgr
+    e.run("a", toks(1, tail=0))  # block 0
+    m.free("a")
+    e.run("h", toks(2, 3, 4, tail=0))  # blocks 1, 2, 3: slot 0 full
+    e.run("r", toks(5, 6, 7, 8, tail=0))  # slot 1, still running
+    m.free("h")
+    assert m.prefix.lru_order("attn") == [0, 3, 2, 1]
+    assert m.allocate("c", 4) == {"attn": [0]}  # one block short: block 0 alone goes
+    assert m.stats()["evictions"] == 1 and m.prefix.lru_order("attn") == [3, 2, 1]
+    assert m.lookup("h2", toks(2, 3, 4, 9)).num_tokens == 12  # the whole history hits
+    m.check_invariants()
+
+
 def test_not_now_changes_nothing_and_keeps_the_hit(env):
     e = env(budget_slots=1)
     m = e.mgr
@@ -248,7 +266,7 @@ def test_host_tier_restore_into_new_blocks(env):
     m.step()  # write-through offload of both blocks
     m.host.wait_all()
     assert m.stats()["host_offloaded_blocks"] == 2
-    e.run("b", toks(8, 9, 10, tail=0))  # evicts a's blocks (one slot)
+    e.run("b", toks(8, 9, 10, 11, tail=0))  # the whole slot: evicts both of a's blocks
     m.free("b")
     hit = m.lookup("c", toks(1, 2, 3))
     assert (hit.num_device_tokens, hit.num_host_tokens) == (0, 8)

@@ -17,7 +17,7 @@ def kind(request):
     return request.param
 
 
-def test_eviction_under_budget_releases_whole_slots(kind):
+def test_eviction_under_budget_gives_up_exact_lru_blocks(kind):
     # budget: 2 slots (each slot = 2 pages = 4 MiB; 8 blocks of 4 tokens per slot)
     s = Stack(kind, flat_layout(), budget=8 * MiB, max_tokens=4 * 8 * BS)
     try:
@@ -29,10 +29,12 @@ def test_eviction_under_budget_releases_whole_slots(kind):
         s.finish(b)
         assert s.pool.mapped_bytes == 8 * MiB
         assert s.prefix.stats.cached_blocks == 16
-        c = s.start(toks(21, 22, tail=0))  # no memory: the oldest whole slot (a's) goes
-        assert c.blocks["attn"] == [0, 1]
-        assert s.prefix.stats.evictions == 8 and s.prefix.stats.evicted_slots_emptied == 1
-        assert s.prefix.lookup(a.hashes, record=False).num_blocks == 0
+        # no memory: the shortfall (2 blocks) goes by exact LRU, a's last two blocks (released
+        # tail first), and c reuses them in place; a's first six blocks stay hits
+        c = s.start(toks(21, 22, tail=0))
+        assert c.blocks["attn"] == [6, 7]
+        assert s.prefix.stats.evictions == 2 and s.prefix.stats.evicted_slots_emptied == 0
+        assert s.prefix.lookup(a.hashes, record=False).num_blocks == 6
         assert s.prefix.lookup(b.hashes, max_blocks=7, record=False).num_blocks == 7
         assert s.pool.mapped_bytes == 8 * MiB  # never beyond the budget
         s.cache.allocator.check_invariants()

@@ -29,6 +29,12 @@ measured in the same run (absolute times move from run to run on shared machines
   ``freelist_idle_footprint_ratio`` / ``freelist_peak_footprint_ratio`` are what mapping the
   slots a FIFO free list touches would hold on the same trace.
 - ``map_calls_per_1k_tokens``: batched map calls per 1,000 generated (decode) tokens.
+- The full-pool steady state (``--full-pool-requests N``, off by default: ``full_*`` fields,
+  :func:`run_full_pool`): the serving, multi-turn and no-reuse traces at 64 and 4,096 running
+  requests, blocks of 16 and 128 tokens, each on a pool pre-filled with cached prefixes, the
+  manager against the exact-LRU free-list baseline: per-op cost ratio, its growth from 64 to
+  4,096 running, and hit tokens request by request (``hit_losses``: requests whose hit is
+  shorter than exact LRU's).
 
 The throughput replays (``alloc_*``, ``manager_cycle_*``, ``cost_growth_*``) are timed with the
 thread's CPU time (:data:`_clock`), both sides alike; ``cache_vs_freelist_ratio`` and the
@@ -135,6 +141,9 @@ class KvBenchConfig:
     cycle_requests: int = 2048
     growth_concurrency: tuple[int, int] = (64, 4096)
     growth_requests: int = 8192
+    # the full-pool steady state (run_full_pool): requests per trace, 0 = not measured
+    full_pool_requests: int = 0
+    full_pool_block_sizes: tuple[int, ...] = (16, 128)
 
 
 @dataclass
@@ -764,8 +773,12 @@ def run_kvcache_bench(cfg: KvBenchConfig = KvBenchConfig()) -> dict[str, Any]:
     if freeze:
         gc.freeze()
     try:
-        return _run_measurements(cfg, ops, layout, bps, peak_live, num_slots, generated,
-                                 n_alloc, cyc_events, growth_traces)
+        out = _run_measurements(cfg, ops, layout, bps, peak_live, num_slots, generated,
+                                n_alloc, cyc_events, growth_traces)
+        if cfg.full_pool_requests > 0:
+            out.update(run_full_pool(cfg.full_pool_block_sizes, cfg.growth_concurrency,
+                                     cfg.full_pool_requests, max(1, cfg.repeats), cfg.seed))
+        return out
     finally:
         if freeze:
             gc.unfreeze()
@@ -867,4 +880,206 @@ def _run_measurements(cfg: KvBenchConfig, ops: list[_Op], layout: CacheLayout, b
     out["growth_measure_loops"] = [[growth[c]["loops"], growth[c]["baseline_loops"]]
                                    for c in cfg.growth_concurrency]
     out.update({k: v for k, v in frag.items() if k != "cache_seconds"})
+    return out
+
+
+# -- the full-pool steady state -------------------------------------------------------------
+#: the traces of the full-pool steady state (see :func:`run_full_pool`)
+FULL_POOL_TRACES = ("serving", "multi_turn", "no_reuse")
+
+
+def make_multi_turn_trace(concurrency: int, requests: int, block_size: int, seed: int = 0,
+                          conversations: int | None = None, user_blocks: tuple[int, int] = (1, 2),
+                          decode_tokens: tuple[int, int] = (8, 32)) -> list[tuple]:
+    """Multi-turn chats at ``concurrency`` running requests: ``conversations`` (default
+    ``1.5 × concurrency``) histories, each turn's prompt the conversation's whole history (every
+    earlier prompt and answer) plus a new user message; a finished turn's conversation goes to
+    the back of the queue, so its history waits for others' turns before it is read again
+    (what an LRU has to keep). Flat events, as :func:`make_serving_trace`."""
+    rng = random.Random(seed)
+    bs = block_size
+    n_conv = conversations or concurrency + concurrency // 2
+    history: list[list[int]] = [[] for _ in range(n_conv)]
+    queue = deque(range(n_conv))
+    events: list[tuple] = []
+    running: dict[str, list] = {}  # rid -> [conversation, tokens left, tokens so far]
+    nxt = 0
+    while nxt < requests or running:
+        while len(running) < concurrency and nxt < requests and queue:
+            c = queue.popleft()
+            rid = f"r{nxt}"
+            nxt += 1
+            msg = [rng.randrange(1, 150_000)
+                   for _ in range(rng.randint(*user_blocks) * bs + rng.randrange(1, bs))]
+            prompt = history[c] + msg
+            events.append((0, rid, prompt))
+            running[rid] = [c, rng.randint(*decode_tokens), list(prompt)]
+        for rid in list(running):
+            r = running[rid]
+            if r[1] == 0:
+                events.append((2, rid))
+                history[r[0]] = r[2]
+                queue.append(r[0])
+                del running[rid]
+            else:
+                t = rng.randrange(1, 150_000)
+                events.append((1, rid, t))
+                r[2].append(t)
+                r[1] -= 1
+        events.append((3,))
+    return _flatten(events)
+
+
+def make_full_pool_trace(kind: str, concurrency: int, requests: int, block_size: int,
+                         seed: int = 0) -> list[tuple]:
+    """One of :data:`FULL_POOL_TRACES` (``no_reuse``: unique prompts, no shared prefix)."""
+    if kind == "serving":
+        return make_serving_trace(concurrency, requests, block_size, seed)
+    if kind == "multi_turn":
+        return make_multi_turn_trace(concurrency, requests, block_size, seed)
+    if kind == "no_reuse":
+        return make_serving_trace(concurrency, requests, block_size, seed, system_prompts=1,
+                                  system_blocks=0, suffix_blocks=(2, 6))
+    raise ValueError(f"unknown full-pool trace {kind!r}; one of {FULL_POOL_TRACES}")
+
+
+def _peak_running_blocks(events: list[tuple], block_size: int) -> int:
+    """The most blocks the running requests of ``events`` hold together (no sharing counted)."""
+    held: dict[str, int] = {}
+    live = peak = 0
+    for ev in events:
+        k = ev[0]
+        if k == 0:
+            n = -(-len(ev[2]) // block_size)
+            held[ev[1]] = n
+            live += n
+        elif k == 1:
+            n = -(-ev[2] // block_size)
+            live += n - held[ev[1]]
+            held[ev[1]] = n
+        elif k == 2:
+            live -= held.pop(ev[1])
+        peak = max(peak, live)
+    return peak
+
+
+def full_pool_blocks(events: list[tuple], block_size: int) -> int:
+    """The pool of the full-pool steady state: 1.5 × the running requests' peak, in whole
+    slots of 8 blocks (the cycle layout's), so that about a third of it holds cached
+    prefixes while the trace runs, and eviction runs on most allocations."""
+    return -(-(3 * _peak_running_blocks(events, block_size) // 2 + 8) // 8) * 8
+
+
+def _prefill_events(num_blocks: int, block_size: int, seed: int) -> list[tuple]:
+    """Requests of 8 unique complete blocks (and a partial one), each freed at once: replayed
+    before a trace they leave every block of a ``num_blocks`` pool cached (published, ref 0)."""
+    rng = random.Random(seed ^ 0x5EED)
+    raw: list[tuple] = []
+    for i in range(-(-num_blocks // 8)):
+        raw.append((0, f"p{i}", [rng.randrange(1, 150_000) for _ in range(8 * block_size + 1)]))
+        raw.append((2, f"p{i}"))
+        raw.append((3,))
+    return _flatten(raw)
+
+
+def _full_pool_hits(events: list[tuple], side: Any) -> list[int]:
+    """Hit tokens of every arrival of ``events`` on ``side`` (the manager or the exact-LRU
+    baseline), the trace replayed once through its verbs (untimed)."""
+    hits: list[int] = []
+    manager = not isinstance(side, FreeListPrefixPool)
+    for ev in events:
+        k = ev[0]
+        if k == 1:
+            if side.allocate(ev[1], 1) is None:
+                raise RuntimeError("the full-pool trace ran out of blocks")
+            side.commit(ev[1], ev[2], ev[3])
+        elif k == 0:
+            rid, prompt = ev[1], ev[2]
+            hit = side.lookup(rid, prompt)
+            n = hit.num_tokens if manager else hit
+            if manager:
+                got = side.allocate(rid, len(prompt) - n, hit=hit)
+            else:
+                got = side.allocate(rid, len(prompt) - n)
+            if got is None:
+                raise RuntimeError("the full-pool trace ran out of blocks")
+            side.commit(rid, len(prompt), ev[3])
+            hits.append(n)
+        elif k == 2:
+            side.free(ev[1])
+        elif manager:
+            side.step()
+    return hits
+
+
+def _full_pool_side(kind: str, nb: int, block_size: int, prefill: list[tuple]) -> tuple:
+    """A fresh side pre-filled with cached prefixes: (side, close)."""
+    if kind == "manager":
+        mgr, pool, driver = _manager_for(nb, block_size)
+        _replay_cycles_manager(prefill, mgr)
+
+        def close() -> None:
+            mgr.close()
+            pool.close()
+            driver.close()
+        return mgr, close
+    base = FreeListPrefixPool(nb, block_size)
+    _replay_cycles_baseline(prefill, base)
+    return base, lambda: None
+
+
+def run_full_pool(block_sizes: Sequence[int] = (16, 128), concurrency: Sequence[int] = (64, 4096),
+                  requests: int = 8192, repeats: int = 5, seed: int = 0,
+                  traces: Sequence[str] = FULL_POOL_TRACES) -> dict[str, Any]:
+    """The full-pool steady state: every trace at every block size and concurrency, on a pool
+    (:func:`full_pool_blocks`) pre-filled with cached prefixes, the manager against the
+    exact-LRU free-list baseline (:class:`FreeListPrefixPool`, vLLM v1's block-pool shape) on
+    the same blocks. Per case ``full_<trace>_b<bs>_c<conc>_``: ``vs_freelist_ratio`` (baseline
+    CPU s per op / the manager's, medians of ``repeats`` ABBA-interleaved replays, each on a
+    fresh pre-filled side; the pre-fill is not timed), ``manager_us_per_op``,
+    ``hit_tokens`` / ``freelist_hit_tokens`` (sums) and ``hit_losses`` (requests whose hit is
+    shorter than exact LRU's: the target is 0); per trace and block size, ``growth``: the
+    manager's median per-op cost at the highest concurrency over the lowest (and
+    ``freelist_growth``)."""
+    out: dict[str, Any] = {}
+    for bs in block_sizes:
+        for trace in traces:
+            med: dict[int, tuple[float, float]] = {}
+            for conc in concurrency:
+                events = make_full_pool_trace(trace, conc, requests, bs, seed)
+                nb = full_pool_blocks(events, bs)
+                prefill = _prefill_events(nb, bs, seed)
+                key = f"full_{trace}_b{bs}_c{conc}"
+                hits = {}
+                for kind in ("manager", "baseline"):
+                    side, close = _full_pool_side(kind, nb, bs, prefill)
+                    try:
+                        hits[kind] = _full_pool_hits(events, side)
+                    finally:
+                        close()
+                times: dict[str, list[float]] = {"manager": [], "baseline": []}
+                for r in range(repeats):
+                    for kind in (("manager", "baseline") if r % 2 == 0
+                                 else ("baseline", "manager")):
+                        side, close = _full_pool_side(kind, nb, bs, prefill)
+                        try:
+                            replay = (_replay_cycles_manager if kind == "manager"
+                                      else _replay_cycles_baseline)
+                            s, n = replay(events, side)
+                        finally:
+                            close()
+                        times[kind].append(s / n)
+                m, b = statistics.median(times["manager"]), statistics.median(times["baseline"])
+                med[conc] = (m, b)
+                out[f"{key}_vs_freelist_ratio"] = b / m
+                out[f"{key}_manager_us_per_op"] = m * 1e6
+                out[f"{key}_pool_blocks"] = nb
+                out[f"{key}_hit_tokens"] = sum(hits["manager"])
+                out[f"{key}_freelist_hit_tokens"] = sum(hits["baseline"])
+                out[f"{key}_hit_losses"] = sum(1 for x, y in zip(hits["manager"],
+                                                                 hits["baseline"]) if x < y)
+            lo, hi = min(concurrency), max(concurrency)
+            if lo != hi:
+                out[f"full_{trace}_b{bs}_growth_{hi}_vs_{lo}"] = med[hi][0] / med[lo][0]
+                out[f"full_{trace}_b{bs}_freelist_growth_{hi}_vs_{lo}"] = med[hi][1] / med[lo][1]
     return out

@@ -263,6 +263,11 @@ def bench_kvcache(
                                                   "1048576)."),
     growth_requests: int = typer.Option(8192, help="Requests of each cost-growth trace (at 64 "
                                                    "and 4096 running; 1 to 1048576)."),
+    full_pool_requests: int = typer.Option(0, help="Requests of each full-pool steady-state "
+                                                   "trace (serving, multi-turn, no reuse; "
+                                                   "blocks of 16 and 128; a pool pre-filled "
+                                                   "with cached prefixes); 0 (default) skips "
+                                                   "it (0 to 1048576)."),
     fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f", help="table or json."),
 ) -> None:
     from xllm_vmm.bench.kvcache import MAX_BLOCK_SIZE, KvBenchConfig, run_kvcache_bench
@@ -280,7 +285,9 @@ def bench_kvcache(
         raise _fail(2, f"--min-seconds must be in [0, 60], got {min_seconds}")
     _check("--cycle-requests", cycle_requests, 1, 1 << 20)
     _check("--growth-requests", growth_requests, 1, 1 << 20)
-    cfg = KvBenchConfig(sequences=sequences, layers=layers, block_size=block_size,
+    _check("--full-pool-requests", full_pool_requests, 0, 1 << 20)
+    cfg = KvBenchConfig(full_pool_requests=full_pool_requests,
+                        sequences=sequences, layers=layers, block_size=block_size,
                         long_fraction=long_fraction, driver=driver, seed=seed, repeats=repeats,
                         min_seconds=min_seconds, cycle_requests=cycle_requests,
                         growth_requests=growth_requests)

@@ -30,7 +30,10 @@ One :meth:`Scheduler.schedule` call, within ``max_tokens_per_batch`` tokens and
    in a row with no host-tier copy in flight: the live budget does not leave room) finishes
    with "length". A parallel sample
    (``Request.parent_id``) waits while a sibling is still prefilling the shared prompt, so that
-   it is admitted on the sibling's published blocks (the prefix cache shares them).
+   it is admitted on the sibling's published blocks (the prefix cache shares them). Likewise
+   any request whose next uncached block a running prefill computes now (the same tokens up
+   to that block's end, the same salt) waits, keeping its place, until that block is
+   published, and is then admitted on it: the same prefix is never prefilled twice at once.
 
 Speculative decoding (MTP, :mod:`xllm_vmm.engine.spec_decode.speculator`): a running request
 that decodes and holds proposals (``Request.spec_token_ids``) is scheduled as ``1 + k`` tokens
@@ -248,6 +251,10 @@ class Scheduler:
         admitted: list[str] = []
         if not preempted:
             deferred: list[Request] = []
+            # the prefills under way (admitted ones join below): what a waiting request's
+            # next block may be computed by (one pass per step, not one per admission)
+            prefilling = ([r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+                          if self.waiting and getattr(mgr, "prefix", None) is not None else [])
             while (self.waiting and token_budget > 0
                    and len(self.running) < self.max_seqs_per_batch):
                 req = self.waiting[0]
@@ -258,6 +265,10 @@ class Scheduler:
                 tokens = req.all_token_ids
                 hit = mgr.lookup(rid, tokens, cache_salt=req.cache_salt)
                 computed = hit.num_tokens
+                if prefilling and self._prefix_being_filled(req, computed, prefilling):
+                    mgr.drop(rid)  # its next block is computed now: share it once published
+                    deferred.append(self.waiting.popleft())
+                    continue
                 n = min(len(tokens) - computed, token_budget)
                 if (n < len(tokens) - computed and not self.enable_chunked_prefill
                         and len(tokens) - computed <= self.max_tokens_per_batch):
@@ -281,6 +292,8 @@ class Scheduler:
                     self.prompt_tokens += req.num_prompt_tokens
                 self.running.append(req)
                 admitted.append(rid)
+                if computed < req.num_prompt_tokens and getattr(mgr, "prefix", None) is not None:
+                    prefilling.append(req)
                 req.num_computed_tokens = computed
                 if not mgr.ready(rid):  # host-tier restore in flight: computes once it lands
                     continue
@@ -332,6 +345,31 @@ class Scheduler:
     STALL_LIMIT = 64
     _stalls = 0
     _stall_id: str | None = None
+
+    def _prefix_being_filled(self, req: Request, computed: int,
+                             prefilling: Sequence[Request]) -> bool:
+        """Whether a running request's prefill (scheduled this step or still under way) is
+        computing the block that would extend ``req``'s prefix hit (``computed`` tokens, block
+        aligned): the same first ``computed + block_size`` tokens under the same salt, not yet
+        computed by it. ``req`` then waits until that request commits the block and the
+        prefix cache publishes it, and is admitted on it instead of prefilling the same
+        tokens a second time. Only a block ``req`` could hit counts (complete, and not its
+        prompt's last token), and only with a prefix cache. ``prefilling``: the running
+        requests whose prompt is not computed yet."""
+        bs = self.block_size
+        end = computed + bs
+        tokens = req.all_token_ids
+        if end > (len(tokens) - 1) // bs * bs:
+            return False
+        head = None
+        for r in prefilling:
+            if (r.num_computed_tokens < end <= r.num_prompt_tokens
+                    and r.cache_salt == req.cache_salt):
+                if head is None:
+                    head = tokens[:end]
+                if r.all_token_ids[:end] == head:
+                    return True
+        return False
 
     def _sibling_prefilling(self, req: Request) -> bool:
         for r in self.running:

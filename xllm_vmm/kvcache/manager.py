@@ -920,10 +920,12 @@ class KVCacheManager:
     def _evict_and_allocate(self, counts: Mapping[str, int], near: Mapping[str, int] | None
                             ) -> dict[str, list[int]] | None:
         """The allocator said "not now": give up cached blocks *before* the next attempt
-        (never inside one). First each short group's shortfall (whole evictable slots
-        first), then, while the shared budget still refuses, one slot's worth of every group
-        at a time. Copies that have finished are reaped once when nothing is evictable (their
-        pins end). ``None`` when nothing more can go."""
+        (never inside one). First each short group's shortfall by exact LRU (the blocks freed
+        are what exact LRU would free: no hit is lost to page-awareness), then, while the
+        shared budget still refuses, one slot's worth of every group at a time, page-aware
+        within the LRU tail (:meth:`PrefixCache.evict_pages`). Copies that have finished are
+        reaped once when nothing is evictable (their pins end). ``None`` when nothing more
+        can go."""
         prefix = self.prefix
         if prefix is None:
             return None
@@ -932,7 +934,7 @@ class KVCacheManager:
         for g, n in counts.items():
             short = n - a.num_free_blocks(g)
             if short > 0:
-                evicted += len(prefix.evict(g, short))
+                evicted += len(prefix.evict(g, short, prefer_slot_emptying=False))
         polled = False
         while True:
             if evicted:
@@ -941,7 +943,7 @@ class KVCacheManager:
                     return new
             evicted = 0
             for g in self.group_names:
-                evicted += len(prefix.evict(g, a.shape(g).blocks_per_slot))
+                evicted += len(prefix.evict_pages(g, a.shape(g).blocks_per_slot))
             if not evicted:
                 if polled or self.host is None or not self.host.in_flight:
                     return None

@@ -28,10 +28,15 @@ Invariants (checked by ``tests/prefix`` and the manager's state machine):
 
 Eviction order: plain LRU gives up the least recently released block first (ties: release
 order). Requests release their blocks tail first, so a request's last blocks go before its
-prefix. With ``prefer_slot_emptying=True`` (the allocator needs a page, not a block position)
-:meth:`evict` first gives up whole slots whose every used block is evictable — so each eviction
-frees a physical page — taking them in the order of their least recently released block, then
-falls back to plain LRU for the rest.
+prefix. The manager evicts a block shortfall by exact LRU (``evict(...,
+prefer_slot_emptying=False)``: nothing exact LRU keeps is given up, O(1) per block). When it
+needs pages rather than block positions (a budget shared by several groups), :meth:`evict_pages`
+chooses whole slots inside a bounded window of the LRU tail: walking the
+``WINDOW_FACTOR × (n + blocks per slot)`` least recently released blocks oldest first, the
+slots whose every used block has been seen go whole, in the order they complete (the first page
+exact LRU would empty first), then plain LRU for the rest. ``evict(...,
+prefer_slot_emptying=True)`` is the older pages-first choice (whole evictable slots in the
+order of their oldest block, whatever the recency of the rest).
 
 Units: blocks (ids are the allocator's per-group block ids), tokens, bytes.
 """
@@ -40,10 +45,17 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
+from itertools import islice
 from typing import Any, Mapping, NamedTuple, Sequence
 
 from xllm_vmm.kvcache.allocator import BlockAllocator
 from xllm_vmm.kvcache.hashing import BlockHash
+
+
+#: the page-aware window of :meth:`PrefixCache.evict_pages`: the
+#: ``WINDOW_FACTOR × (n + blocks per slot)`` least recently released blocks (a constant:
+#: eviction's cost does not grow with the cache)
+WINDOW_FACTOR = 8
 
 
 class PrefixCacheError(RuntimeError):
@@ -56,7 +68,8 @@ class PrefixCacheStats:
 
     ``queries``: lookups; ``query_tokens``: tokens those lookups asked about (complete blocks);
     ``hits``: lookups that reused at least one block; ``hit_blocks``/``hit_tokens``: what they
-    reused; ``evictions``: blocks given up under memory pressure; ``cached_blocks``: blocks with
+    reused; ``evictions``: blocks given up under memory pressure; ``evicted_slots_emptied``:
+    slots those evictions emptied (released at once); ``cached_blocks``: blocks with
     ref 0 kept now; ``cached_bytes``: their bytes (every tensor of their group);
     ``indexed_hashes``: usable hashes now; ``checkpoint_bytes``: hybrid linear-state
     checkpoints held (PC-02).
@@ -466,56 +479,141 @@ class PrefixCache:
     def evict(self, group: str, n_blocks: int, prefer_slot_emptying: bool = True) -> list[int]:
         """Give up at least ``n_blocks`` evictable blocks of ``group`` (fewer if there are not
         that many): their hashes are withdrawn from every group and the blocks freed (their
-        peers in other groups too, when cached). With ``prefer_slot_emptying`` whole evictable
-        slots come first (the result may exceed ``n_blocks`` by the rest of the last slot),
-        in the order of their least recently released block, looking at the
-        ``8 × (n_blocks + blocks per slot)`` least recently released blocks only (so an
-        eviction costs O(``n_blocks``) however large the cache); then plain LRU. Returns the
-        blocks of ``group`` freed, in the order chosen. Never gives up a referenced or pinned block (invariant 4)."""
+        peers in other groups too, when cached). Returns the blocks of ``group`` freed, in the
+        order chosen. Never gives up a referenced or pinned block (invariant 4).
+
+        ``prefer_slot_emptying=False``: exact LRU, the ``n_blocks`` least recently released
+        blocks (O(1) per block: the head of the ordered LRU). The manager evicts a block
+        shortfall this way, so nothing exact LRU keeps is given up.
+
+        ``prefer_slot_emptying=True`` (pages first, whatever their recency): whole evictable
+        slots come first (the result may exceed ``n_blocks`` by the rest of the last slot), in
+        the order of their least recently released block, looking at the
+        ``8 × (n_blocks + blocks per slot)`` least recently released blocks only; then plain
+        LRU. A slot found this way may hold recently released blocks that exact LRU keeps;
+        :meth:`evict_pages` is the page-aware choice that never gives those up."""
         g = self._g(group)
         if n_blocks <= 0 or not g.lru:
             return []
-        a = self.allocator
-        chosen: list[int] = []
         if prefer_slot_emptying and g.bps > 1:
-            bps = g.bps
-            seen: set[int] = set()
-            taken: set[int] = set()
-            scan = 8 * (n_blocks + bps)  # the oldest entries only: eviction stays O(n_blocks)
-            for b in g.lru:
-                scan -= 1
-                if scan < 0:
-                    break
-                s = b // bps
-                if s in seen:
-                    continue
-                seen.add(s)
-                if a.slot_evictable(group, s):
-                    blocks = [x for x in range(s * bps, (s + 1) * bps) if x in g.lru]
-                    chosen.extend(blocks)
-                    taken.update(blocks)
-                    self._stats.evicted_slots_emptied += 1
-                    if len(chosen) >= n_blocks:
-                        break
-            if len(chosen) < n_blocks:
-                for b in g.lru:
-                    if b not in taken:
-                        chosen.append(b)
-                        if len(chosen) >= n_blocks:
-                            break
+            chosen = self._slots_first(group, g, n_blocks)
+            lru = g.lru
+            for b in chosen:
+                del lru[b]
         else:
-            for b in g.lru:
-                chosen.append(b)
-                if len(chosen) >= n_blocks:
-                    break
+            pop = g.lru.popitem
+            chosen = [pop(False)[0] for _ in range(min(n_blocks, len(g.lru)))]
+        return self._give_up(group, g, chosen)
+
+    def evict_pages(self, group: str, n_blocks: int) -> list[int]:
+        """Give up at least ``n_blocks`` evictable blocks of ``group`` when the caller needs
+        pages (a budget shared by several groups): page-aware, but inside a bounded window of
+        the LRU tail and never past what exact LRU gives up to free the same pages (see
+        :meth:`_window_victims`). The result may exceed ``n_blocks`` by the rest of the last
+        slot. O(``WINDOW_FACTOR × (n_blocks + blocks per slot)``) however large the cache."""
+        g = self._g(group)
+        if n_blocks <= 0 or not g.lru:
+            return []
+        if g.bps == 1:
+            return self.evict(group, n_blocks, prefer_slot_emptying=False)
+        chosen = self._window_victims(group, g, n_blocks)
         lru = g.lru
         for b in chosen:
             del lru[b]
-            h = g.block_hash.pop(b)
-            del g.hash_to_block[h]
-            self._withdraw_peers(h, group)
+        return self._give_up(group, g, chosen)
+
+    def _give_up(self, group: str, g: _Group, chosen: list[int]) -> list[int]:
+        """Withdraw the hashes of ``chosen`` (out of the LRU already) and free the blocks."""
+        bh = g.block_hash
+        h2b = g.hash_to_block
+        if self._sole is not None and not self._checkpoints:  # one group: the index only
+            for b in chosen:
+                del h2b[bh.pop(b)]
+            self._stats.indexed_hashes -= len(chosen)
+        else:
+            for b in chosen:
+                h = bh.pop(b)
+                del h2b[h]
+                self._withdraw_peers(h, group)
+        a = self.allocator
         a.release_cached(group, chosen)
-        self._stats.evictions += len(chosen)
+        st = self._stats
+        st.evictions += len(chosen)
+        stack_len = a._groups[group].stack_len
+        bps = g.bps
+        st.evicted_slots_emptied += sum(1 for s in {b // bps for b in chosen}
+                                        if stack_len(s) < 0)
+        return chosen
+
+    def _slots_first(self, group: str, g: _Group, n_blocks: int) -> list[int]:
+        """``evict(prefer_slot_emptying=True)``'s choice: evictable slots in the order of their
+        least recently released block, from the ``8 × (n_blocks + B)`` oldest, then LRU."""
+        a = self.allocator
+        bps = g.bps
+        chosen: list[int] = []
+        seen: set[int] = set()
+        taken: set[int] = set()
+        scan = 8 * (n_blocks + bps)  # the oldest entries only: eviction stays O(n_blocks)
+        for b in g.lru:
+            scan -= 1
+            if scan < 0:
+                break
+            s = b // bps
+            if s in seen:
+                continue
+            seen.add(s)
+            if a.slot_evictable(group, s):
+                blocks = [x for x in range(s * bps, (s + 1) * bps) if x in g.lru]
+                chosen.extend(blocks)
+                taken.update(blocks)
+                if len(chosen) >= n_blocks:
+                    return chosen
+        for b in g.lru:
+            if b not in taken:
+                chosen.append(b)
+                if len(chosen) >= n_blocks:
+                    break
+        return chosen
+
+    def _window_victims(self, group: str, g: _Group, n_blocks: int) -> list[int]:
+        """:meth:`evict_pages`' choice, bounded to the window of the
+        ``W = WINDOW_FACTOR × (n_blocks + B)`` least recently released blocks (``B`` = blocks
+        per slot). Walking the window oldest first, a slot
+        *completes* when every used block of it (live, cached or pinned) has been seen: all of
+        them are then evictable and inside the window. Completed slots are taken whole, in the
+        order they complete (the slot whose most recently released block is least recent
+        first: the first page exact LRU would empty); the rest of ``n_blocks`` comes from
+        plain LRU. A completed slot's blocks are all older than its newest one, so exact LRU,
+        evicting oldest first until that page is empty, gives up every one of them (and more):
+        nothing exact LRU keeps is lost. Every block chosen lies in the window or among the
+        ``n_blocks`` oldest. Costs O(``W``)."""
+        bps = g.bps
+        used = self.allocator._groups[group].used
+        seen: dict[int, list[int]] = {}
+        chosen: list[int] = []
+        window = 0
+        limit = WINDOW_FACTOR * (n_blocks + bps)
+        for b in g.lru:
+            if window == limit:
+                break
+            window += 1
+            s = b // bps
+            run = seen.get(s)
+            if run is None:
+                run = seen[s] = []
+            run.append(b)
+            if len(run) == used(s):
+                chosen.extend(run)
+                if len(chosen) >= n_blocks:
+                    return chosen
+        if not chosen:
+            return list(islice(g.lru, n_blocks))
+        taken = set(chosen)
+        for b in g.lru:
+            if b not in taken:
+                chosen.append(b)
+                if len(chosen) >= n_blocks:
+                    break
         return chosen
 
     def _withdraw_peers(self, h: BlockHash, except_group: str | None) -> None:
