@@ -316,14 +316,18 @@ class LLMEngine:
             so = self.worker.execute(out.step)
             self._prompt_lps.collect(out, so)
             rows = out.sampled
+            failed: dict[str, str] = {}
             if rows:
                 s = self.sampler.sample(so.logits, rows)
                 toks, lps = s.token_ids, s.logprobs
+                failed = {rows[i].request_id: msg for i, msg in s.errors.items()}
             else:
                 toks, lps = [], None
             results = sched.update(out, toks, lps, int(so.execution_peak_bytes or 0))
             self._prompt_lps.attach(out, results, sched.requests)
             self.num_steps += 1
+            if failed:
+                results = self._fail_requests(results, failed)
         # update() filled each output's parent id, sample index and the request's first token
         # time; what is left here is the bookkeeping of finished requests
         for r in results:
@@ -337,6 +341,21 @@ class LLMEngine:
                     if not kids:
                         del self._children[parent]
         return results
+
+    def _fail_requests(self, results: list[EngineOutput], failed: dict[str, str]) -> list[EngineOutput]:
+        """End the requests in ``failed`` (request id -> what failed) alone: each is freed and
+        its output of this step replaced by a finished one with finish_reason "error" and the
+        message; every other request's output stays as it is."""
+        kept = [r for r in results if r.request_id not in failed]
+        for rid, msg in failed.items():
+            parent, index = self._parent.get(rid, (rid, 0))
+            prev = next((r for r in results if r.request_id == rid), None)
+            self.scheduler.abort(rid)  # step()'s loop over finished outputs does the rest
+            kept.append(EngineOutput(rid, [], finished=True, finish_reason="error",
+                                     stop_reason=msg, error=msg,
+                                     num_prompt_tokens=prev.num_prompt_tokens if prev else 0,
+                                     parent_request_id=parent, index=index))
+        return kept
 
     def _count_finish(self, reason: str) -> None:
         self.finished_reasons[reason] = self.finished_reasons.get(reason, 0) + 1

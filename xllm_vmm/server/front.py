@@ -670,6 +670,13 @@ class AsyncEngine:
         if r is None or r.done:  # aborted meanwhile: drop what it produced
             self.processor.pop(out.request_id)
             return
+        error = getattr(out, "error", None)
+        if error is not None:  # this request alone failed in the step: a 500 saying what
+            self.processor.pop(out.request_id)
+            self._fail(r, APIError(500, f"the request failed: {error}"))
+            if self.metrics is not None:
+                self.metrics.observe_finish(self.name, "abort", r, when)
+            return
         res = self.processor.process([out])
         if not res.updates:
             return
