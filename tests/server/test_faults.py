@@ -1,0 +1,116 @@
+"""Bad input and faults over HTTP: a request's own bad parameter is a 400 naming it, a request's
+own bad numerics a 500 saying what failed, and neither touches the other requests."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+
+from tests.server.conftest import FakeEngine
+from xllm_vmm.server import AsyncEngine, RunningServer, ServerSettings, build_app
+
+HTTP = httpx.Client(timeout=60)
+
+
+@pytest.fixture
+def fake(tokenizer):
+    eng = FakeEngine(tokenizer)
+    front = AsyncEngine(eng)
+    srv = RunningServer(build_app(front, ServerSettings(enable_admin=True)), drain_timeout=5).start()
+    yield eng, front, srv
+    srv.stop()
+
+
+def _post(srv, body):
+    # json.dumps writes NaN as the bare token NaN, which Python's (and the server's) parser reads
+    return HTTP.post(f"{srv.url}/v1/completions", content=json.dumps(body),
+                     headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"seed": 2 ** 64}, "seed", "18446744073709551615"),
+    ({"seed": -(2 ** 63) - 1}, "seed", "-9223372036854775808"),
+    ({"seed": 2 ** 64 - 2, "n": 3}, "seed", "seed + n - 1"),
+    ({"temperature": float("nan")}, "temperature", "finite number"),
+    ({"top_p": float("nan")}, "top_p", "finite number"),
+    ({"presence_penalty": float("inf")}, "presence_penalty", "finite number"),
+    ({"max_tokens": True}, "max_tokens", "not a boolean"),
+    ({"n": True}, "n", "not a boolean"),
+    ({"logprobs": False}, "logprobs", "not a boolean"),
+])
+def test_bad_numbers_are_400_naming_the_field(fake, body, param, words):
+    _, _, srv = fake
+    r = _post(srv, {"prompt": "x", **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err
+    assert "100" not in err["message"] or param != "temperature"
+
+
+def test_a_bad_seed_beside_a_stream_leaves_the_stream_alone(fake):
+    eng, _, srv = fake
+    eng.step_delay = 0.01
+    got: dict = {}
+
+    def stream():
+        with HTTP.stream("POST", f"{srv.url}/v1/completions",
+                         json={"prompt": "hello", "max_tokens": 20, "stream": True}) as resp:
+            got["status"] = resp.status_code
+            got["lines"] = [ln for ln in resp.iter_lines() if ln]
+
+    t = threading.Thread(target=stream)
+    t.start()
+    r = _post(srv, {"prompt": "x", "seed": 2 ** 64, "temperature": 1.0})
+    t.join(60)
+    assert r.status_code == 400
+    assert got["status"] == 200 and got["lines"][-1] == "data: [DONE]"
+    assert not any('"error"' in ln for ln in got["lines"])
+
+
+@pytest.fixture(scope="module")
+def real(tiny_llama_dir):
+    from xllm_vmm.engine import LLMEngine
+
+    eng = LLMEngine.from_flags(str(tiny_llama_dir), enable_vmm_kvcache=True, vmm_elastic=True,
+                               block_size=16, max_model_len=256, device_memory="256MiB",
+                               model_id="tiny-llama")
+    front = AsyncEngine(eng)
+    srv = RunningServer(build_app(front, ServerSettings()), drain_timeout=5).start()
+    yield eng, front, srv
+    srv.stop()
+
+
+def test_non_finite_logits_are_a_500_for_that_request_alone(real, monkeypatch):
+    eng, _, srv = real
+    real_sample = eng.sampler.sample
+
+    def sample(logits, rows):  # the request whose prompt starts with token 9 has NaN logits
+        logits = logits.clone()
+        for i, r in enumerate(rows):
+            if r.prompt_token_ids[0] == 9:
+                logits[i] = float("nan")
+        return real_sample(logits, rows)
+
+    monkeypatch.setattr(eng.sampler, "sample", sample)
+    good: dict = {}
+
+    def other():
+        good["r"] = HTTP.post(f"{srv.url}/v1/completions",
+                              json={"prompt": [5, 6, 7], "max_tokens": 30, "ignore_eos": True,
+                                    "temperature": 0})
+
+    t = threading.Thread(target=other)
+    t.start()
+    bad = HTTP.post(f"{srv.url}/v1/completions",
+                    json={"prompt": [9, 10], "max_tokens": 5, "temperature": 0.7})
+    t.join(60)
+    assert bad.status_code == 500, bad.text
+    err = bad.json()["error"]
+    assert "not finite" in err["message"] and err["type"] == "internal_error"
+    assert good["r"].status_code == 200, good["r"].text
+    assert good["r"].json()["usage"]["completion_tokens"] == 30
+    assert not eng.has_unfinished_requests()
+    assert eng.kv_cache_manager.stats()["live_blocks"] == 0
