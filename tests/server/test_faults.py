@@ -114,3 +114,16 @@ def test_non_finite_logits_are_a_500_for_that_request_alone(real, monkeypatch):
     assert good["r"].json()["usage"]["completion_tokens"] == 30
     assert not eng.has_unfinished_requests()
     assert eng.kv_cache_manager.stats()["live_blocks"] == 0
+
+
+def test_retrieve_one_model_as_openai_does(fake):
+    _, _, srv = fake
+    listed = HTTP.get(f"{srv.url}/v1/models").json()["data"][0]
+    one = HTTP.get(f"{srv.url}/v1/models/{listed['id']}")
+    assert one.status_code == 200
+    assert {k: v for k, v in one.json().items() if k != "created"} == \
+        {k: v for k, v in listed.items() if k != "created"}
+    missing = HTTP.get(f"{srv.url}/v1/models/org/nope")
+    assert missing.status_code == 404
+    err = missing.json()["error"]
+    assert err["code"] == "model_not_found" and err["param"] == "model" and "fake-model" in err["message"]

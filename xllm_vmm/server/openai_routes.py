@@ -285,15 +285,28 @@ async def _collect(gen: Generation, request: Request) -> list[Delta]:
 def register(app: FastAPI, server) -> None:
     """Add the OpenAI routes to ``app`` (``server``: the app's :class:`~.app.Server`)."""
 
+    def _model_card(name: str, f, now: int) -> dict:
+        return {"id": name, "object": "model", "created": now, "owned_by": "xllm-vmm",
+                "root": name, "parent": None, "max_model_len": f.max_model_len,
+                "vocab_size": f.vocab_size}
+
     @app.get("/v1/models")
     async def models(request: Request):
         server.check_key(request)
         now = int(time.time())
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": now, "owned_by": "xllm-vmm",
-             "root": name, "parent": None, "max_model_len": f.max_model_len,
-             "vocab_size": f.vocab_size}
-            for name, f in server.fronts.items()]}
+        return {"object": "list",
+                "data": [_model_card(name, f, now) for name, f in server.fronts.items()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        """One model object (OpenAI's retrieve route; ids may hold ``/``, as HF names do)."""
+        server.check_key(request)
+        f = server.fronts.get(model_id)
+        if f is None:
+            raise APIError(404, f"the model {model_id!r} does not exist (served: "
+                                f"{', '.join(server.fronts) or 'none'})", param="model",
+                           code="model_not_found")
+        return _model_card(model_id, f, int(time.time()))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
