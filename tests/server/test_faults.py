@@ -127,3 +127,19 @@ def test_retrieve_one_model_as_openai_does(fake):
     assert missing.status_code == 404
     err = missing.json()["error"]
     assert err["code"] == "model_not_found" and err["param"] == "model" and "fake-model" in err["message"]
+
+
+def test_deeper_sleep_while_asleep_is_refused_naming_the_level(fake):
+    eng, _, srv = fake
+    assert HTTP.post(f"{srv.url}/sleep?level=1").status_code == 200
+    r = HTTP.post(f"{srv.url}/sleep?level=2")
+    assert r.status_code == 409, r.text
+    assert "level 1" in r.json()["error"]["message"]
+    same = HTTP.post(f"{srv.url}/sleep?level=1")
+    assert same.status_code == 200 and same.json()["already"] and same.json()["level"] == 1
+    assert eng.sleep_calls == [1]
+    assert HTTP.post(f"{srv.url}/wake_up").status_code == 200
+    assert HTTP.post(f"{srv.url}/sleep?level=2").status_code == 200
+    lighter = HTTP.post(f"{srv.url}/sleep?level=1")  # deep already holds less: nothing to do
+    assert lighter.status_code == 200 and lighter.json()["level"] == 2
+    assert eng.sleep_calls == [1, 2]

@@ -6,7 +6,7 @@ frameworks and autoscalers written for either work unchanged:
 
 | route | does |
 |---|---|
-| ``POST /sleep`` (query or JSON: ``level`` 1/``light`` or 2/``deep``, ``drain``, ``timeout``, ``model``) | light sleep keeps the weights in host memory, deep sleep drops them; the KV cache's pages are unmapped either way. Refused (409) while requests run unless ``drain`` (new requests then get 503 until it sleeps) |
+| ``POST /sleep`` (query or JSON: ``level`` 1/``light`` or 2/``deep``, ``drain``, ``timeout``, ``model``) | light sleep keeps the weights in host memory, deep sleep drops them; the KV cache's pages are unmapped either way. Refused (409) while requests run unless ``drain`` (new requests then get 503 until it sleeps); asleep already, the same or a lighter level answers ``already`` with the current level and a deeper one is refused (409 naming the current level: wake up first) |
 | ``POST /wakeup``, ``POST /wake_up`` | map the weights back (light) or reload them (deep); idempotent |
 | ``GET /is_sleeping`` | ``{"is_sleeping": bool}`` |
 | ``POST /reset_prefix_cache`` | drop every cached block: ``{"blocks_dropped": n}`` |
