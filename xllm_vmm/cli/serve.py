@@ -289,6 +289,49 @@ def run(argv: list[str], out: Optional[TextIO] = None, err: Optional[TextIO] = N
         err.write(f"error: {exc}\n")
         return 1
 
+    if opts["enable_admin"] and not api_key and not _loopback(host):
+        err.write(f"warning: --enable-admin with --host {host} and no --api-key: the admin "
+                  "routes (sleep, wakeup, fork, reset_prefix_cache) are open to the network; "
+                  "give --api-key (or XLLM_VMM_API_KEY) or serve on 127.0.0.1\n")
+
+    # The port is taken now, before the model loads: a second serve on it fails in a moment,
+    # not after the load. A worker rank (node_rank > 0) serves no HTTP and binds nothing.
+    sock = None
+    if not ("node_rank" in cfg.explicit_names() and int(cfg["node_rank"] or 0) > 0):
+        from xllm_vmm.server.launch import bind_socket
+
+        try:
+            sock = bind_socket(host, port)
+        except OSError as exc:
+            err.write(f"error: cannot listen on {host}:{port}: {exc.strerror or exc} (give "
+                      "another --port, or stop what uses it); nothing was loaded\n")
+            return 1
+    try:
+        return _load_and_serve(cfg, opts, spec, result, r, environ, host, port, api_key,
+                               sock, out, err)
+    finally:
+        if sock is not None:
+            sock.close()
+
+
+def _loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if host in ("localhost",):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _load_and_serve(cfg, opts, spec, result, r, environ, host, port, api_key, sock,
+                    out: TextIO, err: TextIO) -> int:
+    """Steps 2 and 3 of :func:`run`: the engine, then the HTTP server on ``sock`` (bound by
+    :func:`run` before the load; None: bound here)."""
+    from xllm_vmm.config.render import Result, render_text
+
     # 2. The engine (rules + plan again inside: the one way in), weights under a progress bar.
     model = str(cfg["model"] or "") or None
     engine_flags: dict[str, Any] = {n: cfg[n] for n in cfg.explicit_names()
@@ -390,7 +433,7 @@ def run(argv: list[str], out: Optional[TextIO] = None, err: Optional[TextIO] = N
 
     try:
         cancelled = run_loop(serve_async(app, host, port, drain_timeout=opts["drain_timeout"],
-                                         on_ready=ready, stop=stop))
+                                         on_ready=ready, stop=stop, sock=sock))
     except OSError as exc:
         front.close()
         err.write(f"error: cannot listen on {host}:{port}: {exc.strerror or exc} (give another "
