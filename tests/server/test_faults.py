@@ -143,3 +143,96 @@ def test_deeper_sleep_while_asleep_is_refused_naming_the_level(fake):
     lighter = HTTP.post(f"{srv.url}/sleep?level=1")  # deep already holds less: nothing to do
     assert lighter.status_code == 200 and lighter.json()["level"] == 2
     assert eng.sleep_calls == [1, 2]
+
+
+def _server_with(tokenizer, **settings):
+    front = AsyncEngine(FakeEngine(tokenizer))
+    return RunningServer(build_app(front, ServerSettings(**settings)), drain_timeout=5).start()
+
+
+def _health_while(srv, body: bytes) -> tuple[httpx.Response, float]:
+    """POST ``body`` to /v1/completions on a thread; /health's answer time meanwhile."""
+    import time
+
+    got: dict = {}
+
+    def post():
+        got["r"] = HTTP.post(f"{srv.url}/v1/completions", content=body,
+                             headers={"content-type": "application/json"})
+
+    t = threading.Thread(target=post)
+    t.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    assert httpx.get(f"{srv.url}/health", timeout=30).status_code == 200
+    took = time.monotonic() - t0
+    t.join(60)
+    return got["r"], took
+
+
+TEN_MB = json.dumps({"prompt": "hello world " * (10_000_000 // 12), "max_tokens": 2}).encode()
+
+
+def test_a_body_over_max_request_bytes_is_413_before_it_is_read(tokenizer):
+    import time
+
+    srv = _server_with(tokenizer, max_request_bytes=1024 * 1024)
+    try:
+        t0 = time.monotonic()
+        r, health = _health_while(srv, TEN_MB)
+        assert r.status_code == 413, r.text
+        err = r.json()["error"]
+        assert "--max-request-bytes" in err["message"] and str(len(TEN_MB)) in err["message"]
+        assert err["type"] == "invalid_request_error" and err["code"] == 413
+        assert health < 5 and time.monotonic() - t0 < 30
+        ok = HTTP.post(f"{srv.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert ok.status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_a_ten_mb_prompt_is_refused_at_once_and_never_blocks_health(tokenizer):
+    import time
+
+    srv = _server_with(tokenizer)  # under the default 32 MiB limit: parsed, then refused
+    try:
+        t0 = time.monotonic()
+        r, health = _health_while(srv, TEN_MB)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert "maximum context length is 128 tokens" in r.json()["error"]["message"]
+        assert health < 5 and time.monotonic() - t0 < 8  # tokenized in full it took 16-20 s
+    finally:
+        srv.stop()
+
+
+def _rss_mib() -> float:
+    import os
+
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+
+
+def test_memory_returns_after_refused_large_prompts(tokenizer):
+    import gc
+    import time
+
+    srv = _server_with(tokenizer)
+    body = json.dumps({"prompt": "hello world " * (1_000_000 // 12), "max_tokens": 2}).encode()
+    try:
+        def refuse(n):
+            for _ in range(n):
+                r = HTTP.post(f"{srv.url}/v1/completions", content=body,
+                              headers={"content-type": "application/json"})
+                assert r.status_code == 400
+
+        assert HTTP.post(f"{srv.url}/v1/completions",
+                         json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+        gc.collect()
+        base = _rss_mib()
+        refuse(50)
+        time.sleep(2.5)  # the trim after the last refusal runs within TRIM_INTERVAL_S
+        gc.collect()
+        grown = _rss_mib() - base
+        assert grown < 24, f"RSS grew {grown:.0f} MiB over 50 refused 1 MB prompts"
+    finally:
+        srv.stop()

@@ -44,6 +44,8 @@ OPTIONS = [
                                  "(default: no limit). --max_concurrent_requests bounds "
                                  "requests in flight (503)."),
     ("--drain-timeout S", "Seconds running requests get to finish at shutdown (default 30)."),
+    ("--max-request-bytes SIZE", "Largest request body, e.g. 4MiB (default 32MiB, vLLM's Rust "
+                                 "frontend's limit; 0: none); larger ones get 413 at once."),
     ("--max-model-len N", "Context length in tokens (default: the model's, lowered to what the "
                           "KV cache can hold)."),
     ("--device-memory SIZE", "Memory of the (emulated, on the host driver) device, e.g. 4GiB."),
@@ -57,7 +59,8 @@ _VALUE_OPTS = {"--config": "config", "--api-key": "api_key", "--api_key": "api_k
                "--drain-timeout": "drain_timeout", "--drain_timeout": "drain_timeout",
                "--max-model-len": "max_model_len", "--max_model_len": "max_model_len",
                "--device-memory": "device_memory", "--device_memory": "device_memory",
-               "--dtype": "dtype"}
+               "--max-request-bytes": "max_request_bytes",
+               "--max_request_bytes": "max_request_bytes", "--dtype": "dtype"}
 _BOOL_OPTS = {"--enable-admin": "enable_admin", "--enable_admin": "enable_admin",
               "--no-env": "no_env", "--no_env": "no_env", "-h": "help", "--help": "help"}
 
@@ -88,7 +91,7 @@ def parse_argv(argv: list[str]) -> dict:
     opts: dict[str, Any] = {"config": [], "flags": [], "api_key": None, "enable_admin": False,
                             "max_waiting": None, "drain_timeout": "30", "max_model_len": None,
                             "device_memory": None, "dtype": None, "no_env": False,
-                            "help": False}
+                            "help": False, "max_request_bytes": None}
     try:  # the one argv splitter (xllm_vmm.config.inputs.split_argv)
         split = split_argv(argv, value_options=_VALUE_OPTS, switches=_BOOL_OPTS)
     except ValueError as err:
@@ -116,6 +119,15 @@ def parse_argv(argv: list[str]) -> dict:
                                                            "float16"):
         raise UsageError(f"--dtype must be auto, float32, bfloat16 or float16, not "
                          f"{opts['dtype']!r}")
+    if opts["max_request_bytes"] is not None:
+        from xllm_vmm.config.values import parse_size
+
+        text = str(opts["max_request_bytes"]).strip()
+        try:
+            opts["max_request_bytes"] = 0 if text == "0" else parse_size(text)
+        except ValueError:
+            raise UsageError(f"--max-request-bytes must be a size such as 4MiB (0: no limit), "
+                             f"not {text!r}") from None
     if opts["device_memory"] is not None:
         from xllm_vmm.config.values import parse_size
 
@@ -414,8 +426,10 @@ def _load_and_serve(cfg, opts, spec, result, r, environ, host, port, api_key, so
     max_conc = int(cfg["max_concurrent_requests"])
     front = AsyncEngine(engine, max_waiting=opts["max_waiting"],
                         max_concurrent=max_conc if max_conc > 0 else None)
+    limit = opts["max_request_bytes"]
     settings = ServerSettings(api_key=api_key, enable_admin=opts["enable_admin"],
-                              drain_timeout=opts["drain_timeout"])
+                              drain_timeout=opts["drain_timeout"],
+                              **({} if limit is None else {"max_request_bytes": limit or None}))
     app = build_app(front, settings)
     t0 = time.monotonic()
     stop = asyncio.Event()
