@@ -236,3 +236,28 @@ def test_memory_returns_after_refused_large_prompts(tokenizer):
         assert grown < 24, f"RSS grew {grown:.0f} MiB over 50 refused 1 MB prompts"
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("name,words", [
+    ("x" * 65, "at most 64"), ("bad name", "letters, digits"), ("-lead", "letters, digits"),
+    (7, "non-empty string"), ("a\n", "letters, digits"),
+])
+def test_fork_names_are_validated(fake, name, words):
+    _, _, srv = fake
+    r = HTTP.post(f"{srv.url}/fork", json={"name": name})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "name", r.text
+    assert words in r.json()["error"]["message"]
+
+
+def test_concurrent_forks_stop_at_the_limit(fake):
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, _, srv = fake
+    with ThreadPoolExecutor(10) as pool:
+        codes = list(pool.map(lambda i: HTTP.post(f"{srv.url}/fork",
+                                                  json={"name": f"f{i}"}).status_code, range(10)))
+    assert sorted(codes) == [200] * 4 + [409] * 6, codes
+    models = HTTP.get(f"{srv.url}/v1/models").json()["data"]
+    assert len(models) == 5  # the model and its four forks
+    r = HTTP.post(f"{srv.url}/fork", json={"name": "one-more"})
+    assert r.status_code == 409 and "--max-forks 4" in r.json()["error"]["message"]

@@ -44,6 +44,8 @@ OPTIONS = [
                                  "(default: no limit). --max_concurrent_requests bounds "
                                  "requests in flight (503)."),
     ("--drain-timeout S", "Seconds running requests get to finish at shutdown (default 30)."),
+    ("--max-forks N", "Most forks the admin route /fork makes (default 4; each is a second "
+                      "engine with its own KV cache)."),
     ("--max-request-bytes SIZE", "Largest request body, e.g. 4MiB (default 32MiB, vLLM's Rust "
                                  "frontend's limit; 0: none); larger ones get 413 at once."),
     ("--max-model-len N", "Context length in tokens (default: the model's, lowered to what the "
@@ -60,6 +62,7 @@ _VALUE_OPTS = {"--config": "config", "--api-key": "api_key", "--api_key": "api_k
                "--max-model-len": "max_model_len", "--max_model_len": "max_model_len",
                "--device-memory": "device_memory", "--device_memory": "device_memory",
                "--max-request-bytes": "max_request_bytes",
+               "--max-forks": "max_forks", "--max_forks": "max_forks",
                "--max_request_bytes": "max_request_bytes", "--dtype": "dtype"}
 _BOOL_OPTS = {"--enable-admin": "enable_admin", "--enable_admin": "enable_admin",
               "--no-env": "no_env", "--no_env": "no_env", "-h": "help", "--help": "help"}
@@ -91,7 +94,7 @@ def parse_argv(argv: list[str]) -> dict:
     opts: dict[str, Any] = {"config": [], "flags": [], "api_key": None, "enable_admin": False,
                             "max_waiting": None, "drain_timeout": "30", "max_model_len": None,
                             "device_memory": None, "dtype": None, "no_env": False,
-                            "help": False, "max_request_bytes": None}
+                            "help": False, "max_request_bytes": None, "max_forks": None}
     try:  # the one argv splitter (xllm_vmm.config.inputs.split_argv)
         split = split_argv(argv, value_options=_VALUE_OPTS, switches=_BOOL_OPTS)
     except ValueError as err:
@@ -109,6 +112,7 @@ def parse_argv(argv: list[str]) -> dict:
                          "model is --model DIR; a TOML file is --config FILE)")
     opts["max_waiting"] = _int_opt("--max-waiting-requests", opts["max_waiting"], 0)
     opts["max_model_len"] = _int_opt("--max-model-len", opts["max_model_len"], 2)
+    opts["max_forks"] = _int_opt("--max-forks", opts["max_forks"], 0)
     try:
         opts["drain_timeout"] = float(opts["drain_timeout"])
     except ValueError:
@@ -429,7 +433,9 @@ def _load_and_serve(cfg, opts, spec, result, r, environ, host, port, api_key, so
     limit = opts["max_request_bytes"]
     settings = ServerSettings(api_key=api_key, enable_admin=opts["enable_admin"],
                               drain_timeout=opts["drain_timeout"],
-                              **({} if limit is None else {"max_request_bytes": limit or None}))
+                              **({} if limit is None else {"max_request_bytes": limit or None}),
+                              **({} if opts["max_forks"] is None
+                                 else {"max_forks": opts["max_forks"]}))
     app = build_app(front, settings)
     t0 = time.monotonic()
     stop = asyncio.Event()

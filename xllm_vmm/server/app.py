@@ -36,6 +36,9 @@ STATS_TIMEOUT_S = 5.0
 two steps); past it the scrape answers with the front's own series."""
 
 
+DEFAULT_MAX_FORKS = 4
+"""``--max-forks``'s default."""
+
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 """``--max-request-bytes``'s default (vLLM's Rust frontend's body limit; its uvicorn frontend
 has none)."""
@@ -164,6 +167,9 @@ class ServerSettings:
     #: answered from its Content-Length before any of it is read (or as soon as a chunked
     #: body passes the limit). 32 MiB by default, the body limit of vLLM's Rust frontend.
     max_request_bytes: Optional[int] = DEFAULT_MAX_REQUEST_BYTES
+    #: most forks (``POST /fork``) one server makes: each is a second engine with its own KV
+    #: cache and virtual memory, so an unbounded count is unbounded memory
+    max_forks: int = DEFAULT_MAX_FORKS
 
 
 class Server:
@@ -174,6 +180,8 @@ class Server:
         self.default = front.name
         self.settings = settings
         self.metrics = metrics
+        #: fork names reserved while their engine is being made (admin ``/fork``)
+        self.forking: set[str] = set()
 
     def front_for(self, model: Optional[str]) -> AsyncEngine:
         """The front serving ``model`` (None or "" = the default); unknown names are a 400."""
