@@ -661,7 +661,48 @@ def _size(cfg: Any, model_dir: str, opts: dict[str, Any]) -> _Sized:
         reasons = [r for r in (plan.reasons if plan is not None else []) if r.severity == "error"]
         raise ConfigError([Finding(r.code, "error", r.message, hint=r.hint) for r in reasons]
                           or [Finding("MEMORY", "error", "the configuration cannot be sized")])
-    return _Sized(report.resolved, plan, ctx, [f for f in report.findings if f.severity == "warning"])
+    warnings = [f for f in report.findings if f.severity == "warning"]
+    warnings += _host_memory_warnings(kind, total, cfg)
+    return _Sized(report.resolved, plan, ctx, warnings)
+
+
+def _host_memory_warnings(kind: str, device_total: int | None, cfg: Any) -> list:
+    """``HOST-MEM`` warnings: an emulated device (the host driver) or a pool quota
+    (``max_cache_size``) larger than this host's memory is accepted (the pool maps lazily and
+    may never need it all) but cannot be filled: said once at start-up with both figures."""
+    from xllm_vmm.config.findings import Finding
+    from xllm_vmm.vmm import sysmem
+
+    def format_size(n: int) -> str:
+        return f"{n / 2 ** 30:.1f} GiB"
+
+    read_host_memory = sysmem.host_memory
+
+    try:
+        host = read_host_memory()
+    except OSError:
+        return []
+    if host.total <= 0:
+        return []
+    out = []
+    where = (f"this host has {format_size(host.total)} of memory ({format_size(host.free)} "
+             "available; /proc/meminfo and the cgroup limit)")
+    if kind == "host" and device_total is not None and device_total > host.total:
+        out.append(Finding(
+            "HOST-MEM", "warning",
+            f"device_memory={format_size(device_total)} emulates a device in host memory, but "
+            f"{where}: the pool may be sized past what it can ever map",
+            flags={"device_memory": device_total},
+            hint=f"give --device-memory at most {format_size(host.total)}"))
+    quota = cfg["max_cache_size"]
+    if kind == "host" and quota and quota > host.total:
+        out.append(Finding(
+            "HOST-MEM", "warning",
+            f"max_cache_size={int(quota)} bytes ({format_size(int(quota))}) is more than "
+            f"{where}: the quota can never be reached",
+            flags={"max_cache_size": quota},
+            hint=f"give --max_cache_size at most {host.total}"))
+    return out
 
 
 def _build(cls: type, sized: _Sized, model_dir: str, opts: dict[str, Any], is_demo: bool,
