@@ -94,3 +94,19 @@ def test_offline_generate_fails_only_the_request_with_non_finite_logits(llm, mon
     eng = llm.llm_engine
     assert not eng.has_unfinished_requests()
     assert eng.kv_cache_manager.stats()["live_blocks"] == 0
+
+
+def test_a_distribution_made_non_finite_by_its_parameters_fails_its_row_alone():
+    logits = torch.tensor([[5.0, 1.0, 0.5], [5.0, 1.0, 0.5]])
+    bad = SamplingParams(temperature=1.0, repetition_penalty=1.0)
+    object.__setattr__(bad, "repetition_penalty", 1e-323)  # past validation: divides to inf
+    rows = [Request("a", [0], SamplingParams(temperature=1.0, seed=3), eos_token_ids=(9,)),
+            Request("b", [0], bad, eos_token_ids=(9,))]
+    out = Sampler(0).sample(logits, rows)
+    assert set(out.errors) == {1} and "repetition_penalty" in out.errors[1]
+
+
+def test_a_denormal_repetition_penalty_is_refused():
+    with pytest.raises(RequestError) as e:
+        SamplingParams(repetition_penalty=1e-323)
+    assert e.value.param == "repetition_penalty" and "at least 1e-06" in e.value.message

@@ -101,6 +101,16 @@ class Sampler:
         rand = [i for i, r in enumerate(requests) if not r.params.greedy]
         if rand:
             probs = self.probabilities(x[torch.tensor(rand)], [requests[i].params for i in rand])
+            broken = _bad_distributions(probs)
+            if broken:  # this request's parameters made its distribution non-finite: it fails
+                probs = probs.clone()
+                for j in broken:
+                    errors[rand[j]] = (
+                        "the sampling distribution is not finite after this request's "
+                        f"penalties and temperature (repetition_penalty "
+                        f"{requests[rand[j]].params.repetition_penalty}, temperature "
+                        f"{requests[rand[j]].params.temperature}): give values nearer 1")
+                    probs[j] = 1.0 / probs.shape[1]
             shared = [j for j, i in enumerate(rand) if requests[i].params.seed is None]
             if shared:
                 picks = torch.multinomial(probs[torch.tensor(shared)], 1, generator=self._gen)
@@ -184,6 +194,15 @@ class Sampler:
             remove[:, -1] = False
             x = x.scatter(1, idx, sx.masked_fill(remove, neg))
         return torch.softmax(x, dim=-1)
+
+
+def _bad_distributions(probs: torch.Tensor) -> list[int]:
+    """Rows of ``probs`` that ``torch.multinomial`` refuses (a NaN or inf, or nothing left)."""
+    sums = probs.sum(dim=-1)
+    bad = ~torch.isfinite(sums) | (sums <= 0)
+    if not bool(bad.any()):
+        return []
+    return torch.nonzero(bad).flatten().tolist()
 
 
 def nonfinite_rows(logits: torch.Tensor) -> dict[int, str]:

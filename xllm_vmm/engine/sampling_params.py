@@ -31,6 +31,10 @@ SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
 """Most top log-probabilities one request may ask for (OpenAI's limit)."""
 
+MIN_REPETITION_PENALTY = 1e-6
+"""Smallest repetition penalty: a positive logit is divided by it, and a denormal penalty
+(1e-323) made it inf and the whole distribution NaN."""
+
 SEED_MIN = -(2 ** 63)
 SEED_MAX = 2 ** 64 - 1
 """The seeds a generator takes (torch's ``manual_seed``: a signed or unsigned 64-bit integer);
@@ -155,9 +159,10 @@ class SamplingParams:
         for p in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= number(p, getattr(self, p)) <= 2.0:
                 raise bad(p, f"{p} must be in [-2, 2], got {getattr(self, p)}")
-        if number("repetition_penalty", self.repetition_penalty) <= 0:
+        if number("repetition_penalty", self.repetition_penalty) < MIN_REPETITION_PENALTY:
             raise bad("repetition_penalty",
-                      f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+                      f"repetition_penalty must be at least {MIN_REPETITION_PENALTY} (1 = off; "
+                      f"smaller ones overflow the logits), got {self.repetition_penalty}")
 
 
-__all__ = ["MAX_LOGPROBS", "SAMPLING_EPS", "SEED_MAX", "SEED_MIN", "SamplingParams"]
+__all__ = ["MAX_LOGPROBS", "MIN_REPETITION_PENALTY", "SAMPLING_EPS", "SEED_MAX", "SEED_MIN", "SamplingParams"]

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from xllm_vmm.engine.sampling_params import (  # the engine's (and OpenAI's) limits
     MAX_LOGPROBS,
+    MIN_REPETITION_PENALTY,
     SEED_MAX,
     SEED_MIN,
 )
@@ -51,7 +52,8 @@ class _Sampling(BaseModel):
     seed: Optional[int] = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=100.0,
+                                      allow_inf_nan=False)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     stream: bool = False
