@@ -220,7 +220,7 @@ def build_app(front: AsyncEngine, settings: Optional[ServerSettings] = None,
     front.metrics = front.metrics or metrics
     front.start()
     app = FastAPI(title="xllm-vmm", version=__version__, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url="/openapi.json")
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
     server = Server(front, settings, metrics)
     app.state.server = server
@@ -282,4 +282,47 @@ def build_app(front: AsyncEngine, settings: Optional[ServerSettings] = None,
     openai_routes.register(app, server)
     if settings.enable_admin:
         admin.register(app, server)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+# The routes read their bodies themselves (one 400 shape for every parse or validation error),
+# so FastAPI cannot see their models: the schema names them here.
+_BODIES = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatCompletionRequest",
+           "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest"}
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's OpenAPI document (served at ``/openapi.json``, as vLLM serves it) with the
+    request bodies of the OpenAI routes (the pydantic models of ``protocol``) and their error
+    answers, so that clients and API fuzzers see what each route takes."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    from xllm_vmm.server import protocol
+
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    error = {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]},
+                       "code": {"type": ["integer", "string", "null"]}}}}}
+    schemas["Error"] = error
+    for path, name in _BODIES.items():
+        op = doc.get("paths", {}).get(path, {}).get("post")
+        if op is None:
+            continue
+        model = getattr(protocol, name)
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(body.pop("$defs", {}))
+        schemas[name] = body
+        op["requestBody"] = {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{name}"}}}}
+        op.setdefault("responses", {})
+        for status in ("400", "413", "503"):
+            op["responses"][status] = {"description": "OpenAI-shaped error", "content": {
+                "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    app.openapi_schema = doc
+    return doc
