@@ -550,6 +550,13 @@ class LLMEngine:
         wclose = getattr(self.weights, "close", None)
         if wclose is not None:
             wclose()
+        failure = getattr(getattr(self, "distributed", None), "failure", None)
+        if failure is not None:
+            # A lost worker's error was raised out of a step: its traceback's frames hold that
+            # step's tensors (views over the pool), which would keep the pool from releasing.
+            failure.__traceback__ = None
+            failure.__context__ = failure.__cause__ = None
+            gc.collect()
         self.pool.close()
         if self._owns_driver:
             self.driver.close()

@@ -521,7 +521,10 @@ class AsyncEngine:
             try:
                 outs = eng.step()
             except Exception as exc:  # the engine failed: fail every request, keep serving
-                log.exception("engine step failed")
+                if type(exc).__name__ == "WorkerLost":  # says it all: which rank, what next
+                    log.error("engine step failed: %s", exc)
+                else:
+                    log.exception("engine step failed")
                 self._fail_all(APIError(500, f"the engine failed: {type(exc).__name__}: {exc}"))
                 continue
             self.step_thread_cpu_s += time.thread_time() - e0
