@@ -261,3 +261,11 @@ def test_concurrent_forks_stop_at_the_limit(fake):
     assert len(models) == 5  # the model and its four forks
     r = HTTP.post(f"{srv.url}/fork", json={"name": "one-more"})
     assert r.status_code == 409 and "--max-forks 4" in r.json()["error"]["message"]
+
+
+def test_chat_logprobs_stays_a_boolean(fake):
+    _, _, srv = fake
+    r = HTTP.post(f"{srv.url}/v1/chat/completions",
+                  json={"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                        "max_tokens": 2})
+    assert r.status_code == 200, r.text

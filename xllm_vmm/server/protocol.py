@@ -65,7 +65,7 @@ class _Sampling(BaseModel):
     cache_salt: Optional[str] = None
 
     @field_validator("max_tokens", "max_completion_tokens", "top_k", "n", "seed", "min_tokens",
-                     "logprobs", "top_logprobs", "prompt_logprobs", "best_of",
+                     "top_logprobs", "prompt_logprobs", "best_of",
                      mode="before", check_fields=False)
     @classmethod
     def _not_bool(cls, v):
@@ -167,6 +167,14 @@ class CompletionRequest(_Sampling):
     prompt_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: Optional[int] = Field(default=None, ge=1)
     suffix: Optional[str] = None
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs_not_bool(cls, v):
+        """A completion's ``logprobs`` is a count (a chat completion's is a boolean)."""
+        if isinstance(v, bool):
+            raise ValueError(f"must be an integer, not a boolean ({str(v).lower()})")
+        return v
 
     @field_validator("suffix")
     @classmethod
