@@ -326,3 +326,47 @@ def test_explain_unknown_id_suggests_and_lists_the_ids():
     assert "input checks: CFG-READ, " in lines[1] and "CFG-MODEL" in lines[1]
     code, _, err = check("--explain", "EL-99")
     assert err.splitlines()[0] == "error: no rule 'EL-99'; did you mean EL-08, EL-07, EL-06?"
+
+
+MARKDOWN = """# Serving
+
+It's easy: don't worry about the quotes in prose.
+
+```bash
+pip install xllm-vmm
+xllm-vmm serve --model /m --block_size=16 \\
+  --bogus_flag=1
+```
+
+```python
+print("it's python, never read as shell")
+```
+
+```console
+$ xllm-vmm serve --model /m --block_sise=32
+ready at http://127.0.0.1:8010
+```
+"""
+
+
+def test_a_markdown_cmd_file_is_read_for_its_fenced_shell_blocks(tmp_path):
+    p = tmp_path / "README.md"
+    p.write_text(MARKDOWN)
+    code, out, _ = check("--cmd-file", str(p))
+    assert code == 1
+    assert "No closing quotation" not in out and "commands seen" not in out
+    assert "(block at line 6)" in out and "(block at line 16)" in out
+    assert f"unknown flag 'bogus_flag' (command line {p}:8:" in out
+    assert f"unknown flag 'block_sise' (command line {p}:16:29)" in out  # the prompt's columns
+
+
+def test_a_markdown_file_without_a_launch_command_is_not_a_script(tmp_path):
+    p = tmp_path / "notes.md"
+    p.write_text("# Notes\n\nIt's prose only.\n\n```sh\nls -l\n```\n")
+    code, out, _ = check("--cmd-file", str(p))
+    assert code != 0
+    assert f"{p} is a Markdown document, not a script" in out and "No closing" not in out
+    bare = tmp_path / "prose.md"
+    bare.write_text("# Title\n\nIt's only prose.\n")
+    code, out, _ = check("--cmd-file", str(bare))
+    assert code != 0 and "has no fenced shell block" in out

@@ -64,6 +64,7 @@ def test_no_model_and_no_index_falls_back_to_the_demo_in_one_line(tmp_path, monk
     (["x", "--block_sise=16"], "[CFG-UNKNOWN] unknown flag 'block_sise'"),
     (["x", "--enable_vmm_kvcache=true", "--enable_task_pipeline=true"], "[SD-04]"),
     (["x", "--top-p", "2"], "--top-p: top_p must be in (0, 1]"),
+    (["x", "--seed", str(2 ** 64)], "--seed: seed must be in [-2**63, 2**64 - 1]"),
     (["x", "--device-memory", "1MiB"], "[MEMORY]"),
     (["x", "--device-memory", "lots"], "device_memory='lots' is not a positive size"),
     (["x", "--system", "s"], "--system needs --chat"),

@@ -259,3 +259,34 @@ def test_dp_size_that_does_not_divide_the_workers_is_a_finding_exit_1():
     assert "CFG-CONFLICT" in {f["id"] for f in d["config_findings"]}
     assert run("--model=Qwen/Qwen3-8B", "--nnodes=6", "--dp_size=3", "--format=json",
                "--host-memory=1TiB").exit_code == 0
+
+
+def _quantized(tmp_path, quant):
+    from xllm_vmm.models.catalogue import read_catalogue_config
+
+    cfg = dict(read_catalogue_config("Qwen/Qwen3-8B"), quantization_config=quant)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    r = run(f"--model={tmp_path}", "--format=json", "--host-memory=256GiB")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    return d["per_worker"][0]["weights_bytes"], [x for x in d["reasons"] if x["code"] == "WEIGHTS"]
+
+
+def test_gptq_without_bits_is_sized_at_its_default_width_with_a_warning(tmp_path):
+    from xllm_vmm.models import load_model_spec
+
+    plain = load_model_spec("Qwen/Qwen3-8B").estimated_weight_bytes
+    nobits, warned = _quantized(tmp_path, {"quant_method": "gptq"})
+    four, quiet = _quantized(tmp_path, {"quant_method": "gptq", "bits": 4})
+    assert nobits == four < plain / 2  # not sized as unquantized
+    assert quiet == [] and len(warned) == 1 and warned[0]["severity"] == "warning"
+    assert "no bits: 4 bits per weight assumed" in warned[0]["message"]
+
+
+def test_an_unknown_method_without_bits_warns_that_it_is_sized_unquantized(tmp_path):
+    from xllm_vmm.models import load_model_spec
+
+    plain = load_model_spec("Qwen/Qwen3-8B").estimated_weight_bytes
+    size, warned = _quantized(tmp_path, {"quant_method": "somequant"})
+    assert size == plain and len(warned) == 1
+    assert "sized unquantized" in warned[0]["message"]

@@ -242,3 +242,42 @@ def test_bad_event_loop_choice_stops_before_loading(monkeypatch):
     code, out, err = _serve([])
     assert code == 1 and "XLLM_VMM_EVENT_LOOP" in err and "twisted" in err
     assert "ready" not in out and "loading" not in err.lower()
+
+
+def _busy_port(host: str):
+    import socket
+
+    s = socket.socket()
+    s.bind((host, 0))
+    s.listen()
+    return s, s.getsockname()[1]
+
+
+def test_port_in_use_is_found_before_the_model_loads(tiny_llama_dir):
+    s, port = _busy_port("127.0.0.1")
+    try:
+        t0 = time.monotonic()
+        code, out, err = _serve(["--model", str(tiny_llama_dir), f"--port={port}",
+                                 "--max-model-len=64", "--device-memory=128MiB"])
+    finally:
+        s.close()
+    assert code == 1 and f"cannot listen on 127.0.0.1:{port}" in err
+    assert "nothing was loaded" in err and "loading" not in err and "sizing" not in out
+    assert time.monotonic() - t0 < 60
+
+
+def test_admin_open_to_the_network_without_a_key_is_warned(tiny_llama_dir):
+    s, port = _busy_port("0.0.0.0")  # the serve stops at the bind: only the warning matters
+    try:
+        code, _, err = _serve(["--model", str(tiny_llama_dir), "--host", "0.0.0.0",
+                               f"--port={port}", "--enable-admin"])
+        _, _, keyed = _serve(["--model", str(tiny_llama_dir), "--host", "0.0.0.0",
+                              f"--port={port}", "--enable-admin", "--api-key=k"])
+        _, _, local = _serve(["--model", str(tiny_llama_dir), "--host", "127.0.0.1",
+                              f"--port={port}", "--enable-admin"])
+    finally:
+        s.close()
+    assert code == 1
+    assert "warning: --enable-admin with --host 0.0.0.0 and no --api-key" in err
+    assert "open to the network" in err
+    assert "--enable-admin" not in keyed and "--enable-admin" not in local

@@ -45,6 +45,10 @@ OPTIONS = [
                                  "(default: no limit). --max_concurrent_requests bounds "
                                  "requests in flight (503)."),
     ("--drain-timeout S", "Seconds running requests get to finish at shutdown (default 30)."),
+    ("--max-forks N", "Most forks the admin route /fork makes (default 4; each is a second "
+                      "engine with its own KV cache)."),
+    ("--max-request-bytes SIZE", "Largest request body, e.g. 4MiB (default 32MiB, vLLM's Rust "
+                                 "frontend's limit; 0: none); larger ones get 413 at once."),
     ("--max-model-len N", "Context length in tokens (default: the model's, lowered to what the "
                           "KV cache can hold)."),
     ("--device-memory SIZE", "Memory of the (emulated, on the host driver) device, e.g. 4GiB."),
@@ -58,7 +62,9 @@ _VALUE_OPTS = {"--config": "config", "--api-key": "api_key", "--api_key": "api_k
                "--drain-timeout": "drain_timeout", "--drain_timeout": "drain_timeout",
                "--max-model-len": "max_model_len", "--max_model_len": "max_model_len",
                "--device-memory": "device_memory", "--device_memory": "device_memory",
-               "--dtype": "dtype"}
+               "--max-request-bytes": "max_request_bytes",
+               "--max-forks": "max_forks", "--max_forks": "max_forks",
+               "--max_request_bytes": "max_request_bytes", "--dtype": "dtype"}
 _BOOL_OPTS = {"--enable-admin": "enable_admin", "--enable_admin": "enable_admin",
               "--no-env": "no_env", "--no_env": "no_env", "-h": "help", "--help": "help"}
 
@@ -89,7 +95,7 @@ def parse_argv(argv: list[str]) -> dict:
     opts: dict[str, Any] = {"config": [], "flags": [], "api_key": None, "enable_admin": False,
                             "max_waiting": None, "drain_timeout": "30", "max_model_len": None,
                             "device_memory": None, "dtype": None, "no_env": False,
-                            "help": False}
+                            "help": False, "max_request_bytes": None, "max_forks": None}
     try:  # the one argv splitter (xllm_vmm.config.inputs.split_argv)
         split = split_argv(argv, value_options=_VALUE_OPTS, switches=_BOOL_OPTS)
     except ValueError as err:
@@ -107,6 +113,7 @@ def parse_argv(argv: list[str]) -> dict:
                          "model is --model DIR; a TOML file is --config FILE)")
     opts["max_waiting"] = _int_opt("--max-waiting-requests", opts["max_waiting"], 0)
     opts["max_model_len"] = _int_opt("--max-model-len", opts["max_model_len"], 2)
+    opts["max_forks"] = _int_opt("--max-forks", opts["max_forks"], 0)
     try:
         opts["drain_timeout"] = float(opts["drain_timeout"])
     except ValueError:
@@ -117,6 +124,15 @@ def parse_argv(argv: list[str]) -> dict:
                                                            "float16"):
         raise UsageError(f"--dtype must be auto, float32, bfloat16 or float16, not "
                          f"{opts['dtype']!r}")
+    if opts["max_request_bytes"] is not None:
+        from xllm_vmm.config.values import parse_size
+
+        text = str(opts["max_request_bytes"]).strip()
+        try:
+            opts["max_request_bytes"] = 0 if text == "0" else parse_size(text)
+        except ValueError:
+            raise UsageError(f"--max-request-bytes must be a size such as 4MiB (0: no limit), "
+                             f"not {text!r}") from None
     if opts["device_memory"] is not None:
         from xllm_vmm.config.values import parse_size
 
@@ -290,6 +306,49 @@ def run(argv: list[str], out: Optional[TextIO] = None, err: Optional[TextIO] = N
         err.write(f"error: {exc}\n")
         return 1
 
+    if opts["enable_admin"] and not api_key and not _loopback(host):
+        err.write(f"warning: --enable-admin with --host {host} and no --api-key: the admin "
+                  "routes (sleep, wakeup, fork, reset_prefix_cache) are open to the network; "
+                  "give --api-key (or XLLM_VMM_API_KEY) or serve on 127.0.0.1\n")
+
+    # The port is taken now, before the model loads: a second serve on it fails in a moment,
+    # not after the load. A worker rank (node_rank > 0) serves no HTTP and binds nothing.
+    sock = None
+    if not ("node_rank" in cfg.explicit_names() and int(cfg["node_rank"] or 0) > 0):
+        from xllm_vmm.server.launch import bind_socket
+
+        try:
+            sock = bind_socket(host, port)
+        except OSError as exc:
+            err.write(f"error: cannot listen on {host}:{port}: {exc.strerror or exc} (give "
+                      "another --port, or stop what uses it); nothing was loaded\n")
+            return 1
+    try:
+        return _load_and_serve(cfg, opts, spec, result, r, environ, host, port, api_key,
+                               sock, out, err)
+    finally:
+        if sock is not None:
+            sock.close()
+
+
+def _loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if host in ("localhost",):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _load_and_serve(cfg, opts, spec, result, r, environ, host, port, api_key, sock,
+                    out: TextIO, err: TextIO) -> int:
+    """Steps 2 and 3 of :func:`run`: the engine, then the HTTP server on ``sock`` (bound by
+    :func:`run` before the load; None: bound here)."""
+    from xllm_vmm.config.render import Result, render_text
+
     # 2. The engine (rules + plan again inside: the one way in), weights under a progress bar.
     model = str(cfg["model"] or "") or None
     engine_flags: dict[str, Any] = {n: cfg[n] for n in cfg.explicit_names()
@@ -388,8 +447,12 @@ def run(argv: list[str], out: Optional[TextIO] = None, err: Optional[TextIO] = N
     max_conc = int(cfg["max_concurrent_requests"])
     front = AsyncEngine(engine, max_waiting=opts["max_waiting"],
                         max_concurrent=max_conc if max_conc > 0 else None)
+    limit = opts["max_request_bytes"]
     settings = ServerSettings(api_key=api_key, enable_admin=opts["enable_admin"],
-                              drain_timeout=opts["drain_timeout"])
+                              drain_timeout=opts["drain_timeout"],
+                              **({} if limit is None else {"max_request_bytes": limit or None}),
+                              **({} if opts["max_forks"] is None
+                                 else {"max_forks": opts["max_forks"]}))
     app = build_app(front, settings)
     t0 = time.monotonic()
     stop = asyncio.Event()
@@ -407,7 +470,7 @@ def run(argv: list[str], out: Optional[TextIO] = None, err: Optional[TextIO] = N
 
     try:
         cancelled = run_loop(serve_async(app, host, port, drain_timeout=opts["drain_timeout"],
-                                         on_ready=ready, stop=stop))
+                                         on_ready=ready, stop=stop, sock=sock))
     except OSError as exc:
         front.close()
         err.write(f"error: cannot listen on {host}:{port}: {exc.strerror or exc} (give another "

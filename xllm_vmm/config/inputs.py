@@ -19,6 +19,7 @@ different value inside one command line is CFG-DUP).
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
@@ -181,6 +182,10 @@ def resolve_inputs(
                         where=Source("cli", value),
                         input=label)]))
                     continue
+            if file is not None and is_markdown(file, text):
+                out.extend(_markdown_blocks(label, text, file, shared_files, config_json_file,
+                                            env, args))
+                continue
             shell, errs = parse_shell(text, file)
             if shell is None:
                 for f in errs:
@@ -196,4 +201,86 @@ def resolve_inputs(
             res.launch_command = shell.describe(file)
             res.notes = list(shell.notes)
             out.append(res)
+    return out
+
+
+_FENCE = re.compile(r"^( {0,3})(`{3,}|~{3,})[ \t]*([^\s`]*)[^\n]*$")
+SHELL_LANGS = frozenset({"", "sh", "bash", "shell", "console", "zsh", "shell-session",
+                         "shellsession"})
+"""Fence info strings read as shell (no info string included: a bare fence in a README is
+usually a command)."""
+
+
+def is_markdown(path: str, text: str) -> bool:
+    """A Markdown document: a ``.md``/``.markdown`` name, or a first line that is a Markdown
+    heading beside at least one fenced block."""
+    low = path.lower()
+    if low.endswith((".md", ".markdown", ".mdown")):
+        return True
+    first = text.lstrip("\ufeff").split("\n", 1)[0]
+    return first.startswith("# ") and any(_FENCE.match(ln) for ln in text.splitlines())
+
+
+def markdown_shell_blocks(text: str) -> list[tuple[int, str]]:
+    """The fenced shell blocks of a Markdown document: ``(first line number, text)``, the
+    text padded with blank lines so that line numbers stay the document's; ``console`` blocks
+    keep only their ``$ ``-prompted lines (the prompt blanked, so columns stay) and what
+    continues them."""
+    lines = text.splitlines()
+    out: list[tuple[int, str]] = []
+    i = 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        fence, lang = m.group(2), m.group(3).lower()
+        start = i + 1
+        j = start
+        while j < len(lines) and not lines[j].lstrip().startswith(fence[0] * len(fence)):
+            j += 1
+        body = lines[start:j]
+        if lang in SHELL_LANGS:
+            if lang in ("console", "shell-session", "shellsession") or any(
+                    ln.startswith("$ ") for ln in body):
+                kept, cont = [], False
+                for ln in body:
+                    if ln.startswith("$ ") or cont:
+                        kept.append("  " + ln[2:] if ln.startswith("$ ") else ln)
+                        cont = ln.rstrip().endswith("\\")
+                    else:
+                        kept.append("")
+                body = kept
+            out.append((start + 1, "\n" * start + "\n".join(body) + "\n"))
+        i = j + 1
+    return out
+
+
+def _markdown_blocks(label: str, text: str, file: str, shared_files, config_json_file, env,
+                     args) -> list[Resolved]:
+    """Each fenced shell block of a Markdown document checked as its own script; blocks that
+    run no engine are skipped. None runs one: one finding saying the file is not a script."""
+    out: list[Resolved] = []
+    blocks = markdown_shell_blocks(text)
+    for line, block in blocks:
+        shell, errs = parse_shell(block, file)
+        if shell is None:
+            continue
+        blabel = f"{label} (block at line {line})"
+        res = _resolve(blabel, cli=list(shell.tokens), config_files=shared_files,
+                       json_file=config_json_file, env=env, env_tokens=shell.env,
+                       overrides=args)
+        for f in errs:
+            f.input = blabel
+        res.findings = errs + res.findings
+        res.launch_command = shell.describe(file)
+        res.notes = list(shell.notes)
+        out.append(res)
+    if not out:
+        what = (f"its {len(blocks)} fenced shell block(s) run no engine command" if blocks
+                else "it has no fenced shell block (```sh ... ```)")
+        out.append(Resolved(label, None, [Finding(
+            "CFG-SYNTAX", "error", f"{file} is a Markdown document, not a script: {what}",
+            hint="give --cmd-file a shell script, or put the launch command in a ```sh block",
+            where=Source("cli", file), input=label)]))
     return out

@@ -39,6 +39,13 @@ class LLM:
     def __init__(self, model: str | None = None, **flags: Any) -> None:
         self.llm_engine = LLMEngine.from_flags(model, **flags)
         self._ids = itertools.count()
+        if getattr(self.llm_engine, "distributed", None) is not None:
+            # Several workers: a dropped LLM releases its worker processes and its process
+            # group (as shutdown() does), so that a second LLM(..., nnodes=N) in this process
+            # can form its own; the finalizer holds the engine, not this object.
+            import weakref
+
+            self._finalizer = weakref.finalize(self, self.llm_engine.shutdown)
         self._step_hook = None  # called after every engine step of generate (benchmarks)
 
     # -- accessors -----------------------------------------------------------------------

@@ -333,14 +333,18 @@ class LLMEngine:
             so = self.worker.execute(out.step)
             self._prompt_lps.collect(out, so)
             rows = out.sampled
+            failed: dict[str, str] = {}
             if rows:
                 s = self.sampler.sample(so.logits, rows)
                 toks, lps = s.token_ids, s.logprobs
+                failed = {rows[i].request_id: msg for i, msg in s.errors.items()}
             else:
                 toks, lps = [], None
             results = sched.update(out, toks, lps, int(so.execution_peak_bytes or 0))
             self._prompt_lps.attach(out, results, sched.requests)
             self.num_steps += 1
+            if failed:
+                results = self._fail_requests(results, failed)
         # update() filled each output's parent id, sample index and the request's first token
         # time; what is left here is the bookkeeping of finished requests
         for r in results:
@@ -354,6 +358,21 @@ class LLMEngine:
                     if not kids:
                         del self._children[parent]
         return results
+
+    def _fail_requests(self, results: list[EngineOutput], failed: dict[str, str]) -> list[EngineOutput]:
+        """End the requests in ``failed`` (request id -> what failed) alone: each is freed and
+        its output of this step replaced by a finished one with finish_reason "error" and the
+        message; every other request's output stays as it is."""
+        kept = [r for r in results if r.request_id not in failed]
+        for rid, msg in failed.items():
+            parent, index = self._parent.get(rid, (rid, 0))
+            prev = next((r for r in results if r.request_id == rid), None)
+            self.scheduler.abort(rid)  # step()'s loop over finished outputs does the rest
+            kept.append(EngineOutput(rid, [], finished=True, finish_reason="error",
+                                     stop_reason=msg, error=msg,
+                                     num_prompt_tokens=prev.num_prompt_tokens if prev else 0,
+                                     parent_request_id=parent, index=index))
+        return kept
 
     def _count_finish(self, reason: str) -> None:
         self.finished_reasons[reason] = self.finished_reasons.get(reason, 0) + 1
@@ -559,6 +578,13 @@ class LLMEngine:
         wclose = getattr(self.weights, "close", None)
         if wclose is not None:
             wclose()
+        failure = getattr(getattr(self, "distributed", None), "failure", None)
+        if failure is not None:
+            # A lost worker's error was raised out of a step: its traceback's frames hold that
+            # step's tensors (views over the pool), which would keep the pool from releasing.
+            failure.__traceback__ = None
+            failure.__context__ = failure.__cause__ = None
+            gc.collect()
         self.pool.close()
         if self._owns_driver:
             self.driver.close()
@@ -670,7 +696,48 @@ def _size(cfg: Any, model_dir: str, opts: dict[str, Any]) -> _Sized:
         reasons = [r for r in (plan.reasons if plan is not None else []) if r.severity == "error"]
         raise ConfigError([Finding(r.code, "error", r.message, hint=r.hint) for r in reasons]
                           or [Finding("MEMORY", "error", "the configuration cannot be sized")])
-    return _Sized(report.resolved, plan, ctx, [f for f in report.findings if f.severity == "warning"])
+    warnings = [f for f in report.findings if f.severity == "warning"]
+    warnings += _host_memory_warnings(kind, total, cfg)
+    return _Sized(report.resolved, plan, ctx, warnings)
+
+
+def _host_memory_warnings(kind: str, device_total: int | None, cfg: Any) -> list:
+    """``HOST-MEM`` warnings: an emulated device (the host driver) or a pool quota
+    (``max_cache_size``) larger than this host's memory is accepted (the pool maps lazily and
+    may never need it all) but cannot be filled: said once at start-up with both figures."""
+    from xllm_vmm.config.findings import Finding
+    from xllm_vmm.vmm import sysmem
+
+    def format_size(n: int) -> str:
+        return f"{n / 2 ** 30:.1f} GiB"
+
+    read_host_memory = sysmem.host_memory
+
+    try:
+        host = read_host_memory()
+    except OSError:
+        return []
+    if host.total <= 0:
+        return []
+    out = []
+    where = (f"this host has {format_size(host.total)} of memory ({format_size(host.free)} "
+             "available; /proc/meminfo and the cgroup limit)")
+    if kind == "host" and device_total is not None and device_total > host.total:
+        out.append(Finding(
+            "HOST-MEM", "warning",
+            f"device_memory={format_size(device_total)} emulates a device in host memory, but "
+            f"{where}: the pool may be sized past what it can ever map",
+            flags={"device_memory": device_total},
+            hint=f"give --device-memory at most {format_size(host.total)}"))
+    quota = cfg["max_cache_size"]
+    if kind == "host" and quota and quota > host.total:
+        out.append(Finding(
+            "HOST-MEM", "warning",
+            f"max_cache_size={int(quota)} bytes ({format_size(int(quota))}) is more than "
+            f"{where}: the quota can never be reached",
+            flags={"max_cache_size": quota},
+            hint=f"give --max_cache_size at most {host.total}"))
+    return out
 
 
 def _build(cls: type, sized: _Sized, model_dir: str, opts: dict[str, Any], is_demo: bool,

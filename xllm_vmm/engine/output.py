@@ -49,6 +49,10 @@ class EngineOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     """On a request's first output when ``SamplingParams.prompt_logprobs`` is set: one entry per
     prompt token, None for position 0 (engine.prompt_logprobs)."""
+    error: str | None = None
+    """Set (with ``finished`` and finish_reason "error") when this request alone failed in the
+    step (non-finite logits, a seed its generator refuses): what failed. ``stop_reason`` holds it
+    too, so that offline callers read it from the CompletionOutput."""
 
 
 @dataclass

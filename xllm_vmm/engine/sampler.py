@@ -15,12 +15,17 @@ renormalised distribution.
 Reproducibility: a seeded request draws from its own ``torch.Generator`` (seeded with its
 ``seed``), so its tokens do not depend on what else is in the batch; unseeded requests share the
 sampler's generator (seeded with the engine's ``seed``).
+
+Faults stay with their request: a row whose logits hold a NaN or +inf (non-finite weights or an
+overflow upstream) and a request whose generator cannot be seeded are reported in
+``SamplerOutput.errors`` (row -> what failed) and sampled as token 0; the engine fails those
+requests alone and the other rows of the step are sampled as usual.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +41,8 @@ class SamplerOutput:
 
     token_ids: list[int]
     logprobs: list[dict[int, Logprob] | None]
+    errors: dict[int, str] = field(default_factory=dict)
+    """Row -> why that request failed (its token is a placeholder, never to be used)."""
 
 
 class Sampler:
@@ -52,7 +59,11 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(requests)} requests")
         logits = logits.float()
         n, vocab = logits.shape
-        if all(len(r.output_token_ids) >= (r.plain_greedy_from if r.plain_greedy_from >= 0
+        errors = nonfinite_rows(logits)
+        if errors:  # those rows are sampled from zeros: their requests fail, the rest go on
+            logits = logits.clone()
+            logits[torch.tensor(sorted(errors))] = 0.0
+        if not errors and all(len(r.output_token_ids) >= (r.plain_greedy_from if r.plain_greedy_from >= 0
                                            else self._plain_from(r)) for r in requests):
             return SamplerOutput(argmax_rows(logits), [None] * n)  # one argmax, no copies
         want_lp = [r.params.logprobs is not None for r in requests]
@@ -90,6 +101,16 @@ class Sampler:
         rand = [i for i, r in enumerate(requests) if not r.params.greedy]
         if rand:
             probs = self.probabilities(x[torch.tensor(rand)], [requests[i].params for i in rand])
+            broken = _bad_distributions(probs)
+            if broken:  # this request's parameters made its distribution non-finite: it fails
+                probs = probs.clone()
+                for j in broken:
+                    errors[rand[j]] = (
+                        "the sampling distribution is not finite after this request's "
+                        f"penalties and temperature (repetition_penalty "
+                        f"{requests[rand[j]].params.repetition_penalty}, temperature "
+                        f"{requests[rand[j]].params.temperature}): give values nearer 1")
+                    probs[j] = 1.0 / probs.shape[1]
             shared = [j for j, i in enumerate(rand) if requests[i].params.seed is None]
             if shared:
                 picks = torch.multinomial(probs[torch.tensor(shared)], 1, generator=self._gen)
@@ -100,15 +121,22 @@ class Sampler:
                 if r.params.seed is None:
                     continue
                 if r.generator is None:
-                    r.generator = torch.Generator().manual_seed(r.params.seed)
+                    try:
+                        r.generator = torch.Generator().manual_seed(r.params.seed)
+                    except (ValueError, RuntimeError, OverflowError) as exc:
+                        errors[i] = (f"seed {r.params.seed} cannot seed a generator ({exc}): "
+                                     "give a seed in [-2**63, 2**64 - 1]")
+                        continue
                 out[i] = int(torch.multinomial(probs[j], 1, generator=r.generator))
 
         lps: list[dict[int, Logprob] | None] = [None] * n
         if raw_lp is not None:
             for i, r in enumerate(requests):
-                if want_lp[i]:
+                if want_lp[i] and i not in errors:
                     lps[i] = top_logprobs(raw_lp[i], out[i], r.params.logprobs or 0)
-        return SamplerOutput(out, lps)
+        for i in errors:
+            out[i] = 0
+        return SamplerOutput(out, lps, errors)
 
     @staticmethod
     def _plain_greedy(r: Request) -> bool:
@@ -168,6 +196,32 @@ class Sampler:
         return torch.softmax(x, dim=-1)
 
 
+def _bad_distributions(probs: torch.Tensor) -> list[int]:
+    """Rows of ``probs`` that ``torch.multinomial`` refuses (a NaN or inf, or nothing left)."""
+    sums = probs.sum(dim=-1)
+    bad = ~torch.isfinite(sums) | (sums <= 0)
+    if not bool(bad.any()):
+        return []
+    return torch.nonzero(bad).flatten().tolist()
+
+
+def nonfinite_rows(logits: torch.Tensor) -> dict[int, str]:
+    """Rows of ``logits`` (rows, vocab) holding a NaN or +inf, with what each holds; -inf is a
+    masked token and allowed. One row sum finds them (NaN or +inf make the sum NaN or +inf)."""
+    sums = logits.sum(dim=-1)
+    bad = torch.isnan(sums) | torch.isposinf(sums)
+    if not bool(bad.any()):
+        return {}
+    res = {}
+    for i in torch.nonzero(bad).flatten().tolist():
+        row = logits[i]
+        nan, pinf = int(torch.isnan(row).sum()), int(torch.isposinf(row).sum())
+        res[i] = (f"the model's logits are not finite ({nan} NaN, {pinf} +inf of {row.numel()}): "
+                  "the weights or the computation produced non-finite values "
+                  "(check the checkpoint for NaN/inf weights)")
+    return res
+
+
 def argmax_rows(x: torch.Tensor) -> list[int]:
     """The first maximal index of every row of ``x`` (rows, vocab), as ``torch.argmax`` and HF
     ``generate`` pick (a NaN counts as the maximum, as in both).
@@ -195,4 +249,4 @@ def top_logprobs(row_lp: torch.Tensor, sampled: int, k: int) -> dict[int, Logpro
     return res
 
 
-__all__ = ["Sampler", "SamplerOutput", "argmax_rows", "top_logprobs"]
+__all__ = ["Sampler", "SamplerOutput", "argmax_rows", "nonfinite_rows", "top_logprobs"]

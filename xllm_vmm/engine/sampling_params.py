@@ -31,6 +31,15 @@ SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
 """Most top log-probabilities one request may ask for (OpenAI's limit)."""
 
+MIN_REPETITION_PENALTY = 1e-6
+"""Smallest repetition penalty: a positive logit is divided by it, and a denormal penalty
+(1e-323) made it inf and the whole distribution NaN."""
+
+SEED_MIN = -(2 ** 63)
+SEED_MAX = 2 ** 64 - 1
+"""The seeds a generator takes (torch's ``manual_seed``: a signed or unsigned 64-bit integer);
+parallel samples use ``seed + index``, so ``seed + n - 1`` must not pass ``SEED_MAX``."""
+
 
 @dataclass
 class SamplingParams:
@@ -116,7 +125,11 @@ class SamplingParams:
         if not 0.0 <= number("min_p", self.min_p) <= 1.0:
             raise bad("min_p", f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
         if self.seed is not None:
-            integer("seed", self.seed)
+            if not SEED_MIN <= integer("seed", self.seed) <= SEED_MAX:
+                raise bad("seed", f"seed must be in [-2**63, 2**64 - 1], got {self.seed}")
+            if self.seed + self.n - 1 > SEED_MAX:
+                raise bad("seed", f"seed + n - 1 must be at most 2**64 - 1 (parallel sample i "
+                                  f"uses seed + i), got seed {self.seed} with n {self.n}")
         if self.max_tokens is not None and integer("max_tokens", self.max_tokens) < 1:
             raise bad("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
         if integer("min_tokens", self.min_tokens) < 0:
@@ -146,9 +159,10 @@ class SamplingParams:
         for p in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= number(p, getattr(self, p)) <= 2.0:
                 raise bad(p, f"{p} must be in [-2, 2], got {getattr(self, p)}")
-        if number("repetition_penalty", self.repetition_penalty) <= 0:
+        if number("repetition_penalty", self.repetition_penalty) < MIN_REPETITION_PENALTY:
             raise bad("repetition_penalty",
-                      f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+                      f"repetition_penalty must be at least {MIN_REPETITION_PENALTY} (1 = off; "
+                      f"smaller ones overflow the logits), got {self.repetition_penalty}")
 
 
-__all__ = ["MAX_LOGPROBS", "SAMPLING_EPS", "SamplingParams"]
+__all__ = ["MAX_LOGPROBS", "MIN_REPETITION_PENALTY", "SAMPLING_EPS", "SEED_MAX", "SEED_MIN", "SamplingParams"]

@@ -14,7 +14,9 @@ Storage, per part:
 - ``quant_method: mxfp4`` (gpt-oss): MoE expert matrices at 4 bits per weight plus one 1-byte
   scale per 32 weights; everything else at the model dtype;
 - other methods with ``bits`` (GPTQ/AWQ style): linear layers at ``bits`` per weight plus a
-  2-byte scale and a 2-byte zero per ``group_size`` (default 128) weights.
+  2-byte scale and a 2-byte zero per ``group_size`` (default 128) weights; GPTQ/AWQ without
+  ``bits`` at their tools' default of 4, any other method without it unquantized — either way
+  the assumption is recorded and the plan warns with it (WEIGHTS).
 
 Exact bytes come from safetensors headers (:mod:`xllm_vmm.models.safetensors_header`) when the
 files are there; the estimate is then only informational.
@@ -51,6 +53,10 @@ class WeightEstimate:
         self.bytes += nbytes
 
 
+_DEFAULT_BITS = {"gptq": 4, "gptq_marlin": 4, "awq": 4, "awq_marlin": 4, "marlin": 4}
+"""Bits per weight of methods whose configs may leave ``bits`` out (their tools' defaults)."""
+
+
 class _Storage:
     """Bytes of a weight matrix under the model's quantization."""
 
@@ -62,6 +68,18 @@ class _Storage:
         self.group = int(q.get("group_size") or 128) if isinstance(q.get("group_size"), int) else 128
         block = q.get("weight_block_size") or [128, 128]
         self.block = (int(block[0]), int(block[1])) if isinstance(block, list) and len(block) == 2 else (128, 128)
+        #: what was assumed about a width the config does not give (None: nothing assumed)
+        self.assumed: str | None = None
+        if self.method and self.method not in ("fp8", "mxfp4") and not self.bits:
+            if self.method in _DEFAULT_BITS:
+                self.bits = _DEFAULT_BITS[self.method]
+                self.assumed = (f"quantization_config has quant_method {self.method!r} but no "
+                                f"bits: {self.bits} bits per weight assumed ({self.method}'s "
+                                f"default), with a 2-byte scale and zero per {self.group} weights")
+            else:
+                self.assumed = (f"quantization_config has quant_method {self.method!r} with no "
+                                f"bits this estimate can use: the weights are sized "
+                                f"unquantized ({spec.dtype})")
 
     def plain(self, params: int) -> int:
         return params * self.elem
@@ -231,9 +249,13 @@ def _vision(cfg: dict[str, Any], st: _Storage, est: WeightEstimate) -> None:
 
 
 def estimate(spec: ModelSpec) -> tuple[WeightEstimate, WeightEstimate]:
-    """(served model, MTP layers) parameter and byte estimates for ``spec``."""
+    """(served model, MTP layers) parameter and byte estimates for ``spec``; what the estimate
+    had to assume about the quantization width goes to ``spec.extra["weights_assumed"]`` (the
+    planner warns with it)."""
     cfg = spec.extra.get("config", {})
     st = _Storage(spec, cfg)
+    if st.assumed is not None:
+        spec.extra["weights_assumed"] = st.assumed
     est = WeightEstimate()
     h, v = spec.hidden_size, spec.vocab_size
     est.add("embedding", v * h, st.plain(v * h))

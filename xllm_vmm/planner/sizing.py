@@ -392,6 +392,14 @@ def _size_weights(plan: Plan, spec: ModelSpec, draft: ModelSpec | None, mtp: boo
                 f"{m.extra['safetensors_error'].message} "
                 f"({m.extra['safetensors_error'].source}); the weights are estimated from the "
                 "architecture", "re-download or remove the damaged file for exact weight bytes"))
+    for m in (spec, draft):
+        note = m.extra.get("weights_assumed") if m is not None and not m.weight_bytes_exact \
+            else None
+        if note:
+            plan.reasons.append(Reason(
+                "warning", "WEIGHTS", f"{m.name}: {note}",
+                "add bits to quantization_config, or point --model at the checkpoint with its "
+                "safetensors files for exact weight bytes"))
     f(Formula("weights per worker", "ceil(weights / tp)",
               f"ceil({_n(wt_total)} / {tp}) ({src})", wt))
     if mtp:

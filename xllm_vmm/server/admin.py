@@ -6,11 +6,11 @@ frameworks and autoscalers written for either work unchanged:
 
 | route | does |
 |---|---|
-| ``POST /sleep`` (query or JSON: ``level`` 1/``light`` or 2/``deep``, ``drain``, ``timeout``, ``model``) | light sleep keeps the weights in host memory, deep sleep drops them; the KV cache's pages are unmapped either way. Refused (409) while requests run unless ``drain`` (new requests then get 503 until it sleeps) |
+| ``POST /sleep`` (query or JSON: ``level`` 1/``light`` or 2/``deep``, ``drain``, ``timeout``, ``model``) | light sleep keeps the weights in host memory, deep sleep drops them; the KV cache's pages are unmapped either way. Refused (409) while requests run unless ``drain`` (new requests then get 503 until it sleeps); asleep already, the same or a lighter level answers ``already`` with the current level and a deeper one is refused (409 naming the current level: wake up first) |
 | ``POST /wakeup``, ``POST /wake_up`` | map the weights back (light) or reload them (deep); idempotent |
 | ``GET /is_sleeping`` | ``{"is_sleeping": bool}`` |
 | ``POST /reset_prefix_cache`` | drop every cached block: ``{"blocks_dropped": n}`` |
-| ``POST /fork``, ``POST /fork_master`` (JSON ``name``) | a second engine over the same weight pages, served under its own model name (several workers: forked on every worker, ``workers`` gives the bytes it added on each) |
+| ``POST /fork``, ``POST /fork_master`` (JSON ``name``) | a second engine over the same weight pages, served under its own model name (several workers: forked on every worker, ``workers`` gives the bytes it added on each). At most ``--max-forks`` (default 4) forks per server, past it 409; ``name``: 1..64 letters, digits, ``._:/-`` |
 | ``GET /vmm/status`` | pool, tenants, cache groups, prefix and host-tier statistics as JSON |
 
 Sleep does not pull memory from under running work (DESIGN invariant 6): the front refuses or
@@ -20,6 +20,7 @@ drains first, then the engine sleeps between two steps on its own thread.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
@@ -78,6 +79,24 @@ def _timeout(value: Any) -> Optional[float]:
     return t
 
 
+FORK_NAME_MAX = 64
+"""Longest model name a fork may take (characters)."""
+_FORK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]*")
+
+
+def _check_fork_name(name: Any) -> None:
+    """A fork's model name: 1..``FORK_NAME_MAX`` characters of letters, digits and ``._:/-``,
+    starting with a letter or digit (it is a model id in requests, metrics labels and logs)."""
+    if not isinstance(name, str) or not name:
+        raise APIError(400, f"name must be a non-empty string, not {name!r}", param="name")
+    if len(name) > FORK_NAME_MAX:
+        raise APIError(400, f"name is {len(name)} characters; at most {FORK_NAME_MAX}",
+                       param="name")
+    if not _FORK_NAME.fullmatch(name):
+        raise APIError(400, f"name {name!r} may hold only letters, digits and . _ : / - (and "
+                            "start with a letter or digit)", param="name")
+
+
 def _jsonable(obj: Any) -> Any:
     """Statistics (dicts, dataclasses, tuples) as JSON values."""
     if isinstance(obj, dict):
@@ -127,16 +146,28 @@ def register(app: FastAPI, server) -> None:
     async def fork(request: Request):
         p = await _params(request)
         f = front(request, p)
-        name = p.get("name") or f"{f.name}-fork{len(server.fronts)}"
-        if not isinstance(name, str) or name in server.fronts:
+        name = p.get("name") or f"{f.name}-fork{len(server.fronts) + len(server.forking)}"
+        _check_fork_name(name)
+        if name in server.fronts or name in server.forking:
             raise APIError(400, f"name {name!r} is already served; give another name",
                            param="name")
-        child = await f.call(lambda e: e.fork())
-        forked = AsyncEngine(child, name=name, max_waiting=f.max_waiting,
-                             max_concurrent=f.max_concurrent, make_params=f.make_params,
-                             output_processor=type(f.processor)(child.tokenizer),
-                             metrics=f.metrics).start()
-        server.fronts[name] = forked
+        limit = server.settings.max_forks
+        made = len(server.fronts) - 1 + len(server.forking)
+        if made >= limit:
+            raise APIError(409, f"{made} fork(s) exist or are being made, the most this server "
+                                f"allows (--max-forks {limit}): each fork is a second engine "
+                                "with its own KV cache; retry after a restart with a higher "
+                                "--max-forks", param="name")
+        server.forking.add(name)  # reserved across the await: concurrent forks count it
+        try:
+            child = await f.call(lambda e: e.fork())
+            forked = AsyncEngine(child, name=name, max_waiting=f.max_waiting,
+                                 max_concurrent=f.max_concurrent, make_params=f.make_params,
+                                 output_processor=type(f.processor)(child.tokenizer),
+                                 metrics=f.metrics).start()
+            server.fronts[name] = forked
+        finally:
+            server.forking.discard(name)
         dist = getattr(child, "distributed", None)  # several workers: bytes added per rank
         return {"model": name, "forked_from": f.name,
                 **({"workers": dist.fork_workers} if dist is not None else {})}

@@ -36,6 +36,124 @@ STATS_TIMEOUT_S = 5.0
 two steps); past it the scrape answers with the front's own series."""
 
 
+DEFAULT_MAX_FORKS = 4
+"""``--max-forks``'s default."""
+
+DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
+"""``--max-request-bytes``'s default (vLLM's Rust frontend's body limit; its uvicorn frontend
+has none)."""
+
+
+TRIM_AFTER_BYTES = 256 * 1024
+"""A refused request whose body was at least this large hands the heap's free pages back to
+the system afterwards (:class:`BodyLimit`)."""
+TRIM_INTERVAL_S = 2.0
+"""At most one such trim per this many seconds (a trim walks the whole heap)."""
+
+
+class _Trimmer:
+    """glibc's ``malloc_trim(0)`` on a worker thread, at most once per ``TRIM_INTERVAL_S``.
+
+    Parsing and tokenizing a megabytes-long prompt allocates its copies on whichever thread
+    did the work; glibc keeps the freed pages in that thread's arena, so fifty refused 1 MB
+    prompts left the process ~30 MB larger (2.9 GB when each was tokenized in full) for good.
+    A trim after a large refused request gives them back. Not glibc: nothing to do."""
+
+    def __init__(self) -> None:
+        self._fn = None
+        try:
+            import ctypes
+
+            self._fn = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            pass
+        self._last = -TRIM_INTERVAL_S
+        self._pending = False
+        self.trims = 0
+
+    def maybe(self) -> None:
+        """Trim now, or once the interval is over when a trim ran less than it ago (the last
+        of a burst of refusals is trimmed after too)."""
+        import time
+
+        if self._fn is None or self._pending:
+            return
+        loop = asyncio.get_running_loop()
+        wait = self._last + TRIM_INTERVAL_S - time.monotonic()
+        if wait > 0:
+            self._pending = True
+            loop.call_later(wait, self._run, loop)
+        else:
+            self._run(loop)
+
+    def _run(self, loop) -> None:
+        import time
+
+        self._pending = False
+        self._last = time.monotonic()
+        self.trims += 1
+        loop.run_in_executor(None, self._fn, 0)
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes is a 413 before the route parses it
+    (``limit`` None: no limit); a refused request with a large body trims the heap after.
+
+    A declared ``Content-Length`` over the limit is answered at once (nothing of the body is
+    read: the connection is closed after the answer); a body without one is counted as it
+    arrives and refused when it passes the limit, so no route ever holds more than ``limit``
+    bytes of one request."""
+
+    def __init__(self, app, limit: Optional[int]):
+        self.app = app
+        self.limit = int(limit) if limit else None
+        self.trimmer = _Trimmer()
+
+    def _error(self, size: Optional[int]) -> APIError:
+        what = f"{size} bytes" if size is not None else f"more than {self.limit} bytes"
+        return APIError(413, f"the request body is {what}; this server accepts at most "
+                             f"{self.limit} bytes (--max-request-bytes): send a shorter prompt",
+                        type="invalid_request_error")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = None
+        for k, v in scope.get("headers") or ():
+            if k == b"content-length":
+                try:
+                    declared = int(v)
+                except ValueError:
+                    declared = None
+                break
+        if self.limit is not None and declared is not None and declared > self.limit:
+            resp = error_response(self._error(declared))
+            resp.headers["connection"] = "close"
+            return await resp(scope, receive, send)
+        seen = 0
+        status = [0]
+
+        async def limited():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if self.limit is not None and seen > self.limit:
+                    raise self._error(None)
+            return msg
+
+        async def sent(msg):
+            if msg["type"] == "http.response.start":
+                status[0] = int(msg.get("status", 0))
+            await send(msg)
+
+        try:
+            await self.app(scope, limited, sent)
+        finally:
+            if seen >= TRIM_AFTER_BYTES and status[0] >= 400:
+                self.trimmer.maybe()
+
+
 @dataclass
 class ServerSettings:
     """What the HTTP layer needs besides the engine. ``api_key``: the Bearer key (None: no
@@ -45,6 +163,13 @@ class ServerSettings:
     api_key: Optional[str] = None
     enable_admin: bool = False
     drain_timeout: float = 30.0
+    #: largest request body accepted, in bytes (None or 0: no limit); a larger one is a 413
+    #: answered from its Content-Length before any of it is read (or as soon as a chunked
+    #: body passes the limit). 32 MiB by default, the body limit of vLLM's Rust frontend.
+    max_request_bytes: Optional[int] = DEFAULT_MAX_REQUEST_BYTES
+    #: most forks (``POST /fork``) one server makes: each is a second engine with its own KV
+    #: cache and virtual memory, so an unbounded count is unbounded memory
+    max_forks: int = DEFAULT_MAX_FORKS
 
 
 class Server:
@@ -55,6 +180,8 @@ class Server:
         self.default = front.name
         self.settings = settings
         self.metrics = metrics
+        #: fork names reserved while their engine is being made (admin ``/fork``)
+        self.forking: set[str] = set()
 
     def front_for(self, model: Optional[str]) -> AsyncEngine:
         """The front serving ``model`` (None or "" = the default); unknown names are a 400."""
@@ -93,7 +220,8 @@ def build_app(front: AsyncEngine, settings: Optional[ServerSettings] = None,
     front.metrics = front.metrics or metrics
     front.start()
     app = FastAPI(title="xllm-vmm", version=__version__, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url="/openapi.json")
+    app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
     server = Server(front, settings, metrics)
     app.state.server = server
 
@@ -154,4 +282,47 @@ def build_app(front: AsyncEngine, settings: Optional[ServerSettings] = None,
     openai_routes.register(app, server)
     if settings.enable_admin:
         admin.register(app, server)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+# The routes read their bodies themselves (one 400 shape for every parse or validation error),
+# so FastAPI cannot see their models: the schema names them here.
+_BODIES = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatCompletionRequest",
+           "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest"}
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's OpenAPI document (served at ``/openapi.json``, as vLLM serves it) with the
+    request bodies of the OpenAI routes (the pydantic models of ``protocol``) and their error
+    answers, so that clients and API fuzzers see what each route takes."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    from xllm_vmm.server import protocol
+
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    error = {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]},
+                       "code": {"type": ["integer", "string", "null"]}}}}}
+    schemas["Error"] = error
+    for path, name in _BODIES.items():
+        op = doc.get("paths", {}).get(path, {}).get("post")
+        if op is None:
+            continue
+        model = getattr(protocol, name)
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(body.pop("$defs", {}))
+        schemas[name] = body
+        op["requestBody"] = {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{name}"}}}}
+        op.setdefault("responses", {})
+        for status in ("400", "413", "503"):
+            op["responses"][status] = {"description": "OpenAI-shaped error", "content": {
+                "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    app.openapi_schema = doc
+    return doc

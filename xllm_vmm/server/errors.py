@@ -6,7 +6,8 @@
 | 400 | ``invalid_request_error`` | a bad parameter (``param`` names it), a prompt longer than the context (both numbers), an unknown model |
 | 401 | ``authentication_error`` | a missing or wrong ``Authorization: Bearer`` key |
 | 404 | ``not_found_error`` | a route that does not exist (admin routes while they are disabled) |
-| 409 | ``conflict_error`` | sleep asked while requests run (without ``drain``) |
+| 409 | ``conflict_error`` | sleep asked while requests run (without ``drain``), or deeper than the current sleep |
+| 413 | ``invalid_request_error`` | the request body is over ``--max-request-bytes`` |
 | 429 | ``rate_limit_error`` | the waiting queue is full (``--max-waiting-requests``) |
 | 503 | ``service_unavailable`` | the engine sleeps, its weights are not loaded, or the server is shutting down |
 | 500 | ``internal_error`` | the engine failed; the message says what it raised |
@@ -19,8 +20,8 @@ from __future__ import annotations
 from typing import Any
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          409: "conflict_error", 429: "rate_limit_error", 500: "internal_error",
-          503: "service_unavailable"}
+          409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          500: "internal_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):

@@ -155,6 +155,8 @@ class AsyncEngine:
         self._num_waiting = 0             # engine.num_waiting after the last step
         self._num_running = 0
         self._sleeping = bool(engine.is_sleeping())
+        #: the level the engine sleeps at (None while awake or when it was asleep at start)
+        self._sleep_level: Optional[int] = None
         self._draining = False
         self._closing = False
         self._shut = False  # engine.shutdown() called
@@ -383,7 +385,13 @@ class AsyncEngine:
             raise APIError(400, f"level must be 1 (light: weights kept in host memory) or 2 "
                                 f"(deep: weights dropped), not {level!r}", param="level")
         if self._sleeping:
-            return {"sleeping": True, "level": level, "already": True}
+            now = self._sleep_level
+            if now is not None and level > now:  # deepening would need the weights awake
+                raise APIError(409, f"the engine already sleeps at level {now} (light: weights "
+                                    f"kept in host memory); level {level} needs it awake: "
+                                    "POST /wake_up first, then sleep at level 2")
+            return {"sleeping": True, "level": now if now is not None else level,
+                    "already": True}
         if not drain and self.num_in_flight:
             raise APIError(409, f"{self.num_in_flight} request(s) in flight: sleep would pull "
                                 "memory from under them; retry when idle or pass drain=true")
@@ -411,6 +419,7 @@ class AsyncEngine:
         try:
             report = await self.call(_sleep)
             self._sleeping = True
+            self._sleep_level = level
         finally:
             self._draining = False
         return {"sleeping": True, "level": level, **_plain(report)}
@@ -421,6 +430,8 @@ class AsyncEngine:
             return {"sleeping": False, "already": True}
         report = await self.call(lambda e: e.wake_up())
         self._sleeping = bool(await self.call(lambda e: e.is_sleeping()))
+        if not self._sleeping:
+            self._sleep_level = None
         return {"sleeping": self._sleeping, **_plain(report)}
 
     async def reset_prefix_cache(self) -> int:
@@ -510,7 +521,10 @@ class AsyncEngine:
             try:
                 outs = eng.step()
             except Exception as exc:  # the engine failed: fail every request, keep serving
-                log.exception("engine step failed")
+                if type(exc).__name__ == "WorkerLost":  # says it all: which rank, what next
+                    log.error("engine step failed: %s", exc)
+                else:
+                    log.exception("engine step failed")
                 self._fail_all(APIError(500, f"the engine failed: {type(exc).__name__}: {exc}"))
                 continue
             self.step_thread_cpu_s += time.thread_time() - e0
@@ -669,6 +683,13 @@ class AsyncEngine:
             r = self._streams.get(out.request_id)
         if r is None or r.done:  # aborted meanwhile: drop what it produced
             self.processor.pop(out.request_id)
+            return
+        error = getattr(out, "error", None)
+        if error is not None:  # this request alone failed in the step: a 500 saying what
+            self.processor.pop(out.request_id)
+            self._fail(r, APIError(500, f"the request failed: {error}"))
+            if self.metrics is not None:
+                self.metrics.observe_finish(self.name, "abort", r, when)
             return
         res = self.processor.process([out])
         if not res.updates:

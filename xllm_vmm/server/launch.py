@@ -104,9 +104,10 @@ async def _shutdown_fronts(app: FastAPI, timeout: float) -> int:
 
 async def serve_async(app: FastAPI, host: str, port: int, *, drain_timeout: float,
                       on_ready: Optional[Callable[[str], None]] = None,
-                      stop: Optional[asyncio.Event] = None) -> int:
+                      stop: Optional[asyncio.Event] = None, sock=None) -> int:
     """Serve until ``stop`` is set (or a signal arrives when this is the main thread); returns
-    how many requests were cancelled at shutdown."""
+    how many requests were cancelled at shutdown. ``sock``: a socket already listening on
+    ``host:port`` (:func:`bind_socket`, taken before the model loaded); None binds here."""
     server = _uvicorn(app, host, port)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -123,7 +124,8 @@ async def serve_async(app: FastAPI, host: str, port: int, *, drain_timeout: floa
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, _signal)
                 signals.append(sig)
-    sock = bind_socket(host, port)  # an OSError (port in use) before anything runs
+    if sock is None:
+        sock = bind_socket(host, port)  # an OSError (port in use) before anything runs
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         while not server.started:

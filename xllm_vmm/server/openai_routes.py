@@ -40,9 +40,12 @@ from xllm_vmm.server.protocol import (
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
-async def _body(request: Request, model):
-    """Parse the JSON body into ``model``; any problem is a 400 naming the field."""
-    raw = await request.body()
+PARSE_ON_LOOP_BYTES = 64 * 1024
+"""Bodies up to this size are parsed on the event loop (microseconds); larger ones on a worker
+thread, so that a megabytes-long prompt never holds up ``/health`` or the streams."""
+
+
+def _parse(raw: bytes, model):
     try:
         data = json.loads(raw or b"null")
     except (ValueError, UnicodeDecodeError) as exc:
@@ -55,12 +58,53 @@ async def _body(request: Request, model):
         raise from_validation(exc.errors()) from None
 
 
+async def _body(request: Request, model):
+    """Parse the JSON body into ``model``; any problem is a 400 naming the field."""
+    raw = await request.body()
+    if len(raw) <= PARSE_ON_LOOP_BYTES:
+        return _parse(raw, model)
+    return await asyncio.to_thread(_parse, raw, model)
+
+
 async def _encode(front: AsyncEngine, text: str) -> list[int]:
     return list(await asyncio.to_thread(front.tokenizer.encode, text))
 
 
-async def _chat_prompt(front: AsyncEngine, messages: list[dict], add_generation_prompt: bool
-                       ) -> tuple[str, list[int]]:
+HEAD_CHARS_PER_TOKEN = 8
+"""A prompt more than ``HEAD_FACTOR`` times longer than its head of ``(max_model_len +
+HEAD_SLACK) * HEAD_CHARS_PER_TOKEN`` characters is first tokenized in that head: when the head
+alone has more tokens than the context, the prompt is refused without tokenizing the rest (a
+10 MB prompt took 16-20 s to tokenize before its 400, and each refused 1 MB prompt left ~5 MB
+of heap behind). Merges across the cut change at most a few tokens (``HEAD_SLACK``). Shorter
+prompts are counted in full, so their 400 states the exact count."""
+HEAD_SLACK = 8
+HEAD_FACTOR = 16
+
+
+def _prompt_ids(front: AsyncEngine, text: str, param: str,
+                add_special_tokens: bool = True) -> list[int]:
+    """``text``'s token ids (on a worker thread: the caller runs it there), or a 400 as soon as
+    its head shows that it cannot fit the context (:data:`HEAD_CHARS_PER_TOKEN`)."""
+    limit = front.max_model_len
+    head = (limit + HEAD_SLACK) * HEAD_CHARS_PER_TOKEN
+    if len(text) > head * HEAD_FACTOR:
+        n = len(front.tokenizer.encode(text[:head], add_special_tokens=add_special_tokens))
+        if n - HEAD_SLACK >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens, but "
+                                f"the prompt has more than {n - HEAD_SLACK} tokens (its first "
+                                f"{head} of {len(text)} characters alone). Shorten the prompt.",
+                           param=param)
+    return list(front.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+async def _encode_prompt(front: AsyncEngine, text: str, param: str = "prompt") -> list[int]:
+    return await asyncio.to_thread(_prompt_ids, front, text, param)
+
+
+async def _chat_prompt(front: AsyncEngine, messages: list[dict], add_generation_prompt: bool,
+                       fit: bool = True) -> tuple[str, list[int]]:
+    """The rendered chat prompt and its ids; ``fit``: refuse early one that cannot fit the
+    context (``_prompt_ids``; ``/tokenize`` counts any length)."""
     def render():
         try:
             text = front.tokenizer.apply_chat_template(messages,
@@ -69,7 +113,9 @@ async def _chat_prompt(front: AsyncEngine, messages: list[dict], add_generation_
             raise APIError(400, f"the chat template refused the messages: {exc}",
                            param="messages") from None
         # The template writes the special tokens itself (as vLLM encodes chat prompts).
-        return text, list(front.tokenizer.encode(text, add_special_tokens=False))
+        if not fit:
+            return text, list(front.tokenizer.encode(text, add_special_tokens=False))
+        return text, _prompt_ids(front, text, "messages", add_special_tokens=False)
 
     return await asyncio.to_thread(render)
 
@@ -285,15 +331,28 @@ async def _collect(gen: Generation, request: Request) -> list[Delta]:
 def register(app: FastAPI, server) -> None:
     """Add the OpenAI routes to ``app`` (``server``: the app's :class:`~.app.Server`)."""
 
+    def _model_card(name: str, f, now: int) -> dict:
+        return {"id": name, "object": "model", "created": now, "owned_by": "xllm-vmm",
+                "root": name, "parent": None, "max_model_len": f.max_model_len,
+                "vocab_size": f.vocab_size}
+
     @app.get("/v1/models")
     async def models(request: Request):
         server.check_key(request)
         now = int(time.time())
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": now, "owned_by": "xllm-vmm",
-             "root": name, "parent": None, "max_model_len": f.max_model_len,
-             "vocab_size": f.vocab_size}
-            for name, f in server.fronts.items()]}
+        return {"object": "list",
+                "data": [_model_card(name, f, now) for name, f in server.fronts.items()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        """One model object (OpenAI's retrieve route; ids may hold ``/``, as HF names do)."""
+        server.check_key(request)
+        f = server.fronts.get(model_id)
+        if f is None:
+            raise APIError(404, f"the model {model_id!r} does not exist (served: "
+                                f"{', '.join(server.fronts) or 'none'})", param="model",
+                           code="model_not_found")
+        return _model_card(model_id, f, int(time.time()))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -303,7 +362,7 @@ def register(app: FastAPI, server) -> None:
         if body.messages is not None:
             _, ids = await _chat_prompt(front, [{"role": m.role, "content": m.text()}
                                                 for m in body.messages],
-                                        body.add_generation_prompt)
+                                        body.add_generation_prompt, fit=False)
         else:
             ids = await _encode(front, body.prompt or "")
         return {"tokens": ids, "count": len(ids), "max_model_len": front.max_model_len}
@@ -338,7 +397,7 @@ def register(app: FastAPI, server) -> None:
         texts: list[str] = []
         for p in body.prompts():
             if isinstance(p, str):
-                ids = await _encode(front, p)
+                ids = await _encode_prompt(front, p)
                 texts.append(p)
             else:
                 ids = [int(t) for t in p]

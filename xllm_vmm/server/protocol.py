@@ -18,7 +18,12 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from xllm_vmm.engine.sampling_params import MAX_LOGPROBS  # the engine's (and OpenAI's) limit
+from xllm_vmm.engine.sampling_params import (  # the engine's (and OpenAI's) limits
+    MAX_LOGPROBS,
+    MIN_REPETITION_PENALTY,
+    SEED_MAX,
+    SEED_MIN,
+)
 
 MAX_N = 16          # choices per request (each is one engine request)
 
@@ -37,17 +42,18 @@ class _Sampling(BaseModel):
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(default=None, ge=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
-    temperature: Optional[float] = Field(default=None, ge=0.0, le=100.0)
-    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=100.0, allow_inf_nan=False)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: Optional[int] = Field(default=None, ge=-1)
-    min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
     n: int = Field(default=1, ge=1, le=MAX_N)
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = None
-    seed: Optional[int] = None
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
+    seed: Optional[int] = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=100.0,
+                                      allow_inf_nan=False)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     stream: bool = False
@@ -57,6 +63,16 @@ class _Sampling(BaseModel):
     #: vLLM's extra parameter: requests with different salts never share prefix-cache blocks
     #: (an extra key of the first block's hash); a non-empty string
     cache_salt: Optional[str] = None
+
+    @field_validator("max_tokens", "max_completion_tokens", "top_k", "n", "seed", "min_tokens",
+                     "top_logprobs", "prompt_logprobs", "best_of",
+                     mode="before", check_fields=False)
+    @classmethod
+    def _not_bool(cls, v):
+        """JSON true/false is not an integer (pydantic would read true as 1)."""
+        if isinstance(v, bool):
+            raise ValueError(f"must be an integer, not a boolean ({str(v).lower()})")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -83,6 +99,17 @@ class _Sampling(BaseModel):
         if v:
             raise ValueError("logit_bias is not supported by this server (send no logit_bias)")
         return None
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_n(cls, v, info):
+        """Choice ``i`` is seeded with ``seed + i``: the last one must fit too (``n`` is
+        declared before ``seed``, so it is validated by now)."""
+        n = info.data.get("n", 1)
+        if v is not None and v + n - 1 > SEED_MAX:
+            raise ValueError(f"seed + n - 1 must be at most 2**64 - 1 (choice i uses seed + i), "
+                             f"got seed {v} with n {n}")
+        return v
 
     @model_validator(mode="after")
     def _stream_options(self):
@@ -140,6 +167,14 @@ class CompletionRequest(_Sampling):
     prompt_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: Optional[int] = Field(default=None, ge=1)
     suffix: Optional[str] = None
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs_not_bool(cls, v):
+        """A completion's ``logprobs`` is a count (a chat completion's is a boolean)."""
+        if isinstance(v, bool):
+            raise ValueError(f"must be an integer, not a boolean ({str(v).lower()})")
+        return v
 
     @field_validator("suffix")
     @classmethod

@@ -108,6 +108,12 @@ class Group:
         """``init_process_group`` over the store; raises naming the ranks that did not come."""
         import torch.distributed as dist
 
+        if dist.is_initialized():  # torch allows one default group per process
+            raise DistributedError(
+                f"rank {self.rank}: this process already has a live worker set (another LLM "
+                "or engine with several workers was not shut down)", rank=self.rank,
+                address=self.address,
+                hint="call shutdown() on the other LLM (or drop it) before starting this one")
         try:
             dist.init_process_group(self.backend, store=self.store, rank=self.rank,
                                     world_size=self.world,

@@ -28,11 +28,36 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
+def package_root() -> str:
+    """The directory holding the ``xllm_vmm`` package this process imported."""
+    import xllm_vmm
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(xllm_vmm.__file__)))
+
+
+def follower_env() -> dict[str, str]:
+    """The environment of a follower: this one, with the package root this process imported
+    ``xllm_vmm`` from first on ``PYTHONPATH``, so that every rank runs the same code (with its
+    compiled libraries) wherever rank 0 was started."""
+    env = dict(os.environ)
+    root = package_root()
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]
+    env["PYTHONPATH"] = os.pathsep.join([root, *rest])
+    return env
+
+
+def follower_python() -> list[str]:
+    """The interpreter command of a follower. ``-P`` (Python 3.11+) keeps ``python -m`` from
+    putting the working directory first on ``sys.path``: started from a source checkout, the
+    follower imported that tree (no compiled ``.so``) instead of the package rank 0 runs."""
+    return [sys.executable, "-P"] if sys.version_info >= (3, 11) else [sys.executable]
+
+
 def spawn_followers(world: int, port: int, model_dir: str, flags: dict[str, Any],
                     opts: dict[str, Any], device_of_rank=None) -> list[subprocess.Popen]:
     """Start ranks 1..world-1 meeting rank 0 at ``127.0.0.1:port``; returns their processes
     (index ``r - 1`` is rank ``r``)."""
-    env = dict(os.environ)
+    env = follower_env()
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
     procs: list[subprocess.Popen] = []
@@ -45,7 +70,7 @@ def spawn_followers(world: int, port: int, model_dir: str, flags: dict[str, Any]
                     f["devices"] = dev
             spec = json.dumps({"model": model_dir, "flags": f, "opts": dict(opts, _spawned=True)})
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "xllm_vmm.engine.distributed.follower", spec],
+                [*follower_python(), "-m", "xllm_vmm.engine.distributed.follower", spec],
                 env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
     except BaseException:
         reap(procs, 0)
