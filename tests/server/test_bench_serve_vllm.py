@@ -146,6 +146,7 @@ def test_compare_warms_both_then_alternates_rounds(tmp_path, tiny_llama_dir):
     starts = [json.loads(line) for line in record.read_text().splitlines()]
     assert len(starts) == 1 and starts[0]["t"] > t0  # one vLLM start for all rounds
     assert out["residency"] == "shared"
+    assert out["cpu_model"] and out["xllm_vmm"]["compute_paths"]["cpu_model"] == out["cpu_model"]
     r = starts[0]
     assert r["env"] == {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
                         "VLLM_CPU_OMP_THREADS_BIND": "0"}  # --vllm-env reaches it
@@ -169,6 +170,8 @@ def test_compare_warms_both_then_alternates_rounds(tmp_path, tiny_llama_dir):
         assert s["output_throughput_min"] <= s["output_throughput_median"]
         assert s["ttft_ms_min"] <= s["ttft_ms_median"] and s["tpot_ms_min"] <= s["tpot_ms_median"]
         assert s["rss_bytes_peak_median"] > 10 << 20
+        if side != "vllm":  # ours record what each part of the engine took
+            assert {"bf16_compute", "layer_ops", "attention_decode"} <= set(s["compute_paths"])
         assert s["ttft_ms_median"] > 0 and s["tpot_ms_median"] > 0
         # the other server was idle while this one ran (a few scheduler ticks at most)
         assert all(x["idle_server_cpu_s"] is not None and x["idle_server_cpu_s"] < 1.0

@@ -88,6 +88,7 @@ from dataclasses import replace
 from xllm_vmm.bench.residency import RESIDENCIES
 from xllm_vmm.bench.serve import (LoadConfig, ServerProcess, drive, host_memory_used_bytes,
                                   run_load, signal_tree, tree_cpu_seconds)
+from xllm_vmm.engine.cpu_caps import caps, parse_paths_line
 
 #: the warm-up load's seed is the measured seed plus this (prompts no measured round sends)
 WARMUP_SEED_OFFSET = 1000
@@ -375,6 +376,7 @@ def compare(cfg: LoadConfig, serve_args: list[str], vllm_venv: str, *, rounds: i
     vs = new_vllm()
     up: dict[str, object] = {}  # side -> its running server (ServerProcess / VllmServer)
     our_exit: dict[str, Optional[int]] = {}
+    our_paths: dict[str, Optional[dict]] = {}  # side -> its start-up compute-paths line
 
     def start(side: str) -> bool:
         """Start ``side``'s server (timed into ``startups``); False when vLLM's fails (its
@@ -401,6 +403,8 @@ def compare(cfg: LoadConfig, serve_args: list[str], vllm_venv: str, *, rounds: i
         code = srv.stop()
         if side != "vllm" and our_exit.get(side) in (None, 0):  # the first failing exit stays
             our_exit[side] = code
+        if side != "vllm" and our_paths.get(side) is None:
+            our_paths[side] = next((p for p in map(parse_paths_line, srv.log) if p), None)
 
     def run_one(side: str, load: LoadConfig, rss: bool) -> Optional[dict]:
         """One load on ``side``; None (and vLLM's error recorded) when vLLM failed."""
@@ -487,13 +491,14 @@ def compare(cfg: LoadConfig, serve_args: list[str], vllm_venv: str, *, rounds: i
         b["error"] = vllm_error
     for side in our_args:
         summary[side]["server_exit_code"] = our_exit.get(side)
+        summary[side]["compute_paths"] = our_paths.get(side)
         summary[side]["server"] = "xllm-vmm serve " + " ".join(our_args[side])
     out = {
         "num_prompts": cfg.num_prompts, "input_len": cfg.input_len,
         "range_ratio": cfg.range_ratio, "output_len": cfg.output_len,
         "request_rate": cfg.request_rate if cfg.request_rate != float("inf") else "inf",
         "seed": cfg.seed, "rounds": rounds, "warmup_prompts": warmup_prompts, "order": order,
-        "residency": residency,
+        "residency": residency, "cpu_model": caps().model,
         **summary,
     }
     for side, suffix in (("xllm_vmm", ""), ("xllm_vmm_vmm_weights", "_vmm_weights")):
