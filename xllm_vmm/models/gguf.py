@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from xllm_vmm.models.byte_level import bytes_to_unicode
 from xllm_vmm.models.errors import ModelConfigError
 
 ARCHITECTURES = {
@@ -313,17 +314,6 @@ def read_config(path: str | os.PathLike[str]) -> dict:
 
 
 # -- tokenizer -----------------------------------------------------------------------------
-def _bytes_to_unicode() -> dict[int, str]:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
 
 
 def tokenizer_files(reader: Any, path: str | os.PathLike[str]) -> tuple[dict, dict]:
@@ -357,7 +347,7 @@ def tokenizer_files(reader: Any, path: str | os.PathLike[str]) -> tuple[dict, di
     if not tokens or not merges:
         raise GgufError("tokenizer.ggml.tokens or tokenizer.ggml.merges is missing", source=src,
                         hint="the file has no usable vocabulary; convert the checkpoint again")
-    b2u = _bytes_to_unicode()
+    b2u = bytes_to_unicode()
     alphabet = set(b2u.values())
     vocab: dict[str, int] = {}
     added = []

@@ -34,6 +34,7 @@ import re
 import struct
 import tempfile
 from pathlib import Path
+from xllm_vmm.models.byte_level import bytes_to_unicode
 
 DEMO_NAME = "xllm-vmm-demo"
 DEMO_VERSION = 2
@@ -106,18 +107,6 @@ def content_hash(model_dir: str | os.PathLike[str]) -> str:
 
 
 # -- tokenizer -----------------------------------------------------------------------------
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte → printable character map (what the ByteLevel pre-tokenizer uses)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
 
 
 _WORD = re.compile(r"'(?:s|t|re|ve|m|ll|d)| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+")
@@ -129,7 +118,7 @@ def _corpus() -> str:
 
 def train_bpe(text: str, num_merges: int) -> tuple[list[str], list[tuple[str, str]]]:
     """Byte-level BPE: (the 256 byte symbols in byte order, the merges in order)."""
-    b2u = _bytes_to_unicode()
+    b2u = bytes_to_unicode()
     base = [b2u[b] for b in range(256)]
     words: dict[tuple[str, ...], int] = {}
     for w in _WORD.findall(text):
@@ -235,7 +224,7 @@ BIGRAM_LOGIT = 10.0
 def bpe_encode(text: str, vocab: dict[str, int], merges: list[tuple[str, str]]) -> list[int]:
     """Byte-level BPE of ``text`` (the words of the training split; the lowest-ranked pair
     merged first, as ``tokenizers`` does)."""
-    b2u = _bytes_to_unicode()
+    b2u = bytes_to_unicode()
     rank = {m: i for i, m in enumerate(merges)}
     out: list[int] = []
     for w in _WORD.findall(text):
