@@ -58,6 +58,17 @@ from xllm_vmm.kvcache.hashing import BlockHash
 WINDOW_FACTOR = 8
 
 
+
+def _fill_from_lru(g: "_Group", chosen: list[int], taken: set[int], n_blocks: int) -> list[int]:
+    """``chosen`` topped up to ``n_blocks`` with ``g``'s least recently released blocks not in
+    ``taken`` (the plain-LRU remainder of a page-aware choice)."""
+    for b in g.lru:
+        if b not in taken:
+            chosen.append(b)
+            if len(chosen) >= n_blocks:
+                break
+    return chosen
+
 class PrefixCacheError(RuntimeError):
     """Misuse of the prefix cache (publishing into an unknown group, a changed block)."""
 
@@ -568,12 +579,7 @@ class PrefixCache:
                 taken.update(blocks)
                 if len(chosen) >= n_blocks:
                     return chosen
-        for b in g.lru:
-            if b not in taken:
-                chosen.append(b)
-                if len(chosen) >= n_blocks:
-                    break
-        return chosen
+        return _fill_from_lru(g, chosen, taken, n_blocks)
 
     def _window_victims(self, group: str, g: _Group, n_blocks: int) -> list[int]:
         """:meth:`evict_pages`' choice, bounded to the window of the
@@ -608,13 +614,7 @@ class PrefixCache:
                     return chosen
         if not chosen:
             return list(islice(g.lru, n_blocks))
-        taken = set(chosen)
-        for b in g.lru:
-            if b not in taken:
-                chosen.append(b)
-                if len(chosen) >= n_blocks:
-                    break
-        return chosen
+        return _fill_from_lru(g, chosen, set(chosen), n_blocks)
 
     def _withdraw_peers(self, h: BlockHash, except_group: str | None) -> None:
         """``h`` leaves the index of every group but ``except_group`` (done by the caller):

@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from xllm_vmm.models.byte_level import bytes_to_unicode
+from xllm_vmm.models.byte_level import BYTE_LEVEL, bpe_tokenizer_json, bytes_to_unicode
 from xllm_vmm.models.errors import ModelConfigError
 
 ARCHITECTURES = {
@@ -326,18 +326,16 @@ def tokenizer_files(reader: Any, path: str | os.PathLike[str]) -> tuple[dict, di
                              "'gpt2': Llama 3, Qwen, SmolLM, ...) load")
     pre = _field(reader, "tokenizer.ggml.pre")
     pre = _PRE_ALIASES.get(pre, pre)
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
-                  "use_regex": True}
     if pre in _PRE_BYTE_LEVEL:
-        pre_tok: dict = byte_level
+        pre_tok: dict = BYTE_LEVEL
         if pre == "smollm":
             pre_tok = {"type": "Sequence", "pretokenizers": [
-                {"type": "Digits", "individual_digits": True}, byte_level]}
+                {"type": "Digits", "individual_digits": True}, BYTE_LEVEL]}
     elif pre in _PRE_SPLITS:
         pre_tok = {"type": "Sequence", "pretokenizers": [
             {"type": "Split", "pattern": {"Regex": _PRE_SPLITS[pre]}, "behavior": "Isolated",
              "invert": False},
-            {**byte_level, "use_regex": False}]}
+            {**BYTE_LEVEL, "use_regex": False}]}
     else:
         raise GgufError(f"pre-tokenizer {pre!r} is not supported", source=src,
                         hint=f"supported tokenizer.ggml.pre: {', '.join(SUPPORTED_PRE_TOKENIZERS)}")
@@ -357,15 +355,7 @@ def tokenizer_files(reader: Any, path: str | os.PathLike[str]) -> tuple[dict, di
         if ty in (3, 4) and set(t) <= alphabet:
             added.append({"id": i, "content": t, "single_word": False, "lstrip": False,
                           "rstrip": False, "normalized": False, "special": ty == 3})
-    tok = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
-        "normalizer": None, "pre_tokenizer": pre_tok, "post_processor": byte_level,
-        "decoder": byte_level,
-        "model": {"type": "BPE", "dropout": None, "unk_token": None,
-                  "continuing_subword_prefix": None, "end_of_word_suffix": None,
-                  "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": vocab, "merges": merges},
-    }
+    tok = bpe_tokenizer_json(vocab, merges, added, pre_tok)
 
     def name(key: str) -> str | None:
         v = _field(reader, f"tokenizer.ggml.{key}")

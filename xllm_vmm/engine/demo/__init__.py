@@ -34,7 +34,7 @@ import re
 import struct
 import tempfile
 from pathlib import Path
-from xllm_vmm.models.byte_level import bytes_to_unicode
+from xllm_vmm.models.byte_level import bpe_tokenizer_json, bytes_to_unicode
 
 DEMO_NAME = "xllm-vmm-demo"
 DEMO_VERSION = 2
@@ -165,18 +165,8 @@ def _tokenizer_files() -> dict[str, dict]:
         added.append({"id": len(vocab), "content": t, "single_word": False, "lstrip": False,
                       "rstrip": False, "normalized": False, "special": True})
         vocab[t] = len(vocab)
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
-                  "use_regex": True}
-    tok = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
-        "normalizer": None, "pre_tokenizer": byte_level, "post_processor": byte_level,
-        "decoder": byte_level,
-        "model": {"type": "BPE", "dropout": None, "unk_token": None,
-                  "continuing_subword_prefix": None, "end_of_word_suffix": None,
-                  "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": {k: v for k, v in vocab.items() if k not in SPECIAL_TOKENS},
-                  "merges": [[a, b] for a, b in merges]},
-    }
+    tok = bpe_tokenizer_json({k: v for k, v in vocab.items() if k not in SPECIAL_TOKENS},
+                             [[a, b] for a, b in merges], added)
     ids = {t: vocab[t] for t in SPECIAL_TOKENS}
     cfg = {
         "add_bos_token": False, "bos_token": None, "eos_token": "<|im_end|>",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from xllm_vmm.engine.cpu_caps import bf16_as_fp32
 from xllm_vmm.engine.layers.parallel import SINGLE, TensorParallel
 from xllm_vmm.engine.row_buckets import on_padded_rows
 
@@ -27,16 +28,10 @@ def dense(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     import torch
     import torch.nn.functional as F
 
-    if x.dtype is torch.bfloat16 and x.device.type == "cpu" and _bf16_as_fp32():
+    if x.dtype is torch.bfloat16 and x.device.type == "cpu" and bf16_as_fp32():
         return F.linear(x.float(), weight.float(),
                         None if bias is None else bias.float()).to(torch.bfloat16)
     return F.linear(x, weight, bias)
-
-
-def _bf16_as_fp32() -> bool:
-    from xllm_vmm.engine.cpu_caps import bf16_as_fp32
-
-    return bf16_as_fp32()
 
 
 class ReplicatedLinear:
