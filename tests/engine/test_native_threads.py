@@ -136,7 +136,9 @@ _RELEASE_SCRIPT = textwrap.dedent("""
     from xllm_vmm.engine import native_threads as nt
     torch.set_num_threads(2)
     a = torch.randn(1024, 1024)
-    ref = a @ a  # the main thread's OpenMP team exists now
+    big = torch.randn(1 << 22)  # at::parallel_for over 4M elements: always a 2-thread region
+    ref = a @ a
+    big_ref = big.exp()  # the main thread's OpenMP team exists now (BLAS may not thread a product)
     tasks = lambda: len(os.listdir("/proc/self/task"))
     with_team = tasks()
     released = nt.release_team()
@@ -144,10 +146,12 @@ _RELEASE_SCRIPT = textwrap.dedent("""
     got = {}
     def other():  # another thread's team: the process's only one now
         got["y"] = a @ a
+        got["e"] = big.exp()
         got["tasks"] = tasks()
     t = threading.Thread(target=other); t.start(); t.join()
     again = a @ a  # the main thread can still compute (a new team)
-    print(released, with_team - after, bool(torch.equal(got["y"], ref)),
+    print(released, with_team - after,
+          bool(torch.equal(got["y"], ref) and torch.equal(got["e"], big_ref)),
           bool(torch.equal(again, ref)), got["tasks"] - after)
 """)
 
