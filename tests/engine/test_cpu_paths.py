@@ -60,6 +60,18 @@ def test_a_bad_bf16_compute_value_is_refused(monkeypatch):
     assert cpu_caps.bf16_compute()[0] == "fp32"
 
 
+def test_a_bad_fp16_compute_value_is_refused_and_fp16_follows_torchs_check(monkeypatch):
+    monkeypatch.setenv(cpu_caps.FP16_ENV, "bf16")
+    with pytest.raises(ValueError, match=cpu_caps.FP16_ENV):
+        cpu_caps.fp16_compute()
+    monkeypatch.setenv(cpu_caps.FP16_ENV, "fp16")
+    assert cpu_caps.fp16_compute() == ("fp16", f"{cpu_caps.FP16_ENV}=fp16")
+    monkeypatch.delenv(cpu_caps.FP16_ENV)
+    native = bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())  # AVX512-FP16 or AMX-FP16
+    assert cpu_caps.caps().onednn_fp16 == native
+    assert cpu_caps.fp16_compute()[0] == ("fp16" if native else "fp32")
+
+
 def test_caps_describe_this_cpu_and_torch():
     c = cpu_caps.caps()
     assert c.model and c.torch_capability
@@ -78,8 +90,10 @@ def test_hidden_avx512_takes_every_portable_path(hidden):
     assert not c.avx512 and not c.amx and not c.onednn_bf16
     assert "avx512" in packed.disabled_reason() and not packed.enabled()
     assert cpu_caps.bf16_compute()[0] == "fp32" and cpu_caps.bf16_as_fp32()
-    # bfloat16 products run in float32 (MKL sgemm): nothing to pad per shape
+    assert not c.onednn_fp16 and cpu_caps.fp16_as_fp32()
+    # 16-bit products run in float32 (MKL sgemm): nothing to pad per shape
     assert row_buckets.empty_rows(100, (8,), torch.bfloat16).untyped_storage().nbytes() == 1600
+    assert row_buckets.empty_rows(100, (8,), torch.float16).untyped_storage().nbytes() == 1600
     if nd.load() is not None:
         for dt in (torch.float32, torch.bfloat16):
             assert nd.implementation(dt, dt, 64) == "portable"
@@ -112,21 +126,26 @@ def test_hidden_amx_keeps_the_avx512_scores(hidden):
     assert nd.implementation(torch.bfloat16, torch.bfloat16, 64) != "amx-bf16"
 
 
-def test_a_bf16_product_in_fp32_is_the_fp32_product_of_the_upcast_operands():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_product_in_fp32_is_the_fp32_product_of_the_upcast_operands(dtype):
     from xllm_vmm.engine.layers.linear import dense
 
+    force = cpu_caps.set_bf16_as_fp32 if dtype is torch.bfloat16 else cpu_caps.set_fp16_as_fp32
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(37, 64, generator=g).bfloat16()
-    w = (torch.randn(96, 64, generator=g) / 8).bfloat16()
-    b = torch.randn(96, generator=g).bfloat16()
-    old = cpu_caps.set_bf16_as_fp32(True)
+    x = torch.randn(37, 64, generator=g).to(dtype)
+    w = (torch.randn(96, 64, generator=g) / 8).to(dtype)
+    b = torch.randn(96, generator=g).to(dtype)
+    old = force(True)
     try:
         y = dense(x, w, b)
+        force(False)
+        native = dense(x, w, b)
     finally:
-        cpu_caps.set_bf16_as_fp32(old)
-    assert y.dtype is torch.bfloat16
-    assert torch.equal(y, F.linear(x.float(), w.float(), b.float()).bfloat16())
-    torch.testing.assert_close(y, F.linear(x, w, b), atol=0.05, rtol=0.02)
+        force(old)
+    assert y.dtype is dtype
+    assert torch.equal(y, F.linear(x.float(), w.float(), b.float()).to(dtype))
+    assert torch.equal(native, F.linear(x, w, b))
+    torch.testing.assert_close(y, native, atol=0.05, rtol=0.02)
     assert torch.equal(dense(x.float(), w.float()), F.linear(x.float(), w.float()))
 
 
@@ -194,4 +213,4 @@ def test_generate_runs_16_bit_dtypes_as_on_an_avx2_only_cpu(llama, dtype):
     paths = cpu_caps.parse_paths_line(line)
     assert paths["torch_capability"] == "AVX2" and paths["layer_ops"] in ("portable", "off")
     assert paths["packed_linear"].startswith("off (")
-    assert paths["bf16_compute"].startswith("fp32")
+    assert paths["bf16_compute"].startswith("fp32") and paths["fp16_compute"].startswith("fp32")

@@ -21,26 +21,30 @@ from xllm_vmm.engine.layers import layer_ops, packed
 
 @pytest.fixture
 def padding_on():
-    """Padding on, and bfloat16 products in bfloat16 (where they run in float32 nothing is
-    padded: :func:`test_bf16_in_fp32_is_not_padded`)."""
+    """Padding on, and 16-bit products in their own dtype (where they run in float32 nothing is
+    padded: :func:`test_16_bit_in_fp32_is_not_padded`)."""
     from xllm_vmm.engine import cpu_caps
 
     old = rb.set_enabled(True)
-    old_fp32 = cpu_caps.set_bf16_as_fp32(False)
+    old_bf16 = cpu_caps.set_bf16_as_fp32(False)
+    old_fp16 = cpu_caps.set_fp16_as_fp32(False)
     yield
     rb.set_enabled(old)
-    cpu_caps.set_bf16_as_fp32(old_fp32)
+    cpu_caps.set_bf16_as_fp32(old_bf16)
+    cpu_caps.set_fp16_as_fp32(old_fp16)
 
 
-def test_bf16_in_fp32_is_not_padded(padding_on):
-    """Where bfloat16 products run in float32 (MKL ``sgemm``, no per-shape compilation) a
-    bfloat16 tensor keeps its exact rows; float16 is still padded."""
+@pytest.mark.parametrize("in_fp32, kept", [(torch.bfloat16, torch.float16),
+                                            (torch.float16, torch.bfloat16)])
+def test_16_bit_in_fp32_is_not_padded(padding_on, in_fp32, kept):
+    """Where one 16-bit dtype's products run in float32 (MKL ``sgemm``, no per-shape
+    compilation) its tensors keep their exact rows; the other 16-bit dtype is still padded."""
     from xllm_vmm.engine import cpu_caps
 
-    cpu_caps.set_bf16_as_fp32(True)
-    x = rb.empty_rows(100, (8,), torch.bfloat16)
+    (cpu_caps.set_bf16_as_fp32 if in_fp32 is torch.bfloat16 else cpu_caps.set_fp16_as_fp32)(True)
+    x = rb.empty_rows(100, (8,), in_fp32)
     assert x.untyped_storage().nbytes() == 100 * 8 * 2 and rb.widen(x) is x
-    assert rb.empty_rows(100, (8,), torch.float16).untyped_storage().nbytes() == 104 * 8 * 2
+    assert rb.empty_rows(100, (8,), kept).untyped_storage().nbytes() == 104 * 8 * 2
 
 
 def test_padded_rows_is_bounded_monotone_and_at_most_an_eighth_more():

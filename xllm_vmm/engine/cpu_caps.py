@@ -11,6 +11,10 @@ Every CPU compute path that assumes an instruction set is chosen from :func:`cap
   measured under torch's AVX2 dispatch, a bfloat16 product there runs at 27-48 GFLOP/s and the
   per-call upcast at 97-178, about float32's own speed (``docs/engine.md``), and the weights'
   memory stays bfloat16's;
+- a float16 checkpoint likewise computes in float32 over per-call upcasts where torch's oneDNN
+  float16 kernels do not run (``torch.ops.mkldnn._is_mkldnn_fp16_supported``: AVX512-FP16 or
+  AMX-FP16): torch's float16 gemm there measured 13-20 GFLOP/s against 55-180 for the upcast
+  product, on AVX-512 CPUs without AVX512-FP16 as well as under AVX2 (:func:`fp16_compute`);
 - the native attention and layer kernels (``native/paged_attn.c``, ``native/layer_ops.c``)
   dispatch on the CPU themselves; a hidden ``avx512`` makes them take their portable C, a
   hidden ``amx`` keeps the AVX-512 form of the attention scores.
@@ -19,8 +23,8 @@ Every CPU compute path that assumes an instruction set is chosen from :func:`cap
 tests and comparisons run the paths of a smaller CPU on a bigger one: ``avx512`` (and with it
 ``avx512_bf16`` and ``amx``, which need it), ``avx512_bf16``, ``amx``, ``avx_ne_convert``.
 Torch's own kernels still dispatch on torch's capability (``ATEN_CPU_CAPABILITY=avx2`` caps
-them, read by torch at import). ``XLLM_VMM_BF16_COMPUTE`` (``bf16`` / ``fp32``) overrides the
-bfloat16 compute choice.
+them, read by torch at import). ``XLLM_VMM_BF16_COMPUTE`` (``bf16`` / ``fp32``) and
+``XLLM_VMM_FP16_COMPUTE`` (``fp16`` / ``fp32``) override the 16-bit compute choices.
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ HIDE_ENV = "XLLM_VMM_CPU_HIDE"
 BF16_ENV = "XLLM_VMM_BF16_COMPUTE"
 """``bf16``: bfloat16 products in bfloat16; ``fp32``: in float32 over per-call upcasts;
 unset/``auto``: :func:`bf16_compute`'s choice from the CPU."""
+
+FP16_ENV = "XLLM_VMM_FP16_COMPUTE"
+"""``fp16``: float16 products in float16; ``fp32``: in float32 over per-call upcasts;
+unset/``auto``: :func:`fp16_compute`'s choice from the CPU."""
 
 HIDEABLE = ("avx512", "avx512_bf16", "amx", "avx_ne_convert")
 """Capabilities :data:`HIDE_ENV` may hide."""
@@ -98,6 +106,20 @@ def _torch_bf16_check() -> bool:
         return False
 
 
+def _torch_fp16_check() -> bool:
+    """Torch's own oneDNN float16 device check (AVX512-FP16 or AMX-FP16; False where this torch
+    has none)."""
+    import torch
+
+    try:
+        if not torch.backends.mkldnn.is_available():
+            return False
+        fn = getattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", None)
+        return bool(fn()) if fn is not None else False
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def _probe_packed_bf16() -> str:
     """``""`` when oneDNN's packed bfloat16 linear runs here (a tiny weight packed), else the
     reason it does not."""
@@ -129,6 +151,8 @@ class CpuCaps:
     """torch's oneDNN bfloat16 kernels (``F.linear``'s matmul, the packed linear) run here."""
     onednn_bf16_reason: str = ""
     """Why not, when ``onednn_bf16`` is False."""
+    onednn_fp16: bool = False
+    """torch's oneDNN float16 kernels run here (AVX512-FP16 or AMX-FP16)."""
 
     @property
     def native_bf16(self) -> bool:
@@ -140,7 +164,8 @@ class CpuCaps:
         return {"cpu_model": self.model, "torch_capability": self.torch_capability,
                 "hidden": sorted(self.hidden), "avx2": self.avx2, "avx512": self.avx512,
                 "avx512_bf16": self.avx512_bf16, "amx": self.amx,
-                "avx_ne_convert": self.avx_ne_convert, "onednn_bf16": self.onednn_bf16}
+                "avx_ne_convert": self.avx_ne_convert, "onednn_bf16": self.onednn_bf16,
+                "onednn_fp16": self.onednn_fp16}
 
 
 _CAPS: CpuCaps | None = None
@@ -175,7 +200,8 @@ def detect(hidden: frozenset[str] | None = None) -> CpuCaps:
     return CpuCaps(model=model, flags=flags, torch_capability=capability, hidden=hidden,
                    avx2=has("avx2"), avx512=avx512, avx512_bf16=avx512 and has("avx512_bf16"),
                    amx=avx512 and has("amx"), avx_ne_convert=ne_convert,
-                   onednn_bf16=not reason, onednn_bf16_reason=reason)
+                   onednn_bf16=not reason, onednn_bf16_reason=reason,
+                   onednn_fp16=not hidden.intersection(("avx512",)) and _torch_fp16_check())
 
 
 def caps() -> CpuCaps:
@@ -189,9 +215,9 @@ def caps() -> CpuCaps:
 def reset(hidden: str | None = None) -> CpuCaps:
     """Detect again with ``hidden`` (a :data:`HIDE_ENV` value; None: the environment's) and
     refresh the choices cached from it (tests force paths this way)."""
-    global _CAPS, _BF16_FP32
+    global _CAPS, _BF16_FP32, _FP16_FP32
     _CAPS = detect(None if hidden is None else parse_hidden(hidden))
-    _BF16_FP32 = None
+    _BF16_FP32 = _FP16_FP32 = None
     return _CAPS
 
 
@@ -201,6 +227,20 @@ def hides(name: str) -> bool:
 
 
 _BF16_FP32: bool | None = None
+_FP16_FP32: bool | None = None
+
+
+def _forced(env: str, native: tuple[str, ...]) -> tuple[str, str] | None:
+    """The choice ``env`` forces (``native[0]`` or ``fp32``), None for unset/``auto``;
+    ``ValueError`` naming the variable for anything else."""
+    raw = os.environ.get(env, "").strip().lower()
+    if raw in native:
+        return native[0], f"{env}={raw}"
+    if raw in ("fp32", "float32"):
+        return "fp32", f"{env}={raw}"
+    if raw not in ("", "auto"):
+        raise ValueError(f"{env}={raw!r} is not one of {native[0]}, fp32, auto")
+    return None
 
 
 def bf16_compute() -> tuple[str, str]:
@@ -208,13 +248,9 @@ def bf16_compute() -> tuple[str, str]:
     torch's oneDNN bfloat16 kernels run (:attr:`CpuCaps.onednn_bf16`); ``fp32`` (float32 over
     per-call upcasts of the bfloat16 weights) elsewhere, where torch's portable bfloat16 gemm
     measured 2.8-4.8x slower than that (module doc). :data:`BF16_ENV` overrides."""
-    raw = os.environ.get(BF16_ENV, "").strip().lower()
-    if raw in ("bf16", "bfloat16"):
-        return "bf16", f"{BF16_ENV}={raw}"
-    if raw in ("fp32", "float32"):
-        return "fp32", f"{BF16_ENV}={raw}"
-    if raw not in ("", "auto"):
-        raise ValueError(f"{BF16_ENV}={raw!r} is not one of bf16, fp32, auto")
+    forced = _forced(BF16_ENV, ("bf16", "bfloat16"))
+    if forced is not None:
+        return forced
     c = caps()
     if c.onednn_bf16:
         return "bf16", "oneDNN bfloat16 kernels run on this CPU"
@@ -235,6 +271,47 @@ def set_bf16_as_fp32(on: bool | None) -> bool | None:
     global _BF16_FP32
     old, _BF16_FP32 = _BF16_FP32, on
     return old
+
+
+def fp16_compute() -> tuple[str, str]:
+    """``("fp16" | "fp32", why)``: how a CPU product of float16 operands runs. ``fp16`` where
+    torch's oneDNN float16 kernels run (:attr:`CpuCaps.onednn_fp16`: AVX512-FP16 or AMX-FP16);
+    ``fp32`` (float32 over per-call upcasts of the float16 weights) elsewhere, where torch's
+    float16 gemm measured 3-12x slower than that (module doc). :data:`FP16_ENV` overrides."""
+    forced = _forced(FP16_ENV, ("fp16", "float16"))
+    if forced is not None:
+        return forced
+    if caps().onednn_fp16:
+        return "fp16", "oneDNN float16 kernels run on this CPU"
+    return "fp32", "no oneDNN float16 here (AVX512-FP16 or AMX-FP16)"
+
+
+def fp16_as_fp32() -> bool:
+    """CPU float16 products run in float32 (:func:`fp16_compute`; cached, :func:`reset`)."""
+    global _FP16_FP32
+    if _FP16_FP32 is None:
+        _FP16_FP32 = fp16_compute()[0] == "fp32"
+    return _FP16_FP32
+
+
+def set_fp16_as_fp32(on: bool | None) -> bool | None:
+    """Force the float16 compute choice for this process (None: back to :func:`fp16_compute`);
+    returns the old cached value."""
+    global _FP16_FP32
+    old, _FP16_FP32 = _FP16_FP32, on
+    return old
+
+
+def half_as_fp32(dtype: Any) -> bool:
+    """A CPU product of ``dtype`` operands runs in float32 over per-call upcasts: bfloat16 where
+    :func:`bf16_as_fp32`, float16 where :func:`fp16_as_fp32`; False for any other dtype."""
+    import torch
+
+    if dtype is torch.bfloat16:
+        return bf16_as_fp32()
+    if dtype is torch.float16:
+        return fp16_as_fp32()
+    return False
 
 
 def compute_paths(model: Any = None, backend: Any = None) -> dict[str, str]:
@@ -259,6 +336,8 @@ def compute_paths(model: Any = None, backend: Any = None) -> dict[str, str]:
         out["packed_linear"] = "off (weights in the pool, or not on the CPU)"
     mode, why = bf16_compute()
     out["bf16_compute"] = f"{mode} ({why})"
+    mode, why = fp16_compute()
+    out["fp16_compute"] = f"{mode} ({why})"
     out["row_buckets"] = "on" if row_buckets.enabled() else "off"
     out["layer_ops"] = layer_ops.isa()
     dtype = getattr(model, "dtype", None) or torch.bfloat16

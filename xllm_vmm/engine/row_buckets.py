@@ -22,7 +22,7 @@ real row, and they are dropped. Measured here, the padded rows cost 0-5 % of a p
 
 Only CPU tensors of a 16-bit float dtype are padded: float32 products are MKL's ``sgemm``
 (no per-shape JIT), and padding them could change which kernel runs and so their rounding;
-nor are bfloat16 ones where they run in float32 (:func:`~xllm_vmm.engine.cpu_caps.bf16_compute`).
+nor are 16-bit ones where they run in float32 (:func:`~xllm_vmm.engine.cpu_caps.half_as_fp32`).
 ``XLLM_VMM_ROW_BUCKETS=0`` (or ``false``/``off``/``no``) switches padding off (for A/B runs).
 """
 
@@ -78,11 +78,9 @@ def _padded_dtype(dtype: Any, device: Any) -> bool:
         _PADDED_DTYPES = (torch.bfloat16, torch.float16)
     if not (_ON and dtype in _PADDED_DTYPES and (device is None or str(device) == "cpu")):
         return False
-    if dtype is _PADDED_DTYPES[0]:  # bfloat16: not where its products run in float32
-        from xllm_vmm.engine.cpu_caps import bf16_as_fp32
+    from xllm_vmm.engine.cpu_caps import half_as_fp32
 
-        return not bf16_as_fp32()
-    return True
+    return not half_as_fp32(dtype)  # not where the dtype's products run in float32
 
 
 def empty_rows(n: int, tail: tuple[int, ...], dtype: Any, device: Any = None) -> Tensor:

@@ -104,10 +104,10 @@ def _products(model: Any) -> list[tuple[tuple, Any]]:
     return list(found.items())
 
 
-def _bf16_as_fp32() -> bool:
-    from xllm_vmm.engine.cpu_caps import bf16_as_fp32
+def _half_as_fp32(dtype: Any) -> bool:
+    from xllm_vmm.engine.cpu_caps import half_as_fp32
 
-    return bf16_as_fp32()
+    return half_as_fp32(dtype)
 
 
 def warm_products(model: Any, max_rows: int, budget_s: float) -> WarmupReport:
@@ -126,8 +126,9 @@ def warm_products(model: Any, max_rows: int, budget_s: float) -> WarmupReport:
         reason = f"row buckets off ({rb.ENV}=0)"
     elif dtype not in (torch.bfloat16, torch.float16):
         reason = f"{str(dtype).replace('torch.', '')}: no per-shape compilation"
-    elif dtype is torch.bfloat16 and _bf16_as_fp32():
-        reason = "bfloat16 products run in float32 here: no per-shape compilation"
+    elif _half_as_fp32(dtype):
+        reason = (f"{str(dtype).replace('torch.', '')} products run in float32 here: "
+                  "no per-shape compilation")
     elif tp is not None and tp.world_size > 1:
         reason = "tensor parallel: exact row counts"
     else:

@@ -4,17 +4,18 @@ A weight is ``(out_features, in_features)`` as Hugging Face stores it. Nothing i
 shard (world size > 1) is a ``narrow`` view of the full tensor, which may view the
 VMM arena.
 
-Every dense product goes through :func:`dense`: ``F.linear``, except a CPU bfloat16 product where
-this CPU has no oneDNN bfloat16 kernels (:func:`~xllm_vmm.engine.cpu_caps.bf16_compute`):
-that one runs in float32 over upcast copies made per call and is rounded back to bfloat16, so
-the weights stay bfloat16 (in the pool or plain) and the product runs at float32's speed.
+Every dense product goes through :func:`dense`: ``F.linear``, except a CPU 16-bit product where
+this CPU has no oneDNN kernels for that dtype (:func:`~xllm_vmm.engine.cpu_caps.bf16_compute`,
+:func:`~xllm_vmm.engine.cpu_caps.fp16_compute`): that one runs in float32 over upcast copies
+made per call and is rounded back to the 16-bit dtype, so the weights stay 16-bit (in the pool
+or plain) and the product runs at float32's speed.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from xllm_vmm.engine.cpu_caps import bf16_as_fp32
+from xllm_vmm.engine.cpu_caps import half_as_fp32
 from xllm_vmm.engine.layers.parallel import SINGLE, TensorParallel
 from xllm_vmm.engine.row_buckets import on_padded_rows
 
@@ -24,13 +25,12 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def dense(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x @ weight^T + bias``: ``F.linear``, or in float32 over per-call upcasts for a CPU
-    bfloat16 product where bfloat16 products run in float32 (module doc)."""
-    import torch
+    16-bit product where that dtype's products run in float32 (module doc)."""
     import torch.nn.functional as F
 
-    if x.dtype is torch.bfloat16 and x.device.type == "cpu" and bf16_as_fp32():
+    if x.device.type == "cpu" and half_as_fp32(x.dtype):
         return F.linear(x.float(), weight.float(),
-                        None if bias is None else bias.float()).to(torch.bfloat16)
+                        None if bias is None else bias.float()).to(x.dtype)
     return F.linear(x, weight, bias)
 
 
