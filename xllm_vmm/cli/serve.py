@@ -27,6 +27,9 @@ import threading
 import time
 from typing import Any, Optional, TextIO
 
+LOCAL_HOST = "127.0.0.1"
+"""``--host``'s default here (the engine's own default is every interface)."""
+
 USAGE = "xllm-vmm serve [--model DIR|FILE.gguf|demo] [--FLAG=VALUE]... [--config FILE.toml]... [OPTIONS]"
 
 OPTIONS = [
@@ -296,7 +299,7 @@ def run(argv: list[str], out: Optional[TextIO] = None, err: Optional[TextIO] = N
     if not 0 <= port <= 65535:
         err.write(f"error: --port {port} is not a TCP port (0..65535; 0 picks a free one)\n")
         return 2
-    host = str(cfg["host"] or "") or "127.0.0.1"
+    host = str(cfg["host"] or "") or LOCAL_HOST
     api_key = opts["api_key"] or environ.get("XLLM_VMM_API_KEY") or None
     from xllm_vmm.server.launch import loop_factory
 
