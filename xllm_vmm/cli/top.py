@@ -147,17 +147,34 @@ def rows(view: dict, per_s: dict) -> list[tuple[str, ...]]:
     return out
 
 
-def table(view: dict, per_s: dict, url: str, note: str = "") -> Any:
+def table(view: dict, per_s: dict, url: str, note: str = "", console: Any = None) -> Any:
+    """The reading as a table: one row per model and device, or, when that is wider than
+    ``console``, one column per model and device (a narrow terminal)."""
     from rich.table import Table
 
-    t = Table(title=f"xllm-vmm top  {url}", caption=note or "q or Ctrl-C: quit   * default model",
-              expand=False)
+    title = f"xllm-vmm top  {url}"
+    caption = note or "q or Ctrl-C: quit   * default model"
+    data = rows(view, per_s)
+    t = Table(title=title, caption=caption)
     for c in COLUMNS:
         t.add_column(c, justify="left" if c in ("model", "device", "state") else "right",
                      no_wrap=True)
-    for row in rows(view, per_s):
+    for row in data:
         t.add_row(*row)
-    return t
+    if console is None:
+        return t
+    from rich.measure import Measurement
+
+    wide = console.options.update_width(1 << 16)  # the table's own width, not the terminal's
+    if Measurement.get(console, wide, t).maximum <= console.width:
+        return t
+    narrow = Table(title=title, caption=caption)
+    narrow.add_column("", no_wrap=True)
+    for row in data:
+        narrow.add_column(f"{row[0]} {row[1]}", justify="right", no_wrap=True)
+    for i, c in enumerate(COLUMNS[2:], start=2):
+        narrow.add_row(c, *(row[i] for row in data))
+    return narrow
 
 
 # ---------------------------------------------------------------------------------- live view
@@ -212,11 +229,12 @@ def live(client: Any, url: str, first: dict) -> None:
     from rich.live import Live
 
     prev, view, note = None, first, ""
-    with _Keys() as keys, Live(table(view, {}, url), console=Console(), screen=True,
-                               auto_refresh=False) as lv:
+    console = Console()
+    with _Keys() as keys, Live(table(view, {}, url, console=console), console=console,
+                               screen=True, auto_refresh=False) as lv:
         try:
             while True:
-                lv.update(table(view, rates(prev, view), url, note), refresh=True)
+                lv.update(table(view, rates(prev, view), url, note, console), refresh=True)
                 t_next = time.monotonic() + REFRESH_S
                 while (left := t_next - time.monotonic()) > 0:
                     if "q" in keys.wait(left).lower():
@@ -268,7 +286,7 @@ def top(
             else:
                 from rich.console import Console
 
-                Console(width=max(200, Console().width)).print(
-                    table(view, {}, base, note="* default model"))
+                console = Console()
+                console.print(table(view, {}, base, "* default model", console))
             return
         live(client, base, view)
