@@ -18,12 +18,19 @@ from __future__ import annotations
 
 import os
 import sys
+from enum import Enum
 from typing import Any, Optional
 
 import typer
 
 from xllm_vmm.cli.app import app
-from xllm_vmm.cli.bench import OutputFormat
+
+
+class OutputFormat(str, Enum):
+    """``--format`` of ``--once``."""
+
+    table = "table"
+    json = "json"
 
 ROUTE = "/vmm/memory"
 """The admin route ``top`` reads (:mod:`xllm_vmm.server.memory_view`)."""
