@@ -52,6 +52,11 @@ OPTIONS = [
                       "engine with its own KV cache)."),
     ("--max-request-bytes SIZE", "Largest request body, e.g. 4MiB (default 32MiB, vLLM's Rust "
                                  "frontend's limit; 0: none); larger ones get 413 at once."),
+    ("--max-cached-kv SIZE", "Most cached (prefix) KV bytes each model keeps, e.g. 256MiB; "
+                             "older cached blocks are released once a second (default: no "
+                             "bound)."),
+    ("--cached-kv-ttl S", "Seconds a model may idle before every cached KV block is released "
+                          "(default: never). POST /kvcache/trim (admin) trims now."),
     ("--max-model-len N", "Context length in tokens (default: the model's, lowered to what the "
                           "KV cache can hold)."),
     ("--device-memory SIZE", "Memory of the (emulated, on the host driver) device, e.g. 4GiB."),
@@ -67,7 +72,9 @@ _VALUE_OPTS = {"--config": "config", "--api-key": "api_key", "--api_key": "api_k
                "--device-memory": "device_memory", "--device_memory": "device_memory",
                "--max-request-bytes": "max_request_bytes",
                "--max-forks": "max_forks", "--max_forks": "max_forks",
-               "--max_request_bytes": "max_request_bytes", "--dtype": "dtype"}
+               "--max_request_bytes": "max_request_bytes", "--dtype": "dtype",
+               "--max-cached-kv": "max_cached_kv", "--max_cached_kv": "max_cached_kv",
+               "--cached-kv-ttl": "cached_kv_ttl", "--cached_kv_ttl": "cached_kv_ttl"}
 _BOOL_OPTS = {"--enable-admin": "enable_admin", "--enable_admin": "enable_admin",
               "--no-env": "no_env", "--no_env": "no_env", "-h": "help", "--help": "help"}
 
@@ -98,7 +105,8 @@ def parse_argv(argv: list[str]) -> dict:
     opts: dict[str, Any] = {"config": [], "flags": [], "api_key": None, "enable_admin": False,
                             "max_waiting": None, "drain_timeout": "30", "max_model_len": None,
                             "device_memory": None, "dtype": None, "no_env": False,
-                            "help": False, "max_request_bytes": None, "max_forks": None}
+                            "help": False, "max_request_bytes": None, "max_forks": None,
+                            "max_cached_kv": None, "cached_kv_ttl": None}
     try:  # the one argv splitter (xllm_vmm.config.inputs.split_argv)
         split = split_argv(argv, value_options=_VALUE_OPTS, switches=_BOOL_OPTS)
     except ValueError as err:
@@ -136,6 +144,25 @@ def parse_argv(argv: list[str]) -> dict:
         except ValueError:
             raise UsageError(f"--max-request-bytes must be a size such as 4MiB (0: no limit), "
                              f"not {text!r}") from None
+    if opts["max_cached_kv"] is not None:
+        from xllm_vmm.config.values import parse_size
+
+        text = str(opts["max_cached_kv"]).strip()
+        try:
+            opts["max_cached_kv"] = parse_size(text)
+        except ValueError:
+            raise UsageError(f"--max-cached-kv must be a size such as 256MiB (0: keep no "
+                             f"cached KV), not {text!r}") from None
+    if opts["cached_kv_ttl"] is not None:
+        text = str(opts["cached_kv_ttl"]).strip()
+        try:
+            ttl = float(text)
+        except ValueError:
+            ttl = -1.0
+        if not 0 < ttl < float("inf"):
+            raise UsageError(f"--cached-kv-ttl must be a positive number of seconds, not "
+                             f"{text!r}")
+        opts["cached_kv_ttl"] = ttl
     if opts["device_memory"] is not None:
         from xllm_vmm.config.values import parse_size
 
@@ -455,7 +482,9 @@ def _load_and_serve(cfg, opts, spec, result, r, environ, host, port, api_key, so
                               drain_timeout=opts["drain_timeout"],
                               **({} if limit is None else {"max_request_bytes": limit or None}),
                               **({} if opts["max_forks"] is None
-                                 else {"max_forks": opts["max_forks"]}))
+                                 else {"max_forks": opts["max_forks"]}),
+                              max_cached_kv_bytes=opts["max_cached_kv"],
+                              cached_kv_ttl=opts["cached_kv_ttl"])
     app = build_app(front, settings)
     t0 = time.monotonic()
     stop = asyncio.Event()

@@ -19,6 +19,9 @@ The answer (bytes unless named otherwise; a figure the engine does not have is `
      "models": [{
         "name", "default": bool, "state": "awake"|"draining"|"sleeping",
         "sleep_level": 1|2|null,
+        "reclaim": {"max_cached_bytes", "ttl_seconds", "idle_seconds", "bound_blocks",
+                    "bound_released_bytes", "ttl_blocks", "ttl_released_bytes",
+                    "trim_blocks", "trim_released_bytes"}  (``kv_reclaim``),
         "requests": {"running", "waiting", "in_flight"},
         "prefix_cache": {"enabled", "query_tokens", "hit_tokens", "hit_rate",
                          "cached_blocks", "cached_bytes", "evictable_blocks",
@@ -230,9 +233,10 @@ def _requests(front: Any, stats: dict) -> dict:
             "in_flight": int(front.num_in_flight)}
 
 
-async def model_view(name: str, front: Any, default: bool) -> dict:
+async def model_view(name: str, front: Any, default: bool, reclaim: Any = None) -> dict:
     entry: dict[str, Any] = {"name": name, "default": default, "state": _state(front),
-                             "sleep_level": getattr(front, "_sleep_level", None)}
+                             "sleep_level": getattr(front, "_sleep_level", None),
+                             "reclaim": reclaim.view(name) if reclaim is not None else None}
     try:
         got = await asyncio.wait_for(front.call(read_engine), READ_TIMEOUT_S)
     except (Exception, asyncio.TimeoutError) as exc:  # a stuck or failing engine
@@ -244,14 +248,14 @@ async def model_view(name: str, front: Any, default: bool) -> dict:
     return entry
 
 
-async def memory_view(server: Any, model: Optional[str] = None) -> dict:
+async def memory_view(server: Any, model: Optional[str] = None, reclaim: Any = None) -> dict:
     """The whole answer of ``GET /vmm/memory`` (module docstring); ``model``: that model only
     (an unknown name is the usual 400)."""
     fronts = list(server.fronts.items())
     if model:
         server.front_for(model)
         fronts = [(n, f) for n, f in fronts if n == model]
-    models = [await model_view(name, f, name == server.default) for name, f in fronts]
+    models = [await model_view(name, f, name == server.default, reclaim) for name, f in fronts]
     return {"version": VERSION, "time": time.time(), "default_model": server.default,
             "models": models}
 
@@ -262,4 +266,5 @@ def register(app: FastAPI, server: Any) -> None:
     @app.get("/vmm/memory")
     async def vmm_memory(request: Request):
         server.check_key(request)
-        return await memory_view(server, request.query_params.get("model"))
+        return await memory_view(server, request.query_params.get("model"),
+                                 getattr(app.state, "kv_reclaim", None))
