@@ -149,14 +149,16 @@ class _Tmux:
     def screen(self) -> str:
         return self.run("capture-pane", "-p", "-t", "t").stdout
 
-    def wait_for(self, text: str, timeout: float = 60.0) -> str:
+    def wait_for(self, *texts: str, timeout: float = 60.0) -> str:
+        """The first capture that shows every one of ``texts`` (a capture may catch a frame
+        half drawn: the next one is whole)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             s = self.screen()
-            if text in s:
+            if all(t in s for t in texts):
                 return s
             time.sleep(0.2)
-        raise AssertionError(f"{text!r} never showed; the screen:\n{self.screen()}")
+        raise AssertionError(f"{texts!r} never showed together; the screen:\n{self.screen()}")
 
     def close(self):
         self.run("kill-server")
@@ -175,13 +177,18 @@ def test_live_view_in_a_real_terminal(served, key, width):
            "echo EXIT=$?; stty -a | grep -o -- '-\\?icanon' | sed 's/^/MODE=/'; sleep 60")
     t = _Tmux(cmd, width)
     try:
-        screen = t.wait_for("mapped / reserved")
-        assert "xllm-vmm-demo *" in screen and "cpu:0" in screen and "q or Ctrl-C" in screen
+        screen = t.wait_for("xllm-vmm top", "mapped / reserved", "xllm-vmm-demo *", "cpu:0",
+                            "q or Ctrl-C")
         assert "…" not in screen  # nothing cut: a narrow terminal gets one column per model
         assert max(len(line.rstrip()) for line in screen.splitlines()) <= width
         t.run("send-keys", "-t", "t", key)
-        after = t.wait_for("MODE=")
+        after = t.wait_for("EXIT=", "MODE=")
     finally:
         t.close()
     assert "EXIT=0" in after and "MODE=icanon" in after, after
     assert "Traceback" not in after
+
+
+def test_live_view_needs_a_terminal():
+    p = _top("--url", "http://127.0.0.1:1")  # stdout is a pipe here
+    assert p.returncode == 2 and "--once" in p.stderr and p.stderr.count("\n") == 1

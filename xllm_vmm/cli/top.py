@@ -281,6 +281,10 @@ def top(
     if fmt is OutputFormat.json and not once:
         typer.echo("error: --format json needs --once (the live view is a table)", err=True)
         raise typer.Exit(2)
+    if not once and not sys.stdout.isatty():
+        typer.echo("error: the live view needs a terminal; pass --once (and --format json) "
+                   "for scripts", err=True)
+        raise typer.Exit(2)
     with httpx.Client(headers=headers, timeout=10.0) as client:
         try:
             view = fetch(client, base)

@@ -24,6 +24,7 @@ way gave back is in ``/vmm/memory`` (``reclaim``).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
@@ -31,6 +32,8 @@ from typing import Any, Optional
 from fastapi import Request
 
 from xllm_vmm.server.errors import APIError
+
+_log = logging.getLogger(__name__)
 
 TICK_S = 1.0
 """Seconds between two checks of the bound and the idle TTL."""
@@ -136,8 +139,8 @@ class Reclaimer:
                     await self.tick(name, front)
                 except asyncio.CancelledError:
                     raise
-                except Exception:  # a failing engine answers its own requests; retry later
-                    pass
+                except Exception as exc:  # a failing engine answers its own requests
+                    _log.debug("cached KV reclaim of %s: %s", name, exc)
 
     async def tick(self, name: str, front: Any, now: Optional[float] = None) -> None:
         """One check of model ``name``: the idle TTL first (everything goes), else the bound."""

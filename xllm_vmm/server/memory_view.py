@@ -255,7 +255,8 @@ async def memory_view(server: Any, model: Optional[str] = None, reclaim: Any = N
     if model:
         server.front_for(model)
         fronts = [(n, f) for n, f in fronts if n == model]
-    models = [await model_view(name, f, name == server.default, reclaim) for name, f in fronts]
+    models = list(await asyncio.gather(*(model_view(name, f, name == server.default, reclaim)
+                                         for name, f in fronts)))
     return {"version": VERSION, "time": time.time(), "default_model": server.default,
             "models": models}
 
