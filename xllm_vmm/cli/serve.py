@@ -135,24 +135,10 @@ def parse_argv(argv: list[str]) -> dict:
                                                            "float16"):
         raise UsageError(f"--dtype must be auto, float32, bfloat16 or float16, not "
                          f"{opts['dtype']!r}")
-    if opts["max_request_bytes"] is not None:
-        from xllm_vmm.config.values import parse_size
-
-        text = str(opts["max_request_bytes"]).strip()
-        try:
-            opts["max_request_bytes"] = 0 if text == "0" else parse_size(text)
-        except ValueError:
-            raise UsageError(f"--max-request-bytes must be a size such as 4MiB (0: no limit), "
-                             f"not {text!r}") from None
-    if opts["max_cached_kv"] is not None:
-        from xllm_vmm.config.values import parse_size
-
-        text = str(opts["max_cached_kv"]).strip()
-        try:
-            opts["max_cached_kv"] = parse_size(text)
-        except ValueError:
-            raise UsageError(f"--max-cached-kv must be a size such as 256MiB (0: keep no "
-                             f"cached KV), not {text!r}") from None
+    opts["max_request_bytes"] = _size_opt("--max-request-bytes", opts["max_request_bytes"],
+                                          "4MiB (0: no limit)")
+    opts["max_cached_kv"] = _size_opt("--max-cached-kv", opts["max_cached_kv"],
+                                      "256MiB (0: keep no cached KV)")
     if opts["cached_kv_ttl"] is not None:
         text = str(opts["cached_kv_ttl"]).strip()
         try:
@@ -163,15 +149,21 @@ def parse_argv(argv: list[str]) -> dict:
             raise UsageError(f"--cached-kv-ttl must be a positive number of seconds, not "
                              f"{text!r}")
         opts["cached_kv_ttl"] = ttl
-    if opts["device_memory"] is not None:
-        from xllm_vmm.config.values import parse_size
-
-        try:
-            opts["device_memory"] = parse_size(opts["device_memory"])
-        except ValueError:
-            raise UsageError(f"--device-memory must be a size such as 4GiB, not "
-                             f"{opts['device_memory']!r}") from None
+    opts["device_memory"] = _size_opt("--device-memory", opts["device_memory"], "4GiB")
     return opts
+
+
+def _size_opt(name: str, value: Optional[str], example: str) -> Optional[int]:
+    """A byte size option (``512MiB``, a byte count); None when not given."""
+    if value is None:
+        return None
+    from xllm_vmm.config.values import parse_size
+
+    text = str(value).strip()
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise UsageError(f"{name} must be a size such as {example}, not {text!r}") from None
 
 
 def _int_opt(name: str, value: Optional[str], low: int) -> Optional[int]:
