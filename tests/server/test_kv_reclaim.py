@@ -19,12 +19,12 @@ PROMPTS = [f"prompt number {i} says: " + "the quick brown fox jumps over the laz
            for i in range(3)]
 
 
-def _server(**settings):
+def _server(engine_flags=None, **settings):
     from xllm_vmm.engine import LLMEngine
 
     eng = LLMEngine.from_flags(None, block_size=16, device_memory="128MiB",
                                enable_vmm_kvcache=True, vmm_elastic=True,
-                               enable_vmm_weights=True)
+                               enable_vmm_weights=True, **(engine_flags or {}))
     front = AsyncEngine(eng)
     app = build_app(front, ServerSettings(enable_admin=True, **settings))
     return eng, front, RunningServer(app, drain_timeout=5).start()
@@ -165,6 +165,24 @@ def test_the_idle_ttl_releases_everything_once():
         tick(now + 1002)  # once per idle spell
         assert m["reclaim"]["ttl_blocks"] == _dev(srv.url)[0]["reclaim"]["ttl_blocks"]
         assert eng.num_steps == calls
+    finally:
+        srv.stop()
+
+
+def test_a_trimmed_prefix_is_restored_from_the_host_tier():
+    eng, front, srv = _server({"host_blocks_factor": 2})
+    try:
+        _load_one(srv.url, PROMPTS[0])
+        _load_one(srv.url, PROMPTS[1])  # the engine steps: the first one's copies run
+        _, d = _dev(srv.url)
+        assert d["host_tier"]["enabled"] and d["host_tier"]["used_bytes"] > 0
+        [t] = HTTP.post(f"{srv.url}/kvcache/trim").json()["models"]
+        assert t["cached_bytes_after"] == 0 and t["released_bytes"] > 0
+        _load_one(srv.url, PROMPTS[0])  # its prefix comes back from host memory
+        _, d2 = _dev(srv.url)
+        assert d2["host_tier"]["restore_bytes"] > d["host_tier"]["restore_bytes"]
+        assert d2["host_tier"]["restore_bytes"] == eng.kv_cache_manager.stats()[
+            "host_restore_bytes"]
     finally:
         srv.stop()
 
