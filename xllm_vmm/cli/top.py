@@ -254,7 +254,8 @@ def live(client: Any, url: str, first: dict) -> None:
             return
 
 
-@app.command("top")
+@app.command("top", short_help="A live terminal view of a running server's memory per model "
+                                "and device (reads the admin route /vmm/memory).")
 def top(
     url: Optional[str] = typer.Option(
         None, "--url", help="The server's address (default: the local one, at the address "
