@@ -60,3 +60,4 @@ from xllm_vmm.cli import models  # noqa: E402,F401
 from xllm_vmm.cli import plan  # noqa: E402,F401
 from xllm_vmm.cli import schema  # noqa: E402,F401
 from xllm_vmm.cli import serve  # noqa: E402,F401
+from xllm_vmm.cli import top  # noqa: E402,F401

@@ -27,6 +27,9 @@ import threading
 import time
 from typing import Any, Optional, TextIO
 
+LOCAL_HOST = "127.0.0.1"
+"""``--host``'s default here (the engine's own default is every interface)."""
+
 USAGE = "xllm-vmm serve [--model DIR|FILE.gguf|demo] [--FLAG=VALUE]... [--config FILE.toml]... [OPTIONS]"
 
 OPTIONS = [
@@ -49,6 +52,11 @@ OPTIONS = [
                       "engine with its own KV cache)."),
     ("--max-request-bytes SIZE", "Largest request body, e.g. 4MiB (default 32MiB, vLLM's Rust "
                                  "frontend's limit; 0: none); larger ones get 413 at once."),
+    ("--max-cached-kv SIZE", "Most cached (prefix) KV bytes each model keeps, e.g. 256MiB; "
+                             "older cached blocks are released once a second (default: no "
+                             "bound)."),
+    ("--cached-kv-ttl S", "Seconds a model may idle before every cached KV block is released "
+                          "(default: never). POST /kvcache/trim (admin) trims now."),
     ("--max-model-len N", "Context length in tokens (default: the model's, lowered to what the "
                           "KV cache can hold)."),
     ("--device-memory SIZE", "Memory of the (emulated, on the host driver) device, e.g. 4GiB."),
@@ -64,7 +72,9 @@ _VALUE_OPTS = {"--config": "config", "--api-key": "api_key", "--api_key": "api_k
                "--device-memory": "device_memory", "--device_memory": "device_memory",
                "--max-request-bytes": "max_request_bytes",
                "--max-forks": "max_forks", "--max_forks": "max_forks",
-               "--max_request_bytes": "max_request_bytes", "--dtype": "dtype"}
+               "--max_request_bytes": "max_request_bytes", "--dtype": "dtype",
+               "--max-cached-kv": "max_cached_kv", "--max_cached_kv": "max_cached_kv",
+               "--cached-kv-ttl": "cached_kv_ttl", "--cached_kv_ttl": "cached_kv_ttl"}
 _BOOL_OPTS = {"--enable-admin": "enable_admin", "--enable_admin": "enable_admin",
               "--no-env": "no_env", "--no_env": "no_env", "-h": "help", "--help": "help"}
 
@@ -95,7 +105,8 @@ def parse_argv(argv: list[str]) -> dict:
     opts: dict[str, Any] = {"config": [], "flags": [], "api_key": None, "enable_admin": False,
                             "max_waiting": None, "drain_timeout": "30", "max_model_len": None,
                             "device_memory": None, "dtype": None, "no_env": False,
-                            "help": False, "max_request_bytes": None, "max_forks": None}
+                            "help": False, "max_request_bytes": None, "max_forks": None,
+                            "max_cached_kv": None, "cached_kv_ttl": None}
     try:  # the one argv splitter (xllm_vmm.config.inputs.split_argv)
         split = split_argv(argv, value_options=_VALUE_OPTS, switches=_BOOL_OPTS)
     except ValueError as err:
@@ -124,24 +135,35 @@ def parse_argv(argv: list[str]) -> dict:
                                                            "float16"):
         raise UsageError(f"--dtype must be auto, float32, bfloat16 or float16, not "
                          f"{opts['dtype']!r}")
-    if opts["max_request_bytes"] is not None:
-        from xllm_vmm.config.values import parse_size
-
-        text = str(opts["max_request_bytes"]).strip()
+    opts["max_request_bytes"] = _size_opt("--max-request-bytes", opts["max_request_bytes"],
+                                          "4MiB (0: no limit)")
+    opts["max_cached_kv"] = _size_opt("--max-cached-kv", opts["max_cached_kv"],
+                                      "256MiB (0: keep no cached KV)")
+    if opts["cached_kv_ttl"] is not None:
+        text = str(opts["cached_kv_ttl"]).strip()
         try:
-            opts["max_request_bytes"] = 0 if text == "0" else parse_size(text)
+            ttl = float(text)
         except ValueError:
-            raise UsageError(f"--max-request-bytes must be a size such as 4MiB (0: no limit), "
-                             f"not {text!r}") from None
-    if opts["device_memory"] is not None:
-        from xllm_vmm.config.values import parse_size
-
-        try:
-            opts["device_memory"] = parse_size(opts["device_memory"])
-        except ValueError:
-            raise UsageError(f"--device-memory must be a size such as 4GiB, not "
-                             f"{opts['device_memory']!r}") from None
+            ttl = -1.0
+        if not 0 < ttl < float("inf"):
+            raise UsageError(f"--cached-kv-ttl must be a positive number of seconds, not "
+                             f"{text!r}")
+        opts["cached_kv_ttl"] = ttl
+    opts["device_memory"] = _size_opt("--device-memory", opts["device_memory"], "4GiB")
     return opts
+
+
+def _size_opt(name: str, value: Optional[str], example: str) -> Optional[int]:
+    """A byte size option (``512MiB``, a byte count); None when not given."""
+    if value is None:
+        return None
+    from xllm_vmm.config.values import parse_size
+
+    text = str(value).strip()
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise UsageError(f"{name} must be a size such as {example}, not {text!r}") from None
 
 
 def _int_opt(name: str, value: Optional[str], low: int) -> Optional[int]:
@@ -296,7 +318,7 @@ def run(argv: list[str], out: Optional[TextIO] = None, err: Optional[TextIO] = N
     if not 0 <= port <= 65535:
         err.write(f"error: --port {port} is not a TCP port (0..65535; 0 picks a free one)\n")
         return 2
-    host = str(cfg["host"] or "") or "127.0.0.1"
+    host = str(cfg["host"] or "") or LOCAL_HOST
     api_key = opts["api_key"] or environ.get("XLLM_VMM_API_KEY") or None
     from xllm_vmm.server.launch import loop_factory
 
@@ -452,7 +474,9 @@ def _load_and_serve(cfg, opts, spec, result, r, environ, host, port, api_key, so
                               drain_timeout=opts["drain_timeout"],
                               **({} if limit is None else {"max_request_bytes": limit or None}),
                               **({} if opts["max_forks"] is None
-                                 else {"max_forks": opts["max_forks"]}))
+                                 else {"max_forks": opts["max_forks"]}),
+                              max_cached_kv_bytes=opts["max_cached_kv"],
+                              cached_kv_ttl=opts["cached_kv_ttl"])
     app = build_app(front, settings)
     t0 = time.monotonic()
     stop = asyncio.Event()

@@ -1,6 +1,7 @@
 """Flag listings generated from the catalogue: ``xllm-vmm flags --format markdown|json`` and
 ``docs/cli-reference.md`` (regenerate with ``python -m xllm_vmm.config.docs``; a test fails when
-the committed file differs)."""
+the committed file differs), which ends with the options of the commands in :data:`COMMANDS`,
+read from their Typer definitions."""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def reference_markdown() -> str:
     n = sum(len(v) for v in flags_by_group().values())
     head = f"""# CLI reference: every flag
 
-<!-- Generated from xllm_vmm/config/catalogue.py by `python -m xllm_vmm.config.docs`.
+<!-- Generated from xllm_vmm/config/catalogue.py (the commands at the end: from their Typer
+     options) by `python -m xllm_vmm.config.docs`.
      Do not edit by hand: tests/config/test_catalogue.py fails when this file is stale. -->
 
 xllm-vmm accepts the {n} flags below, on the command line in the engine's gflags syntax
@@ -75,7 +77,39 @@ effect* are type-checked but not used by the xllm-vmm engine. See `docs/configur
 sources, precedence and the rules; `xllm-vmm flags` prints the same table.
 
 """
-    return head + flags_markdown(select_flags())
+    return head + flags_markdown(select_flags()) + commands_markdown(COMMANDS)
+
+
+COMMANDS = ("top",)
+"""Commands whose options the reference lists after the flags (read from their Typer
+definitions, so the reference says what ``--help`` says)."""
+
+
+def commands_markdown(names: tuple[str, ...]) -> str:
+    """One section per command of ``names``: its help and a table of its options."""
+    import typer.main
+
+    from xllm_vmm.cli.app import app
+
+    group = typer.main.get_command(app)
+    out = [""]
+    for name in names:
+        cmd = group.commands[name]  # type: ignore[attr-defined]
+        out.append(f"## Command `xllm-vmm {name}`\n")
+        out.append(" ".join((cmd.help or "").split()) + "\n")
+        out.append("| option | default | help |")
+        out.append("|---|---|---|")
+        for p in cmd.params:
+            if not getattr(p, "opts", None) or p.name == "help":
+                continue
+            flags = ", ".join(f"`{o}`" for o in (*p.opts, *p.secondary_opts))
+            default = p.default
+            if hasattr(default, "value"):
+                default = default.value
+            shown = "" if default in (None, False) else f"`{default}`"
+            out.append(f"| {flags} | {shown} | {_cell(' '.join((p.help or '').split()))} |")
+        out.append("")
+    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:

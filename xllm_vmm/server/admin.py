@@ -12,6 +12,8 @@ frameworks and autoscalers written for either work unchanged:
 | ``POST /reset_prefix_cache`` | drop every cached block: ``{"blocks_dropped": n}`` |
 | ``POST /fork``, ``POST /fork_master`` (JSON ``name``) | a second engine over the same weight pages, served under its own model name (several workers: forked on every worker, ``workers`` gives the bytes it added on each). At most ``--max-forks`` (default 4) forks per server, past it 409; ``name``: 1..64 letters, digits, ``._:/-`` |
 | ``GET /vmm/status`` | pool, tenants, cache groups, prefix and host-tier statistics as JSON |
+| ``POST /kvcache/trim`` (``model``, ``target``) | evict cached KV blocks (LRU) until each model (or ``model``) keeps at most ``target`` bytes (default 0: all); ``kv_reclaim`` |
+| ``GET /vmm/memory`` (``model``) | the live memory view per model and device (``memory_view``; what ``xllm-vmm top`` shows) |
 
 Sleep does not pull memory from under running work (DESIGN invariant 6): the front refuses or
 drains first, then the engine sleeps between two steps on its own thread.
@@ -182,4 +184,9 @@ def register(app: FastAPI, server) -> None:
         return {"model": f.name, "sleeping": f.sleeping, "in_flight": f.num_in_flight,
                 "engine_steps": f.steps, "stats": _jsonable(stats),
                 "models": list(server.fronts)}
+
+    from xllm_vmm.server import kv_reclaim, memory_view
+
+    memory_view.register(app, server)
+    kv_reclaim.register_route(app, server)
 

@@ -170,6 +170,10 @@ class ServerSettings:
     #: most forks (``POST /fork``) one server makes: each is a second engine with its own KV
     #: cache and virtual memory, so an unbounded count is unbounded memory
     max_forks: int = DEFAULT_MAX_FORKS
+    #: each model's cached (prefix) KV bytes are kept at most this (None: no bound), and a
+    #: model idle this many seconds gives up all of them (None: never); ``kv_reclaim``
+    max_cached_kv_bytes: Optional[int] = None
+    cached_kv_ttl: Optional[float] = None
 
 
 class Server:
@@ -277,9 +281,10 @@ def build_app(front: AsyncEngine, settings: Optional[ServerSettings] = None,
                                              f._num_waiting + f._pending_adds})
         return Response(server.metrics.render(snaps), media_type=CONTENT_TYPE)
 
-    from xllm_vmm.server import admin, openai_routes
+    from xllm_vmm.server import admin, kv_reclaim, openai_routes
 
     openai_routes.register(app, server)
+    kv_reclaim.install(app, server)
     if settings.enable_admin:
         admin.register(app, server)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
