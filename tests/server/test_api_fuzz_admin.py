@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, Phase, settings  # noqa: E402
+from tests.server.fuzzing import assert_openai_error, fuzz_settings, past_budget  # noqa: E402
 
 EXAMPLES = 12
 """Generated cases per operation."""
@@ -58,23 +58,16 @@ def test_the_schema_describes_the_admin_routes(admin_demo):
 
 @schema.include(path_regex="^/(sleep|wakeup|wake_up|is_sleeping|reset_prefix_cache|fork|"
                            "fork_master|vmm/status)$").parametrize()
-@settings(max_examples=EXAMPLES, deadline=None, phases=[Phase.explicit, Phase.generate],
-          suppress_health_check=list(HealthCheck), derandomize=True, database=None)
+@fuzz_settings(EXAMPLES)
 def test_admin_routes_no_5xx_and_openai_shaped_errors(case, admin_demo):
-    if not _t0:
-        _t0.append(time.monotonic())
-    if time.monotonic() - _t0[0] > BUDGET_S:
+    if past_budget(_t0, BUDGET_S):
         return
     url = admin_demo["srv"].url
     resp = case.call(base_url=url, timeout=60)
     assert resp.status_code < 500 or resp.status_code == 503, \
         f"{case.method} {case.path}: {resp.status_code} {resp.text[:500]}"
     if resp.status_code >= 400:
-        body = resp.json()
-        err = body.get("error") if isinstance(body, dict) else None
-        assert isinstance(err, dict) and isinstance(err.get("message"), str) and err["message"], \
-            f"{case.method} {case.path}: not an OpenAI error body: {resp.text[:500]}"
-        assert isinstance(err.get("type"), str) and "code" in err
+        err = assert_openai_error(resp, f"{case.method} {case.path}")
         if resp.status_code == 503:
             assert "sleep" in err["message"], err
     # a completion between two admin calls: served, or refused as documented while asleep

@@ -19,6 +19,8 @@ import time
 import httpx
 import pytest
 
+from tests.server.test_serve_cli import _start
+from xllm_vmm.bench.serve import parse_metric
 from xllm_vmm.server import AsyncEngine, RunningServer, ServerSettings, build_app
 
 MAX_LEN = 8192
@@ -33,19 +35,18 @@ def demo():
     eng = LLMEngine.from_flags(None, block_size=16, device_memory="64MiB", max_model_len=MAX_LEN,
                                enable_vmm_kvcache=True, vmm_elastic=True)
     front = AsyncEngine(eng, max_waiting=8)
-    srv = RunningServer(build_app(front, ServerSettings(enable_admin=True)), drain_timeout=5).start()
+    srv = RunningServer(build_app(front, ServerSettings(enable_admin=True)),
+                        drain_timeout=5).start()
     yield eng, front, srv
     srv.stop()
 
 
 def _metrics(url: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name.split("{", 1)[0] + ("{" + name.split("{", 1)[1] if "{" in name and
-                                         "finished_reason" in name else "")] = float(value)
-    return out
+    """The unlabelled-by-reason series the checks read (summed over their labels)."""
+    text = httpx.get(f"{url}/metrics").text
+    names = ("xllm_vmm_mapped_bytes", "xllm_vmm_kv_mapped_bytes", "xllm_vmm_kv_live_blocks",
+             "vllm:num_requests_running", "vllm:num_requests_waiting")
+    return {n: parse_metric(text, n) for n in names}
 
 
 def assert_pool_idle(eng, front, url: str) -> None:
@@ -79,8 +80,8 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 
 def _aborted(url: str) -> float:
-    return _metrics(url).get('vllm:request_success_total{finished_reason="abort",'
-                             'model_name="xllm-vmm-demo"}', 0.0)
+    return parse_metric(httpx.get(f"{url}/metrics").text, "vllm:request_success_total",
+                        {"finished_reason": "abort"}) or 0.0
 
 
 def _dead_client(url: str, body: dict) -> None:
@@ -180,23 +181,6 @@ def _leftovers() -> set[str]:
     return out
 
 
-def _start_serve(args):
-    proc = subprocess.Popen([sys.executable, "-m", "xllm_vmm.cli", "serve", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    lines = []
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if "ready at " in line:
-            return proc, line.split("ready at ", 1)[1].split()[0]
-    proc.kill()
-    raise AssertionError("no ready line:\n" + "".join(lines) + proc.stderr.read())
-
-
 def _maps_of(pid: int) -> int:
     with open(f"/proc/{pid}/maps") as fh:
         return sum("xllm-vmm-host" in line for line in fh)
@@ -205,7 +189,7 @@ def _maps_of(pid: int) -> int:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_under_load_is_one_line_exit_0_and_no_residue(sig):
     before = _leftovers()
-    proc, url = _start_serve(["--model", "demo", "--port", "0", "--device-memory=128MiB",
+    proc, _, url = _start(["--model", "demo", "--port", "0", "--device-memory=128MiB",
                               "--max-model-len=4096", "--drain-timeout=1",
                               "--enable_vmm_kvcache=true", "--vmm_elastic=true"])
     ends: list = []
@@ -225,8 +209,7 @@ def test_a_signal_under_load_is_one_line_exit_0_and_no_residue(sig):
         for t in threads:
             t.start()
         deadline = time.monotonic() + 60
-        while "vllm:num_requests_running" not in httpx.get(f"{url}/metrics").text or \
-                _metric(url, "vllm:num_requests_running") < 1:
+        while _metric(url, "vllm:num_requests_running") < 1:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert _maps_of(proc.pid) > 0  # the pool is mapped while it serves
@@ -251,8 +234,7 @@ def test_a_signal_under_load_is_one_line_exit_0_and_no_residue(sig):
 
 
 def _metric(url: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{url}/metrics").text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
+    return parse_metric(httpx.get(f"{url}/metrics").text, name) or 0.0
 
 
 # -- a full disk ---------------------------------------------------------------------------
@@ -275,8 +257,8 @@ def test_a_full_model_cache_is_one_line_naming_the_path(tmp_path):
     if prefix is None:
         pytest.skip("no private mount namespace here (unshare -rm)")
     full = tmp_path / "full"
-    proc = subprocess.run([*prefix, sys.executable, "-m", "xllm_vmm.cli", "serve", "--model", "demo",
-                           "--port", "0", "--device-memory=128MiB"], capture_output=True,
+    proc = subprocess.run([*prefix, sys.executable, "-m", "xllm_vmm.cli", "serve", "--model",
+                           "demo", "--port", "0", "--device-memory=128MiB"], capture_output=True,
                           text=True, timeout=120, env=dict(os.environ, XDG_CACHE_HOME=str(full)))
     assert proc.returncode == 1, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]

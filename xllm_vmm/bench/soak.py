@@ -9,9 +9,10 @@ The load (``concurrency`` asyncio workers on httpx, one request at a time each, 
 - clients that leave mid-stream (the connection closed after one to three events);
 - and, on its own task, sleep/wake cycles through the admin routes (``/sleep?drain=true``,
   light and deep in turn, then ``/wake_up``): requests that arrive meanwhile get the
-  documented 503.
+  documented 503; a drain that outlasts its 30 s (requests still running: the documented
+  409, the engine stays awake) counts apart (``sleep_drain_timeouts``), not a failure.
 
-Figures: counts by status and by kind; every 5xx that is not the documented 503 (sleeping,
+Figures: counts by status and by kind, the slowest answer of each kind; every 5xx that is not the documented 503 (sleeping,
 draining to sleep) with its body; answers of the wrong class (a good request refused, a bad one
 served); the pool at the end (no live block, mapped KV at the prefix cache's packed floor and
 0 once it is dropped, ``/metrics`` agreeing with ``/vmm/status``); the server's RSS at the end
@@ -73,11 +74,16 @@ class _Tally:
     documented_503: int = 0
     disconnects: int = 0
     sleep_cycles: int = 0
+    drain_timeouts: int = 0
     admin_failures: list = field(default_factory=list)
+    slowest: dict = field(default_factory=dict)
+    """kind -> seconds of its slowest answer."""
 
-    def answer(self, kind: str, good: bool, status: int, body: str) -> None:
+    def answer(self, kind: str, good: bool, status: int, body: str,
+               seconds: float = 0.0) -> None:
         self.by_status[status] += 1
         self.by_kind[kind] += 1
+        self.slowest[kind] = max(self.slowest.get(kind, 0.0), round(seconds, 2))
         if status >= 500:
             if status == 503 and any(w in body for w in DOCUMENTED_503):
                 self.documented_503 += 1
@@ -107,13 +113,18 @@ def _bad_bodies(max_len: int) -> list[tuple[str, Any]]:
 
 
 async def _request(c: httpx.AsyncClient, t: _Tally, rng: random.Random, max_len: int) -> None:
+    t0 = time.monotonic()
+
+    def answer(kind: str, good: bool, status: int, body: str) -> None:
+        t.answer(kind, good, status, body, time.monotonic() - t0)
+
     roll = rng.random()
     if roll < 0.25:  # bad
         kind, body = rng.choice(_bad_bodies(max_len))
         kw = {"content": body, "headers": {"content-type": "application/json"}} \
             if isinstance(body, str) else {"json": body}
         r = await c.post("/v1/completions", **kw)
-        t.answer(kind, False, r.status_code, r.text)
+        answer(kind, False, r.status_code, r.text)
         return
     prompt = _prompt(rng, rng.randint(4, 200))
     max_tokens = rng.randint(1, 48)
@@ -122,7 +133,7 @@ async def _request(c: httpx.AsyncClient, t: _Tally, rng: random.Random, max_len:
         leave_after = rng.randint(1, 3)
         async with c.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
-                t.answer("disconnect", True, r.status_code, (await r.aread()).decode())
+                answer("disconnect", True, r.status_code, (await r.aread()).decode())
                 return
             seen = 0
             async for line in r.aiter_lines():
@@ -131,7 +142,7 @@ async def _request(c: httpx.AsyncClient, t: _Tally, rng: random.Random, max_len:
                     if seen >= leave_after:
                         break
         t.disconnects += 1
-        t.answer("disconnect", True, 200, "")
+        answer("disconnect", True, 200, "")
         return
     chat = roll < 0.55
     path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -149,12 +160,12 @@ async def _request(c: httpx.AsyncClient, t: _Tally, rng: random.Random, max_len:
     kind = ("chat" if chat else "completion") + ("_stream" if stream else "")
     if not stream:
         r = await c.post(path, json=body)
-        t.answer(kind, True, r.status_code, r.text)
+        answer(kind, True, r.status_code, r.text)
         return
     body["stream"] = True
     async with c.stream("POST", path, json=body) as r:
         text = (await r.aread()).decode()
-    t.answer(kind, True, r.status_code, text if r.status_code != 200 else "")
+    answer(kind, True, r.status_code, text if r.status_code != 200 else "")
     if r.status_code == 200:
         events = [ln[6:] for ln in text.splitlines() if ln.startswith("data: ")]
         if not events or events[-1] != "[DONE]" or any('"error"' in e for e in events):
@@ -187,9 +198,13 @@ async def _sleeper(c: httpx.AsyncClient, t: _Tally, every: float, stop: asyncio.
         except asyncio.TimeoutError:
             pass
         r = await c.post("/sleep", params={"level": level, "drain": "true", "timeout": 30})
-        if r.status_code != 200:
+        if r.status_code == 409 and "drain timed out" in r.text:
+            t.drain_timeouts += 1  # the documented answer: requests ran past the timeout
+        elif r.status_code != 200:
+            st = (await c.get("/vmm/status")).json()
             t.admin_failures.append({"route": "sleep", "status": r.status_code,
-                                     "body": r.text[:300]})
+                                     "body": r.text[:300], "in_flight": st.get("in_flight"),
+                                     "running": st["stats"].get("num_requests_running")})
         await asyncio.sleep(0.5)
         w = await c.post("/wake_up")
         if w.status_code != 200:
@@ -273,6 +288,7 @@ async def _drive(url: str, pid: int, cfg: SoakConfig) -> dict:
         "wrong_class_examples": t.wrong_class[:10], "stream_errors": len(t.stream_errors),
         "stream_error_examples": t.stream_errors[:5], "disconnects": t.disconnects,
         "sleep_cycles": t.sleep_cycles, "admin_failures": t.admin_failures[:10],
+        "sleep_drain_timeouts": t.drain_timeouts, "slowest_s": dict(sorted(t.slowest.items())),
         "idle_at_warmup": idle_warm, "idle_at_end": idle_end,
         "rss_warm_bytes": rss_warm, "rss_end_bytes": rss_end,
         "rss_end_vs_warm_ratio": round(rss_end / rss_warm, 4) if rss_warm and rss_end else None,
