@@ -281,7 +281,7 @@ async def _drive(url: str, pid: int, cfg: SoakConfig) -> dict:
     requests = sum(t.by_status.values())
     return {
         "duration_s": round(elapsed, 1), "requests": requests,
-        "requests_per_s": round(requests / elapsed, 2) if elapsed else 0.0,
+        "requests_per_second": round(requests / elapsed, 2) if elapsed else 0.0,
         "by_status": dict(sorted(t.by_status.items())), "by_kind": dict(sorted(t.by_kind.items())),
         "documented_503": t.documented_503, "undocumented_5xx": len(t.errors_5xx),
         "errors_5xx": t.errors_5xx[:20], "wrong_class": len(t.wrong_class),
