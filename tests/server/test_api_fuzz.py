@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, Phase, settings  # noqa: E402
+from tests.server.fuzzing import assert_openai_error, fuzz_settings, past_budget  # noqa: E402
 
 EXAMPLES = 25
 """Generated cases per operation."""
@@ -54,12 +54,9 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 
 
 @schema.parametrize()
-@settings(max_examples=EXAMPLES, deadline=None, phases=[Phase.explicit, Phase.generate],
-          suppress_health_check=list(HealthCheck), derandomize=True, database=None)
+@fuzz_settings(EXAMPLES)
 def test_no_5xx_and_openai_shaped_errors(case, demo):
-    if not _t0:
-        _t0.append(time.monotonic())
-    if time.monotonic() - _t0[0] > BUDGET_S:
+    if past_budget(_t0, BUDGET_S):
         return
     if isinstance(case.body, dict):  # keep each generation short: the run is bounded in time
         for key in ("max_tokens", "max_completion_tokens"):
@@ -70,11 +67,7 @@ def test_no_5xx_and_openai_shaped_errors(case, demo):
     resp = case.call(base_url=demo["srv"].url, timeout=60)
     assert resp.status_code < 500, f"{case.method} {case.path}: {resp.status_code} {resp.text[:500]}"
     if resp.status_code >= 400:
-        body = resp.json()
-        err = body.get("error") if isinstance(body, dict) else None
-        assert isinstance(err, dict) and isinstance(err.get("message"), str) and err["message"], \
-            f"{case.method} {case.path}: not an OpenAI error body: {resp.text[:500]}"
-        assert isinstance(err.get("type"), str) and "code" in err
+        assert_openai_error(resp, f"{case.method} {case.path}")
 
 
 def test_after_the_fuzzing_nothing_is_held(demo):

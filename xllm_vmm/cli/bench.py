@@ -551,3 +551,4 @@ def bench_serve(
 
 from xllm_vmm.cli import bench_spec as _bench_spec  # noqa: E402,F401  (registers bench spec)
 from xllm_vmm.cli import bench_attention as _bench_attention  # noqa: E402,F401  (registers bench attention)
+from xllm_vmm.cli import bench_soak as _bench_soak  # noqa: E402,F401  (registers bench soak)

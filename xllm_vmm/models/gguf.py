@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from xllm_vmm.models.byte_level import BYTE_LEVEL, bpe_tokenizer_json, bytes_to_unicode
-from xllm_vmm.models.errors import ModelConfigError
+from xllm_vmm.models.errors import CacheWriteError, ModelConfigError
 
 ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
@@ -593,9 +593,10 @@ def converted_dir(path: str | os.PathLike[str], *, dtype: str | None = None,
     out = root / f"{f.stem}-{digest[:16]}-{dt}"
     if all((out / n).is_file() for n in CONVERTED_FILES):
         return out
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=root))
+    tmp = None
     try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=root))
         convert(f, tmp, dtype=dt, progress=progress)
         with open_gguf(f) as reader:
             default = default_dtype(reader) == dt
@@ -607,8 +608,12 @@ def converted_dir(path: str | os.PathLike[str], *, dtype: str | None = None,
             if not all((out / n).is_file() for n in CONVERTED_FILES):
                 shutil.rmtree(out, ignore_errors=True)
                 os.replace(tmp, out)
+    except OSError as exc:  # a full disk, a read-only cache: one error naming the directory
+        if exc.errno not in CacheWriteError.ERRNOS:
+            raise
+        raise CacheWriteError.of(exc, root) from None
     finally:
-        if tmp.exists():
+        if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
 

@@ -189,8 +189,11 @@ class Server:
 
     def front_for(self, model: Optional[str]) -> AsyncEngine:
         """The front serving ``model`` (None or "" = the default); unknown names are a 400."""
-        if not model:
+        if model is None or model == "":
             return self.fronts[self.default]
+        if not isinstance(model, str):  # an admin route's JSON body: any value may come
+            raise APIError(400, f"model must be a string (a served model's name), not "
+                                f"{model!r}"[:300], param="model")
         front = self.fronts.get(model)
         if front is None:
             raise APIError(400, f"model {model!r} is not served here; served: "
@@ -329,5 +332,28 @@ def _openapi(app: FastAPI) -> dict:
         for status in ("400", "413", "503"):
             op["responses"][status] = {"description": "OpenAI-shaped error", "content": {
                 "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    for path, fields in _ADMIN_FIELDS.items():  # served with --enable-admin only
+        for method, op in doc.get("paths", {}).get(path, {}).items():
+            op["parameters"] = [{"name": n, "in": "query", "required": False,
+                                 "schema": _ADMIN_TYPES[n]} for n in fields]
+            if method == "post":
+                op["requestBody"] = {"required": False, "content": {"application/json": {
+                    "schema": {"type": "object", "properties": {
+                        n: _ADMIN_TYPES[n] for n in fields}}}}}
+            op.setdefault("responses", {})
+            for status in ("400", "409", "503"):
+                op["responses"][status] = {"description": "OpenAI-shaped error", "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
     app.openapi_schema = doc
     return doc
+
+
+# What the admin routes read (query parameters, or a JSON object body: the body wins).
+_ADMIN_TYPES = {"level": {"anyOf": [{"type": "integer", "enum": [1, 2]},
+                                    {"type": "string", "enum": ["1", "2", "light", "deep"]}]},
+                "drain": {"type": "boolean"}, "timeout": {"type": "number", "exclusiveMinimum": 0},
+                "model": {"type": "string"}, "name": {"type": "string", "maxLength": 64}}
+_ADMIN_FIELDS = {"/sleep": ("level", "drain", "timeout", "model"), "/wakeup": ("model",),
+                 "/wake_up": ("model",), "/is_sleeping": ("model",),
+                 "/reset_prefix_cache": ("model",), "/fork": ("name", "model"),
+                 "/fork_master": ("name", "model"), "/vmm/status": ("model",)}

@@ -54,15 +54,60 @@ def load_weights(model_dir: str | os.PathLike, *, pool: "VmmPool | None" = None,
                  progress: Callable[[int, int], None] | None = None,
                  keep_host_copy: bool = True) -> ModelWeights:
     """Loads the checkpoint in ``model_dir`` (see the module docstring)."""
+    check = check_finite_wanted()  # a malformed setting is refused before anything is read
     checkpoint = read_checkpoint(model_dir)
     image = plan_image(checkpoint, dtype, shard)
     if pool is None:
-        return _load_plain(image, progress)
-    from xllm_vmm.weights.store import WeightStore
+        weights = _load_plain(image, progress)
+    else:
+        from xllm_vmm.weights.store import WeightStore
 
-    store = WeightStore(pool, image, keep_host_copy=keep_host_copy)
-    store.load(progress)
-    return ModelWeights(store.tensors, checkpoint, store=store)
+        store = WeightStore(pool, image, keep_host_copy=keep_host_copy)
+        store.load(progress)
+        weights = ModelWeights(store.tensors, checkpoint, store=store)
+    if check:
+        try:
+            _check_finite(weights, model_dir)
+        except BaseException:
+            weights.close()  # nothing stays allocated
+            raise
+    return weights
+
+
+CHECK_ENV = "XLLM_VMM_CHECK_WEIGHTS"
+"""``finite`` (or ``1``/``true``): every floating-point tensor is checked for NaN and inf as it
+loads, and the first that holds one stops the load naming it; ``0``/``false``/unset: not
+checked (a pass over every weight, about as long as reading them from the page cache)."""
+
+
+def check_finite_wanted(env: "dict[str, str] | None" = None) -> bool:
+    """Whether :data:`CHECK_ENV` asks for the load-time check; ``ValueError`` naming the
+    variable for another value."""
+    value = (os.environ if env is None else env).get(CHECK_ENV, "").strip().lower()
+    if value in ("", "0", "false", "off", "no"):
+        return False
+    if value in ("finite", "1", "true", "on", "yes"):
+        return True
+    raise ValueError(f"{CHECK_ENV}={value!r}: give finite (check every weight for NaN and "
+                     "inf at load) or 0")
+
+
+def _check_finite(weights: ModelWeights, model_dir) -> None:
+    import torch
+
+    from xllm_vmm.weights.errors import CheckpointError
+
+    for name, t in weights.items():
+        if not t.is_floating_point():
+            continue
+        bad = ~torch.isfinite(t)
+        if bool(bad.any()):
+            nan = int(torch.isnan(t).sum())
+            raise CheckpointError(
+                f"tensor {name!r} holds {int(bad.sum())} non-finite value(s) ({nan} NaN) of "
+                f"{t.numel()}", source=str(model_dir),
+                hint=f"the checkpoint is corrupt or was saved from a diverged run: re-download "
+                     f"or re-export it ({CHECK_ENV}=0 serves it unchecked)")
 
 
 def _load_plain(image, progress) -> ModelWeights:

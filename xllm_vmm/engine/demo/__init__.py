@@ -77,9 +77,12 @@ def demo_model_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     out = root / f"{DEMO_NAME}-v{DEMO_VERSION}"
     if all((out / f).is_file() for f in FILES):
         return out
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}-", dir=root))
+    from xllm_vmm.models.errors import CacheWriteError
+
+    tmp = None
     try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}-", dir=root))
         build_demo_model(tmp)
         try:
             os.replace(tmp, out)
@@ -89,8 +92,12 @@ def demo_model_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
 
                 shutil.rmtree(out, ignore_errors=True)
                 os.replace(tmp, out)
+    except OSError as exc:  # a full disk, a read-only cache: one error naming the directory
+        if exc.errno not in CacheWriteError.ERRNOS:
+            raise
+        raise CacheWriteError.of(exc, root) from None
     finally:
-        if tmp.exists():
+        if tmp is not None and tmp.exists():
             import shutil
 
             shutil.rmtree(tmp, ignore_errors=True)
