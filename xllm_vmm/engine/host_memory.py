@@ -1,9 +1,9 @@
-"""glibc ``malloc`` tuning for the CPU engine: keep freed activation memory in the heap.
+r"""glibc ``malloc`` tuning for the CPU engine: keep freed activation memory in the heap.
 
 Why: every step allocates its activations (q/k/v, the MLP's ``(T, intermediate)`` products,
 logits) through torch's CPU allocator, which is glibc ``malloc``. By default glibc serves
 blocks above a *dynamic* mmap threshold (128 KiB at start, raised up to 32 MiB as large blocks
-are freed) with fresh ``mmap`` calls, ``munmap``\\s them on ``free``, and ``trim``\\s the heap's
+are freed) with fresh ``mmap`` calls, ``munmap``\s them on ``free``, and ``trim``\s the heap's
 free top above ``M_TRIM_THRESHOLD`` back to the OS. The next step then page-faults the same
 memory back in, zeroed by the kernel, which measured about 1.4x slower prefill steps on the
 bench's bf16 Llama (docs/benchmarks.md, "Measurements behind defaults"). vLLM's CPU docs recommend tcmalloc for the same reason.
