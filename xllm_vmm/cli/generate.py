@@ -19,7 +19,7 @@ from typing import List, Optional
 
 import typer
 
-from xllm_vmm.cli.app import app
+from xllm_vmm.cli.root import app
 
 
 class GenerateFormat(str, Enum):

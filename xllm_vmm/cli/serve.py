@@ -519,7 +519,7 @@ def _leave(code: int) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    from xllm_vmm.cli import output_guard
+    from xllm_vmm.cli.guard import output_guard
 
     def _run() -> None:
         raise SystemExit(_leave(run(sys.argv[2:] if argv is None else argv)))
@@ -530,7 +530,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 # Registration on the Typer app (serve parses its own command line, like check-config).
 import typer  # noqa: E402
 
-from xllm_vmm.cli.app import app  # noqa: E402
+from xllm_vmm.cli.root import app  # noqa: E402
 
 
 @app.command(
