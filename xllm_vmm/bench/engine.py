@@ -433,7 +433,7 @@ class VllmRunner:
         """Stops vLLM's process tree (SIGSTOP) while the other engines run: an idle vLLM is not
         quiet (its gloo threads wake ~1,300 times a second here, each stalling one of the other
         engine's two OpenMP threads). ``run()`` and ``close()`` resume it. True if paused."""
-        from xllm_vmm.bench.serve import signal_tree
+        from xllm_vmm.bench.proctree import signal_tree
 
         if self.proc is None or self.proc.poll() is not None or self._paused:
             return self._paused
@@ -441,7 +441,7 @@ class VllmRunner:
         return self._paused
 
     def resume(self) -> None:
-        from xllm_vmm.bench.serve import signal_tree
+        from xllm_vmm.bench.proctree import signal_tree
 
         if self._paused and self.proc is not None:
             signal_tree(self.proc.pid, signal.SIGCONT)
