@@ -763,7 +763,8 @@ def run(cfg: LoadConfig, *, serve_args: list[str] | None = None, url: str | None
         out = run_load(drive(srv.url, cfg, rss_pid=srv.pid))
         out["server"] = "xllm-vmm serve " + " ".join(serve_args or [])
         code = srv.stop()
-    from xllm_vmm.engine.cpu_caps import caps, parse_paths_line
+    from xllm_vmm.engine.cpu_caps import caps
+    from xllm_vmm.engine.paths import parse_paths_line
 
     out["cpu_model"] = caps().model
     out["compute_paths"] = next((p for p in map(parse_paths_line, srv.log) if p), None)

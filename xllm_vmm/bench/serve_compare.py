@@ -88,7 +88,8 @@ from dataclasses import replace
 from xllm_vmm.bench.residency import RESIDENCIES
 from xllm_vmm.bench.proctree import host_memory_used_bytes, signal_tree, tree_cpu_seconds
 from xllm_vmm.bench.serve import LoadConfig, ServerProcess, drive, run_load
-from xllm_vmm.engine.cpu_caps import caps, parse_paths_line
+from xllm_vmm.engine.cpu_caps import caps
+from xllm_vmm.engine.paths import parse_paths_line
 
 #: the warm-up load's seed is the measured seed plus this (prompts no measured round sends)
 WARMUP_SEED_OFFSET = 1000

@@ -428,7 +428,7 @@ def _load_and_serve(cfg, opts, spec, result, r, environ, host, port, api_key, so
         out.write(f"accepted without effect in this engine ({len(ignored)}): "
                   f"{', '.join('--' + n for n in ignored)}\n")
     out.flush()
-    from xllm_vmm.engine.cpu_caps import paths_line
+    from xllm_vmm.engine.paths import paths_line
 
     out.write(paths_line(engine.compute_paths()) + "\n")  # chosen from this CPU (cpu_caps)
     out.write(engine.warm_up(warm_budget).line() + "\n")  # the row buckets' CPU products
