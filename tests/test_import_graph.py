@@ -191,7 +191,7 @@ def _shortest_cycle(graph: dict[str, set[str]], component: list[str]) -> list[st
                     path = [node]
                     while path[-1] != start:
                         path.append(parents[path[-1]])
-                    return [start, *reversed(path[:-1]), start] if len(path) > 1 else [start, node, start]
+                    return [start, *reversed(path[:-1]), start]
                 if child not in seen:
                     seen.add(child)
                     parents[child] = node
