@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from tests.engine.checkpoints import build_checkpoint, hf_greedy, llama_checkpoint, load_hf_model
 from xllm_vmm import LLM, SamplingParams
 from xllm_vmm.engine import cpu_caps
+from xllm_vmm.engine import paths as path_record
 from xllm_vmm.engine.layers import layer_ops, packed
 
 BS = 16
@@ -101,9 +102,9 @@ def test_hidden_avx512_takes_every_portable_path(hidden):
             assert npf.default_limit(dt, dt, 64) == 0  # SDPA is faster than plain loops
     if layer_ops.load() is not None:
         assert layer_ops.isa() == "portable"
-    paths = cpu_caps.compute_paths()
+    paths = path_record.compute_paths()
     assert paths["bf16_compute"].startswith("fp32") and paths["hidden"] == "amx,avx512,avx512_bf16"
-    assert cpu_caps.parse_paths_line(cpu_caps.paths_line(paths)) == paths
+    assert path_record.parse_paths_line(path_record.paths_line(paths)) == paths
 
 
 def test_hidden_avx512_bf16_keeps_avx512_for_fp32_only(hidden):
@@ -210,7 +211,7 @@ def test_generate_runs_16_bit_dtypes_as_on_an_avx2_only_cpu(llama, dtype):
                        text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     line = next(x for x in p.stderr.splitlines() if "compute paths: " in x)
-    paths = cpu_caps.parse_paths_line(line)
+    paths = path_record.parse_paths_line(line)
     assert paths["torch_capability"] == "AVX2" and paths["layer_ops"] in ("portable", "off")
     assert paths["packed_linear"].startswith("off (")
     assert paths["bf16_compute"].startswith("fp32") and paths["fp16_compute"].startswith("fp32")

@@ -24,6 +24,7 @@ import pytest
 
 from tests.server.conftest import FakeEngine
 from xllm_vmm.bench import serve as bs
+from xllm_vmm.bench.proctree import process_children
 from xllm_vmm.bench import serve_compare as sc
 from xllm_vmm.server import AsyncEngine, RunningServer, ServerSettings, build_app
 
@@ -245,7 +246,7 @@ def test_compare_exclusive_runs_one_server_on_the_machine_at_a_time(tmp_path, ti
     real = sc.drive
 
     async def spy(url, load, **kw):
-        children = (bs._children() or {}).get(os.getpid(), [])
+        children = (process_children() or {}).get(os.getpid(), [])
         live = [c for c in children if bs.tree_rss_bytes(c) is not None]
         seen.append((url, load.seed, live))
         return await real(url, load, **kw)
@@ -279,7 +280,7 @@ def test_compare_exclusive_runs_one_server_on_the_machine_at_a_time(tmp_path, ti
     assert out["vs_vllm_tpot_ratio_per_round"] == [
         pytest.approx(a["tpot_ms_median"] / b["tpot_ms_median"])
         for a, b in zip(out["xllm_vmm"]["runs"], out["vllm"]["runs"])]
-    assert [p for p in (bs._children() or {}).get(os.getpid(), [])
+    assert [p for p in (process_children() or {}).get(os.getpid(), [])
             if bs.tree_rss_bytes(p) is not None] == []  # nothing left behind
 
 

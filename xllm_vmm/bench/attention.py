@@ -201,6 +201,67 @@ def _record(out: dict[str, Any], key: str, times: dict[str, tuple[list, list]]) 
         out[f"{key}_{name}_wall_median_ms"] = round(statistics.median(wall), 3)
 
 
+def _decode(out: dict[str, Any], speedups: list, vcases: list[dict[str, Any]], *, b: int,
+            d: int, dtype: Any, dname: str, min_keys: int, max_keys: int, heads: int,
+            kv_heads: int, block_size: int, blocks_per_slot: int, threads: Sequence[int],
+            repeats: int, seed: int) -> None:
+    """One decode case (``b`` decodes of head size ``d`` in ``dtype``) at every thread count:
+    the native kernel against the SDPA path, timed interleaved, with their largest difference
+    and the kernel's read rate against a plain streaming read (the roofline); the figures go
+    into ``out``, the speed-up into ``speedups`` and the case into ``vcases`` for vLLM."""
+    import torch
+
+    from xllm_vmm.engine.attention import native_decode as nd
+    from xllm_vmm.engine.attention.torch_sdpa import TorchSDPABackend
+
+    c = _case(b, min_keys, max_keys, d, dtype, heads, kv_heads, block_size,
+              blocks_per_slot, seed)
+    be = TorchSDPABackend(c["geo"], num_heads=heads, num_kv_heads=kv_heads,
+                          head_dim=d, device="cpu", native_decode=False)
+    buckets = _buckets(be, c)
+    layer, q, lens_t = c["layer"], c["q"], torch.tensor(c["lens"])
+
+    def native(nt: int) -> Any:
+        return nd.paged_decode(q, layer.k_slots, layer.v_slots, c["table"],
+                               lens_t, block_size=block_size,
+                               blocks_per_slot=blocks_per_slot,
+                               scale=d ** -0.5, num_threads=nt)
+
+    def sdpa(nt: int) -> Any:
+        o = torch.empty_like(q)
+        for bk in buckets:
+            o[bk.rows] = be._decode_batched(q[bk.rows], layer, bk)
+        return o
+
+    # bytes the kernel reads: each decode's keys, K and V
+    kv_bytes = 2 * sum(c["lens"]) * kv_heads * d * q.element_size()
+    for nt in threads:
+        torch.set_num_threads(nt)
+        diff = (native(nt).float() - sdpa(nt).float()).abs().max().item()
+        times: dict[str, tuple[list, list]] = {"native": ([], []),
+                                               "sdpa": ([], [])}
+        for _ in range(repeats):
+            _timed(times, "native", lambda: native(nt))
+            _timed(times, "sdpa", lambda: sdpa(nt))
+        key = f"b{b}_d{d}_t{nt}_{dname}"
+        _record(out, key, times)
+        ratio = statistics.median(times["sdpa"][0]) / max(
+            statistics.median(times["native"][0]), 1e-9)
+        out[f"{key}_native_speedup_ratio"] = round(ratio, 3)
+        out[f"{key}_max_abs_diff"] = diff
+        speedups.append(ratio)
+        # roofline: the kernel's K/V read rate against a plain streaming read
+        # of the arena's bytes (same run, same threads, same cache state)
+        kernel = kv_bytes / (max(min(times["native"][0]), 1e-6) * 1e-3) / 1e9
+        stream = stream_read_gbps([layer.k_rows, layer.v_rows], nt, repeats)
+        out[f"{key}_native_read_gbps"] = round(kernel, 2)
+        out[f"{key}_stream_read_gbps"] = round(stream, 2)
+        out[f"{key}_roofline_ratio"] = round(kernel / stream, 3)
+        vcases.append(dict(key=key, kind="decode", dtype=dname, heads=heads,
+                           kv_heads=kv_heads, head_dim=d, threads=nt,
+                           lens=c["lens"]))
+
+
 def run(*, batches: Sequence[int] = (32, 128), head_dims: Sequence[int] = (64, 128),
         threads: Sequence[int] = (1, 2), dtypes: Sequence[str] = ("bfloat16",),
         min_keys: int = 64, max_keys: int = 640, heads: int = 8, kv_heads: int = 4,
@@ -213,7 +274,6 @@ def run(*, batches: Sequence[int] = (32, 128), head_dims: Sequence[int] = (64, 1
     import torch
 
     from xllm_vmm.engine.attention import native_decode as nd
-    from xllm_vmm.engine.attention.torch_sdpa import TorchSDPABackend
 
     if nd.load() is None:
         raise ValueError(f"{nd.LIB_NAME} is not built (python setup.py build_ext --inplace)")
@@ -245,52 +305,11 @@ def run(*, batches: Sequence[int] = (32, 128), head_dims: Sequence[int] = (64, 1
             dtype = table[dname]
             for d in head_dims:
                 for b in batches:
-                    c = _case(b, min_keys, max_keys, d, dtype, heads, kv_heads, block_size,
-                              blocks_per_slot, seed)
-                    be = TorchSDPABackend(c["geo"], num_heads=heads, num_kv_heads=kv_heads,
-                                          head_dim=d, device="cpu", native_decode=False)
-                    buckets = _buckets(be, c)
-                    layer, q, lens_t = c["layer"], c["q"], torch.tensor(c["lens"])
-
-                    def native(nt: int) -> Any:
-                        return nd.paged_decode(q, layer.k_slots, layer.v_slots, c["table"],
-                                               lens_t, block_size=block_size,
-                                               blocks_per_slot=blocks_per_slot,
-                                               scale=d ** -0.5, num_threads=nt)
-
-                    def sdpa(nt: int) -> Any:
-                        o = torch.empty_like(q)
-                        for bk in buckets:
-                            o[bk.rows] = be._decode_batched(q[bk.rows], layer, bk)
-                        return o
-
-                    # bytes the kernel reads: each decode's keys, K and V
-                    kv_bytes = 2 * sum(c["lens"]) * kv_heads * d * q.element_size()
-                    for nt in threads:
-                        torch.set_num_threads(nt)
-                        diff = (native(nt).float() - sdpa(nt).float()).abs().max().item()
-                        times: dict[str, tuple[list, list]] = {"native": ([], []),
-                                                               "sdpa": ([], [])}
-                        for _ in range(repeats):
-                            _timed(times, "native", lambda: native(nt))
-                            _timed(times, "sdpa", lambda: sdpa(nt))
-                        key = f"b{b}_d{d}_t{nt}_{dname}"
-                        _record(out, key, times)
-                        ratio = statistics.median(times["sdpa"][0]) / max(
-                            statistics.median(times["native"][0]), 1e-9)
-                        out[f"{key}_native_speedup_ratio"] = round(ratio, 3)
-                        out[f"{key}_max_abs_diff"] = diff
-                        speedups.append(ratio)
-                        # roofline: the kernel's K/V read rate against a plain streaming read
-                        # of the arena's bytes (same run, same threads, same cache state)
-                        kernel = kv_bytes / (max(min(times["native"][0]), 1e-6) * 1e-3) / 1e9
-                        stream = stream_read_gbps([layer.k_rows, layer.v_rows], nt, repeats)
-                        out[f"{key}_native_read_gbps"] = round(kernel, 2)
-                        out[f"{key}_stream_read_gbps"] = round(stream, 2)
-                        out[f"{key}_roofline_ratio"] = round(kernel / stream, 3)
-                        vcases.append(dict(key=key, kind="decode", dtype=dname, heads=heads,
-                                           kv_heads=kv_heads, head_dim=d, threads=nt,
-                                           lens=c["lens"]))
+                    _decode(out, speedups, vcases, b=b, d=d, dtype=dtype, dname=dname,
+                            min_keys=min_keys, max_keys=max_keys, heads=heads,
+                            kv_heads=kv_heads, block_size=block_size,
+                            blocks_per_slot=blocks_per_slot, threads=threads,
+                            repeats=repeats, seed=seed)
             for d in head_dims:
                 for spec in prefill:
                     n, off = parse_prefill(spec)

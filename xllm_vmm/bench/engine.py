@@ -174,15 +174,11 @@ def _stats(xs: Sequence[float]) -> tuple[float, float]:
     return (min(xs), statistics.median(xs)) if xs else (float("nan"), float("nan"))
 
 
-def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
-        max_prompt: int = 512, new_tokens: int = 128, hf_batch: int = 32,
-        batch_sizes: Sequence[int] = (1, 8, 32), equal_prompt: int = 128, repeats: int = 2,
-        layers: int = 4, hidden: int = 512, dtype: str = "bfloat16", seed: int = 0,
-        elastic: bool = True, block_size: int = 16, device_memory: str = "4GiB",
-        threads: int | None = None, vllm_venv: str | None = None,
-        vllm_timeout_s: float = 900.0, max_tokens_per_batch: int = 2048,
-        residency: str = "exclusive") -> dict[str, Any]:
-    """Run the benchmark (module docstring); returns a flat dict of results."""
+def _check_run_options(prompts: int, min_prompt: int, max_prompt: int, new_tokens: int,
+                       hf_batch: int, repeats: int, equal_prompt: int,
+                       max_tokens_per_batch: int, dtype: str, batch_sizes: Sequence[int],
+                       residency: str) -> None:
+    """``ValueError`` naming the option of :func:`run` that is out of range."""
     for name, v, lo in (("prompts", prompts, 1), ("min_prompt", min_prompt, 1),
                         ("new_tokens", new_tokens, 1), ("hf_batch", hf_batch, 1),
                         ("repeats", repeats, 1), ("equal_prompt", equal_prompt, 1),
@@ -200,6 +196,140 @@ def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
     if residency not in RESIDENCIES:
         raise ValueError(f"--residency must be one of {', '.join(RESIDENCIES)}, got "
                          f"{residency!r}")
+
+
+class _VllmSide:
+    """vLLM's ``LLM.generate`` beside ours (``--vllm-venv``): started for each of its runs
+    and closed after it (``residency="exclusive"``: never resident while ours and HF run),
+    or started once and paused while the others run (``"shared"``). Its settings, errors
+    and greedy match go into the results ``out`` as they come."""
+
+    def __init__(self, venv: str, mdir: Path, dtype: str, trace: list[list[int]],
+                 new_tokens: int, max_len: int, threads: int, timeout_s: float,
+                 residency: str, out: dict[str, Any]) -> None:
+        self.venv, self.mdir, self.dtype, self.trace = venv, mdir, dtype, trace
+        self.new_tokens, self.max_len, self.threads = new_tokens, max_len, threads
+        self.timeout_s, self.residency, self.out = timeout_s, residency, out
+        self.runner: VllmRunner | None = None
+        self.startups: list[float] = []
+        self.tps: list[float] = []
+        self.ratios: list[float] = []
+        self.paused: list[bool] = []
+
+    def start(self) -> VllmRunner | None:
+        """vLLM's runner, started and ready (its start timed into ``startups``); None, with
+        ``vllm_error`` set, when it cannot run."""
+        t0 = time.perf_counter()
+        v = VllmRunner(self.venv, self.mdir, self.dtype, self.trace, self.new_tokens,
+                       self.max_len, threads=self.threads, timeout_s=self.timeout_s)
+        self.startups.append(time.perf_counter() - t0)
+        out = self.out
+        if len(self.startups) == 1:  # the settings vLLM runs with, read back once
+            out["vllm_startup_s"] = self.startups[0]
+            out["vllm_prefix_caching"] = v.settings.get("enable_prefix_caching")
+            out["vllm_max_num_batched_tokens"] = v.settings.get("max_num_batched_tokens")
+            out["vllm_max_num_seqs"] = v.settings.get("max_num_seqs")
+        if v.error:
+            out["vllm_error"] = v.error
+            return None
+        return v
+
+    def before_others(self) -> None:
+        """Shared residency: pause vLLM while ours and HF run."""
+        if self.runner is not None and self.residency == "shared":
+            self.paused.append(self.runner.pause())
+
+    def run(self, r: int, engine_seconds: float, engine_outs: list, prompts: int) -> None:
+        """vLLM's run of the trace after ours (``engine_seconds``) and HF's in repeat ``r``."""
+        out = self.out
+        if self.residency == "exclusive" and "vllm_error" not in out:
+            self.runner = self.start()  # after ours and HF ran: never resident beside them
+        if self.runner is None:
+            return
+        got = self.runner.run()
+        if self.residency == "exclusive" or "error" in got:
+            self.runner.close()
+            self.runner = None
+        if "error" in got:
+            out["vllm_error"] = got["error"]
+            return
+        self.tps.append(got["output_tokens"] / got["seconds"])
+        self.ratios.append(got["seconds"] / engine_seconds)
+        if r == 0:
+            out["vllm_greedy_match_fraction"] = sum(
+                o.outputs[0].token_ids == v for o, v in zip(engine_outs, got["outputs"])
+            ) / prompts
+
+    def figures(self) -> dict[str, Any]:
+        tps = _stats(self.tps) if self.tps else (None, None)
+        ratios = _stats(self.ratios) if self.ratios else (None, None)
+        return {"vllm_tokens_per_s_min": tps[0], "vllm_tokens_per_s_median": tps[1],
+                "vs_vllm_ratio_min": ratios[0], "vs_vllm_ratio": ratios[1]}
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+
+
+def _trace_figures(llm: Any, hf: Any, trace: list[list[int]], new_tokens: int, hf_batch: int,
+                   repeats: int, vllm: _VllmSide | None) -> dict[str, Any]:
+    """The trace run ``repeats`` times, ours then HF's (then vLLM's) in each: tokens/s and
+    their ratio (min and median), TTFT/TPOT, the greedy match with HF's tokens and the KV
+    peaks of the first repeat."""
+    prompts = len(trace)
+    eng_tps, hf_tps, ratios = [], [], []
+    ttft: list[float] = []
+    tpot: list[float] = []
+    peaks = {"mapped": 0, "live": 0, "floor": 0}
+    matched = 0
+    for r in range(repeats):
+        if vllm is not None:
+            vllm.before_others()
+        dt, outs, pk = _engine_generate(llm, trace, new_tokens, sample_kv=(r == 0))
+        hdt, houts = _hf_generate(hf, trace, new_tokens, hf_batch)
+        n_out = prompts * new_tokens
+        eng_tps.append(n_out / dt)
+        hf_tps.append(n_out / hdt)
+        ratios.append(hdt / dt)
+        if vllm is not None:
+            vllm.run(r, dt, outs, prompts)
+        if r == 0:
+            peaks = pk
+            matched = sum(o.outputs[0].token_ids == h for o, h in zip(outs, houts))
+            for o in outs:
+                m = o.metrics
+                ttft.append(m["first_token_time"] - m["arrival_time"])
+                n = len(o.outputs[0].token_ids)
+                if n > 1:
+                    tpot.append((m["finished_time"] - m["first_token_time"]) / (n - 1))
+    out: dict[str, Any] = {}
+    out["engine_tokens_per_s_min"], out["engine_tokens_per_s_median"] = _stats(eng_tps)
+    out["hf_tokens_per_s_min"], out["hf_tokens_per_s_median"] = _stats(hf_tps)
+    out["vs_hf_generate_ratio_min"], out["vs_hf_generate_ratio"] = _stats(ratios)
+    if vllm is not None:
+        out.update(vllm.figures())
+    out["ttft_s_min"], out["ttft_s_median"] = _stats(ttft)
+    out["tpot_s_min"], out["tpot_s_median"] = _stats(tpot)
+    out["greedy_match_fraction"] = matched / prompts
+    out["peak_mapped_kv_bytes"] = peaks["mapped"]
+    out["peak_live_kv_bytes"] = peaks["live"]
+    out["peak_mapped_over_live_kv"] = (peaks["mapped"] / peaks["live"]) if peaks["live"] else None
+    out["peak_mapped_over_packed_floor"] = (peaks["mapped"] / peaks["floor"]
+                                            if peaks["floor"] else None)
+    return out
+
+
+def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
+        max_prompt: int = 512, new_tokens: int = 128, hf_batch: int = 32,
+        batch_sizes: Sequence[int] = (1, 8, 32), equal_prompt: int = 128, repeats: int = 2,
+        layers: int = 4, hidden: int = 512, dtype: str = "bfloat16", seed: int = 0,
+        elastic: bool = True, block_size: int = 16, device_memory: str = "4GiB",
+        threads: int | None = None, vllm_venv: str | None = None,
+        vllm_timeout_s: float = 900.0, max_tokens_per_batch: int = 2048,
+        residency: str = "exclusive") -> dict[str, Any]:
+    """Run the benchmark (module docstring); returns a flat dict of results."""
+    _check_run_options(prompts, min_prompt, max_prompt, new_tokens, hf_batch, repeats,
+                       equal_prompt, max_tokens_per_batch, dtype, batch_sizes, residency)
     from xllm_vmm.bench.threads import passive_omp_wait
 
     policy = passive_omp_wait()
@@ -233,29 +363,12 @@ def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
         "host_malloc_tuned": None,
     }
     vllm = None
-    startups: list[float] = []
-
-    def start_vllm() -> VllmRunner | None:
-        """vLLM's runner, started and ready (its start timed into ``startups``); None, with
-        ``vllm_error`` set, when it cannot run."""
-        t0 = time.perf_counter()
-        v = VllmRunner(vllm_venv, mdir, dtype, trace, new_tokens, longest + 1,
-                       threads=torch.get_num_threads(), timeout_s=vllm_timeout_s)
-        startups.append(time.perf_counter() - t0)
-        if len(startups) == 1:  # the settings vLLM runs with, read back once
-            out["vllm_startup_s"] = startups[0]
-            out["vllm_prefix_caching"] = v.settings.get("enable_prefix_caching")
-            out["vllm_max_num_batched_tokens"] = v.settings.get("max_num_batched_tokens")
-            out["vllm_max_num_seqs"] = v.settings.get("max_num_seqs")
-        if v.error:
-            out["vllm_error"] = v.error
-            return None
-        return v
-
     if vllm_venv:
+        vllm = _VllmSide(vllm_venv, mdir, dtype, trace, new_tokens, longest + 1,
+                         torch.get_num_threads(), vllm_timeout_s, residency, out)
         out["residency"] = residency
         if residency == "shared":
-            vllm = start_vllm()
+            vllm.runner = vllm.start()
     with LLM(str(mdir), **flags) as llm:
         from xllm_vmm.engine.cpu_caps import caps
         from xllm_vmm.engine.host_memory import host_malloc_tuning
@@ -266,70 +379,13 @@ def run(*, model: str | None = None, prompts: int = 128, min_prompt: int = 64,
         out["compute_paths"] = llm.llm_engine.compute_paths()  # what each part took here
         _engine_generate(llm, trace[:2], 2)  # warm-up (both sides)
         _hf_generate(hf, trace[:2], 2, 2)
-        eng_tps, hf_tps, ratios = [], [], []
-        ttft: list[float] = []
-        tpot: list[float] = []
-        peaks = {"mapped": 0, "live": 0, "floor": 0}
-        matched = 0
-        v_tps: list[float] = []
-        v_ratios: list[float] = []
-        paused = []
-        for r in range(repeats):
-            if vllm is not None and residency == "shared":
-                paused.append(vllm.pause())
-            dt, outs, pk = _engine_generate(llm, trace, new_tokens, sample_kv=(r == 0))
-            hdt, houts = _hf_generate(hf, trace, new_tokens, hf_batch)
-            n_out = prompts * new_tokens
-            eng_tps.append(n_out / dt)
-            hf_tps.append(n_out / hdt)
-            ratios.append(hdt / dt)
-            if vllm_venv and residency == "exclusive" and "vllm_error" not in out:
-                vllm = start_vllm()  # after ours and HF ran: never resident beside them
-            if vllm is not None:
-                got = vllm.run()
-                if residency == "exclusive" or "error" in got:
-                    vllm.close()
-                    vllm = None
-                if "error" in got:
-                    out["vllm_error"] = got["error"]
-                else:
-                    v_tps.append(got["output_tokens"] / got["seconds"])
-                    v_ratios.append(got["seconds"] / dt)
-                    if r == 0:
-                        out["vllm_greedy_match_fraction"] = sum(
-                            o.outputs[0].token_ids == v for o, v in zip(outs, got["outputs"])
-                        ) / prompts
-            if r == 0:
-                peaks = pk
-                matched = sum(o.outputs[0].token_ids == h for o, h in zip(outs, houts))
-                for o in outs:
-                    m = o.metrics
-                    ttft.append(m["first_token_time"] - m["arrival_time"])
-                    n = len(o.outputs[0].token_ids)
-                    if n > 1:
-                        tpot.append((m["finished_time"] - m["first_token_time"]) / (n - 1))
-        out["engine_tokens_per_s_min"], out["engine_tokens_per_s_median"] = _stats(eng_tps)
-        out["hf_tokens_per_s_min"], out["hf_tokens_per_s_median"] = _stats(hf_tps)
-        out["vs_hf_generate_ratio_min"], out["vs_hf_generate_ratio"] = _stats(ratios)
-        if vllm_venv:
-            out["vllm_tokens_per_s_min"], out["vllm_tokens_per_s_median"] = (
-                _stats(v_tps) if v_tps else (None, None))
-            out["vs_vllm_ratio_min"], out["vs_vllm_ratio"] = (
-                _stats(v_ratios) if v_ratios else (None, None))
-        out["ttft_s_min"], out["ttft_s_median"] = _stats(ttft)
-        out["tpot_s_min"], out["tpot_s_median"] = _stats(tpot)
-        out["greedy_match_fraction"] = matched / prompts
-        out["peak_mapped_kv_bytes"] = peaks["mapped"]
-        out["peak_live_kv_bytes"] = peaks["live"]
-        out["peak_mapped_over_live_kv"] = (peaks["mapped"] / peaks["live"]) if peaks["live"] else None
-        out["peak_mapped_over_packed_floor"] = (peaks["mapped"] / peaks["floor"]
-                                                if peaks["floor"] else None)
+        out.update(_trace_figures(llm, hf, trace, new_tokens, hf_batch, repeats, vllm))
         cache = llm.llm_engine.kv_cache_manager.cache
         out["kv_slot_bytes"] = max(geo.slot_bytes for geo in cache.geometry.values())
+        if vllm is not None and vllm.runner is not None:
+            out["vllm_paused_while_others_ran"] = all(vllm.paused) and vllm.runner.pause()
         if vllm is not None:
-            out["vllm_paused_while_others_ran"] = all(paused) and vllm.pause()
-        if vllm_venv:
-            out["vllm_startups"] = len(startups)
+            out["vllm_startups"] = len(vllm.startups)
         for b in batch_sizes:
             eq = _trace(b, equal_prompt, equal_prompt, seed + b, vocab)
             dt, _, _ = _engine_generate(llm, eq, new_tokens)
@@ -433,7 +489,7 @@ class VllmRunner:
         """Stops vLLM's process tree (SIGSTOP) while the other engines run: an idle vLLM is not
         quiet (its gloo threads wake ~1,300 times a second here, each stalling one of the other
         engine's two OpenMP threads). ``run()`` and ``close()`` resume it. True if paused."""
-        from xllm_vmm.bench.serve import signal_tree
+        from xllm_vmm.bench.proctree import signal_tree
 
         if self.proc is None or self.proc.poll() is not None or self._paused:
             return self._paused
@@ -441,7 +497,7 @@ class VllmRunner:
         return self._paused
 
     def resume(self) -> None:
-        from xllm_vmm.bench.serve import signal_tree
+        from xllm_vmm.bench.proctree import signal_tree
 
         if self._paused and self.proc is not None:
             signal_tree(self.proc.pid, signal.SIGCONT)

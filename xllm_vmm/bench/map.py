@@ -180,6 +180,64 @@ def scattered_order(n: int) -> list[int]:
     return list(range(0, n, 2)) + list(range(1, n, 2))
 
 
+def _time_ways(driver, va: int, vas: list[int], svas: list[int], handles: list[int],
+               scattered: list[int], rounds: int, repeats: int) -> tuple:
+    """Every way of :func:`run` timed on the reserved range (``vas`` contiguous, ``svas``
+    scattered, µs per page): ``(best, median, populated batched, populated raw, map+write
+    figures)`` — the populated figures and map + write on the host driver only (None and
+    ``{}`` elsewhere). Sets the driver's ``populate``; the caller restores it."""
+    can_populate = driver.name == "host"
+
+    def batched_of(where, hs):
+        map_batch, unmap_batch = driver.map_batch, driver.unmap_batch
+
+        def batched() -> None:
+            for _ in range(rounds):
+                map_batch(where, hs)
+                unmap_batch(where)
+        return batched
+
+    def per_call() -> None:
+        for _ in range(rounds):
+            for v, h in zip(svas, scattered):
+                driver.map(v, h)
+            for v in svas:
+                driver.unmap(v)
+
+    per = len(vas) * rounds
+    if can_populate:
+        driver.populate = False
+    fns = {"batched": batched_of(svas, scattered), "per_call": per_call,
+           "contiguous_batched": batched_of(vas, handles)}
+    if hasattr(driver, "map_runs"):  # run records built once, passed as they are
+        fns["contiguous_map_batch"] = fns["contiguous_batched"]
+        fns["contiguous_batched"] = runs_fn(driver, vas, handles, rounds)
+    raw = _raw_fn(driver, svas, scattered, rounds)
+    if raw:
+        fns["raw"] = raw
+    coalesced = _raw_fn(driver, vas, handles, rounds, coalesced=True)
+    if coalesced:
+        fns["coalesced_raw"] = coalesced
+    for fn in fns.values():  # warm-up
+        fn()
+    t = {k: [x / per * 1e6 for x in v] for k, v in interleaved_seconds(fns, repeats).items()}
+    best = {k: min(v) for k, v in t.items()}
+    med = {k: statistics.median(v) for k, v in t.items()}
+    p_batched = p_raw = None
+    writes: dict[str, float] = {}
+    if can_populate:
+        driver.populate = True
+        pfns = {"batched": batched_of(svas, scattered),
+                "raw": _raw_fn(driver, svas, scattered, rounds)}
+        for fn in pfns.values():  # warm-up (the first population also zeroes the pages)
+            fn()
+        pt = interleaved_seconds(pfns, repeats)
+        p_batched = min(pt["batched"]) / per * 1e6
+        p_raw = min(pt["raw"]) / per * 1e6
+        writes = _map_write(driver, va, vas, handles, repeats)
+    return best, med, p_batched, p_raw, writes
+
+
 def run(driver, pages: int = 64, rounds: int = 20, repeats: int = 3, release_pages: int = 0,
         hugepages_setup: bool = True) -> dict[str, Any]:
     """Measures the ways on ``driver``; leaves nothing mapped or allocated.
@@ -210,53 +268,8 @@ def run(driver, pages: int = 64, rounds: int = 20, repeats: int = 3, release_pag
     can_populate = driver.name == "host"
     was = driver.populate if can_populate else False
     try:
-        def batched_of(where, hs):
-            map_batch, unmap_batch = driver.map_batch, driver.unmap_batch
-
-            def batched() -> None:
-                for _ in range(rounds):
-                    map_batch(where, hs)
-                    unmap_batch(where)
-            return batched
-
-        def per_call() -> None:
-            for _ in range(rounds):
-                for v, h in zip(svas, scattered):
-                    driver.map(v, h)
-                for v in svas:
-                    driver.unmap(v)
-
-        per = pages * rounds
-        if can_populate:
-            driver.populate = False
-        fns = {"batched": batched_of(svas, scattered), "per_call": per_call,
-               "contiguous_batched": batched_of(vas, handles)}
-        if hasattr(driver, "map_runs"):  # run records built once, passed as they are
-            fns["contiguous_map_batch"] = fns["contiguous_batched"]
-            fns["contiguous_batched"] = runs_fn(driver, vas, handles, rounds)
-        raw = _raw_fn(driver, svas, scattered, rounds)
-        if raw:
-            fns["raw"] = raw
-        coalesced = _raw_fn(driver, vas, handles, rounds, coalesced=True)
-        if coalesced:
-            fns["coalesced_raw"] = coalesced
-        for fn in fns.values():  # warm-up
-            fn()
-        t = {k: [x / per * 1e6 for x in v] for k, v in interleaved_seconds(fns, repeats).items()}
-        best = {k: min(v) for k, v in t.items()}
-        med = {k: statistics.median(v) for k, v in t.items()}
-        p_batched = p_raw = None
-        writes: dict[str, float] = {}
-        if can_populate:
-            driver.populate = True
-            pfns = {"batched": batched_of(svas, scattered),
-                    "raw": _raw_fn(driver, svas, scattered, rounds)}
-            for fn in pfns.values():  # warm-up (the first population also zeroes the pages)
-                fn()
-            pt = interleaved_seconds(pfns, repeats)
-            p_batched = min(pt["batched"]) / per * 1e6
-            p_raw = min(pt["raw"]) / per * 1e6
-            writes = _map_write(driver, va, vas, handles, repeats)
+        best, med, p_batched, p_raw, writes = _time_ways(
+            driver, va, vas, svas, handles, scattered, rounds, repeats)
     finally:
         if can_populate:
             driver.populate = was

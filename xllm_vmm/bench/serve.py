@@ -73,6 +73,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from xllm_vmm.bench.proctree import (  # noqa: F401  (re-exported: the bench's process-tree figures)
+    host_memory_used_bytes,
+    machine_cpu_seconds,
+    rss_of,
+    signal_tree,
+    tree_cpu_seconds,
+    tree_pids,
+    tree_rss_bytes,
+)
+
 READY_RE = re.compile(r"ready at (http://\S+)")
 
 
@@ -131,115 +141,6 @@ def percentile(values: list[float], q: float) -> float:
     k = (len(xs) - 1) * q / 100.0
     lo, hi = math.floor(k), math.ceil(k)
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def _children() -> Optional[dict[int, list[int]]]:
-    """parent pid -> child pids of every process (``/proc``); None when it cannot be read."""
-    children: dict[int, list[int]] = {}
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return None
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        ppid = int(stat.rpartition(b")")[2].split()[1])  # after "(comm)": state ppid ...
-        children.setdefault(ppid, []).append(int(name))
-    return children
-
-
-def tree_pids(pid: int) -> list[int]:
-    """Process ``pid`` and its live descendants (``/proc``), parents first; ``[]`` when
-    ``/proc`` cannot be read."""
-    children = _children()
-    if children is None:
-        return []
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        if os.path.exists(f"/proc/{p}"):
-            out.append(p)
-        todo.extend(children.get(p, []))
-    return out
-
-
-def signal_tree(pid: int, sig: int) -> int:
-    """Sends ``sig`` to ``pid`` and every live descendant; returns how many received it
-    (a process that has gone meanwhile is skipped)."""
-    n = 0
-    for p in tree_pids(pid):
-        try:
-            os.kill(p, sig)
-            n += 1
-        except OSError:
-            pass
-    return n
-
-
-def tree_cpu_seconds(pid: int) -> Optional[float]:
-    """CPU seconds (user + system, every thread) used so far by process ``pid`` and its live
-    descendants (``/proc/PID/stat`` utime + stime); None when ``pid`` is gone or ``/proc``
-    cannot be read. The difference over an interval is what the tree ran meanwhile."""
-    children = _children()
-    if children is None:
-        return None
-    tick = float(os.sysconf("SC_CLK_TCK"))
-    total, found, todo = 0.0, False, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            with open(f"/proc/{p}/stat", "rb") as fh:
-                fields = fh.read().rpartition(b")")[2].split()
-        except OSError:
-            continue
-        found = True
-        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15)
-        todo.extend(children.get(p, []))
-    return total if found else None
-
-
-def tree_rss_bytes(pid: int) -> Optional[int]:
-    """Resident bytes of process ``pid`` and all its descendants (``VmRSS`` of each, from
-    ``/proc``, summed); None when ``pid`` is gone or ``/proc`` cannot be read (not Linux)."""
-    children = _children()
-    if children is None:
-        return None
-    total, found, todo = 0, False, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            with open(f"/proc/{p}/status") as fh:
-                for line in fh:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) * 1024
-                        break
-            found = True
-        except OSError:
-            continue
-        todo.extend(children.get(p, []))
-    return total if found else None
-
-
-def rss_of(pids: list[int]) -> Optional[int]:
-    """Resident bytes of the processes ``pids`` (``VmRSS`` of each that is still alive,
-    summed); None when none is."""
-    total, found = 0, False
-    for p in pids:
-        try:
-            with open(f"/proc/{p}/status", "rb") as fh:
-                for line in fh:
-                    if line.startswith(b"VmRSS:"):
-                        total += int(line.split()[1]) * 1024
-                        found = True
-                        break
-        except OSError:
-            continue
-    return total if found else None
 
 
 def run_load(coro):
@@ -332,30 +233,6 @@ def server_latency_figures(before: str, after: str) -> dict:
             v = histogram_quantile(b, a, q)
             out[f"server_{stage}_us_{tag}"] = None if v is None else 1e6 * v
     return out
-
-
-def machine_cpu_seconds() -> Optional[tuple[float, float]]:
-    """``(busy, steal)`` CPU seconds of every CPU since boot from ``/proc/stat`` (busy: user,
-    nice, system, irq, softirq; steal: time the hypervisor ran something else); None when it
-    cannot be read (not Linux)."""
-    try:
-        with open("/proc/stat") as fh:
-            f = [int(x) for x in fh.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    tick = float(os.sysconf("SC_CLK_TCK"))
-    return (f[0] + f[1] + f[2] + f[5] + f[6]) / tick, f[7] / tick
-
-
-def host_memory_used_bytes() -> Optional[int]:
-    """The machine's memory in use (``MemTotal - MemAvailable`` of ``/proc/meminfo``), None
-    where it cannot be read (not Linux)."""
-    from xllm_vmm.vmm.sysmem import meminfo
-
-    info = meminfo()
-    if "MemTotal" not in info or "MemAvailable" not in info:
-        return None
-    return info["MemTotal"] - info["MemAvailable"]
 
 
 class _CostClock:
@@ -550,125 +427,122 @@ def latency_figures(ttft: list[float], tpot: list[float], itl: list[float]) -> d
             "itl_ms_median": 1e3 * percentile(itl, 50), "itl_ms_p99": 1e3 * percentile(itl, 99)}
 
 
-async def drive(url: str, cfg: LoadConfig, *, rss_pid: Optional[int] = None) -> dict:
-    """Run the load against the server at ``url``; returns the figures (module docstring).
-    ``rss_pid``: the server's process, whose tree's resident bytes are sampled."""
-    import httpx
+async def _kv_mapped(client, url: str) -> Optional[float]:
+    """The KV tenant's mapped bytes on the server's ``/metrics`` (None when it cannot be read)."""
+    try:
+        text = (await client.get(f"{url}/metrics")).text
+    except Exception:
+        return None
+    return parse_metric(text, "xllm_vmm_tenant_mapped_bytes", {"tenant": "kv"})
 
-    cfg.check()
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    limits = httpx.Limits(max_connections=cfg.num_prompts + 4,
-                          max_keepalive_connections=cfg.num_prompts + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout), limits=limits) as client:
-        models = (await client.get(f"{url}/v1/models", headers=headers)).json()["data"]
-        model = models[0]["id"]
-        vocab = int(cfg.vocab or models[0].get("vocab_size") or 256)
-        max_len = int(models[0].get("max_model_len") or (cfg.input_len * 2 + cfg.output_len))
-        prompts, gaps, lo = make_load(cfg, vocab, max_len)
 
-        async def scrape() -> Optional[float]:
-            try:
-                text = (await client.get(f"{url}/metrics")).text
-            except Exception:
-                return None
-            return parse_metric(text, "xllm_vmm_tenant_mapped_bytes", {"tenant": "kv"})
+class _PeakSampler:
+    """While the load runs (:meth:`run` until ``done``): the highest KV mapped bytes, scraped
+    every ``metrics_interval`` seconds, and the highest resident bytes of the process tree of
+    ``rss_pid`` (None: not sampled), read every ``sample_interval`` seconds."""
 
-        # One request first (not counted), as vllm bench serve does: the first step of a
-        # fresh server pays one-time costs (allocator warm-up, lazy imports).
-        warm = await asyncio.wait_for(
-            _one(client, url, model, prompts[0][: max(1, lo)],
-                 LoadConfig(output_len=min(cfg.output_len, 4)), headers), cfg.timeout)
-        if not warm.ok:
-            raise RuntimeError(f"the warm-up request failed: {warm.error}")
-        before = await scrape()
-        reserved_text = (await client.get(f"{url}/metrics")).text
-        reserved = parse_metric(reserved_text, "xllm_vmm_reserved_virtual_bytes")
-        step_sum0 = parse_metric(reserved_text, "xllm_vmm_engine_step_seconds_sum") or 0.0
-        step_n0 = parse_metric(reserved_text, "xllm_vmm_engine_step_seconds_count") or 0.0
-        own0 = _own_costs(reserved_text)
-        peak = [before or 0.0]
-        rss_peak: list[Optional[int]] = [None]
-        done = asyncio.Event()
-
+    def __init__(self, client, url: str, cfg: LoadConfig, rss_pid: Optional[int],
+                 kv_before: Optional[float]) -> None:
+        self.client, self.url, self.cfg, self.rss_pid = client, url, cfg, rss_pid
+        self.kv_peak = kv_before or 0.0
+        self.rss_peak: Optional[int] = None
         # the tree's pids are listed again every 2 s only: listing scans every process of the
         # machine, ~15 % of this client's CPU when it ran every sample
-        tree: dict = {"pids": [], "at": -math.inf}
+        self._pids: list[int] = []
+        self._listed_at = -math.inf
 
-        def sample_rss() -> None:
-            if rss_pid is None:
-                return
-            now = time.perf_counter()
-            if now - tree["at"] >= 2.0:
-                tree["pids"], tree["at"] = tree_pids(rss_pid), now
-            v = rss_of(tree["pids"])
-            if v is not None:
-                rss_peak[0] = max(rss_peak[0] or 0, v)
+    def sample_rss(self) -> None:
+        if self.rss_pid is None:
+            return
+        now = time.perf_counter()
+        if now - self._listed_at >= 2.0:
+            self._pids, self._listed_at = tree_pids(self.rss_pid), now
+        v = rss_of(self._pids)
+        if v is not None:
+            self.rss_peak = max(self.rss_peak or 0, v)
 
-        async def sampler():
-            last = -math.inf
-            while not done.is_set():
-                if time.perf_counter() - last >= cfg.metrics_interval:
-                    last = time.perf_counter()
-                    v = await scrape()
-                    if v is not None:
-                        peak[0] = max(peak[0], v)
-                sample_rss()
-                await asyncio.sleep(cfg.sample_interval)
+    async def run(self, done: asyncio.Event) -> None:
+        last = -math.inf
+        while not done.is_set():
+            if time.perf_counter() - last >= self.cfg.metrics_interval:
+                last = time.perf_counter()
+                v = await _kv_mapped(self.client, self.url)
+                if v is not None:
+                    self.kv_peak = max(self.kv_peak, v)
+            self.sample_rss()
+            await asyncio.sleep(self.cfg.sample_interval)
 
-        sampler_task = asyncio.create_task(sampler())
-        workers: dict = {}  # a worker set: per-rank peaks, all-reduce per step
-        wtask = (asyncio.create_task(_sample_workers(client, url, cfg, done, workers))
-                 if "xllm_vmm_worker_mapped_bytes" in reserved_text else None)
-        loop_lags: list[float] = []
-        ticker = asyncio.create_task(_loop_lag(done, loop_lags))
-        cost0 = _CostClock(rss_pid)
-        t_start = time.perf_counter()
-        tasks = []
-        send_lags: list[float] = []
-        due = 0.0
-        for prompt, gap in zip(prompts, gaps):
-            # on the planned arrival times (Poisson gaps summed from the start): a late send
-            # does not delay the ones after it, so every server gets the same arrivals
-            due += gap
-            wait = t_start + due - time.perf_counter()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            send_lags.append(time.perf_counter() - t_start - due)
-            tasks.append(asyncio.create_task(_one(client, url, model, prompt, cfg, headers)))
-        send_span = time.perf_counter() - t_start
-        remaining = cfg.timeout - (time.perf_counter() - t_start)
-        finished, pending = await asyncio.wait(tasks, timeout=max(0.0, remaining))
-        for t in pending:
-            t.cancel()
-        wall = time.perf_counter() - t_start
-        costs = cost0.since()
-        sample_rss()
-        done.set()
-        await sampler_task
-        await ticker
-        if wtask is not None:
-            await wtask
-        results = [t.result() for t in finished if not t.cancelled()]
-        results += [_Result(error="timed out") for _ in pending]
-        async def idle_figures():
-            text = (await client.get(f"{url}/metrics")).text
-            return (parse_metric(text, "xllm_vmm_tenant_mapped_bytes", {"tenant": "kv"}),
-                    parse_metric(text, "xllm_vmm_kv_packed_floor_bytes"),
-                    parse_metric(text, "xllm_vmm_kv_live_blocks"))
 
-        end_text = (await client.get(f"{url}/metrics")).text
-        server_peak = parse_metric(end_text, "xllm_vmm_kv_mapped_peak_bytes")
-        step_s = (parse_metric(end_text, "xllm_vmm_engine_step_seconds_sum") or 0.0) - step_sum0
-        steps = (parse_metric(end_text, "xllm_vmm_engine_step_seconds_count") or 0.0) - step_n0
-        own = {k: (v - own0[k] if v is not None and own0[k] is not None else None)
-               for k, v in _own_costs(end_text).items()}
-        if server_peak is not None:  # the server's own high-water mark, read after every step
-            peak[0] = max(peak[0], server_peak)
+@dataclass
+class _Sent:
+    """What sending the load gave: every request's result, each send's lateness against its
+    planned time, the send span, the load's wall time and the CPU it cost (:class:`_CostClock`)."""
+
+    results: list[_Result]
+    send_lags: list[float]
+    send_span: float
+    wall: float
+    costs: dict
+
+
+async def _send_load(client, url: str, model: str, prompts: list[list[int]], gaps: list[float],
+                     cfg: LoadConfig, headers: dict, rss_pid: Optional[int]) -> _Sent:
+    """Sends every prompt at its planned arrival and waits for the answers (``cfg.timeout``
+    in all; requests still open then are cancelled and count as timed out)."""
+    cost0 = _CostClock(rss_pid)
+    t_start = time.perf_counter()
+    tasks = []
+    send_lags: list[float] = []
+    due = 0.0
+    for prompt, gap in zip(prompts, gaps):
+        # on the planned arrival times (Poisson gaps summed from the start): a late send
+        # does not delay the ones after it, so every server gets the same arrivals
+        due += gap
+        wait = t_start + due - time.perf_counter()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        send_lags.append(time.perf_counter() - t_start - due)
+        tasks.append(asyncio.create_task(_one(client, url, model, prompt, cfg, headers)))
+    send_span = time.perf_counter() - t_start
+    remaining = cfg.timeout - (time.perf_counter() - t_start)
+    finished, pending = await asyncio.wait(tasks, timeout=max(0.0, remaining))
+    for t in pending:
+        t.cancel()
+    wall = time.perf_counter() - t_start
+    costs = cost0.since()
+    results = [t.result() for t in finished if not t.cancelled()]
+    results += [_Result(error="timed out") for _ in pending]
+    return _Sent(results, send_lags, send_span, wall, costs)
+
+
+async def _kv_after_load(client, url: str) -> tuple:
+    """``(kv mapped bytes, packed floor bytes, live blocks)`` once no block is live any more
+    (aborted and finishing requests let go), waited for up to 5 s."""
+    async def idle_figures():
+        text = (await client.get(f"{url}/metrics")).text
+        return (parse_metric(text, "xllm_vmm_tenant_mapped_bytes", {"tenant": "kv"}),
+                parse_metric(text, "xllm_vmm_kv_packed_floor_bytes"),
+                parse_metric(text, "xllm_vmm_kv_live_blocks"))
+
+    after, floor, live = await idle_figures()
+    deadline = time.monotonic() + 5.0
+    while live and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
         after, floor, live = await idle_figures()
-        deadline = time.monotonic() + 5.0
-        while live and time.monotonic() < deadline:  # aborted/finishing requests let go
-            await asyncio.sleep(0.1)
-            after, floor, live = await idle_figures()
+    return after, floor, live
+
+
+def _step_counters(text: str) -> tuple[float, float]:
+    """``(seconds, count)`` of ``xllm_vmm_engine_step_seconds`` (0 where absent)."""
+    return (parse_metric(text, "xllm_vmm_engine_step_seconds_sum") or 0.0,
+            parse_metric(text, "xllm_vmm_engine_step_seconds_count") or 0.0)
+
+
+def _request_figures(cfg: LoadConfig, gaps: list[float], sent: _Sent,
+                     loop_lags: list[float]) -> dict:
+    """The client's side of :func:`drive`'s figures: completions, arrivals and sends, CPU,
+    throughput and latency."""
+    results, costs, wall, send_lags = sent.results, sent.costs, sent.wall, sent.send_lags
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     ttft = [r.ttft for r in ok]
@@ -683,7 +557,7 @@ async def drive(url: str, cfg: LoadConfig, *, rss_pid: Optional[int] = None) -> 
         "output_len": cfg.output_len, "seed": cfg.seed, "duration_s": wall,
         # the arrivals as planned (the Poisson gaps) and as sent: a send span well above the
         # plan means this client fell behind, not the server
-        "arrival_span_s": sum(gaps), "send_span_s": send_span,
+        "arrival_span_s": sum(gaps), "send_span_s": sent.send_span,
         # how late this client sent each request against its planned time, and how late its
         # event loop woke from a 5 ms sleep (its own load: parsing every stream's events)
         "send_lag_ms_median": 1e3 * percentile(send_lags, 50),
@@ -704,9 +578,13 @@ async def drive(url: str, cfg: LoadConfig, *, rss_pid: Optional[int] = None) -> 
         "request_throughput": len(ok) / wall if wall > 0 else 0.0,
         "total_output_tokens": out_tokens,
         **latency_figures(ttft, tpot, itl),
-        "kv_mapped_bytes_before": before, "kv_mapped_bytes_peak": peak[0],
-        "kv_mapped_bytes_after": after, "kv_packed_floor_bytes_after": floor,
-        "kv_live_blocks_after": live, "reserved_virtual_bytes": reserved,
+    }
+
+
+def _engine_step_figures(step_s: float, steps: float, own: dict, wall: float) -> dict:
+    """The engine's steps during the load: how many, their mean, the CPU they took and the
+    share of the load's wall time they filled."""
+    return {
         "engine_steps": int(steps), "engine_step_ms_mean": 1e3 * step_s / steps if steps else None,
         # the server process's CPU during its steps (every thread): per step, and over the
         # steps' wall time (below ~1 with 2 compute threads: the steps waited for the cores)
@@ -724,7 +602,13 @@ async def drive(url: str, cfg: LoadConfig, *, rss_pid: Optional[int] = None) -> 
                                              if own.get("step_runqueue_s") is not None
                                              and step_s > 0 else None),
         "engine_busy_fraction": step_s / wall if wall > 0 else None,
-        "rss_bytes_peak": rss_peak[0],
+    }
+
+
+def _output_path_figures(own: dict, wall: float) -> dict:
+    """The server's output thread and stream encoding: busy share of the load's wall time
+    and microseconds per output token."""
+    return {
         "output_thread_busy_fraction": (own["output_s"] / wall
                                         if own["output_s"] is not None and wall > 0 else None),
         "output_thread_us_per_token": (1e6 * own["output_s"] / own["tokens"]
@@ -735,6 +619,70 @@ async def drive(url: str, cfg: LoadConfig, *, rss_pid: Optional[int] = None) -> 
         "stream_encode_us_per_token": (1e6 * own["stream_s"] / own["tokens"]
                                        if own["stream_s"] is not None and own["tokens"]
                                        else None),
+    }
+
+
+async def drive(url: str, cfg: LoadConfig, *, rss_pid: Optional[int] = None) -> dict:
+    """Run the load against the server at ``url``; returns the figures (module docstring).
+    ``rss_pid``: the server's process, whose tree's resident bytes are sampled."""
+    import httpx
+
+    cfg.check()
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    limits = httpx.Limits(max_connections=cfg.num_prompts + 4,
+                          max_keepalive_connections=cfg.num_prompts + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout), limits=limits) as client:
+        models = (await client.get(f"{url}/v1/models", headers=headers)).json()["data"]
+        model = models[0]["id"]
+        vocab = int(cfg.vocab or models[0].get("vocab_size") or 256)
+        max_len = int(models[0].get("max_model_len") or (cfg.input_len * 2 + cfg.output_len))
+        prompts, gaps, lo = make_load(cfg, vocab, max_len)
+
+        # One request first (not counted), as vllm bench serve does: the first step of a
+        # fresh server pays one-time costs (allocator warm-up, lazy imports).
+        warm = await asyncio.wait_for(
+            _one(client, url, model, prompts[0][: max(1, lo)],
+                 LoadConfig(output_len=min(cfg.output_len, 4)), headers), cfg.timeout)
+        if not warm.ok:
+            raise RuntimeError(f"the warm-up request failed: {warm.error}")
+        before = await _kv_mapped(client, url)
+        reserved_text = (await client.get(f"{url}/metrics")).text
+        reserved = parse_metric(reserved_text, "xllm_vmm_reserved_virtual_bytes")
+        step_sum0, step_n0 = _step_counters(reserved_text)
+        own0 = _own_costs(reserved_text)
+        done = asyncio.Event()
+        sampler = _PeakSampler(client, url, cfg, rss_pid, before)
+        sampler_task = asyncio.create_task(sampler.run(done))
+        workers: dict = {}  # a worker set: per-rank peaks, all-reduce per step
+        wtask = (asyncio.create_task(_sample_workers(client, url, cfg, done, workers))
+                 if "xllm_vmm_worker_mapped_bytes" in reserved_text else None)
+        loop_lags: list[float] = []
+        ticker = asyncio.create_task(_loop_lag(done, loop_lags))
+        sent = await _send_load(client, url, model, prompts, gaps, cfg, headers, rss_pid)
+        sampler.sample_rss()
+        done.set()
+        await sampler_task
+        await ticker
+        if wtask is not None:
+            await wtask
+
+        end_text = (await client.get(f"{url}/metrics")).text
+        server_peak = parse_metric(end_text, "xllm_vmm_kv_mapped_peak_bytes")
+        step_sum1, step_n1 = _step_counters(end_text)
+        step_s, steps = step_sum1 - step_sum0, step_n1 - step_n0
+        own = {k: (v - own0[k] if v is not None and own0[k] is not None else None)
+               for k, v in _own_costs(end_text).items()}
+        if server_peak is not None:  # the server's own high-water mark, read after every step
+            sampler.kv_peak = max(sampler.kv_peak, server_peak)
+        after, floor, live = await _kv_after_load(client, url)
+    return {
+        **_request_figures(cfg, gaps, sent, loop_lags),
+        "kv_mapped_bytes_before": before, "kv_mapped_bytes_peak": sampler.kv_peak,
+        "kv_mapped_bytes_after": after, "kv_packed_floor_bytes_after": floor,
+        "kv_live_blocks_after": live, "reserved_virtual_bytes": reserved,
+        **_engine_step_figures(step_s, steps, own, sent.wall),
+        "rss_bytes_peak": sampler.rss_peak,
+        **_output_path_figures(own, sent.wall),
         **server_latency_figures(reserved_text, end_text),
         **vllm_stage_figures(reserved_text, end_text),
         **workers,
@@ -886,7 +834,8 @@ def run(cfg: LoadConfig, *, serve_args: list[str] | None = None, url: str | None
         out = run_load(drive(srv.url, cfg, rss_pid=srv.pid))
         out["server"] = "xllm-vmm serve " + " ".join(serve_args or [])
         code = srv.stop()
-    from xllm_vmm.engine.cpu_caps import caps, parse_paths_line
+    from xllm_vmm.engine.cpu_caps import caps
+    from xllm_vmm.engine.paths import parse_paths_line
 
     out["cpu_model"] = caps().model
     out["compute_paths"] = next((p for p in map(parse_paths_line, srv.log) if p), None)

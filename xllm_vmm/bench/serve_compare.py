@@ -86,9 +86,10 @@ from typing import Optional
 from dataclasses import replace
 
 from xllm_vmm.bench.residency import RESIDENCIES
-from xllm_vmm.bench.serve import (LoadConfig, ServerProcess, drive, host_memory_used_bytes,
-                                  run_load, signal_tree, tree_cpu_seconds)
-from xllm_vmm.engine.cpu_caps import caps, parse_paths_line
+from xllm_vmm.bench.proctree import host_memory_used_bytes, signal_tree, tree_cpu_seconds
+from xllm_vmm.bench.serve import LoadConfig, ServerProcess, drive, run_load
+from xllm_vmm.engine.cpu_caps import caps
+from xllm_vmm.engine.paths import parse_paths_line
 
 #: the warm-up load's seed is the measured seed plus this (prompts no measured round sends)
 WARMUP_SEED_OFFSET = 1000
@@ -313,6 +314,167 @@ def round_order(sides: tuple[str, ...], i: int, order: str) -> tuple[str, ...]:
     return tuple(reversed(sides)) if order == "alternate" and i % 2 else sides
 
 
+def _check_compare_options(rounds: int, kv_space_gib: int, warmup_prompts: int, order: str,
+                           residency: str) -> None:
+    """``ValueError`` naming the option of :func:`compare` that is out of range."""
+    if not 1 <= rounds <= 20:
+        raise ValueError(f"--rounds must be in 1..20, got {rounds}")
+    if kv_space_gib != int(kv_space_gib) or not 1 <= kv_space_gib <= 1024:
+        # vLLM reads VLLM_CPU_KVCACHE_SPACE as an integer (0.5 fails its config validation)
+        raise ValueError(f"--vllm-kv-space must be a whole number of GiB in 1..1024, got "
+                         f"{kv_space_gib}")
+    if not 0 <= warmup_prompts <= 100_000:
+        raise ValueError(f"--warmup-prompts must be in 0..100000, got {warmup_prompts}")
+    if order not in ORDERS:
+        raise ValueError(f"--order must be one of {', '.join(ORDERS)}, got {order!r}")
+    if residency not in RESIDENCIES:
+        raise ValueError(f"--residency must be one of {', '.join(RESIDENCIES)}, got "
+                         f"{residency!r}")
+
+
+class _Comparison:
+    """The servers of one :func:`compare` and what their runs gave: per side its measured
+    runs, warm-ups and start-up times; for ours the exit code and start-up compute paths; for
+    vLLM the error that ended its side, if one did."""
+
+    def __init__(self, sides: tuple[str, ...], our_args: dict[str, list[str]], new_vllm,
+                 warm: Optional[LoadConfig], settle_s: float, pause_idle: bool) -> None:
+        self.sides, self.our_args, self.new_vllm = sides, our_args, new_vllm
+        self.warm, self.settle_s, self.pause_idle = warm, settle_s, pause_idle
+        self.runs: dict[str, list[dict]] = {side: [] for side in sides}
+        self.warmups: dict[str, list[dict]] = {side: [] for side in sides}
+        self.startups: dict[str, list[float]] = {side: [] for side in sides}
+        self.vllm_error: Optional[str] = None
+        self.vs: VllmServer = new_vllm()
+        self.up: dict[str, object] = {}  # side -> its running server (ServerProcess / VllmServer)
+        self.our_exit: dict[str, Optional[int]] = {}
+        self.our_paths: dict[str, Optional[dict]] = {}  # side -> its start-up compute-paths line
+
+    def start(self, side: str) -> bool:
+        """Start ``side``'s server (timed into ``startups``); False when vLLM's fails (its
+        error recorded). Ours failing raises: there is nothing to compare then."""
+        t0 = time.monotonic()
+        if side == "vllm":
+            self.vs = self.new_vllm() if self.vs.proc is not None else self.vs
+            try:
+                self.vs.start()
+            except RuntimeError as exc:
+                self.vllm_error = str(exc)
+                return False
+            self.up[side] = self.vs
+        else:
+            self.up[side] = ServerProcess(list(self.our_args[side])).start()
+        self.startups[side].append(time.monotonic() - t0)
+        return True
+
+    def stop(self, side: str) -> None:
+        srv = self.up.pop(side, None)
+        if srv is None:
+            return
+        code = srv.stop()
+        if side != "vllm" and self.our_exit.get(side) in (None, 0):  # the first failing exit stays
+            self.our_exit[side] = code
+        if side != "vllm" and self.our_paths.get(side) is None:
+            self.our_paths[side] = next((p for p in map(parse_paths_line, srv.log) if p), None)
+
+    def run_one(self, side: str, load: LoadConfig, rss: bool) -> Optional[dict]:
+        """One load on ``side``, the other servers up paused (``pause_idle``); None (and
+        vLLM's error recorded) when vLLM failed."""
+        srv = self.up[side]
+        idle = [v.pid for k, v in self.up.items() if k != side and v.pid is not None]
+        used_mem = host_memory_used_bytes()
+        idle0 = [tree_cpu_seconds(p) for p in idle]
+        paused = [p for p in idle if self.pause_idle and signal_tree(p, signal.SIGSTOP) > 0]
+        try:
+            out = run_load(drive(srv.url, load, rss_pid=srv.pid if rss else None))
+        except Exception as exc:  # noqa: BLE001
+            if side != "vllm":
+                raise
+            self.vllm_error = (f"the load failed on vllm serve: {type(exc).__name__}: {exc}\n"
+                               f"{self.vs.log_tail(30)}")
+            self.stop("vllm")
+            return None
+        finally:
+            for p in paused:
+                signal_tree(p, signal.SIGCONT)
+        idle1 = [tree_cpu_seconds(p) for p in idle]
+        used = [b - a for a, b in zip(idle0, idle1) if a is not None and b is not None]
+        out["resident_servers"] = 1 + len(idle)
+        out["host_memory_used_bytes_start"] = used_mem
+        out["idle_server_cpu_s"] = sum(used) if idle else None
+        out["idle_server_paused"] = bool(idle) and len(paused) == len(idle)
+        return out
+
+    def warm_up(self, side: str) -> None:
+        """The warm-up load on ``side`` (when there is one), then ``settle_s``."""
+        if self.warm is None:
+            return
+        w = self.run_one(side, self.warm, rss=False)
+        if w is not None:
+            self.warmups[side].append(w)
+        time.sleep(self.settle_s)
+
+    def measure(self, side: str, i: int, load: LoadConfig) -> None:
+        out = self.run_one(side, load, rss=True)
+        if out is not None:
+            out["round"] = i
+            self.runs[side].append(out)
+
+    def run_shared(self, loads: list[LoadConfig], order: str) -> None:
+        """Every server up for the whole comparison, the idle ones paused."""
+        for side in self.sides:  # one at a time, each idle while the next starts
+            self.start(side)
+        for side in self.sides:
+            if side in self.up:
+                self.warm_up(side)
+        for i, load in enumerate(loads):
+            for side in round_order(self.sides, i, order):
+                if side in self.up:
+                    self.measure(side, i, load)
+                    time.sleep(self.settle_s)
+
+    def run_exclusive(self, loads: list[LoadConfig], order: str) -> None:
+        """One server on the machine at a time: each run starts, warms up, measures and
+        stops its server."""
+        for i, load in enumerate(loads):
+            for side in round_order(self.sides, i, order):
+                if side == "vllm" and self.vllm_error is not None or not self.start(side):
+                    continue
+                try:
+                    self.warm_up(side)
+                    if side in self.up:
+                        self.measure(side, i, load)
+                finally:
+                    self.stop(side)
+                time.sleep(self.settle_s)
+
+    def close(self) -> None:
+        for side in list(self.up):
+            self.stop(side)
+        self.vs.stop()
+
+    def summary(self, kv_space_gib: int, vllm_env: Optional[dict[str, str]]) -> dict:
+        """Per side: :func:`summarize` of its runs, its warm-up and start-ups; vLLM's command,
+        environment, reserved KV and error; ours' exit code, compute paths and command."""
+        summary = {side: summarize(self.runs[side]) for side in self.sides}
+        for side in self.sides:
+            summary[side]["warmup"] = self.warmups[side][0] if self.warmups[side] else None
+            summary[side]["startups"] = len(self.startups[side])
+            summary[side]["startup_s_median"] = _median(self.startups[side])
+        b = summary["vllm"]
+        b["server"] = " ".join(self.vs.args) if self.vs.url else None
+        b["env"] = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(int(kv_space_gib)),
+                    **(vllm_env or {})}
+        b["kv_reserved_bytes"] = int(kv_space_gib) << 30
+        if self.vllm_error is not None:
+            b["error"] = self.vllm_error
+        for side in self.our_args:
+            summary[side]["server_exit_code"] = self.our_exit.get(side)
+            summary[side]["compute_paths"] = self.our_paths.get(side)
+            summary[side]["server"] = "xllm-vmm serve " + " ".join(self.our_args[side])
+        return summary
+
+
 def compare(cfg: LoadConfig, serve_args: list[str], vllm_venv: str, *, rounds: int = 3,
             kv_space_gib: int = 2, vllm_start_timeout: float = 300.0,
             warmup_prompts: int = 32, vllm_env: Optional[dict[str, str]] = None,
@@ -331,19 +493,7 @@ def compare(cfg: LoadConfig, serve_args: list[str], vllm_venv: str, *, rounds: i
     ``order``: one of :data:`ORDERS` (:func:`round_order`). A vLLM start that fails ends
     vLLM's side with its ``error`` (the exact message and log tail), and so does a load that
     fails on it; our rounds still run."""
-    if not 1 <= rounds <= 20:
-        raise ValueError(f"--rounds must be in 1..20, got {rounds}")
-    if kv_space_gib != int(kv_space_gib) or not 1 <= kv_space_gib <= 1024:
-        # vLLM reads VLLM_CPU_KVCACHE_SPACE as an integer (0.5 fails its config validation)
-        raise ValueError(f"--vllm-kv-space must be a whole number of GiB in 1..1024, got "
-                         f"{kv_space_gib}")
-    if not 0 <= warmup_prompts <= 100_000:
-        raise ValueError(f"--warmup-prompts must be in 0..100000, got {warmup_prompts}")
-    if order not in ORDERS:
-        raise ValueError(f"--order must be one of {', '.join(ORDERS)}, got {order!r}")
-    if residency not in RESIDENCIES:
-        raise ValueError(f"--residency must be one of {', '.join(RESIDENCIES)}, got "
-                         f"{residency!r}")
+    _check_compare_options(rounds, kv_space_gib, warmup_prompts, order, residency)
     cfg.check()
     model = _flag_value(serve_args, "model")
     if model is None:
@@ -359,10 +509,6 @@ def compare(cfg: LoadConfig, serve_args: list[str], vllm_venv: str, *, rounds: i
             if warmup_prompts else None)
     with_vw = vmm_weights_side and _flag_value(serve_args, "enable_vmm_weights") is None
     sides = SIDES if with_vw else (SIDES[0], SIDES[2])
-    runs: dict[str, list[dict]] = {side: [] for side in sides}
-    warmups: dict[str, list[dict]] = {side: [] for side in sides}
-    startups: dict[str, list[float]] = {side: [] for side in sides}
-    vllm_error: Optional[str] = None
     our_args = {"xllm_vmm": list(serve_args)}
     if with_vw:
         our_args["xllm_vmm_vmm_weights"] = [*serve_args, VMM_WEIGHTS_FLAG]
@@ -373,126 +519,15 @@ def compare(cfg: LoadConfig, serve_args: list[str], vllm_venv: str, *, rounds: i
                           kv_space_gib=kv_space_gib, start_timeout=vllm_start_timeout,
                           env=vllm_env)
 
-    vs = new_vllm()
-    up: dict[str, object] = {}  # side -> its running server (ServerProcess / VllmServer)
-    our_exit: dict[str, Optional[int]] = {}
-    our_paths: dict[str, Optional[dict]] = {}  # side -> its start-up compute-paths line
-
-    def start(side: str) -> bool:
-        """Start ``side``'s server (timed into ``startups``); False when vLLM's fails (its
-        error recorded). Ours failing raises: there is nothing to compare then."""
-        nonlocal vs, vllm_error
-        t0 = time.monotonic()
-        if side == "vllm":
-            vs = new_vllm() if vs.proc is not None else vs
-            try:
-                vs.start()
-            except RuntimeError as exc:
-                vllm_error = str(exc)
-                return False
-            up[side] = vs
-        else:
-            up[side] = ServerProcess(list(our_args[side])).start()
-        startups[side].append(time.monotonic() - t0)
-        return True
-
-    def stop(side: str) -> None:
-        srv = up.pop(side, None)
-        if srv is None:
-            return
-        code = srv.stop()
-        if side != "vllm" and our_exit.get(side) in (None, 0):  # the first failing exit stays
-            our_exit[side] = code
-        if side != "vllm" and our_paths.get(side) is None:
-            our_paths[side] = next((p for p in map(parse_paths_line, srv.log) if p), None)
-
-    def run_one(side: str, load: LoadConfig, rss: bool) -> Optional[dict]:
-        """One load on ``side``; None (and vLLM's error recorded) when vLLM failed."""
-        nonlocal vllm_error
-        srv = up[side]
-        idle = [v.pid for k, v in up.items() if k != side and v.pid is not None]
-        used_mem = host_memory_used_bytes()
-        idle0 = [tree_cpu_seconds(p) for p in idle]
-        paused = [p for p in idle if pause_idle and signal_tree(p, signal.SIGSTOP) > 0]
-        try:
-            out = run_load(drive(srv.url, load, rss_pid=srv.pid if rss else None))
-        except Exception as exc:  # noqa: BLE001
-            if side != "vllm":
-                raise
-            vllm_error = (f"the load failed on vllm serve: {type(exc).__name__}: {exc}\n"
-                          f"{vs.log_tail(30)}")
-            stop("vllm")
-            return None
-        finally:
-            for p in paused:
-                signal_tree(p, signal.SIGCONT)
-        idle1 = [tree_cpu_seconds(p) for p in idle]
-        used = [b - a for a, b in zip(idle0, idle1) if a is not None and b is not None]
-        out["resident_servers"] = 1 + len(idle)
-        out["host_memory_used_bytes_start"] = used_mem
-        out["idle_server_cpu_s"] = sum(used) if idle else None
-        out["idle_server_paused"] = bool(idle) and len(paused) == len(idle)
-        return out
-
-    def warm_up(side: str) -> None:
-        """The warm-up load on ``side`` (when there is one), then ``settle_s``."""
-        if warm is None:
-            return
-        w = run_one(side, warm, rss=False)
-        if w is not None:
-            warmups[side].append(w)
-        time.sleep(settle_s)
-
-    def measure(side: str, i: int, load: LoadConfig) -> None:
-        out = run_one(side, load, rss=True)
-        if out is not None:
-            out["round"] = i
-            runs[side].append(out)
-
+    cmp = _Comparison(sides, our_args, new_vllm, warm, settle_s, pause_idle)
     try:
         if residency == "shared":
-            for side in sides:  # one at a time, each idle while the next starts
-                start(side)
-            for side in sides:
-                if side in up:
-                    warm_up(side)
-            for i, load in enumerate(loads):
-                for side in round_order(sides, i, order):
-                    if side in up:
-                        measure(side, i, load)
-                        time.sleep(settle_s)
+            cmp.run_shared(loads, order)
         else:
-            for i, load in enumerate(loads):
-                for side in round_order(sides, i, order):
-                    if side == "vllm" and vllm_error is not None or not start(side):
-                        continue
-                    try:
-                        warm_up(side)
-                        if side in up:
-                            measure(side, i, load)
-                    finally:
-                        stop(side)
-                    time.sleep(settle_s)
+            cmp.run_exclusive(loads, order)
     finally:
-        for side in list(up):
-            stop(side)
-        vs.stop()
-    summary = {side: summarize(runs[side]) for side in sides}
-    for side in sides:
-        summary[side]["warmup"] = warmups[side][0] if warmups[side] else None
-        summary[side]["startups"] = len(startups[side])
-        summary[side]["startup_s_median"] = _median(startups[side])
-    b = summary["vllm"]
-    b["server"] = " ".join(vs.args) if vs.url else None
-    b["env"] = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(int(kv_space_gib)),
-                **(vllm_env or {})}
-    b["kv_reserved_bytes"] = int(kv_space_gib) << 30
-    if vllm_error is not None:
-        b["error"] = vllm_error
-    for side in our_args:
-        summary[side]["server_exit_code"] = our_exit.get(side)
-        summary[side]["compute_paths"] = our_paths.get(side)
-        summary[side]["server"] = "xllm-vmm serve " + " ".join(our_args[side])
+        cmp.close()
+    summary = cmp.summary(kv_space_gib, vllm_env)
     out = {
         "num_prompts": cfg.num_prompts, "input_len": cfg.input_len,
         "range_ratio": cfg.range_ratio, "output_len": cfg.output_len,
@@ -503,7 +538,8 @@ def compare(cfg: LoadConfig, serve_args: list[str], vllm_venv: str, *, rounds: i
     }
     for side, suffix in (("xllm_vmm", ""), ("xllm_vmm_vmm_weights", "_vmm_weights")):
         if side in summary:
-            out.update(_ratios(summary[side], b, runs[side], runs["vllm"], suffix))
+            out.update(_ratios(summary[side], summary["vllm"], cmp.runs[side], cmp.runs["vllm"],
+                               suffix))
     return out
 
 

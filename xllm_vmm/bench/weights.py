@@ -299,23 +299,13 @@ def _fill_kv(kv, blocks: int, n: int) -> None:
     kv.free(rid)
 
 
-def measure(driver, model: Path, *, repeats: int, cycles: int, kv_bytes: int = 0) -> dict[str, Any]:
-    """Every figure of the module docstring for ``model`` on ``driver`` (flat results)."""
-    from xllm_vmm.pool import BudgetConfig, VmmPool
-    from xllm_vmm.weights import SleepController, load_weights
-    from xllm_vmm.weights.checkpoint import read_checkpoint
+def _time_loads(model: Path, pool, repeats: int) -> tuple[list[float], list[float], bool, Any]:
+    """Cold loads (page cache dropped before each) and warm loads of ``model`` into ``pool``,
+    ``repeats`` of each after one untimed first load: ``(cold, warm, dropped, weights)`` —
+    ``dropped`` whether every drop worked, ``weights`` the last warm load, left open."""
+    from xllm_vmm.weights import load_weights
 
-    ckpt = read_checkpoint(model)
-    nbytes = ckpt.nbytes
-    page = driver.granularity
-    kv_layout, kv_blocks = _kv_layout(kv_bytes, page) if kv_bytes > 0 else (None, 0)
-    kv_pages = -(-(kv_blocks + 1) // 4) * _KV_TENSORS if kv_bytes > 0 else 0
-    arena = (-(-nbytes // page) + 4 + len(ckpt.entries) + kv_pages + 2 * _KV_TENSORS) * page
-    free = driver.mem_info().free
-    check_fits(arena, free, option="--size", value=nbytes, what="the weights' (and KV) pages")
-    pool = VmmPool(driver, BudgetConfig(execution_peak_bytes=0), arena)
-    host = driver.name == "host"
-    w = child = kv = None
+    w = None
     try:
         # an untimed first load: first use of the memory (a fresh hugetlb pool is slow once)
         load_weights(model, pool=pool).close()
@@ -339,83 +329,134 @@ def measure(driver, model: Path, *, repeats: int, cycles: int, kv_bytes: int = 0
                 w.close()
                 w = None
                 gc.collect()
-        want = _digest(w)
-        device_bytes = w.device_bytes
-        huge = min(1.0, _huge_mapped_bytes() / device_bytes) if host else None
-        sleeps, wakes, fractions, copies = [], [], [], []
-        for _ in range(repeats):
-            copies.append(_memcpy_seconds(w, driver))
-            held, dev_free = _held_host_memory(), driver.mem_info().free
-            r = w.sleep(1)
-            sleeps.append(r)
-            if host:
-                fractions.append((held - _held_host_memory()) / nbytes)
-            else:
-                fractions.append((driver.mem_info().free - dev_free) / nbytes)
-            wakes.append(w.wake_up())
-        deep = []
-        for _ in range(repeats):
-            w.sleep(2)
-            drop_page_cache(model)
-            deep.append(w.wake_up().seconds)
-        engine: dict[str, Any] = {}
-        if kv_layout is not None:
-            from xllm_vmm.kvcache import build_kv_cache_manager
+    except BaseException:
+        if w is not None:
+            w.close()
+        raise
+    return cold, warm, dropped, w
 
-            kv = build_kv_cache_manager(pool, kv_layout, enable_prefix_cache=True,
-                                        max_tokens=(kv_blocks + 1) * _KV_BLOCK_TOKENS,
-                                        compact=False)
-            ctl = SleepController(w, [kv])
-            esleeps, ewakes = [], []
-            for i in range(repeats):
-                _fill_kv(kv, kv_blocks, i)
-                esleeps.append(ctl.sleep(1))
-                ewakes.append(ctl.wake_up())
-            best = _best(esleeps)
-            gib_all = (nbytes + best.tenants_bytes_freed) / _GiB
-            engine = {
-                "kv_bytes": best.tenants_bytes_freed,
-                "engine_light_sleep_seconds": best.seconds,
-                "engine_light_sleep_seconds_median": statistics.median(r.seconds for r in esleeps),
-                "engine_light_sleep_ms_per_gib": best.seconds * 1000 / gib_all,
-                "engine_kv_sleep_seconds": best.phases.get("tenants", 0.0),
-                "engine_bytes_freed": best.bytes_freed,
-                "engine_wakeup_seconds": min(r.seconds for r in ewakes),
-            }
-            kv.close()
-            kv = None
-        # fork
-        held, host_copy, shmem = pool.held_bytes, w.host_copy_bytes, _held_host_memory()
-        child = w.fork()
+
+def _time_sleeps(w, driver, model: Path, nbytes: int, repeats: int, host: bool
+                 ) -> tuple[list, list, list[float], list[float], list[float]]:
+    """``(light sleeps, their wakeups, released fractions, memcpy seconds, deep wakeup
+    seconds)``, ``repeats`` of each: a memcpy of the weights' bytes before every light sleep;
+    the released fraction from the host's held memory (host driver) or the device's free
+    memory; deep wakeups with the page cache dropped."""
+    sleeps, wakes, fractions, copies = [], [], [], []
+    for _ in range(repeats):
+        copies.append(_memcpy_seconds(w, driver))
+        held, dev_free = _held_host_memory(), driver.mem_info().free
+        r = w.sleep(1)
+        sleeps.append(r)
+        if host:
+            fractions.append((held - _held_host_memory()) / nbytes)
+        else:
+            fractions.append((driver.mem_info().free - dev_free) / nbytes)
+        wakes.append(w.wake_up())
+    deep = []
+    for _ in range(repeats):
+        w.sleep(2)
+        drop_page_cache(model)
+        deep.append(w.wake_up().seconds)
+    return sleeps, wakes, fractions, copies, deep
+
+
+def _engine_sleep_figures(pool, w, kv_layout, kv_blocks: int, nbytes: int,
+                          repeats: int) -> dict[str, Any]:
+    """The ``engine_*`` figures: the weights slept and woken together with a KV cache of
+    ``kv_blocks`` prefix-cached blocks (one :class:`~xllm_vmm.weights.SleepController`)."""
+    from xllm_vmm.kvcache import build_kv_cache_manager
+    from xllm_vmm.weights import SleepController
+
+    kv = build_kv_cache_manager(pool, kv_layout, enable_prefix_cache=True,
+                                max_tokens=(kv_blocks + 1) * _KV_BLOCK_TOKENS, compact=False)
+    try:
+        ctl = SleepController(w, [kv])
+        esleeps, ewakes = [], []
+        for i in range(repeats):
+            _fill_kv(kv, kv_blocks, i)
+            esleeps.append(ctl.sleep(1))
+            ewakes.append(ctl.wake_up())
+    finally:
+        kv.close()
+    best = _best(esleeps)
+    gib_all = (nbytes + best.tenants_bytes_freed) / _GiB
+    return {
+        "kv_bytes": best.tenants_bytes_freed,
+        "engine_light_sleep_seconds": best.seconds,
+        "engine_light_sleep_seconds_median": statistics.median(r.seconds for r in esleeps),
+        "engine_light_sleep_ms_per_gib": best.seconds * 1000 / gib_all,
+        "engine_kv_sleep_seconds": best.phases.get("tenants", 0.0),
+        "engine_bytes_freed": best.bytes_freed,
+        "engine_wakeup_seconds": min(r.seconds for r in ewakes),
+    }
+
+
+def _fork_extra_bytes(pool, w, host: bool) -> int:
+    """What a fork of the weights adds: pool bytes, host copies and (host driver) host memory."""
+    held, host_copy, shmem = pool.held_bytes, w.host_copy_bytes, _held_host_memory()
+    child = w.fork()
+    try:
         fork_extra = (pool.held_bytes - held) + (child.host_copy_bytes - host_copy)
         if host:
             fork_extra += _held_host_memory() - shmem
+    finally:
         child.close()
-        child = None
-        # cycles
-        for level in (1, 2):
-            w.sleep(level)
-            w.wake_up()
-        gc.collect()
+    return fork_extra
 
-        def snap():
-            return (pool.held_bytes + w.host_copy_bytes + _held_host_memory(),
-                    _count("/proc/self/fd"), _count("/proc/self/maps"), _status("VmRSS"))
 
-        before = snap()
-        for i in range(cycles):
-            w.sleep(2 if i % 4 == 3 else 1)  # every fourth cycle deep (a reload from the files)
-            w.wake_up()
-        gc.collect()
-        after = snap()
+def _cycle_snapshots(pool, w, cycles: int) -> tuple[tuple, tuple]:
+    """``(before, after)`` ``cycles`` sleep/wake cycles (every fourth deep), after one cycle
+    of each level first: held bytes, open files, mappings and resident bytes."""
+    for level in (1, 2):
+        w.sleep(level)
+        w.wake_up()
+    gc.collect()
+
+    def snap():
+        return (pool.held_bytes + w.host_copy_bytes + _held_host_memory(),
+                _count("/proc/self/fd"), _count("/proc/self/maps"), _status("VmRSS"))
+
+    before = snap()
+    for i in range(cycles):
+        w.sleep(2 if i % 4 == 3 else 1)  # every fourth cycle deep (a reload from the files)
+        w.wake_up()
+    gc.collect()
+    return before, snap()
+
+
+def measure(driver, model: Path, *, repeats: int, cycles: int, kv_bytes: int = 0) -> dict[str, Any]:
+    """Every figure of the module docstring for ``model`` on ``driver`` (flat results)."""
+    from xllm_vmm.pool import BudgetConfig, VmmPool
+    from xllm_vmm.weights.checkpoint import read_checkpoint
+
+    ckpt = read_checkpoint(model)
+    nbytes = ckpt.nbytes
+    page = driver.granularity
+    kv_layout, kv_blocks = _kv_layout(kv_bytes, page) if kv_bytes > 0 else (None, 0)
+    kv_pages = -(-(kv_blocks + 1) // 4) * _KV_TENSORS if kv_bytes > 0 else 0
+    arena = (-(-nbytes // page) + 4 + len(ckpt.entries) + kv_pages + 2 * _KV_TENSORS) * page
+    free = driver.mem_info().free
+    check_fits(arena, free, option="--size", value=nbytes, what="the weights' (and KV) pages")
+    pool = VmmPool(driver, BudgetConfig(execution_peak_bytes=0), arena)
+    host = driver.name == "host"
+    w = None
+    try:
+        cold, warm, dropped, w = _time_loads(model, pool, repeats)
+        want = _digest(w)
+        device_bytes = w.device_bytes
+        huge = min(1.0, _huge_mapped_bytes() / device_bytes) if host else None
+        sleeps, wakes, fractions, copies, deep = _time_sleeps(w, driver, model, nbytes,
+                                                              repeats, host)
+        engine = ({} if kv_layout is None else
+                  _engine_sleep_figures(pool, w, kv_layout, kv_blocks, nbytes, repeats))
+        fork_extra = _fork_extra_bytes(pool, w, host)
+        before, after = _cycle_snapshots(pool, w, cycles)
         identical = _digest(w) == want
     finally:
-        if kv is not None:
-            kv.close()
-        for x in (child, w):
-            if x is not None:
-                x.close()
-        w = child = None
+        if w is not None:
+            w.close()
+        w = None
         gc.collect()
         pool.close()
     load, load_med = _summary(cold)

@@ -1,163 +1,33 @@
 """``xllm-vmm bench ...``: benchmarks that print ratios against a baseline run in the same
 process. Each subcommand calls a function in :mod:`xllm_vmm.bench` that returns a flat dict of
-results; this module only formats it (``--format table`` or ``json``)."""
+results; this module only checks the options and formats the results
+(:mod:`xllm_vmm.cli.bench_common`: ``--format table`` or ``json``).
+
+Subcommands here: map/copy (device layer), kvcache (virtual KV cache), prefix (prefix cache
+and host tier), weights, engine, serve; ``spec`` and ``attention`` are in their own modules."""
 
 from __future__ import annotations
 
-import json
-from enum import Enum
-from typing import Any
+from typing import Optional
 
 import typer
 
-from xllm_vmm.cli.app import app
-
-bench_app = typer.Typer(help="Benchmarks (ratios against a baseline measured in the same run).",
-                        no_args_is_help=True)
-app.add_typer(bench_app, name="bench")
-
-
-class OutputFormat(str, Enum):
-    table = "table"
-    json = "json"
-
-
-#: The targets of docs/benchmarks.md, by result field: (comparison, value). The table says
-#: whether each holds; JSON output is the bare results.
-TARGETS: dict[str, tuple[str, float]] = {
-    "batched_vs_raw_ratio": ("<=", 1.2), "python_overhead_us_per_page": ("<=", 1.0),
-    "copy_vs_memcpy_ratio": (">=", 0.8), "alloc_vs_freelist_ratio": (">=", 0.6),
-    "manager_cycle_vs_freelist_ratio": (">=", 0.6), "cost_growth_4096_vs_64": ("<=", 1.1),
-    "batched_vs_coalesced_ratio": ("<=", 1.5), "restore_vs_memcpy_ratio": (">=", 0.8),
-    "peak_footprint_ratio": ("<=", 1.1), "idle_footprint_ratio": ("<=", 1.15),
-    "hash_vs_sha256_ratio": (">=", 2.0), "host_hit_rate_gain": (">", 0.0),
-    "bytes_freed_per_eviction_ratio": (">", 1.0), "wakeup_vs_reload_ratio": ("<=", 0.5),
-    "sleep_released_fraction": (">=", 0.99), "fork_extra_weight_bytes": ("<=", 0),
-    "cycle_growth_bytes": ("<=", 0), "light_sleep_ms_per_gib": ("<=", 10.0),
-    "vs_vllm_throughput_ratio": (">=", 1.0), "vs_vllm_ttft_ratio": ("<=", 1.0),
-    "vs_vllm_tpot_ratio": ("<=", 1.0),
-}
-
-#: Units by field-name ending (the longest ending that matches wins).
-_UNITS = (("_us_per_page", "µs/page"), ("_us_1k", "µs"), ("_us_1m", "µs"), ("_us", "µs"),
-          ("_ms", "ms"), ("_seconds", "s"), ("_s", "s"), ("_bytes", "bytes"), ("_gbps", "GB/s"),
-          ("_per_s", "/s"), ("_ratio", "×"), ("_fraction", "fraction"), ("_rate", "fraction"),
-          ("_gain", "fraction"), ("_pct", "%"), ("_blocks", "blocks"), ("_pages", "pages"),
-          ("_tokens", "tokens"))
-
-
-def unit_of(field: str) -> str:
-    """The unit of a result field from its name (``batched_us_per_page`` → ``µs/page``)."""
-    for end, unit in _UNITS:
-        if field.endswith(end):
-            return unit
-    return ""
-
-
-def plain(value: Any) -> str:
-    """A number as plain digits, never in exponent notation: integers with thousands
-    separators, floats with four significant digits (``1,976,000``, ``0.0001234``)."""
-    import math
-
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return str(value)
-    if isinstance(value, int):
-        return f"{value:,}"
-    if not math.isfinite(value):
-        return str(value)
-    if value == 0:
-        return "0"
-    digits = max(0, 3 - math.floor(math.log10(abs(value))))
-    text = f"{value:,.{min(digits, 12)}f}"
-    return text.rstrip("0").rstrip(".") if "." in text else text
-
-
-def target_text(field: str, value: Any) -> tuple[str, str]:
-    """(the target, whether it holds: ``yes``/``no``) of ``field``, or ``("", "")``."""
-    if field not in TARGETS or isinstance(value, bool) or not isinstance(value, (int, float)):
-        return "", ""
-    op, goal = TARGETS[field]
-    holds = {"<=": value <= goal, ">=": value >= goal, ">": value > goal, "<": value < goal}[op]
-    shown = {"<=": "≤", ">=": "≥", ">": ">", "<": "<"}[op]
-    return f"{shown} {goal:g}", "yes" if holds else "no"
-
-
-def emit(title: str, results: dict[str, Any], fmt: OutputFormat) -> None:
-    """Print one benchmark's results as a rich table (metric, value in plain numbers, unit,
-    target and whether it holds) or as JSON on stdout."""
-    if fmt is OutputFormat.json:
-        typer.echo(json.dumps(results, indent=2, sort_keys=True, default=str))
-        return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title)
-    table.add_column("metric")
-    table.add_column("value", justify="right", no_wrap=True)
-    table.add_column("unit")
-    table.add_column("target", no_wrap=True)
-    table.add_column("holds")
-    for key, value in results.items():
-        goal, holds = target_text(key, value)
-        table.add_row(key, plain(value), unit_of(key) if isinstance(value, (int, float))
-                      and not isinstance(value, bool) else "", goal, holds)
-    Console().print(table)
-
-
-# Subcommands: map/copy (device layer), kvcache (virtual KV cache), prefix (prefix cache).
-# Every option is range-checked here or by the benchmark before anything is allocated; a size
-# that does not fit in memory, a driver error or a failed run is a one-line error, never a
-# traceback: exit code 2 for a bad option (or a size that does not fit), 1 for a failed run.
-
-
-from typing import Callable, Optional, TypeVar  # noqa: E402  (subcommands below)
-
-_T = TypeVar("_T")
-
-
-def _fail(code: int, message: str) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(code)
-
-
-def _check(option: str, value: float, low: float, high: float) -> None:
-    """Exit 2 unless ``low <= value <= high`` and finite (typer's own ranges let NaN pass)."""
-    from xllm_vmm.bench.limits import check_range
-
-    try:
-        check_range(option, value, low, high)
-    except ValueError as exc:
-        raise _fail(2, str(exc)) from None
-
-
-def _run(label: str, fn: Callable[[], _T]) -> _T:
-    """Runs a benchmark: an option the benchmark refuses (ValueError, incl. a size that does
-    not fit) exits 2; a driver error or a failed run exits 1; both with one line."""
-    from xllm_vmm.vmm import VmmError
-
-    try:
-        return fn()
-    except ValueError as exc:
-        raise _fail(2, f"{label}: {exc}") from None
-    except (VmmError, RuntimeError, MemoryError, OSError, ImportError) as exc:
-        raise _fail(1, f"{label} failed: {exc}") from None
-
-
-def _open_bench_driver(device: str, device_index: int, acl_library: Optional[str]):
-    """Opens the driver for ``--device``, turning an unavailable device into a clear exit."""
-    from xllm_vmm.vmm import DRIVER_KINDS, VmmError, open_driver
-
-    if device.lower() not in DRIVER_KINDS:
-        raise _fail(2, f"--device {device!r} is not one of {', '.join(sorted(DRIVER_KINDS))}")
-    try:
-        return open_driver(device, device_index=device_index, library=acl_library)
-    except VmmError as exc:
-        raise _fail(1, f"--device {device}: {exc}") from None
-
-
-_DEVICE_HELP = "Driver: cpu/host (memfd+mmap), npu/acl, cuda."
-_ACL_HELP = "ACL library for --device npu ('emulation' = the bundled emulation); default $XLLM_VMM_ACL_LIBRARY or libascendcl.so."
-_MAX_REPEATS = 100
+from xllm_vmm.cli.bench_common import (  # noqa: F401  (emit, plain, unit_of, target_text: the table, re-exported)
+    ACL_HELP,
+    DEVICE_HELP,
+    MAX_REPEATS,
+    TARGETS,
+    OutputFormat,
+    bench_app,
+    check,
+    emit,
+    fail,
+    plain,
+    run_bench,
+    run_on_driver,
+    target_text,
+    unit_of,
+)
 
 
 @bench_app.command(
@@ -167,7 +37,7 @@ _MAX_REPEATS = 100
         'system-call loop (fields batched_vs_raw_ratio, python_overhead_us_per_page); on the host'
         ' driver also with populated mappings, and map + first write with and without populating.'))
 def bench_map(
-    device: str = typer.Option("cpu", "--device", help=_DEVICE_HELP),
+    device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
     device_index: int = typer.Option(0, "--device-index", min=0, help="Device number."),
     pages: int = typer.Option(64, "--pages", help="2 MiB pages mapped per batch (must fit in "
                                                   "free memory twice on the host driver)."),
@@ -182,23 +52,19 @@ def bench_map(
     hugepages_setup: bool = typer.Option(True, "--hugepages-setup/--no-hugepages-setup",
                                          help="Host driver, root: turn huge pages on for the "
                                               "release measurement and restore the settings."),
-    acl_library: Optional[str] = typer.Option(None, "--acl-library", help=_ACL_HELP),
+    acl_library: Optional[str] = typer.Option(None, "--acl-library", help=ACL_HELP),
     fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f", help="table or json."),
 ) -> None:
     from xllm_vmm.bench import map as map_bench
 
-    _check("--pages", pages, 1, 1 << 30)
-    _check("--rounds", rounds, 1, 100_000)
-    _check("--repeats", repeats, 1, _MAX_REPEATS)
-    _check("--release-pages", release_pages, 0, 1 << 20)
-    driver = _open_bench_driver(device, device_index, acl_library)
-    try:
-        results = _run("bench map", lambda: map_bench.run(
-            driver, pages=pages, rounds=rounds, repeats=repeats, release_pages=release_pages,
-            hugepages_setup=hugepages_setup))
-    finally:
-        driver.close()
-    emit("bench map (µs per page, map+unmap)", results, fmt)
+    check("--pages", pages, 1, 1 << 30)
+    check("--rounds", rounds, 1, 100_000)
+    check("--repeats", repeats, 1, MAX_REPEATS)
+    check("--release-pages", release_pages, 0, 1 << 20)
+    run_on_driver("bench map", "bench map (µs per page, map+unmap)", fmt, device, device_index,
+                  acl_library, lambda driver: map_bench.run(
+                      driver, pages=pages, rounds=rounds, repeats=repeats,
+                      release_pages=release_pages, hugepages_setup=hugepages_setup))
 
 
 @bench_app.command(
@@ -207,7 +73,7 @@ def bench_map(
         'Gather/scatter of scattered blocks vs one plain memcpy of the same bytes (field '
         'copy_vs_memcpy_ratio).'))
 def bench_copy(
-    device: str = typer.Option("cpu", "--device", help=_DEVICE_HELP),
+    device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
     device_index: int = typer.Option(0, "--device-index", min=0, help="Device number."),
     blocks: int = typer.Option(128, "--blocks", help="Blocks per batch, one per 2 MiB page "
                                                      "(pages and a host buffer must fit in "
@@ -215,20 +81,16 @@ def bench_copy(
     min_block: int = typer.Option(64 * 1024, "--min-block", help="Smallest block, bytes."),
     max_block: int = typer.Option(2 * 1024 * 1024, "--max-block", help="Largest block, bytes (≤ 2 MiB)."),
     repeats: int = typer.Option(5, "--repeats", help="Measurements; the best is kept (1 to 100)."),
-    acl_library: Optional[str] = typer.Option(None, "--acl-library", help=_ACL_HELP),
+    acl_library: Optional[str] = typer.Option(None, "--acl-library", help=ACL_HELP),
     fmt: OutputFormat = typer.Option(OutputFormat.table, "--format", "-f", help="table or json."),
 ) -> None:
     from xllm_vmm.bench import copy as copy_bench
 
-    _check("--blocks", blocks, 1, 1 << 30)
-    _check("--repeats", repeats, 1, _MAX_REPEATS)
-    driver = _open_bench_driver(device, device_index, acl_library)
-    try:
-        results = _run("bench copy", lambda: copy_bench.run(
-            driver, blocks=blocks, min_block=min_block, max_block=max_block, repeats=repeats))
-    finally:
-        driver.close()
-    emit("bench copy (GB/s)", results, fmt)
+    check("--blocks", blocks, 1, 1 << 30)
+    check("--repeats", repeats, 1, MAX_REPEATS)
+    run_on_driver("bench copy", "bench copy (GB/s)", fmt, device, device_index, acl_library,
+                  lambda driver: copy_bench.run(driver, blocks=blocks, min_block=min_block,
+                                                max_block=max_block, repeats=repeats))
 
 
 @bench_app.command(
@@ -273,25 +135,25 @@ def bench_kvcache(
     from xllm_vmm.bench.kvcache import MAX_BLOCK_SIZE, KvBenchConfig, run_kvcache_bench
 
     if driver not in ("sim", "host"):
-        raise _fail(2, f"--driver must be 'sim' or 'host', got {driver!r}")
-    _check("--sequences", sequences, 1, 16384)
-    _check("--layers", layers, 1, 512)
-    _check("--block-size", block_size, 1, MAX_BLOCK_SIZE)
-    _check("--repeats", repeats, 1, _MAX_REPEATS)
-    _check("--seed", seed, 0, 2 ** 63 - 1)
+        raise fail(2, f"--driver must be 'sim' or 'host', got {driver!r}")
+    check("--sequences", sequences, 1, 16384)
+    check("--layers", layers, 1, 512)
+    check("--block-size", block_size, 1, MAX_BLOCK_SIZE)
+    check("--repeats", repeats, 1, MAX_REPEATS)
+    check("--seed", seed, 0, 2 ** 63 - 1)
     if not 0.0 < long_fraction < 1.0:  # NaN fails this too
-        raise _fail(2, f"--long-fraction must be in (0, 1), got {long_fraction}")
+        raise fail(2, f"--long-fraction must be in (0, 1), got {long_fraction}")
     if not 0.0 <= min_seconds <= 60.0:  # NaN fails this too
-        raise _fail(2, f"--min-seconds must be in [0, 60], got {min_seconds}")
-    _check("--cycle-requests", cycle_requests, 1, 1 << 20)
-    _check("--growth-requests", growth_requests, 1, 1 << 20)
-    _check("--full-pool-requests", full_pool_requests, 0, 1 << 20)
+        raise fail(2, f"--min-seconds must be in [0, 60], got {min_seconds}")
+    check("--cycle-requests", cycle_requests, 1, 1 << 20)
+    check("--growth-requests", growth_requests, 1, 1 << 20)
+    check("--full-pool-requests", full_pool_requests, 0, 1 << 20)
     cfg = KvBenchConfig(full_pool_requests=full_pool_requests,
                         sequences=sequences, layers=layers, block_size=block_size,
                         long_fraction=long_fraction, driver=driver, seed=seed, repeats=repeats,
                         min_seconds=min_seconds, cycle_requests=cycle_requests,
                         growth_requests=growth_requests)
-    emit("bench kvcache", _run(f"bench kvcache --driver {driver}",
+    emit("bench kvcache", run_bench(f"bench kvcache --driver {driver}",
                                lambda: run_kvcache_bench(cfg)), fmt)
 
 
@@ -325,26 +187,26 @@ def bench_prefix(
     from xllm_vmm.bench.prefix import PrefixBenchConfig, run_prefix_bench
 
     if driver not in ("host", "acl-emu"):
-        raise _fail(2, f"--driver must be 'host' or 'acl-emu', got {driver!r}")
-    _check("--block-size", block_size, 1, 1024)
+        raise fail(2, f"--driver must be 'host' or 'acl-emu', got {driver!r}")
+    check("--block-size", block_size, 1, 1024)
     for name, value, least, most in (("--hash-tokens", hash_tokens, block_size, 1 << 23),
                                      ("--lookup-blocks", lookup_blocks, 1024, 1 << 22),
                                      ("--requests", requests, 1, 1000),
                                      ("--system-prompts", system_prompts, 1, 256),
                                      ("--seed", seed, 0, 2 ** 63 - 1)):
         if value < least:
-            raise _fail(2, f"{name} must be >= {least}, got {value}")
-        _check(name, value, least, most)
+            raise fail(2, f"{name} must be >= {least}, got {value}")
+        check(name, value, least, most)
     if not host_blocks_factor > 1:  # NaN fails this too
-        raise _fail(2, f"--host-blocks-factor must be > 1 (the host tier is off at 1 or "
+        raise fail(2, f"--host-blocks-factor must be > 1 (the host tier is off at 1 or "
                        f"less, HK-03), got {host_blocks_factor}")
-    _check("--host-blocks-factor", host_blocks_factor, 1, 1024)
+    check("--host-blocks-factor", host_blocks_factor, 1, 1024)
     cfg = PrefixBenchConfig(driver=driver, block_size=block_size, hash_tokens=hash_tokens,
                             lookup_blocks=lookup_blocks, requests=requests,
                             system_prompts=system_prompts,
                             host_blocks_factor=host_blocks_factor, seed=seed,
                             populate=populate)
-    emit("bench prefix", _run(f"bench prefix --driver {driver}", lambda: run_prefix_bench(cfg)),
+    emit("bench prefix", run_bench(f"bench prefix --driver {driver}", lambda: run_prefix_bench(cfg)),
          fmt)
 
 
@@ -358,7 +220,7 @@ def bench_prefix(
         'sleep with a KV cache, deep_wakeup_seconds, fork_extra_weight_bytes, '
         'cycle_growth_bytes; on cpu once per huge-page backing (--hugepages).'))
 def bench_weights(
-    device: str = typer.Option("cpu", "--device", help=_DEVICE_HELP),
+    device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
     device_index: int = typer.Option(0, "--device-index", min=0, help="Device number."),
     size: str = typer.Option("1GiB", "--size", help="Bytes of the built checkpoint (1MiB to "
                                                     "1TiB; needs about 3 times that of host "
@@ -372,7 +234,7 @@ def bench_weights(
                                                      "best and the median are reported."),
     cycles: int = typer.Option(20, "--cycles", help="Sleep/wake cycles for cycle_growth_bytes "
                                                     "(1 to 10000)."),
-    acl_library: Optional[str] = typer.Option(None, "--acl-library", help=_ACL_HELP),
+    acl_library: Optional[str] = typer.Option(None, "--acl-library", help=ACL_HELP),
     hugepages: str = typer.Option("hugetlb,thp,off", "--hugepages",
                                   help="cpu: backings to measure, comma-separated, of hugetlb, "
                                        "thp, off, auto (the first gives the top-level fields; "
@@ -389,33 +251,29 @@ def bench_weights(
     try:
         size_bytes = parse_size(size)
     except ValueError:
-        raise _fail(2, f"--size {size!r} is not a size (e.g. 1GiB, 512MiB)") from None
-    _check("--size", size_bytes, 1 << 20, 1 << 40)
-    _check("--shards", shards, 1, 1024)
-    _check("--repeats", repeats, 1, _MAX_REPEATS)
-    _check("--cycles", cycles, 1, 10_000)
+        raise fail(2, f"--size {size!r} is not a size (e.g. 1GiB, 512MiB)") from None
+    check("--size", size_bytes, 1 << 20, 1 << 40)
+    check("--shards", shards, 1, 1024)
+    check("--repeats", repeats, 1, MAX_REPEATS)
+    check("--cycles", cycles, 1, 10_000)
     try:
         kv_bytes = parse_size(kv_size)
         backings = weights_bench.parse_backings(hugepages)
     except ValueError as exc:
-        raise _fail(2, str(exc) if "--hugepages" in str(exc)
+        raise fail(2, str(exc) if "--hugepages" in str(exc)
                     else f"--kv-size {kv_size!r} is not a size (e.g. 256MiB, 0)") from None
-    _check("--kv-size", kv_bytes, 0, 1 << 40)
+    check("--kv-size", kv_bytes, 0, 1 << 40)
     opts = dict(size_bytes=size_bytes, shards=shards, dtype=dtype, repeats=repeats,
                 cycles=cycles, model_dir=model, kv_size=kv_bytes)
     from xllm_vmm.vmm import DRIVER_KINDS
 
     if DRIVER_KINDS.get(device.lower()) == "host":
-        results = _run("bench weights", lambda: weights_bench.run_host(
+        results = run_bench("bench weights", lambda: weights_bench.run_host(
             backings, device_index=device_index, **opts))
         emit("bench weights", results, fmt)
         return
-    driver = _open_bench_driver(device, device_index, acl_library)
-    try:
-        results = _run("bench weights", lambda: weights_bench.run(driver, **opts))
-    finally:
-        driver.close()
-    emit("bench weights", results, fmt)
+    run_on_driver("bench weights", "bench weights", fmt, device, device_index, acl_library,
+                  lambda driver: weights_bench.run(driver, **opts))
 
 
 @bench_app.command(
@@ -453,20 +311,20 @@ def bench_engine(
 ) -> None:
     from xllm_vmm.bench import engine as engine_bench
 
-    _check("--prompts", prompts, 1, 4096)
-    _check("--max-prompt", max_prompt, 1, 32768)
-    _check("--new-tokens", new_tokens, 1, 32768)
-    _check("--repeats", repeats, 1, _MAX_REPEATS)
-    _check("--layers", layers, 1, 64)
-    _check("--hidden", hidden, 64, 8192)
+    check("--prompts", prompts, 1, 4096)
+    check("--max-prompt", max_prompt, 1, 32768)
+    check("--new-tokens", new_tokens, 1, 32768)
+    check("--repeats", repeats, 1, MAX_REPEATS)
+    check("--layers", layers, 1, 64)
+    check("--hidden", hidden, 64, 8192)
     try:
         sizes = [int(x) for x in batch_sizes.split(",") if x.strip()]
     except ValueError:
-        raise _fail(2, f"--batch-sizes must be comma-separated integers, got {batch_sizes!r}") from None
+        raise fail(2, f"--batch-sizes must be comma-separated integers, got {batch_sizes!r}") from None
     from xllm_vmm.config import ConfigError
 
     try:
-        results = _run("bench engine", lambda: engine_bench.run(
+        results = run_bench("bench engine", lambda: engine_bench.run(
             model=model, prompts=prompts, min_prompt=min_prompt, max_prompt=max_prompt,
             new_tokens=new_tokens, hf_batch=hf_batch, batch_sizes=sizes,
             equal_prompt=equal_prompt, repeats=repeats, layers=layers, hidden=hidden,
@@ -474,7 +332,7 @@ def bench_engine(
             device_memory=device_memory, threads=threads, vllm_venv=vllm_venv,
             max_tokens_per_batch=max_tokens_per_batch, residency=residency))
     except ConfigError as exc:
-        raise _fail(2, f"bench engine: {exc}") from None
+        raise fail(2, f"bench engine: {exc}") from None
     emit("bench engine (output tokens/s)", results, fmt)
 
 
@@ -518,7 +376,7 @@ def bench_serve(
     try:
         cfg.check()
     except ValueError as exc:
-        raise _fail(2, str(exc)) from None
+        raise fail(2, str(exc)) from None
     args = None
     if url is None:
         args = serve_bench.serve_args(model, list(serve_arg), input_len, range_ratio, output_len)
@@ -526,29 +384,25 @@ def bench_serve(
         from xllm_vmm.bench import serve_replay
 
         if url is not None or vllm_venv is not None:
-            raise _fail(2, "--engine-only runs the engine in this process: drop --url and "
+            raise fail(2, "--engine-only runs the engine in this process: drop --url and "
                            "--vllm-venv")
-        emit("bench serve --engine-only", _run("bench serve", lambda: serve_replay.replay(
+        emit("bench serve --engine-only", run_bench("bench serve", lambda: serve_replay.replay(
             cfg, args)), fmt)
         return
     if vllm_venv is not None:
         from xllm_vmm.bench import serve_compare
 
         if url is not None:
-            raise _fail(2, "--vllm-venv starts both servers itself: drop --url")
+            raise fail(2, "--vllm-venv starts both servers itself: drop --url")
         try:
             env = serve_compare.parse_env(vllm_env)
         except ValueError as exc:
-            raise _fail(2, str(exc)) from None
-        out = _run("bench serve", lambda: serve_compare.compare(
+            raise fail(2, str(exc)) from None
+        out = run_bench("bench serve", lambda: serve_compare.compare(
             cfg, args, vllm_venv, rounds=rounds, kv_space_gib=vllm_kv_space,
             warmup_prompts=warmup_prompts, vllm_env=env, vmm_weights_side=vmm_weights_side,
             order=order, residency=residency))
         emit("bench serve: xllm-vmm vs vllm serve", out if fmt is OutputFormat.json
              else serve_compare.flat(out), fmt)
         return
-    emit("bench serve", _run("bench serve", lambda: serve_bench.run(cfg, serve_args=args, url=url)), fmt)
-
-from xllm_vmm.cli import bench_spec as _bench_spec  # noqa: E402,F401  (registers bench spec)
-from xllm_vmm.cli import bench_attention as _bench_attention  # noqa: E402,F401  (registers bench attention)
-from xllm_vmm.cli import bench_soak as _bench_soak  # noqa: E402,F401  (registers bench soak)
+    emit("bench serve", run_bench("bench serve", lambda: serve_bench.run(cfg, serve_args=args, url=url)), fmt)

@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from xllm_vmm.cli.bench import OutputFormat, _check, _run, bench_app, emit
+from xllm_vmm.cli.bench_common import OutputFormat, bench_app, check, emit, run_bench
 
 
 @bench_app.command(
@@ -49,17 +49,17 @@ def bench_attention(
     from xllm_vmm.bench import attention
 
     for b in batch:
-        _check("--batch", b, 1, 4096)
+        check("--batch", b, 1, 4096)
     for d in head_dim:
-        _check("--head-dim", d, 1, 512)
+        check("--head-dim", d, 1, 512)
     for t in threads:
-        _check("--threads", t, 1, 64)
-    _check("--repeats", repeats, 1, 100)
-    _check("--max-keys", max_keys, 1, 32768)
-    _check("--block-size", block_size, 1, 1024)
-    _check("--prefill-tokens", prefill_tokens, 1, 65536)
+        check("--threads", t, 1, 64)
+    check("--repeats", repeats, 1, 100)
+    check("--max-keys", max_keys, 1, 32768)
+    check("--block-size", block_size, 1, 1024)
+    check("--prefill-tokens", prefill_tokens, 1, 65536)
     prefill = [p for p in prefill if p != "none"]  # a bad case: ValueError, exit 2 (_run)
-    results = _run("bench attention", lambda: attention.run(
+    results = run_bench("bench attention", lambda: attention.run(
         batches=batch, head_dims=head_dim, threads=threads, dtypes=dtype, min_keys=min_keys,
         max_keys=max_keys, heads=heads, kv_heads=kv_heads, block_size=block_size,
         repeats=repeats, seed=seed, prefill=prefill, prefill_tokens=prefill_tokens,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import typer
 
-from xllm_vmm.cli.bench import OutputFormat, _fail, _run, bench_app, emit
+from xllm_vmm.cli.bench_common import OutputFormat, bench_app, emit, fail, run_bench
 
 
 @bench_app.command(
@@ -38,8 +38,8 @@ def bench_soak(
     try:
         cfg.check()
     except ValueError as exc:
-        raise _fail(2, str(exc)) from None
-    out = _run("bench soak", lambda: soak.run(cfg, serve_args=list(serve_arg)))
+        raise fail(2, str(exc)) from None
+    out = run_bench("bench soak", lambda: soak.run(cfg, serve_args=list(serve_arg)))
     emit("bench soak", out if fmt is OutputFormat.json else soak.flat(out), fmt)
     if not out["healthy"]:
         raise typer.Exit(1)

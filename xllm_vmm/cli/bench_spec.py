@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from xllm_vmm.cli.bench import OutputFormat, _check, _fail, _run, bench_app, emit
+from xllm_vmm.cli.bench_common import OutputFormat, bench_app, check, emit, fail, run_bench
 
 
 @bench_app.command(
@@ -39,19 +39,19 @@ def bench_spec(
     from xllm_vmm.bench import spec_decode
     from xllm_vmm.config import ConfigError
 
-    _check("--num-speculative-tokens", k, 1, 8)
-    _check("--prompts", prompts, 1, 256)
-    _check("--prompt-len", prompt_len, 1, 512)
-    _check("--new-tokens", new_tokens, 2, 1024)
-    _check("--repeats", repeats, 1, 100)
-    _check("--distill-steps", distill_steps, 1, 5000)
-    _check("--layers", layers, 2, 32)
+    check("--num-speculative-tokens", k, 1, 8)
+    check("--prompts", prompts, 1, 256)
+    check("--prompt-len", prompt_len, 1, 512)
+    check("--new-tokens", new_tokens, 2, 1024)
+    check("--repeats", repeats, 1, 100)
+    check("--distill-steps", distill_steps, 1, 5000)
+    check("--layers", layers, 2, 32)
     try:
-        results = _run("bench spec", lambda: spec_decode.run(
+        results = run_bench("bench spec", lambda: spec_decode.run(
             k=k, prompts=prompts, prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats,
             branch_scale=branch_scale, distill_steps=distill_steps, layers=layers,
             block_size=block_size,
             device_memory=device_memory, elastic=elastic, threads=threads, seed=seed))
     except ConfigError as exc:
-        raise _fail(2, f"bench spec: {exc}") from None
+        raise fail(2, f"bench spec: {exc}") from None
     emit("bench spec (MTP speculative decoding vs none)", results, fmt)

@@ -230,7 +230,7 @@ def run(argv: list[str], out: TextIO | None = None, err: TextIO | None = None,
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the fast path (``xllm-vmm check-config ...`` without Typer)."""
-    from xllm_vmm.cli import output_guard
+    from xllm_vmm.cli.guard import output_guard
 
     def _run() -> None:
         raise SystemExit(run(sys.argv[2:] if argv is None else argv))

@@ -19,7 +19,7 @@ from typing import List, Optional
 
 import typer
 
-from xllm_vmm.cli.app import app
+from xllm_vmm.cli.root import app
 
 
 class GenerateFormat(str, Enum):
@@ -119,7 +119,7 @@ def generate_command(
         if eng.is_demo:
             typer.echo("xllm-vmm generate: demo model (tiny and untrained: its text is word salad "
                        "from its corpus's bigrams; pass --model DIR or FILE.gguf for a real model)", err=True)
-        from xllm_vmm.engine.cpu_caps import paths_line
+        from xllm_vmm.engine.paths import paths_line
 
         typer.echo(f"xllm-vmm generate: {paths_line(eng.compute_paths())}", err=True)
         _run(eng, prompt, params, chat, system, fmt)

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from xllm_vmm.cli.app import app
+from xllm_vmm.cli.root import app
 
 models_app = typer.Typer(help="List the cached models; fetch the default one ahead of time.",
                          invoke_without_command=True, no_args_is_help=False)

@@ -21,7 +21,7 @@ from typing import Any, List, Optional
 
 import typer
 
-from xllm_vmm.cli.app import app
+from xllm_vmm.cli.root import app
 
 
 class PlanFormat(str, Enum):

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from xllm_vmm.cli.app import app
+from xllm_vmm.cli.root import app
 
 
 @app.command("schema")

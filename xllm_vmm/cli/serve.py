@@ -450,7 +450,7 @@ def _load_and_serve(cfg, opts, spec, result, r, environ, host, port, api_key, so
         out.write(f"accepted without effect in this engine ({len(ignored)}): "
                   f"{', '.join('--' + n for n in ignored)}\n")
     out.flush()
-    from xllm_vmm.engine.cpu_caps import paths_line
+    from xllm_vmm.engine.paths import paths_line
 
     out.write(paths_line(engine.compute_paths()) + "\n")  # chosen from this CPU (cpu_caps)
     out.write(engine.warm_up(warm_budget).line() + "\n")  # the row buckets' CPU products
@@ -543,7 +543,7 @@ def _leave(code: int) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    from xllm_vmm.cli import output_guard
+    from xllm_vmm.cli.guard import output_guard
 
     def _run() -> None:
         raise SystemExit(_leave(run(sys.argv[2:] if argv is None else argv)))
@@ -554,7 +554,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 # Registration on the Typer app (serve parses its own command line, like check-config).
 import typer  # noqa: E402
 
-from xllm_vmm.cli.app import app  # noqa: E402
+from xllm_vmm.cli.root import app  # noqa: E402
 
 
 @app.command(

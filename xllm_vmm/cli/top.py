@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import typer
 
-from xllm_vmm.cli.app import app
+from xllm_vmm.cli.root import app
 
 
 class OutputFormat(str, Enum):

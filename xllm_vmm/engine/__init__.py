@@ -18,7 +18,7 @@ _EXPORTS = {
     "StepInput": "xllm_vmm.engine.step",
     "StepOutput": "xllm_vmm.engine.step",
     "SamplingParams": "xllm_vmm.engine.sampling_params",
-    "RequestError": "xllm_vmm.engine.request",
+    "RequestError": "xllm_vmm.engine.request_error",
     "Request": "xllm_vmm.engine.request",
     "RequestStatus": "xllm_vmm.engine.request",
     "EngineOutput": "xllm_vmm.engine.output",

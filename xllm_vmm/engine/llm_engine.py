@@ -185,7 +185,7 @@ class LLMEngine:
         self._parent: dict[str, tuple[str, int]] = {}
         import logging
 
-        from xllm_vmm.engine.cpu_caps import paths_line
+        from xllm_vmm.engine.paths import paths_line
 
         logging.getLogger("xllm_vmm.engine").info(paths_line(self.compute_paths()))
         self._sleeper = None
@@ -400,13 +400,13 @@ class LLMEngine:
     def compute_paths(self) -> dict[str, str]:
         """Which compute path each part of this engine takes on this CPU (packed linear,
         bfloat16 compute, row buckets, native attention and layer ops:
-        :func:`xllm_vmm.engine.cpu_caps.compute_paths`); logged once at start-up, in bench
+        :func:`xllm_vmm.engine.paths.compute_paths`); logged once at start-up, in bench
         JSON."""
-        from xllm_vmm.engine import cpu_caps
+        from xllm_vmm.engine.paths import compute_paths
 
         model = getattr(self.worker, "model", None)
         runner = getattr(self.worker, "runner", None)
-        return cpu_caps.compute_paths(model, getattr(runner, "backend", None))
+        return compute_paths(model, getattr(runner, "backend", None))
 
     @property
     def sizing(self) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""A request's state on the driver side, and the error a bad request raises.
+"""A request's state on the driver side (and, re-exported, the error a bad request raises).
 
 A :class:`Request` is one sequence (a parallel sample of ``n`` is its own request, a *sibling*
 sharing the prompt). Its token list is ``prompt_token_ids + output_token_ids``;
@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from xllm_vmm.engine.request_error import RequestError
+
 if TYPE_CHECKING:  # pragma: no cover
     from xllm_vmm.engine.sampling_params import SamplingParams
 
@@ -26,15 +28,6 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
     """Id of parallel sample ``index`` of ``n``: the request id itself when ``n == 1``, else
     ``{request_id}#{index}``."""
     return request_id if n == 1 else f"{request_id}#{index}"
-
-
-class RequestError(ValueError):
-    """A request the engine refuses: ``param`` names the field, ``message`` says what to do."""
-
-    def __init__(self, *, param: str | None, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-        self.message = message
 
 
 class RequestStatus(enum.Enum):

@@ -1,6 +1,6 @@
 """Sampling parameters of one request, with vLLM's field names and meanings.
 
-Every bad value raises :class:`~xllm_vmm.engine.request.RequestError` naming the parameter
+Every bad value raises :class:`~xllm_vmm.engine.request_error.RequestError` naming the parameter
 (``param``) and what to do, never a bare traceback. No torch here (the server front imports it).
 
 Meanings (as vLLM's): ``temperature`` < 1e-5 is greedy (top_p/top_k/min_p then have no effect);
@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from xllm_vmm.engine.request import RequestError
+from xllm_vmm.engine.request_error import RequestError
 
 SAMPLING_EPS = 1e-5
 """Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``)."""

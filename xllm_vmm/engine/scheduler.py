@@ -183,13 +183,29 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self.mgr.step()
-        mgr = self.mgr
-        token_budget = self.max_tokens_per_batch
         chunks: list[ScheduledChunk] = []
         seqs: list[SeqChunk] = []  # the step's chunks, built in the same pass (chunk order)
         preempted: list[str] = []
         finished: list[Request] = []
+        token_budget = self._schedule_running(chunks, seqs, preempted, finished)
+        # a step that preempted admits nobody
+        admitted = ([] if preempted else
+                    self._admit_waiting(token_budget, chunks, seqs, finished))
 
+        step = None
+        if not chunks and self.has_unfinished() and self._copies_in_flight():
+            time.sleep(COPY_WAIT_S)  # what waits needs copies to end: do not spin on them
+        if chunks:
+            step = StepInput.build(seqs, self.block_size)
+        return SchedulerOutput(chunks, step, preempted, admitted, finished)
+
+    def _schedule_running(self, chunks: list[ScheduledChunk], seqs: list[SeqChunk],
+                          preempted: list[str], finished: list[Request]) -> int:
+        """The step's chunks of the running requests, oldest first, preempting from the tail
+        when the KV cache has no room (appended to ``chunks``/``seqs``, ``preempted`` and
+        ``finished``); returns the token budget left for admissions."""
+        mgr = self.mgr
+        token_budget = self.max_tokens_per_batch
         # the pass over running requests runs for every sequence of every step: the manager's
         # verbs and the budgets are locals, the request's counts read without properties, and
         # each chunk's two records (ScheduledChunk, SeqChunk) are made here, in one pass
@@ -247,72 +263,72 @@ class Scheduler:
             seqs.append(SeqChunk(rid, ids + spec if spec else ids, computed, got, sample))
             token_budget -= n + len(spec)
             i += 1
+        return token_budget
 
+    def _admit_waiting(self, token_budget: int, chunks: list[ScheduledChunk],
+                       seqs: list[SeqChunk], finished: list[Request]) -> list[str]:
+        """Admit waiting requests, first come first served, while the budget, the batch and
+        the KV cache have room (their first chunks appended to ``chunks``/``seqs``); returns
+        the admitted ids."""
+        mgr = self.mgr
         admitted: list[str] = []
-        if not preempted:
-            deferred: list[Request] = []
-            # the prefills under way (admitted ones join below): what a waiting request's
-            # next block may be computed by (one pass per step, not one per admission)
-            prefilling = ([r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
-                          if self.waiting and getattr(mgr, "prefix", None) is not None else [])
-            while (self.waiting and token_budget > 0
-                   and len(self.running) < self.max_seqs_per_batch):
-                req = self.waiting[0]
-                if req.parent_id is not None and self._sibling_prefilling(req):
-                    deferred.append(self.waiting.popleft())
+        deferred: list[Request] = []
+        # the prefills under way (admitted ones join below): what a waiting request's
+        # next block may be computed by (one pass per step, not one per admission)
+        prefilling = ([r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+                      if self.waiting and getattr(mgr, "prefix", None) is not None else [])
+        while (self.waiting and token_budget > 0
+               and len(self.running) < self.max_seqs_per_batch):
+            req = self.waiting[0]
+            if req.parent_id is not None and self._sibling_prefilling(req):
+                deferred.append(self.waiting.popleft())
+                continue
+            rid = req.request_id
+            tokens = req.all_token_ids
+            hit = mgr.lookup(rid, tokens, cache_salt=req.cache_salt)
+            computed = hit.num_tokens
+            if prefilling and self._prefix_being_filled(req, computed, prefilling):
+                mgr.drop(rid)  # its next block is computed now: share it once published
+                deferred.append(self.waiting.popleft())
+                continue
+            n = min(len(tokens) - computed, token_budget)
+            if (n < len(tokens) - computed and not self.enable_chunked_prefill
+                    and len(tokens) - computed <= self.max_tokens_per_batch):
+                mgr.drop(rid)  # waits for a step with room for all of it
+                break
+            got = mgr.allocate(rid, n, hit=hit, num_prompt_tokens=len(tokens))
+            if got is None:
+                mgr.drop(rid)
+                if not self.running and not chunks and not deferred and self._never_fits(req):
+                    self.waiting.popleft()
+                    self.capacity_finished += 1
+                    self._finish(req, RequestStatus.FINISHED_LENGTH)
+                    finished.append(req)
                     continue
-                rid = req.request_id
-                tokens = req.all_token_ids
-                hit = mgr.lookup(rid, tokens, cache_salt=req.cache_salt)
-                computed = hit.num_tokens
-                if prefilling and self._prefix_being_filled(req, computed, prefilling):
-                    mgr.drop(rid)  # its next block is computed now: share it once published
-                    deferred.append(self.waiting.popleft())
-                    continue
-                n = min(len(tokens) - computed, token_budget)
-                if (n < len(tokens) - computed and not self.enable_chunked_prefill
-                        and len(tokens) - computed <= self.max_tokens_per_batch):
-                    mgr.drop(rid)  # waits for a step with room for all of it
-                    break
-                got = mgr.allocate(rid, n, hit=hit, num_prompt_tokens=len(tokens))
-                if got is None:
-                    mgr.drop(rid)
-                    if not self.running and not chunks and not deferred and self._never_fits(req):
-                        self.waiting.popleft()
-                        self.capacity_finished += 1
-                        self._finish(req, RequestStatus.FINISHED_LENGTH)
-                        finished.append(req)
-                        continue
-                    break
-                self.waiting.popleft()
-                req.status = RequestStatus.RUNNING
-                req.admitted_order = next(self._order)
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = computed
-                    self.prompt_tokens += req.num_prompt_tokens
-                self.running.append(req)
-                admitted.append(rid)
-                if computed < req.num_prompt_tokens and getattr(mgr, "prefix", None) is not None:
-                    prefilling.append(req)
-                req.num_computed_tokens = computed
-                if not mgr.ready(rid):  # host-tier restore in flight: computes once it lands
-                    continue
-                computed = req.num_computed_tokens = mgr.num_computed_tokens(rid)
-                n = min(req.num_uncomputed_tokens, n)
-                sample = computed + n == req.num_tokens
-                chunks.append(ScheduledChunk(req, computed, n, sample))
-                seqs.append(SeqChunk(rid, req.all_token_ids[computed:computed + n], computed,
-                                     got, sample))
-                token_budget -= n
-            for req in reversed(deferred):
-                self.waiting.appendleft(req)
-
-        step = None
-        if not chunks and self.has_unfinished() and self._copies_in_flight():
-            time.sleep(COPY_WAIT_S)  # what waits needs copies to end: do not spin on them
-        if chunks:
-            step = StepInput.build(seqs, self.block_size)
-        return SchedulerOutput(chunks, step, preempted, admitted, finished)
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            req.admitted_order = next(self._order)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = computed
+                self.prompt_tokens += req.num_prompt_tokens
+            self.running.append(req)
+            admitted.append(rid)
+            if computed < req.num_prompt_tokens and getattr(mgr, "prefix", None) is not None:
+                prefilling.append(req)
+            req.num_computed_tokens = computed
+            if not mgr.ready(rid):  # host-tier restore in flight: computes once it lands
+                continue
+            computed = req.num_computed_tokens = mgr.num_computed_tokens(rid)
+            n = min(req.num_uncomputed_tokens, n)
+            sample = computed + n == req.num_tokens
+            chunks.append(ScheduledChunk(req, computed, n, sample))
+            seqs.append(SeqChunk(rid, req.all_token_ids[computed:computed + n], computed,
+                                 got, sample))
+            token_budget -= n
+        for req in reversed(deferred):
+            self.waiting.appendleft(req)
+        return admitted
 
     def _truncate(self, request_id: str, num_tokens: int) -> None:
         """Give back the blocks beyond ``num_tokens`` (rejected drafts' KV; contract section 1).

@@ -89,10 +89,10 @@ def _signature(lin: Any) -> tuple | None:
 
 def _products(model: Any) -> list[tuple[tuple, Any]]:
     """One ``(signature, callable)`` per distinct product of the model."""
-    from xllm_vmm.engine.layers.packed import _linears
+    from xllm_vmm.engine.models.packing import packable_linears
 
     found: dict[tuple, Any] = {}
-    for lin in _linears(model):
+    for lin in packable_linears(model):
         sig = _signature(lin)
         if sig is not None:
             found.setdefault(sig, lin)

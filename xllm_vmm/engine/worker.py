@@ -24,7 +24,7 @@ section 3):
   pool's image already places each group back to back
   (:func:`xllm_vmm.weights.image.placement_order`), and they fuse as views; on the CPU in
   bfloat16 the dense decoder's projections of plain weights are replaced by oneDNN-packed copies
-  (:func:`xllm_vmm.engine.layers.packed.pack_model`; ``XLLM_VMM_PACKED_LINEAR=0`` keeps them).
+  (:func:`xllm_vmm.engine.models.packing.pack_model`; ``XLLM_VMM_PACKED_LINEAR=0`` keeps them).
 
 Tensor parallelism: ``tp`` (:class:`~xllm_vmm.engine.layers.parallel.TensorParallel`)
 reaches every layer; only world size 1 runs today.
@@ -146,9 +146,9 @@ class Worker:
             colocate_projections(weights)  # same tensor objects and values, one buffer a group
         model = build_model(cfg, weights, tp=tp, device=device)
         if device == "cpu" and not weights_in_pool(weights):  # bf16: oneDNN-packed copies
-            from xllm_vmm.engine.layers.packed import pack_model
+            from xllm_vmm.engine.models.packing import pack_model
 
-            model.packed = pack_model(model, weights)  # replace the originals (layers.packed)
+            model.packed = pack_model(model, weights)  # replace the originals (models.packing)
         if model.dtype != compute_dtype:
             raise ValueError(f"the weights are {model.dtype}, the worker was asked for "
                              f"{compute_dtype}; load them with dtype={compute_dtype}")

@@ -27,11 +27,24 @@ succeeds only when every worker's copy did — a failed one fails the transfer f
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
-    from xllm_vmm.engine.distributed.runtime import Runtime
     from xllm_vmm.kvcache import VirtualKVCache
+
+
+class WorkerCalls(Protocol):
+    """What the fan-out needs of the distributed runtime (``Runtime`` has it): whether the
+    followers are up, one verb run on every worker with the local part on this rank, the
+    check of the workers' statuses, and the group's address for errors. The runtime builds
+    the fan-out; this keeps the fan-out from importing it back."""
+
+    active: bool
+    group: Any
+
+    def call(self, op: str, payload: Any, local: Callable[[], dict | None]) -> list[dict]: ...
+
+    def check_errors(self, op: str, statuses: list[dict]) -> None: ...
 
 
 class CopyRegions:
@@ -88,7 +101,7 @@ def run_copy(driver: Any, regions: CopyRegions, payload: tuple) -> dict:
 
 
 class FanoutBacking:
-    def __init__(self, local: VirtualKVCache, runtime: Runtime, *, copy_driver: Any = None,
+    def __init__(self, local: VirtualKVCache, runtime: WorkerCalls, *, copy_driver: Any = None,
                  regions: CopyRegions | None = None) -> None:
         self.local = local
         self.runtime = runtime

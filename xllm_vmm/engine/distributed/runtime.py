@@ -249,6 +249,10 @@ class Runtime:
                     "enable_prefix_cache": True, "nnodes": cfg["nnodes"]},
                 hint="set --enable_prefix_cache=false, or serve on one device")])
         try:
+            if topo.world > 1 and not model_class(mcfg.architecture).tensor_parallel:
+                raise LayoutError(f"{mcfg.architecture} runs on one worker only in this engine "
+                                  "(no tensor-parallel split of this family yet)",
+                                  hint="use nnodes=1")
             check_divisible(mcfg, topo.world, topo.ep)
         except LayoutError as e:
             raise ConfigError([Finding("CFG-CONFLICT", "error", str(e), flags={

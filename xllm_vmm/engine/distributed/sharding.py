@@ -82,14 +82,12 @@ def expert_split(rank: int, world: int, ep: int) -> tuple[int, int]:
 
 def check_divisible(cfg: ModelConfig, world: int, ep: int = 1) -> None:
     """:class:`~xllm_vmm.models.errors.LayoutError` naming the model field when ``world``
-    workers (in ``ep`` expert groups) cannot split it."""
+    workers (in ``ep`` expert groups) cannot split it. Whether the model's family splits at
+    all (its class's ``tensor_parallel``) is the runtime's check, which knows the model
+    classes; the split rules here sit below the layers and the models."""
     from xllm_vmm.engine.distributed.vocab import check_vocab
-    from xllm_vmm.engine.models import model_class
     from xllm_vmm.models.errors import LayoutError
 
-    if world > 1 and not model_class(cfg.architecture).tensor_parallel:
-        raise LayoutError(f"{cfg.architecture} runs on one worker only in this engine (no "
-                          "tensor-parallel split of this family yet)", hint="use nnodes=1")
     if world > 1 and check_vocab(cfg.vocab_size, world):
         raise LayoutError(check_vocab(cfg.vocab_size, world),
                           hint="use fewer workers (nnodes)")

@@ -57,7 +57,7 @@ class VocabEmbedding:
 class LMHead:
     """``logits = hidden @ weight^T``; tied models pass the embedding table itself. An untied
     head may be replaced by oneDNN's packed copy (``packed``; ``weight`` None then:
-    :func:`~xllm_vmm.engine.layers.packed.pack_model`)."""
+    :func:`~xllm_vmm.engine.models.packing.pack_model`)."""
 
     packed = None
 

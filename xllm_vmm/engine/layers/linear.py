@@ -38,7 +38,7 @@ class ReplicatedLinear:
     """The full weight on every rank (routers, small projections)."""
 
     packed: Tensor | None = None
-    """oneDNN's packed copy when :func:`~xllm_vmm.engine.layers.packed.pack_model` replaced the
+    """oneDNN's packed copy when :func:`~xllm_vmm.engine.models.packing.pack_model` replaced the
     weight by it (``weight`` is then None)."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
