@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from xllm_vmm.config.catalogue import FLAGS, GROUPS
-from xllm_vmm.config.docs import REFERENCE_PATH, reference_markdown
+from xllm_vmm.cli.reference import reference_text
+from xllm_vmm.config.docs import REFERENCE_PATH
 from xllm_vmm.config.model import config_model, toml_schema
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,8 +69,8 @@ def test_pydantic_model_matches_catalogue():
 
 def test_cli_reference_is_fresh():
     assert REFERENCE_PATH == ROOT / "docs" / "cli-reference.md"
-    assert REFERENCE_PATH.read_text(encoding="utf-8") == reference_markdown(), (
-        "docs/cli-reference.md is stale: run python -m xllm_vmm.config.docs")
+    assert REFERENCE_PATH.read_text(encoding="utf-8") == reference_text(), (
+        "docs/cli-reference.md is stale: run python -m xllm_vmm.cli.reference")
 
 
 def test_shipped_schema_is_fresh_and_validates_configs():

@@ -1,11 +1,11 @@
 """Flag listings generated from the catalogue: ``xllm-vmm flags --format markdown|json`` and
-``docs/cli-reference.md`` (regenerate with ``python -m xllm_vmm.config.docs``; a test fails when
+``docs/cli-reference.md`` (regenerate with ``python -m xllm_vmm.cli.reference``; a test fails when
 the committed file differs), which ends with the options of the commands in :data:`COMMANDS`,
 read from their Typer definitions."""
 
 from __future__ import annotations
 
-import sys
+from typing import Any
 from pathlib import Path
 
 from xllm_vmm.config.catalogue import GROUPS, FlagDef, flags_by_group
@@ -51,13 +51,13 @@ def flags_markdown(selected: dict[str, list[FlagDef]]) -> str:
     return "\n".join(lines)
 
 
-def reference_markdown() -> str:
+def reference_markdown(app: Any) -> str:
     """The full text of docs/cli-reference.md."""
     n = sum(len(v) for v in flags_by_group().values())
     head = f"""# CLI reference: every flag
 
 <!-- Generated from xllm_vmm/config/catalogue.py (the commands at the end: from their Typer
-     options) by `python -m xllm_vmm.config.docs`.
+     options) by `python -m xllm_vmm.cli.reference`.
      Do not edit by hand: tests/config/test_catalogue.py fails when this file is stale. -->
 
 xllm-vmm accepts the {n} flags below, on the command line in the engine's gflags syntax
@@ -77,7 +77,7 @@ effect* are type-checked but not used by the xllm-vmm engine. See `docs/configur
 sources, precedence and the rules; `xllm-vmm flags` prints the same table.
 
 """
-    return head + flags_markdown(select_flags()) + commands_markdown(COMMANDS)
+    return head + flags_markdown(select_flags()) + commands_markdown(app, COMMANDS)
 
 
 COMMANDS = ("top",)
@@ -85,11 +85,11 @@ COMMANDS = ("top",)
 definitions, so the reference says what ``--help`` says)."""
 
 
-def commands_markdown(names: tuple[str, ...]) -> str:
-    """One section per command of ``names``: its help and a table of its options."""
+def commands_markdown(app: Any, names: tuple[str, ...]) -> str:
+    """One section per command of ``names`` in the Typer ``app`` (the command line's, passed in
+    by :mod:`xllm_vmm.cli.reference`: configuration sits below the CLI): its help and a table
+    of its options."""
     import typer.main
-
-    from xllm_vmm.cli.app import app
 
     group = typer.main.get_command(app)
     out = [""]
@@ -110,21 +110,3 @@ def commands_markdown(names: tuple[str, ...]) -> str:
             out.append(f"| {flags} | {shown} | {_cell(' '.join((p.help or '').split()))} |")
         out.append("")
     return "\n".join(out)
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    text = reference_markdown()
-    if argv and argv[0] == "--check":
-        current = REFERENCE_PATH.read_text(encoding="utf-8") if REFERENCE_PATH.exists() else ""
-        if current != text:
-            sys.stderr.write(f"{REFERENCE_PATH} is stale: run python -m xllm_vmm.config.docs\n")
-            return 1
-        return 0
-    REFERENCE_PATH.write_text(text, encoding="utf-8")
-    print(f"wrote {REFERENCE_PATH}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -29,23 +29,9 @@ from fastapi import FastAPI, Request
 
 from xllm_vmm.server.errors import APIError
 from xllm_vmm.server.front import AsyncEngine
+from xllm_vmm.server.params import route_params as _params
 
 _LEVELS = {"1": 1, "light": 1, "2": 2, "deep": 2}
-
-
-async def _params(request: Request) -> dict[str, Any]:
-    """Query parameters merged with a JSON object body (the body wins)."""
-    out: dict[str, Any] = dict(request.query_params)
-    raw = await request.body()
-    if raw.strip():
-        try:
-            data = json.loads(raw)
-        except ValueError as exc:
-            raise APIError(400, f"the request body is not valid JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        out.update(data)
-    return out
 
 
 def _level(value: Any) -> int:

@@ -220,7 +220,7 @@ def _target(value: Any) -> int:
 
 def register_route(app: Any, server: Any) -> None:
     """``POST /kvcache/trim`` (called by :func:`xllm_vmm.server.admin.register`)."""
-    from xllm_vmm.server.admin import _params
+    from xllm_vmm.server.params import route_params as _params
 
     @app.post("/kvcache/trim")
     async def kvcache_trim(request: Request):
