@@ -216,9 +216,9 @@ def caps() -> CpuCaps:
 def reset(hidden: str | None = None) -> CpuCaps:
     """Detect again with ``hidden`` (a :data:`HIDE_ENV` value; None: the environment's) and
     refresh the choices cached from it (tests force paths this way)."""
-    global _CAPS, _BF16_FP32, _FP16_FP32
+    global _CAPS
     _CAPS = detect(None if hidden is None else parse_hidden(hidden))
-    _BF16_FP32 = _FP16_FP32 = None
+    _AS_FP32.clear()
     return _CAPS
 
 
@@ -227,8 +227,9 @@ def hides(name: str) -> bool:
     return name in caps().hidden
 
 
-_BF16_FP32: bool | None = None
-_FP16_FP32: bool | None = None
+_AS_FP32: dict[Any, bool] = {}
+"""Per dtype, whether its CPU products run in float32 (:func:`half_as_fp32`'s cache; the
+setters force an entry, :func:`reset` clears them)."""
 
 
 def _forced(env: str, native: tuple[str, ...]) -> tuple[str, str] | None:
@@ -260,18 +261,17 @@ def bf16_compute() -> tuple[str, str]:
 
 def bf16_as_fp32() -> bool:
     """CPU bfloat16 products run in float32 (:func:`bf16_compute`; cached, :func:`reset`)."""
-    global _BF16_FP32
-    if _BF16_FP32 is None:
-        _BF16_FP32 = bf16_compute()[0] == "fp32"
-    return _BF16_FP32
+    import torch
+
+    return half_as_fp32(torch.bfloat16)
 
 
 def set_bf16_as_fp32(on: bool | None) -> bool | None:
     """Force the bfloat16 compute choice for this process (None: back to :func:`bf16_compute`);
     returns the old cached value."""
-    global _BF16_FP32
-    old, _BF16_FP32 = _BF16_FP32, on
-    return old
+    import torch
+
+    return _force(torch.bfloat16, on)
 
 
 def fp16_compute() -> tuple[str, str]:
@@ -289,30 +289,44 @@ def fp16_compute() -> tuple[str, str]:
 
 def fp16_as_fp32() -> bool:
     """CPU float16 products run in float32 (:func:`fp16_compute`; cached, :func:`reset`)."""
-    global _FP16_FP32
-    if _FP16_FP32 is None:
-        _FP16_FP32 = fp16_compute()[0] == "fp32"
-    return _FP16_FP32
+    import torch
+
+    return half_as_fp32(torch.float16)
 
 
 def set_fp16_as_fp32(on: bool | None) -> bool | None:
     """Force the float16 compute choice for this process (None: back to :func:`fp16_compute`);
     returns the old cached value."""
-    global _FP16_FP32
-    old, _FP16_FP32 = _FP16_FP32, on
+    import torch
+
+    return _force(torch.float16, on)
+
+
+def _force(dtype: Any, on: bool | None) -> bool | None:
+    old = _AS_FP32.get(dtype)
+    if on is None:
+        _AS_FP32.pop(dtype, None)
+    else:
+        _AS_FP32[dtype] = on
     return old
 
 
 def half_as_fp32(dtype: Any) -> bool:
     """A CPU product of ``dtype`` operands runs in float32 over per-call upcasts: bfloat16 where
-    :func:`bf16_as_fp32`, float16 where :func:`fp16_as_fp32`; False for any other dtype."""
-    import torch
+    :func:`bf16_compute` says so, float16 where :func:`fp16_compute` does; False for any other
+    dtype. One dictionary lookup once cached (every dense product asks)."""
+    got = _AS_FP32.get(dtype)
+    if got is None:
+        import torch
 
-    if dtype is torch.bfloat16:
-        return bf16_as_fp32()
-    if dtype is torch.float16:
-        return fp16_as_fp32()
-    return False
+        if dtype is torch.bfloat16:
+            got = bf16_compute()[0] == "fp32"
+        elif dtype is torch.float16:
+            got = fp16_compute()[0] == "fp32"
+        else:
+            got = False
+        _AS_FP32[dtype] = got
+    return got
 
 
 __all__ = ["BF16_ENV", "CpuCaps", "FP16_ENV", "HIDEABLE", "HIDE_ENV", "bf16_as_fp32",
