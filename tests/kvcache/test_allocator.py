@@ -290,7 +290,7 @@ def test_decode_growth_of_two_groups_places_each_in_its_roomiest_partial_slot(ba
 
 
 def _snapshot(a, group="attn"):
-    g = a._groups[group]
+    g = a.state(group)
     return (list(g.ref), [None if s is None else list(s) for s in g.stacks],
             [list(b) for b in g.buckets], sorted(g.inactive), g.free_active, g.n_active)
 
@@ -408,4 +408,24 @@ def test_allocate_group_refuses_when_no_slot_can_be_activated():
     assert a.num_active_slots("attn") == 0
     assert a.allocate_group("attn", 4) == [0, 1, 2, 3]
     assert a.allocate_group("attn", 1) is None
+    a.check_invariants()
+
+
+def test_a_negative_block_id_is_refused_and_never_reads_another_block(backing):
+    """A negative id is no block of the group (Python's negative index would name the last
+    block): refused by the one-group free with a retaining group, by the dict free over
+    several groups before any group changes, and by the LRU free."""
+    a = make(backing, slots=4, bps=4, draft=(4, 4))
+    a.will_retain("attn")
+    x = a.allocate({"attn": 16, "draft": 16})
+    a.touch("attn", 15)  # block 15 (ref[-1]) has a reference to spare
+    before = [a.ref_count("attn", b) for b in range(16)]
+    calls = list(backing.calls)
+    for free in (lambda: a.free_group("attn", [0, -1]),
+                 lambda: a.free({"attn": [1, -1], "draft": x["draft"]}),
+                 lambda: a.free_group_lru("attn", [-1, 2], {})):
+        with pytest.raises(ValueError, match="not a block of group 'attn'"):
+            free()
+        assert [a.ref_count("attn", b) for b in range(16)] == before
+        assert a.num_live_blocks("draft") == 16 and backing.calls == calls
     a.check_invariants()

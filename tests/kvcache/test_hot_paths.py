@@ -1,6 +1,6 @@
 """The flat hot paths against the general ones they stand for: ``BlockAllocator.free_group_lru``
 against ``free_group`` + the prefix cache's LRU (ids, flags, stacks, slots, refusals), and the
-manager's one-group paths (direct admission, flat publish, flat release) against the
+manager's one-group paths (direct admission, the one-pass publish, flat release) against the
 manager's general paths on the same requests (tables, index, LRU, counters)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from tests.kvcache.test_manager import Env, toks
 
 
 def _state(a, g="attn"):
-    gg = a._groups[g]
+    gg = a.state(g)
     return (list(gg.ref), bytes(gg.cached), bytes(gg.keep), dict(gg.pins),
             [None if s is None else list(s) for s in gg.stacks], list(gg.ncached),
             [dict(b) for b in gg.buckets], sorted(gg.inactive), gg.free_active, gg.n_cached,
@@ -130,7 +130,8 @@ def test_flat_manager_paths_equal_the_general_ones(seed):
 
 def test_flat_publish_conflict_is_refused_and_undone():
     """A block already indexed under another hash (its content changed after publishing):
-    the flat publish undoes the blocks it indexed in that call and raises like publish."""
+    the one-group commit's publish (``PrefixCache.index_run``) undoes the blocks it indexed in
+    that call and raises like publish; no retained flag is set."""
     from xllm_vmm.kvcache.prefix import PrefixCacheError
 
     e = Env()
@@ -152,12 +153,12 @@ def test_flat_publish_conflict_is_refused_and_undone():
 
 def _ordered_state(a, g="attn"):
     """:func:`_state` with each bucket's insertion order (the tie-break of slot choice)."""
-    return _state(a, g) + ([list(b) for b in a._groups[g].buckets],)
+    return _state(a, g) + ([list(b) for b in a.state(g).buckets],)
 
 
-def _take_partial_rescanning(self, g, n, out):
+def _take_partial_rescanning(g, n, out):
     """The fullest-first pass as it was written before the one-pass walk: rescan the buckets
-    from the fullest for every slot taken (the reference for ``_take_partial``)."""
+    from the fullest for every slot taken (the reference for ``PyBlockState._take_partial``)."""
     buckets, stacks, ref, want = g.buckets, g.stacks, g.ref, n
     while n and g.free_active > want - n:
         bucket = next(b for b in buckets if b)
@@ -179,10 +180,11 @@ def _take_partial_rescanning(self, g, n, out):
 
 
 def test_free_group_fast_pass_and_one_pass_take_equal_the_general_passes(monkeypatch):
-    """``free_group`` of a group that retains nothing (its inlined pass) against the general
-    pass (``will_retain`` set, nothing retained), and ``_take_partial``'s one-pass walk against
-    the rescanning reference: the same ids, stacks, bucket order, slots released and refusals."""
-    from xllm_vmm.kvcache.allocator import BlockAllocator
+    """``free_group`` of a group that retains nothing (its pass skips the flags) against the
+    same pass reading them (``will_retain`` set, nothing retained), and the Python passes'
+    one-pass ``_take_partial`` walk against the rescanning reference: the same ids, stacks,
+    bucket order, slots released and refusals."""
+    from xllm_vmm.kvcache.pytable import PyBlockState
 
     rng = random.Random(7)
     for trial in range(40):
@@ -196,7 +198,7 @@ def test_free_group_fast_pass_and_one_pass_take_equal_the_general_passes(monkeyp
                 hint = reqs[-1][-1] if reqs and rng.random() < 0.4 else -1
                 x = fast.allocate_group("attn", n, hint)
                 with monkeypatch.context() as m:
-                    m.setattr(BlockAllocator, "_take_partial", _take_partial_rescanning)
+                    m.setattr(PyBlockState, "_take_partial", _take_partial_rescanning)
                     y = general.allocate_group("attn", n, hint)
                 assert x == y
                 if x is not None:
@@ -225,13 +227,13 @@ def test_free_group_fast_pass_and_one_pass_take_equal_the_general_passes(monkeyp
 
 def test_per_token_verbs_touch_only_the_hot_fields_of_a_request(env):
     """A decode token that fits (``allocate``), its ``commit`` (no block completes), ``ready``
-    and ``num_computed_tokens`` read and write only ``_RequestHot``'s fields (laid out next
+    and ``num_computed_tokens`` read and write only ``RequestHot``'s fields (laid out next
     to the object header), whatever else the request holds."""
-    from xllm_vmm.kvcache import manager as mgr_mod
+    from xllm_vmm.kvcache import records as mgr_mod
 
     seen: list[str] = []
 
-    class Tracking(mgr_mod._Request):
+    class Tracking(mgr_mod.RequestRecord):
         __slots__ = ()
 
         def __getattribute__(self, name):
@@ -254,15 +256,15 @@ def test_per_token_verbs_touch_only_the_hot_fields_of_a_request(env):
     assert m.ready("a") and m.num_computed_tokens("a") == 9
     assert m.allocate("a", 1) == m.block_tables("a")
     m.commit("a", 10, tokens)
-    assert seen and set(seen) <= set(mgr_mod._RequestHot.__slots__), sorted(set(seen))
-    req.__class__ = mgr_mod._Request
+    assert seen and set(seen) <= set(mgr_mod.RequestHot.__slots__), sorted(set(seen))
+    req.__class__ = mgr_mod.RequestRecord
     seen.clear()
     tokens += [9, 10]
     m.allocate("a", 2)  # 12 tokens: the third block fills, and commit publishes it
     req.__class__ = Tracking
     m.commit("a", 12, tokens)
-    assert set(seen) - set(mgr_mod._RequestHot.__slots__)  # the cold path (hashes, first)
-    req.__class__ = mgr_mod._Request
+    assert set(seen) - set(mgr_mod.RequestHot.__slots__)  # the cold path (hashes, first)
+    req.__class__ = mgr_mod.RequestRecord
     m.check_invariants()
 
 
@@ -272,7 +274,7 @@ def test_a_commit_that_completes_no_block_reads_nothing_but_the_record(env):
     block reads it and refuses one shorter than ``num_computed_tokens``. ``upto`` follows
     growth, publishing and truncation (``check_invariants`` recomputes it), and the record
     keeps its cache-line size (192 bytes with the GC header: the hot fields in one line)."""
-    from xllm_vmm.kvcache import manager as mgr_mod
+    from xllm_vmm.kvcache import records as mgr_mod
 
     class Unreadable(list):
         def __len__(self):
@@ -281,8 +283,8 @@ def test_a_commit_that_completes_no_block_reads_nothing_but_the_record(env):
         def __getitem__(self, i):
             raise AssertionError("token_ids read")
 
-    assert (mgr_mod._Request.__basicsize__ + 16) % 64 == 0
-    assert len(mgr_mod._RequestHot.__slots__) == 2
+    assert (mgr_mod.RequestRecord.__basicsize__ + 16) % 64 == 0
+    assert len(mgr_mod.RequestHot.__slots__) == 2
     e = env()
     m = e.mgr
     tokens = toks(1, 2, tail=1)  # 9 tokens: 3 blocks of 4
@@ -329,10 +331,10 @@ def test_a_running_request_holds_one_gc_tracked_object_besides_its_record(env):
         tokens.append(t)
         assert m.allocate("a", 1) is not None
         m.commit("a", len(tokens), tokens)
-    from xllm_vmm.kvcache import manager as mgr_mod
+    from xllm_vmm.kvcache import records as mgr_mod
 
     req = m._reqs["a"]
-    shared = {id(type(req)), id(mgr_mod._NO_HASHES), id(mgr_mod._NO_HOST)}  # not per request
+    shared = {id(type(req)), id(mgr_mod.NO_HASHES), id(mgr_mod.NO_HOST)}  # not per request
     tracked = {id(o): o for o in gc.get_referents(req)
                if gc.is_tracked(o) and id(o) not in shared}
     assert list(tracked.values()) == [req["attn"]], tracked

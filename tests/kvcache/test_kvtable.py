@@ -1,7 +1,9 @@
-"""The C block-table passes (``libxllm_kvtable.so``, :mod:`xllm_vmm.kvcache.kvtable`) against
-the pure-Python ones, in lockstep on random traces over every verb of the allocator: the same
-block ids in the same order, the same stacks, bucket insertion order, inactive slots, flags,
-counters, backing calls, cached/LRU/pinned answers, refusals and compactions."""
+"""The two backends of the block-state protocol (:mod:`xllm_vmm.kvcache.block_state`) in
+lockstep: the C block-table passes (``libxllm_kvtable.so``, :class:`NativeBlockState`) against
+the pure-Python ones (:class:`PyBlockState`), driven through the allocator façade on random
+traces over every verb and compared through the protocol's views: the same block ids in the
+same order, the same stacks, bucket insertion order, inactive slots, flags, counters, backing
+calls, cached/LRU/pinned answers, refusals and compactions."""
 
 from __future__ import annotations
 
@@ -11,16 +13,19 @@ import pytest
 
 from tests.kvcache.conftest import FakeBacking
 from xllm_vmm.kvcache import BlockAllocator, GroupShape
-from xllm_vmm.kvcache.kvtable import native_available, native_requested
+from xllm_vmm.kvcache.block_state import BlockState
+from xllm_vmm.kvcache.kvtable import NativeBlockState, native_available, native_requested
+from xllm_vmm.kvcache.pytable import PyBlockState
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="libxllm_kvtable.so not built")
 BOTH_PATHS = False  # each test builds both itself (conftest's block_tables: not parametrized)
 
 
 def _state(a):
+    """Every group's state as the protocol shows it."""
     out = []
     for name in a.group_names:
-        g = a._groups[name]
+        g: BlockState = a.state(name)
         out.append((list(g.ref), bytes(g.cached), bytes(g.keep), dict(g.pins),
                     g.stacks, [list(b) for b in g.buckets], sorted(g.inactive),
                     g.free_active, g.n_cached, g.n_active))
@@ -32,6 +37,9 @@ def _pair(slots=10, bps=4, draft=None, budget=1 << 30):
     py = BlockAllocator(shapes, FakeBacking(budget), native=False)
     c = BlockAllocator(shapes, FakeBacking(budget), native=True)
     assert not py.native and c.native
+    for a, backend in ((py, PyBlockState), (c, NativeBlockState)):
+        for name in a.group_names:
+            assert type(a.state(name)) is backend and isinstance(a.state(name), BlockState)
     return py, c
 
 
@@ -182,7 +190,7 @@ def test_a_long_free_grows_the_input_buffer():
         x = a.allocate_group("attn", 16)
         for _ in range(200):  # shared: 201 references each
             a.touch_many("attn", x)
-    g = c._groups["attn"]
+    g = c.state("attn")
     cap = g.table.in_cap
     long = list(range(16)) * 201
     assert len(long) > cap

@@ -264,36 +264,26 @@ class VirtualKVCache:
     def activate(self, slots: Mapping[str, Sequence[int]]) -> bool:
         """Map every page of ``slots`` in one pool call, in address order (so that the pages
         of consecutive slots of one tensor form runs the host driver maps with one call)."""
+        return self.pool.map_pages(self.region, self._slot_pages(slots))
+
+    def deactivate(self, slots: Mapping[str, Sequence[int]]) -> None:
+        """Unmap every page of ``slots`` in one pool call, in address order."""
+        self.pool.unmap_pages(self.region, self._slot_pages(slots))
+
+    def _slot_pages(self, slots: Mapping[str, Sequence[int]]) -> list[int]:
+        """Every page of ``slots`` (every tensor of their group), in address order."""
         if len(slots) == 1:  # one slot of one group (most activations): its pages ascend
             for name, ss in slots.items():
                 if len(ss) == 1:
                     s = ss[0]
-                    return self.pool.map_pages(self.region,
-                                               [o + s for o in self._tensor_pages[name]])
+                    return [o + s for o in self._tensor_pages[name]]
         pages: list[int] = []
         for name, ss in slots.items():
             geo = self.geometry[name]
             for s in ss:
                 pages.extend(geo.slot_pages(s))
         pages.sort()
-        return self.pool.map_pages(self.region, pages)
-
-    def deactivate(self, slots: Mapping[str, Sequence[int]]) -> None:
-        """Unmap every page of ``slots`` in one pool call, in address order."""
-        if len(slots) == 1:
-            for name, ss in slots.items():
-                if len(ss) == 1:
-                    s = ss[0]
-                    self.pool.unmap_pages(self.region,
-                                          [o + s for o in self._tensor_pages[name]])
-                    return
-        pages: list[int] = []
-        for name, ss in slots.items():
-            geo = self.geometry[name]
-            for s in ss:
-                pages.extend(geo.slot_pages(s))
-        pages.sort()
-        self.pool.unmap_pages(self.region, pages)
+        return pages
 
     def move(self, moves: Mapping[str, Sequence[tuple[int, int]]]) -> bool:
         """Copy block ``old`` to block ``new`` for every pair, in every tensor of its group, in

@@ -355,12 +355,7 @@ class HostTier:
             if t.pending is not None:
                 self._start(t)
             if t.transfer is None or t.transfer.done():
-                if t.transfer is not None:
-                    try:
-                        t.transfer.wait()
-                    except Exception as e:
-                        t.error = e
-                self._finish(t)
+                self._wait_and_finish(t)
                 n += 1
             else:
                 still.append(t)
@@ -383,12 +378,16 @@ class HostTier:
                         copy(dsts, srcs, sizes, t.kind)
                     except Exception as e:
                         t.error = e
-            if t.transfer is not None:
-                try:
-                    t.transfer.wait()
-                except Exception as e:
-                    t.error = e
-            self._finish(t)
+            self._wait_and_finish(t)
+
+    def _wait_and_finish(self, t: "_InFlight") -> None:
+        """Wait for ``t``'s copy (a failure is recorded on it) and finish it."""
+        if t.transfer is not None:
+            try:
+                t.transfer.wait()
+            except Exception as e:
+                t.error = e
+        self._finish(t)
 
     @property
     def in_flight(self) -> int:

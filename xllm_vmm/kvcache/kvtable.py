@@ -1,16 +1,20 @@
-"""The block state of one cache group in flat arrays, with its allocation and free passes in C
-(``native/kvtable.c``, ``libxllm_kvtable.so``, loaded through
+"""The native block state of one cache group: :class:`NativeBlockState`, the
+:class:`~xllm_vmm.kvcache.block_state.BlockState` over flat arrays whose allocation and free
+passes are C (``native/kvtable.c``, ``libxllm_kvtable.so``, loaded through
 :func:`xllm_vmm.vmm.native.optional_library`).
 
-:class:`NativeGroup` is what :class:`~xllm_vmm.kvcache.allocator.BlockAllocator` keeps per
-group when the library is built: the same state as the pure-Python ``_Group`` (reference
-counts, cached / retained flags, per-slot free stacks, the buckets of partial slots, the heap
-of inactive slots, the counters), held once, in arrays this object allocates; the C passes
-write them through the pointers of a :class:`_Table`, and Python reads them directly.
-``stacks``, ``buckets`` and ``inactive`` are read-only views built from the arrays (lists of
-lists / dicts / a list, for introspection, compaction's planning and the invariant checks);
-every change goes through the methods below. One call per allocation and one per free of a
-request's blocks: a ctypes call costs ~0.3-0.5 µs, so a verb's whole block work is one call.
+What :class:`~xllm_vmm.kvcache.allocator.BlockAllocator` keeps per group when the library is
+built: the same state as the pure-Python :class:`~xllm_vmm.kvcache.pytable.PyBlockState`
+(reference counts, cached / retained flags, per-slot free stacks, the buckets of partial
+slots, the heap of inactive slots, the counters), held once, in arrays this object allocates;
+the C passes write them through the pointers of a :class:`_Table`, and Python reads them
+directly. ``stacks``, ``buckets`` and ``inactive`` are read-only views built from the arrays
+(lists of lists / dicts / a list, for introspection, compaction's planning and the invariant
+checks); every change goes through the methods below. One call per allocation and one per
+free of a request's blocks: a ctypes call costs ~0.3-0.5 µs, so a verb's whole block work is
+one call. ``kvt_free`` validates as it goes and undoes its own pass on a refused entry, so a
+refused free changes nothing; the refusal is then worded as the Python passes word it
+(:mod:`xllm_vmm.kvcache.block_state`).
 
 Layout (``B`` = blocks per slot): ``slen[s]`` = free blocks of slot ``s`` (-1: inactive); its
 free stack is ``stk[s·B : s·B + slen[s]]`` (top last); bucket ``k`` (1 ≤ k < B) is a doubly
@@ -18,7 +22,7 @@ linked list ``bhead[k] → bnext[…]`` of the active slots with ``k`` free bloc
 first (the insertion order of the Python dicts); ``heap[:ctr[3]]`` is a min-heap of the
 inactive slots; ``ctr`` = [free blocks in active slots, cached blocks, active slots, heap size,
 and three outputs of the last free]. ``pinned[b]`` is 1 while ``pins`` (the transfer pin
-counts, a dict as in ``_Group``) holds ``b``: the C free reads the flag.
+counts, a dict as in the Python state) holds ``b``: the C free reads the flag.
 
 ``XLLM_VMM_KVTABLE=python`` selects the pure-Python passes even when the library is built
 (the tests run both); :func:`native_available` says whether it is.
@@ -27,11 +31,22 @@ counts, a dict as in ``_Group``) holds ``b``: the C free reads the flag.
 from __future__ import annotations
 
 import ctypes as C
+import operator
 import os
 from array import array
-from typing import Any
+from typing import Any, Sequence
 
-__all__ = ["LIB_NAME", "MAX_BLOCKS", "NativeGroup", "native_available", "native_requested"]
+from xllm_vmm.kvcache.block_state import (
+    BlockStateBase,
+    GroupShape,
+    SlotBacking,
+    check_free,
+    double_free,
+    first_refused,
+    not_a_block,
+)
+
+__all__ = ["LIB_NAME", "MAX_BLOCKS", "NativeBlockState", "native_available", "native_requested"]
 
 LIB_NAME = "libxllm_kvtable.so"
 #: the most blocks a native group holds (block ids are int32 in C)
@@ -110,13 +125,15 @@ def _i32(n: int, fill: int = 0) -> array:
     return a
 
 
-class NativeGroup:
+class NativeBlockState(BlockStateBase):
     """Mutable state of one group over flat arrays, changed by the C passes (see the module
-    docstring). Attribute names match the pure-Python ``_Group`` where they mean the same."""
+    docstring). Attribute names match :class:`~xllm_vmm.kvcache.pytable.PyBlockState` where
+    they mean the same."""
 
     native = True
 
-    def __init__(self, name: str, num_slots: int, bps: int) -> None:
+    def __init__(self, shape: GroupShape, backing: SlotBacking) -> None:
+        name, num_slots, bps = shape.name, shape.num_slots, shape.blocks_per_slot
         lib = _library()
         if lib is None:
             raise RuntimeError(f"{LIB_NAME} is not built: rebuild with `pip install -e .` (or "
@@ -130,6 +147,7 @@ class NativeGroup:
         self.num_slots = num_slots
         self.bps = bps
         self.nblocks = n
+        self.backing = backing
         self.ref = _i32(n)
         self.cached = bytearray(n)
         self.keep = bytearray(n)
@@ -255,8 +273,9 @@ class NativeGroup:
         """The inactive slots (heap order; a copy)."""
         return self.heap[:self.ctr[_HEAPN]].tolist()
 
-    def check_links(self) -> None:
-        """The bucket lists are consistent (``AssertionError`` otherwise)."""
+    def check(self) -> None:
+        """The bucket lists are consistent and the pinned flags agree with the pin counts
+        (``AssertionError`` otherwise)."""
         seen: set[int] = set()
         for k in range(1, self.bps):
             prev = -1
@@ -273,6 +292,79 @@ class NativeGroup:
             assert bool(self.pinned[b]) == (b in self.pins), \
                 f"{self.name}: pinned flag of block {b} disagrees with the pin counts"
 
+    # -- one-group verbs -------------------------------------------------------------------
+    def allocate(self, n: int, hint: int = -1) -> list[int] | None:
+        if n == 1:  # decode growth: one call
+            try:
+                b = self._alloc1(self.p, hint)
+            except C.ArgumentError:  # a hint that is no Python int32: converted below
+                b = -1
+            if b >= 0:
+                return [b]
+        if type(n) is not int:
+            n = operator.index(n)
+        if n < 0:
+            raise ValueError(f"negative block count {n} for group {self.name!r}")
+        if n > self.nblocks:
+            return None
+        if type(hint) is not int:
+            try:
+                hint = operator.index(hint)
+            except TypeError:
+                raise TypeError(f"allocate_group({self.name!r}): the hint must be a block id "
+                                f"(an int) or -1, got {hint!r}") from None
+        if not 0 <= hint < self.nblocks:  # a hint outside the group is no hint
+            hint = -1
+        r = self._alloc(self.p, n, hint)  # n blocks, or -(slots needed) - 1
+        if r >= 0:
+            return self._out[:r].tolist()
+        chosen = self.pop_inactive(-r - 1)
+        if chosen is None:
+            return None
+        return self._activate_and_take(n, hint, chosen)
+
+    def free_lru(self, blocks: Sequence[int], lru: dict[int, None]) -> list[int] | None:
+        try:
+            r, bad = self._c_free(blocks, 1, True)
+        except (TypeError, OverflowError):  # an entry that is no int64
+            r, bad = -1, -1
+        if r < 0:
+            self._refuse(blocks[::-1], bad, False)
+        if r:
+            # appended one by one from the output buffer: no list and no dict of them
+            # (dict.update(dict.fromkeys(...)) of a few blocks costs ~2x more, measured)
+            for b in self._out[:r]:
+                lru[b] = None
+        if self.ctr[_NREL]:
+            self.backing.deactivate({self.name: self.released()})
+        return self.pinned_out()
+
+    def release(self, blocks: Sequence[int]) -> tuple[list[int] | None, list[int]]:
+        """The C free pass (kvt_free) of ``blocks``: (blocks that became cached or ``None``,
+        slots emptied); a refused entry raises ``ValueError`` and nothing changed."""
+        try:
+            r, bad = self._c_free(blocks, 0)
+        except (TypeError, OverflowError):  # an entry that is no int64: find the first refusal
+            r, bad = -1, -1
+        if r < 0:
+            self._refuse(blocks, bad, True)
+        return (self._out[:r].tolist() if r else None), (self.released() if self.ctr[_NREL]
+                                                         else [])
+
+    def _refuse(self, blocks: Sequence[int], bad: int, check: bool) -> None:
+        """Raise the ``ValueError`` of a refused free (nothing changed): entry ``bad`` (-1: the
+        first refusal, :func:`~xllm_vmm.kvcache.block_state.first_refused`), worded as the
+        Python passes word it (``check``: :meth:`free`'s, else :meth:`free_lru`'s)."""
+        items = list(blocks)
+        if bad < 0:
+            bad = first_refused(self, items)
+        b = items[bad]
+        if not isinstance(b, int) or not 0 <= b < self.nblocks:
+            raise not_a_block(self, b) from None
+        if check:
+            check_free(self, items)
+        raise double_free(self, b) from None
+
     # -- the C passes ----------------------------------------------------------------------
     def pop_inactive(self, k: int) -> list[int] | None:
         """The ``k`` lowest inactive slots (taken off the heap), or ``None`` when fewer."""
@@ -287,11 +379,15 @@ class NativeGroup:
 
     def take(self, n: int, hint: int, new_slots: list[int]) -> list[int]:
         """``n`` blocks: the hint's slot, partial slots, then ``new_slots`` (just activated)."""
+        if n == 0:
+            return []
+        if not 0 <= hint < self.nblocks:
+            hint = -1
         self._out2[:len(new_slots)] = array("i", new_slots)
         r = self._take(self.p, n, hint, len(new_slots))
         return self._out[:r].tolist()
 
-    def free(self, blocks: Any, lru: int, reverse: bool = False) -> tuple[int, int]:
+    def _c_free(self, blocks: Any, lru: int, reverse: bool = False) -> tuple[int, int]:
         """The C free of ``blocks`` (see kvt_free), or of ``blocks[::-1]`` with ``reverse``
         (written into the input buffer backwards: no reversed copy): returns (count in
         ``out``, -1) or, refused (nothing changed), (-1, index of the refused entry in the
@@ -309,9 +405,6 @@ class NativeGroup:
             return r, -1
         return -1, -r - 1
 
-    def kept(self, r: int) -> list[int]:
-        return self._out[:r].tolist()
-
     def released(self) -> list[int]:
         return self._out2[:self.ctr[_NREL]].tolist()
 
@@ -324,13 +417,16 @@ class NativeGroup:
         """Why the last free was refused: 1 not a block of the group, 2 no reference left."""
         return self.ctr[_ERRKIND]
 
-    def push_free(self, b: int) -> bool:
-        """Block ``b`` (ref 0, not cached) onto its slot's stack; ``True`` when the slot
+    def push_free(self, block: int) -> bool:
+        """Block ``block`` (ref 0, not cached) onto its slot's stack; ``True`` when the slot
         emptied (now inactive: the caller releases it)."""
-        return bool(self._push_free(self.p, b))
+        return bool(self._push_free(self.p, block))
 
     def drop_top(self, slot: int, take: int) -> None:
         self._drop_top(self.p, slot, take)
 
     def release_slot(self, slot: int) -> None:
         self._release_slot(self.p, slot)
+
+    def _flag_pinned(self, block: int, pinned: int) -> None:
+        self.pinned[block] = pinned  # read by the C free

@@ -44,12 +44,13 @@ Units: blocks (ids are the allocator's per-group block ids), tokens, bytes.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
-from itertools import islice
+from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple, Sequence
 
+from xllm_vmm.kvcache import eviction
 from xllm_vmm.kvcache.allocator import BlockAllocator
 from xllm_vmm.kvcache.hashing import BlockHash
+from xllm_vmm.kvcache.stats import PrefixCacheStats
 
 
 #: the page-aware window of :meth:`PrefixCache.evict_pages`: the
@@ -59,57 +60,12 @@ WINDOW_FACTOR = 8
 
 
 
-def _fill_from_lru(g: "_Group", chosen: list[int], taken: set[int], n_blocks: int) -> list[int]:
-    """``chosen`` topped up to ``n_blocks`` with ``g``'s least recently released blocks not in
-    ``taken`` (the plain-LRU remainder of a page-aware choice)."""
-    for b in g.lru:
-        if b not in taken:
-            chosen.append(b)
-            if len(chosen) >= n_blocks:
-                break
-    return chosen
+_REPUBLISHED = ("publish: request block {} is already published under another hash (a "
+                "block's content changed after it was published?)")
+
 
 class PrefixCacheError(RuntimeError):
     """Misuse of the prefix cache (publishing into an unknown group, a changed block)."""
-
-
-@dataclass
-class PrefixCacheStats:
-    """Counters since start (or the last :meth:`PrefixCache.reset_stats`) and current sizes.
-
-    ``queries``: lookups; ``query_tokens``: tokens those lookups asked about (complete blocks);
-    ``hits``: lookups that reused at least one block; ``hit_blocks``/``hit_tokens``: what they
-    reused; ``evictions``: blocks given up under memory pressure; ``evicted_slots_emptied``:
-    slots those evictions emptied (released at once); ``cached_blocks``: blocks with
-    ref 0 kept now; ``cached_bytes``: their bytes (every tensor of their group);
-    ``indexed_hashes``: usable hashes now; ``checkpoint_bytes``: hybrid linear-state
-    checkpoints held (PC-02).
-    """
-
-    queries: int = 0
-    query_tokens: int = 0
-    hits: int = 0
-    hit_blocks: int = 0
-    hit_tokens: int = 0
-    evictions: int = 0
-    evicted_slots_emptied: int = 0
-    published_blocks: int = 0
-    duplicate_publishes: int = 0
-    cached_blocks: int = 0
-    cached_bytes: int = 0
-    indexed_hashes: int = 0
-    checkpoint_bytes: int = 0
-    resets: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        """Hit tokens over queried tokens (0.0 before any query)."""
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["hit_rate"] = self.hit_rate
-        return d
 
 
 class PrefixHit(NamedTuple):
@@ -167,7 +123,7 @@ class PrefixCache:
         self._checkpoints: dict[BlockHash, _Checkpoint] = {}
         self._stats = PrefixCacheStats()
         # the sole group's allocator state, for acquire_chain's one loop
-        self._ag = allocator._groups[self._order[0]] if self._sole is not None else None
+        self._ag = allocator.state(self._order[0]) if self._sole is not None else None
         for name in self._order:  # the manager's flat commit sets retained flags directly
             allocator.will_retain(name)
 
@@ -310,7 +266,6 @@ class PrefixCache:
             if name not in blocks:
                 raise PrefixCacheError(f"publish needs blocks for every cache group "
                                        f"{list(order)}; missing {name!r}")
-        a = self.allocator
         sole = self._sole
         if sole is not None and not checkpoints:  # one group: one tight pass
             ids = blocks[sole.name]
@@ -318,33 +273,56 @@ class PrefixCache:
             if end > len(ids):
                 raise PrefixCacheError(f"publish: request block {max(len(ids), first_block)} "
                                        "has no block id")
-            h2b = sole.hash_to_block
-            b2h = sole.block_hash
-            get = h2b.get
-            fresh: list[int] = []
-            dup = 0
-            for h, b in zip(hashes, ids[first_block:end]):
-                e = get(h)
-                if e is None:
-                    if b in b2h:
-                        for fb in fresh:  # a refused publish changes nothing
-                            del h2b[b2h.pop(fb)]
-                        raise PrefixCacheError(
-                            f"publish: request block {ids.index(b, first_block)} is "
-                            "already published under another hash (a block's content changed "
-                            "after it was published?)")
-                    h2b[h] = b
-                    b2h[b] = h
-                    fresh.append(b)
-                elif e != b:
-                    dup += 1
+            fresh = self.index_run(ids, hashes, first_block, end, first_block)
             if fresh:
-                a.retain(sole.name, fresh)
-            st = self._stats
-            st.duplicate_publishes += dup
-            st.published_blocks += len(fresh)
-            st.indexed_hashes += len(fresh)
+                self.allocator.retain(sole.name, fresh)
             return len(fresh)
+        return self._publish_each(blocks, hashes, first_block, checkpoints)
+
+    def index_run(self, ids: Sequence[int], hashes: Sequence[BlockHash], first: int, end: int,
+                  base: int) -> list[int]:
+        """Index request blocks ``[first, end)`` of the one-group cache: block ``i`` is
+        ``ids[i]``, its hash ``hashes[i - base]``. Returns the blocks newly indexed; the caller
+        retains them (:meth:`publish`; the manager's one-group commit sets their retained
+        flags itself). A block already indexed under another hash refuses the run
+        (:class:`PrefixCacheError`, nothing changed)."""
+        g = self._sole
+        h2b = g.hash_to_block  # type: ignore[union-attr]
+        b2h = g.block_hash  # type: ignore[union-attr]
+        get = h2b.get
+        fresh: list[int] = []
+        dup = 0
+        for i in range(first, end):
+            h = hashes[i - base]
+            b = ids[i]
+            e = get(h)
+            if e is None:
+                if b in b2h:
+                    for fb in fresh:  # a refused publish changes nothing
+                        del h2b[b2h.pop(fb)]
+                    raise PrefixCacheError(_REPUBLISHED.format(i))
+                h2b[h] = b
+                b2h[b] = h
+                fresh.append(b)
+            elif e != b:
+                dup += 1
+        st = self._stats
+        if dup:
+            st.duplicate_publishes += dup
+        if fresh:
+            n = len(fresh)
+            st.published_blocks += n
+            st.indexed_hashes += n
+        return fresh
+
+    def _publish_each(self, blocks: Mapping[str, Sequence[int]], hashes: Sequence[BlockHash],
+                      first_block: int, checkpoints: Mapping[int, tuple[Any, int]] | None
+                      ) -> int:
+        """:meth:`publish` block by block: several groups (a hash indexed in all or none),
+        or checkpoints."""
+        order = self._order
+        a = self.allocator
+        sole = self._sole
         new = 0
         retained: list[int] | None = None  # the sole group's newly indexed blocks
         for j, h in enumerate(hashes):
@@ -355,16 +333,12 @@ class PrefixCache:
                     raise PrefixCacheError(f"publish: request block {i} has no block id")
                 b = ids[i]
                 e = sole.hash_to_block.get(h)
-                if e == b:
-                    pass
-                elif e is not None:
+                if e is not None and e != b:
                     self._stats.duplicate_publishes += 1
                     continue
-                else:
+                if e is None:
                     if b in sole.block_hash:
-                        raise PrefixCacheError(
-                            f"publish: request block {i} is already published under another "
-                            "hash (a block's content changed after it was published?)")
+                        raise PrefixCacheError(_REPUBLISHED.format(i))
                     sole.hash_to_block[h] = b
                     sole.block_hash[b] = h
                     if retained is None:
@@ -378,16 +352,12 @@ class PrefixCache:
                                            "every group")
                 pairs = [(self._groups[n], blocks[n][i]) for n in order]
                 existing = [g.hash_to_block.get(h) for g, _ in pairs]
-                if all(e == b for e, (_, b) in zip(existing, pairs)):
-                    pass
-                elif any(e is not None for e in existing):
-                    self._stats.duplicate_publishes += 1
-                    continue
-                else:
+                if not all(e == b for e, (_, b) in zip(existing, pairs)):
+                    if any(e is not None for e in existing):
+                        self._stats.duplicate_publishes += 1
+                        continue
                     if any(b in g.block_hash for g, b in pairs):
-                        raise PrefixCacheError(
-                            f"publish: request block {i} is already published under another "
-                            "hash (a block's content changed after it was published?)")
+                        raise PrefixCacheError(_REPUBLISHED.format(i))
                     for g, b in pairs:
                         g.hash_to_block[h] = b
                         g.block_hash[b] = h
@@ -507,7 +477,9 @@ class PrefixCache:
         if n_blocks <= 0 or not g.lru:
             return []
         if prefer_slot_emptying and g.bps > 1:
-            chosen = self._slots_first(group, g, n_blocks)
+            a = self.allocator
+            chosen = eviction.slots_first(g.lru, lambda s: a.slot_evictable(group, s), g.bps,
+                                          n_blocks)
             lru = g.lru
             for b in chosen:
                 del lru[b]
@@ -520,14 +492,15 @@ class PrefixCache:
         """Give up at least ``n_blocks`` evictable blocks of ``group`` when the caller needs
         pages (a budget shared by several groups): page-aware, but inside a bounded window of
         the LRU tail and never past what exact LRU gives up to free the same pages (see
-        :meth:`_window_victims`). The result may exceed ``n_blocks`` by the rest of the last
+        :func:`~xllm_vmm.kvcache.eviction.window_victims`). The result may exceed ``n_blocks`` by the rest of the last
         slot. O(``WINDOW_FACTOR × (n_blocks + blocks per slot)``) however large the cache."""
         g = self._g(group)
         if n_blocks <= 0 or not g.lru:
             return []
         if g.bps == 1:
             return self.evict(group, n_blocks, prefer_slot_emptying=False)
-        chosen = self._window_victims(group, g, n_blocks)
+        chosen = eviction.window_victims(g.lru, self.allocator.state(group).used, g.bps,
+                                         n_blocks, WINDOW_FACTOR)
         lru = g.lru
         for b in chosen:
             del lru[b]
@@ -550,71 +523,11 @@ class PrefixCache:
         a.release_cached(group, chosen)
         st = self._stats
         st.evictions += len(chosen)
-        stack_len = a._groups[group].stack_len
+        stack_len = a.state(group).stack_len
         bps = g.bps
         st.evicted_slots_emptied += sum(1 for s in {b // bps for b in chosen}
                                         if stack_len(s) < 0)
         return chosen
-
-    def _slots_first(self, group: str, g: _Group, n_blocks: int) -> list[int]:
-        """``evict(prefer_slot_emptying=True)``'s choice: evictable slots in the order of their
-        least recently released block, from the ``8 × (n_blocks + B)`` oldest, then LRU."""
-        a = self.allocator
-        bps = g.bps
-        chosen: list[int] = []
-        seen: set[int] = set()
-        taken: set[int] = set()
-        scan = 8 * (n_blocks + bps)  # the oldest entries only: eviction stays O(n_blocks)
-        for b in g.lru:
-            scan -= 1
-            if scan < 0:
-                break
-            s = b // bps
-            if s in seen:
-                continue
-            seen.add(s)
-            if a.slot_evictable(group, s):
-                blocks = [x for x in range(s * bps, (s + 1) * bps) if x in g.lru]
-                chosen.extend(blocks)
-                taken.update(blocks)
-                if len(chosen) >= n_blocks:
-                    return chosen
-        return _fill_from_lru(g, chosen, taken, n_blocks)
-
-    def _window_victims(self, group: str, g: _Group, n_blocks: int) -> list[int]:
-        """:meth:`evict_pages`' choice, bounded to the window of the
-        ``W = WINDOW_FACTOR × (n_blocks + B)`` least recently released blocks (``B`` = blocks
-        per slot). Walking the window oldest first, a slot
-        *completes* when every used block of it (live, cached or pinned) has been seen: all of
-        them are then evictable and inside the window. Completed slots are taken whole, in the
-        order they complete (the slot whose most recently released block is least recent
-        first: the first page exact LRU would empty); the rest of ``n_blocks`` comes from
-        plain LRU. A completed slot's blocks are all older than its newest one, so exact LRU,
-        evicting oldest first until that page is empty, gives up every one of them (and more):
-        nothing exact LRU keeps is lost. Every block chosen lies in the window or among the
-        ``n_blocks`` oldest. Costs O(``W``)."""
-        bps = g.bps
-        used = self.allocator._groups[group].used
-        seen: dict[int, list[int]] = {}
-        chosen: list[int] = []
-        window = 0
-        limit = WINDOW_FACTOR * (n_blocks + bps)
-        for b in g.lru:
-            if window == limit:
-                break
-            window += 1
-            s = b // bps
-            run = seen.get(s)
-            if run is None:
-                run = seen[s] = []
-            run.append(b)
-            if len(run) == used(s):
-                chosen.extend(run)
-                if len(chosen) >= n_blocks:
-                    return chosen
-        if not chosen:
-            return list(islice(g.lru, n_blocks))
-        return _fill_from_lru(g, chosen, set(chosen), n_blocks)
 
     def _withdraw_peers(self, h: BlockHash, except_group: str | None) -> None:
         """``h`` leaves the index of every group but ``except_group`` (done by the caller):

@@ -1,6 +1,6 @@
 """What the host KV tier needs from a :class:`VirtualKVCache`: block addresses and the
 HK-06 pool size of this cache (the manager's factory,
-:func:`~xllm_vmm.kvcache.manager.build_kv_cache_manager`, builds the tier with them). The
+:func:`~xllm_vmm.kvcache.factory.build_kv_cache_manager`, builds the tier with them). The
 HK-05 criterion and the HK-06 formula have one home, :mod:`xllm_vmm.kvcache.host_support`
 (re-exported here). Units: bytes, blocks.
 """
